@@ -1,0 +1,1 @@
+"""Command implementations behind `convfirstnet <command>` and scripts/."""

@@ -1,0 +1,12 @@
+"""Fused ConvFirstNet blocks, shipped as ``convfirstnet.kernels``.
+
+Each folder holds one block: ``reference.py`` (the block in plain PyTorch on folded weights, the
+specification), ``kernel.py`` (the Triton kernels and their launcher) and ``op.py`` (the
+``torch.ops.convfirstnet.<block>`` registration that picks one or the other). Importing this package
+registers the ops.
+"""
+
+from .convfirst import op as _convfirst_op  # noqa: F401
+from .head import op as _head_op  # noqa: F401
+from .mbconv import op as _mbconv_op  # noqa: F401
+from .stem import op as _stem_op  # noqa: F401

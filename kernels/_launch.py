@@ -1,0 +1,127 @@
+"""Shared pieces of every fused-block op: the backend switch, input checks, op registration.
+
+The backend is chosen per call from ``CONVFIRSTNET_KERNELS`` (read here and nowhere else):
+
+* ``auto`` (default): Triton kernels for CUDA tensors, the PyTorch reference otherwise;
+* ``triton``: always the Triton kernels (on CPU tensors this needs ``TRITON_INTERPRET=1``);
+* ``reference``: always the PyTorch reference (any device).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Sequence
+
+import torch
+
+try:  # triton is a Linux-only dependency; without it every op runs its reference.
+    import triton  # noqa: F401
+    from torch.library import triton_op, wrap_triton
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only on machines without triton
+    triton_op = wrap_triton = None
+    HAS_TRITON = False
+
+BACKENDS = ("auto", "triton", "reference")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+GROUP_WIDTH = 8  # every grouped 3x3 conv of ConvFirstNet has 8 channels per group (SPEC 1)
+
+
+def backend() -> str:
+    name = os.environ.get("CONVFIRSTNET_KERNELS", "auto").strip().lower() or "auto"
+    if name not in BACKENDS:
+        raise ValueError(f"CONVFIRSTNET_KERNELS={name!r}: expected one of {', '.join(BACKENDS)}")
+    return name
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """True when this call must run the Triton kernel (decided before any launch)."""
+    name = backend()
+    if name == "reference":
+        return False
+    if name == "auto":
+        return HAS_TRITON and x.device.type == "cuda"
+    if not HAS_TRITON:
+        raise RuntimeError("CONVFIRSTNET_KERNELS=triton but triton is not installed")
+    if x.device.type != "cuda" and not interpreter_enabled():
+        raise RuntimeError(
+            f"CONVFIRSTNET_KERNELS=triton with a {x.device.type} tensor needs the Triton interpreter: "
+            "set TRITON_INTERPRET=1 before importing convfirstnet"
+        )
+    return True
+
+
+def check_activation(op: str, x: torch.Tensor, channels: int, *, name: str = "x") -> None:
+    """Rank, channel count and dtype of an NCHW/NHWC activation, with the op named in the error."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"convfirstnet.{op}: {name} must be a tensor, got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(
+            f"convfirstnet.{op}: {name} must be a 4-D (N, C, H, W) tensor, got shape {tuple(x.shape)}"
+        )
+    if x.shape[1] != channels:
+        raise ValueError(
+            f"convfirstnet.{op}: {name} has {x.shape[1]} channels, the block expects {channels} "
+            f"(shape {tuple(x.shape)})"
+        )
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"convfirstnet.{op}: {name} has dtype {x.dtype}; expected float32, float16 or bfloat16")
+
+
+def check_weights(op: str, x: torch.Tensor, weights: dict[str, torch.Tensor]) -> None:
+    """Every weight on the activation's device and in its dtype (a mix would be a silent upcast)."""
+    for wname, w in weights.items():
+        if w.device != x.device:
+            raise ValueError(
+                f"convfirstnet.{op}: input is on {x.device} but weight {wname} is on {w.device}; "
+                "move the model and the input to the same device"
+            )
+        if w.dtype != x.dtype:
+            raise TypeError(
+                f"convfirstnet.{op}: input dtype {x.dtype} differs from weight {wname} dtype {w.dtype}; "
+                "cast the input (or use torch.autocast)"
+            )
+
+
+def check_shape(op: str, wname: str, w: torch.Tensor, shape: Sequence[int]) -> None:
+    if tuple(w.shape) != tuple(shape):
+        raise ValueError(f"convfirstnet.{op}: weight {wname} has shape {tuple(w.shape)}, expected {tuple(shape)}")
+
+
+def check_spatial(op: str, x: torch.Tensor, stride: int) -> None:
+    if stride not in (1, 2):
+        raise ValueError(f"convfirstnet.{op}: stride must be 1 or 2, got {stride}")
+    if stride == 2 and x.numel() > 0 and min(x.shape[2], x.shape[3]) < 2:
+        raise ValueError(
+            f"convfirstnet.{op}: a stride-2 block needs a feature map of at least 2x2 (BlurPool reflects "
+            f"one pixel), got {x.shape[2]}x{x.shape[3]}; use an input image of at least 32x32"
+        )
+
+
+def define_op(qualname: str) -> Callable[[Callable], Callable]:
+    """Register ``fn`` as ``torch.ops.<qualname>``.
+
+    With triton installed this is a ``torch.library.triton_op``: its body branches on the device, so
+    torch.compile traces the reference on CPU and sees the Triton launch as a user-defined kernel on
+    GPU (KERNEL-NOTES: ``register_kernel("cpu")`` on a triton_op would break compile on CPU). Without
+    triton it is a ``custom_op`` whose body is the reference; the reference works on meta tensors too,
+    so it doubles as the fake implementation.
+    """
+
+    def register(fn: Callable) -> Callable:
+        if HAS_TRITON:
+            return triton_op(qualname, fn, mutates_args=())
+        op = torch.library.custom_op(qualname, fn, mutates_args=())
+        op.register_fake(fn)
+        return op
+
+    return register
+
+
+def channels_last(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous(memory_format=torch.channels_last)

@@ -1,0 +1,1 @@
+"""head block: reference.py (spec), kernel.py (Triton), op.py (torch.ops.convfirstnet.head)."""

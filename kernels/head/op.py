@@ -1,0 +1,18 @@
+"""``torch.ops.convfirstnet.head``: checks, then the Triton kernel or the reference."""
+
+import torch
+
+from .._launch import check_activation, check_shape, check_weights, define_op, use_triton
+from .reference import head_reference
+
+
+@define_op("convfirstnet::head")
+def head(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """mean_hw(SiLU(1x1 conv(x))) with folded BatchNorm: (N, C, H, W) -> (N, F). See reference.py."""
+    f, c = w.shape
+    check_activation("head", x, c)
+    check_shape("head", "b", b, (f,))
+    check_weights("head", x, {"w": w, "b": b})
+    if use_triton(x):
+        raise NotImplementedError("Triton head kernel not wired yet")
+    return head_reference(x, w, b)

@@ -1,0 +1,1 @@
+"""mbconv block: reference.py (spec), kernel.py (Triton), op.py (torch.ops.convfirstnet.mbconv)."""

@@ -1,0 +1,1 @@
+"""stem block: reference.py (spec), kernel.py (Triton), op.py (torch.ops.convfirstnet.stem)."""

@@ -1,0 +1,32 @@
+"""Test-wide setup.
+
+Without a GPU the Triton kernels can only run in the interpreter, and ``@triton.jit`` reads
+TRITON_INTERPRET when a kernel is decorated, so it is set here, before any convfirstnet import.
+With ``CONVFIRSTNET_KERNELS`` unset ("auto") CPU tensors still take the PyTorch reference; kernel
+tests select the Triton path explicitly.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+@pytest.fixture
+def triton_backend(monkeypatch):
+    """Run the ops through the Triton kernels (interpreter on CPU)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "triton")
+
+
+@pytest.fixture
+def reference_backend(monkeypatch):
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "reference")
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
