@@ -13,3 +13,12 @@ ensure_kernels_package()
 from . import kernels  # noqa: E402,F401  (registers torch.ops.convfirstnet.*)
 
 __version__ = "0.1.0"
+
+from .factory import create_model, fuse, list_models, nano, pico, small, tiny  # noqa: E402
+from .model import SIZES, ConvFirstNet  # noqa: E402  (importing registers the models with timm)
+from .weights import CheckpointError, WeightsNotFoundError  # noqa: E402
+
+__all__ = [
+    "ConvFirstNet", "SIZES", "CheckpointError", "WeightsNotFoundError",
+    "create_model", "fuse", "list_models", "pico", "nano", "tiny", "small",
+]

@@ -2,8 +2,20 @@
 
 import torch
 
-from .._launch import GROUP_WIDTH, check_activation, check_shape, check_spatial, check_weights, define_op, use_triton
+from .._launch import (
+    GROUP_WIDTH,
+    HAS_TRITON,
+    check_activation,
+    check_shape,
+    check_spatial,
+    check_weights,
+    define_op,
+    use_triton,
+)
 from .reference import convfirst_reference
+
+if HAS_TRITON:
+    from .kernel import check_supported, convfirst_triton
 
 
 @define_op("convfirstnet::convfirst")
@@ -33,5 +45,6 @@ def convfirst(
         raise ValueError(f"convfirstnet.convfirst: a stride-1 block is C -> C with a residual, got {c} -> {k}")
     check_weights("convfirst", x, dict(w_conv=w_conv, b_conv=b_conv, w1=w1, b1=b1, w2=w2, b2=b2))
     if use_triton(x):
-        raise NotImplementedError("Triton ConvFirst kernel not wired yet")
+        check_supported(x, c, k)
+        return convfirst_triton(x, w_conv, b_conv, w1, b1, w2, b2, stride)
     return convfirst_reference(x, w_conv, b_conv, w1, b1, w2, b2, stride)

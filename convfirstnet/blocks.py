@@ -1,0 +1,217 @@
+"""ConvFirstNet blocks: the training form (with BatchNorm) beside its inference form (folded, fused).
+
+Each training block has ``fuse()``, which folds its BatchNorms in fp32 and returns the matching
+``Fused*`` module; ``timm.utils.reparameterize_model`` calls exactly that. A fused block holds conv
+weights and biases only and its forward is one ``torch.ops.convfirstnet`` op (Triton kernel on GPU,
+PyTorch reference on CPU), on NHWC activations.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from timm.layers import BlurPool2d, DropPath, SEModule
+
+from .folding import fold_conv_bn
+
+GROUP_WIDTH = 8
+
+
+def _gconv3x3(channels: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(channels, channels, 3, stride, 1, groups=channels // GROUP_WIDTH, bias=False)
+
+
+def _conv1x1(c_in: int, c_out: int) -> nn.Conv2d:
+    return nn.Conv2d(c_in, c_out, 1, bias=False)
+
+
+class FusedBlock(nn.Module):
+    """Base of the inference blocks: frozen folded weights, autocast handled before the op."""
+
+    weight_names: tuple[str, ...] = ()
+
+    def _register(self, **tensors: torch.Tensor) -> None:
+        for name, t in tensors.items():
+            self.register_parameter(name, nn.Parameter(t.detach().clone(), requires_grad=False))
+
+    def _cast(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        # Custom ops have no autocast rule: run them in the autocast dtype explicitly.
+        weights = [getattr(self, n) for n in self.weight_names]
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            return x.to(dtype), [w.to(dtype) for w in weights]
+        return x, weights
+
+
+# ---------------------------------------------------------------------------------------------- stem
+class Stem(nn.Module):
+    """Paper stage 0: dense 3x3 conv, stride 2, BatchNorm, ReLU."""
+
+    def __init__(self, in_chans: int, out_chs: int):
+        super().__init__()
+        self.conv = nn.Conv2d(in_chans, out_chs, 3, 2, 1, bias=False)
+        self.bn = nn.BatchNorm2d(out_chs)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.bn(self.conv(x)))
+
+    def fuse(self) -> "FusedStem":
+        return FusedStem(*fold_conv_bn(self.conv, self.bn))
+
+
+class FusedStem(FusedBlock):
+    weight_names = ("w", "b")
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor):
+        super().__init__()
+        self._register(w=w, b=b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, (w, b) = self._cast(x)
+        return torch.ops.convfirstnet.stem(x, w, b)
+
+
+# ----------------------------------------------------------------------------------------- ConvFirst
+class ConvFirst(nn.Module):
+    """ConvFirst block (paper Fig. 6): grouped 3x3 conv first, then a 1x1 -> ReLU -> 1x1 FFN.
+
+    stride 1: ``out = x + BN(W2 ReLU(BN(W1 BN(gconv(x)))))``
+    stride 2: ``u = BlurPool(cat[x, BN(gconv(x))])``, ``out = BN(W2 ReLU(BN(W1 u)))``, no residual.
+    Hidden width R = expansion x C (C = block input channels).
+    """
+
+    def __init__(self, in_chs: int, out_chs: int, stride: int, expansion: int, drop_path: float = 0.0):
+        super().__init__()
+        if stride == 1 and in_chs != out_chs:
+            raise ValueError(f"a stride-1 ConvFirst block is C -> C, got {in_chs} -> {out_chs}")
+        self.stride = stride
+        hidden = expansion * in_chs
+        ffn_in = in_chs if stride == 1 else 2 * in_chs
+        self.conv_dw = _gconv3x3(in_chs)
+        self.bn_dw = nn.BatchNorm2d(in_chs)
+        self.blur = BlurPool2d(ffn_in, filt_size=3, stride=2) if stride == 2 else nn.Identity()
+        self.conv_expand = _conv1x1(ffn_in, hidden)
+        self.bn_expand = nn.BatchNorm2d(hidden)
+        self.act = nn.ReLU(inplace=True)
+        self.conv_project = _conv1x1(hidden, out_chs)
+        self.bn_project = nn.BatchNorm2d(out_chs)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 and stride == 1 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn_dw(self.conv_dw(x))
+        u = y if self.stride == 1 else self.blur(torch.cat([x, y], dim=1))
+        out = self.bn_project(self.conv_project(self.act(self.bn_expand(self.conv_expand(u)))))
+        return x + self.drop_path(out) if self.stride == 1 else out
+
+    def fuse(self) -> "FusedConvFirst":
+        w_conv, b_conv = fold_conv_bn(self.conv_dw, self.bn_dw)
+        w1, b1 = fold_conv_bn(self.conv_expand, self.bn_expand)
+        w2, b2 = fold_conv_bn(self.conv_project, self.bn_project)
+        return FusedConvFirst(w_conv, b_conv, w1.flatten(1), b1, w2.flatten(1), b2, self.stride)
+
+
+class FusedConvFirst(FusedBlock):
+    weight_names = ("w_conv", "b_conv", "w1", "b1", "w2", "b2")
+
+    def __init__(self, w_conv, b_conv, w1, b1, w2, b2, stride: int):
+        super().__init__()
+        self.stride = stride
+        self._register(w_conv=w_conv, b_conv=b_conv, w1=w1, b1=b1, w2=w2, b2=b2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, weights = self._cast(x)
+        return torch.ops.convfirstnet.convfirst(x, *weights, self.stride)
+
+
+# -------------------------------------------------------------------------------------- MBConv + SE
+class MBConv(nn.Module):
+    """MBConv with Squeeze-Excite (paper Fig. 9), expansion 4, SE reduced to 0.25 x block input channels.
+
+    ``h = SiLU(BN(W_exp x))``; ``g = SiLU(BN(gconv(h)))`` (then BlurPool when stride 2);
+    ``out = BN(W_proj SE(g))`` plus ``x`` when stride 1. SE is timm's ``SEModule`` (1x1 convs with bias,
+    ReLU, sigmoid gate), as in EfficientNet.
+    """
+
+    def __init__(
+        self, in_chs: int, out_chs: int, stride: int, expansion: int = 4, se_ratio: float = 0.25,
+        drop_path: float = 0.0,
+    ):
+        super().__init__()
+        if stride == 1 and in_chs != out_chs:
+            raise ValueError(f"a stride-1 MBConv block is C -> C, got {in_chs} -> {out_chs}")
+        self.stride = stride
+        hidden = expansion * in_chs
+        self.conv_expand = _conv1x1(in_chs, hidden)
+        self.bn_expand = nn.BatchNorm2d(hidden)
+        self.act = nn.SiLU(inplace=True)
+        self.conv_dw = _gconv3x3(hidden)
+        self.bn_dw = nn.BatchNorm2d(hidden)
+        self.blur = BlurPool2d(hidden, filt_size=3, stride=2) if stride == 2 else nn.Identity()
+        self.se = SEModule(hidden, rd_channels=round(se_ratio * in_chs), act_layer=nn.ReLU)
+        self.conv_project = _conv1x1(hidden, out_chs)
+        self.bn_project = nn.BatchNorm2d(out_chs)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 and stride == 1 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.bn_expand(self.conv_expand(x)))
+        g = self.blur(self.act(self.bn_dw(self.conv_dw(h))))
+        out = self.bn_project(self.conv_project(self.se(g)))
+        return x + self.drop_path(out) if self.stride == 1 else out
+
+    def fuse(self) -> "FusedMBConv":
+        w_exp, b_exp = fold_conv_bn(self.conv_expand, self.bn_expand)
+        w_conv, b_conv = fold_conv_bn(self.conv_dw, self.bn_dw)
+        w_proj, b_proj = fold_conv_bn(self.conv_project, self.bn_project)
+        se = self.se
+        return FusedMBConv(
+            w_exp.flatten(1), b_exp, w_conv, b_conv,
+            se.fc1.weight.flatten(1), se.fc1.bias, se.fc2.weight.flatten(1), se.fc2.bias,
+            w_proj.flatten(1), b_proj, self.stride,
+        )
+
+
+class FusedMBConv(FusedBlock):
+    weight_names = ("w_exp", "b_exp", "w_conv", "b_conv", "w_se1", "b_se1", "w_se2", "b_se2", "w_proj", "b_proj")
+
+    def __init__(self, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj, stride: int):
+        super().__init__()
+        self.stride = stride
+        self._register(
+            w_exp=w_exp, b_exp=b_exp, w_conv=w_conv, b_conv=b_conv, w_se1=w_se1, b_se1=b_se1,
+            w_se2=w_se2, b_se2=b_se2, w_proj=w_proj, b_proj=b_proj,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, weights = self._cast(x)
+        return torch.ops.convfirstnet.mbconv(x, *weights, self.stride)
+
+
+# ---------------------------------------------------------------------------------------------- head
+class Head(nn.Module):
+    """1x1 conv to 1280, BatchNorm, SiLU, global average pool -> (N, 1280) (classifier is separate)."""
+
+    def __init__(self, in_chs: int, out_chs: int = 1280):
+        super().__init__()
+        self.conv = _conv1x1(in_chs, out_chs)
+        self.bn = nn.BatchNorm2d(out_chs)
+        self.act = nn.SiLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.bn(self.conv(x))).mean(dim=(2, 3))
+
+    def fuse(self) -> "FusedHead":
+        w, b = fold_conv_bn(self.conv, self.bn)
+        return FusedHead(w.flatten(1), b)
+
+
+class FusedHead(FusedBlock):
+    weight_names = ("w", "b")
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor):
+        super().__init__()
+        self._register(w=w, b=b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, (w, b) = self._cast(x)
+        return torch.ops.convfirstnet.head(x, w, b)

@@ -1,0 +1,85 @@
+"""Entry points: ``create_model``, ``list_models``, ``fuse`` and one function per size."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import timm
+import torch.nn as nn
+
+from .model import SIZES, ConvFirstNet
+from .weights import load_weights, resolve_weights
+
+MODEL_NAMES = tuple(f"convfirstnet_{size}" for size in SIZES)
+
+
+def list_models() -> list[str]:
+    """Registered model names, smallest first: ``convfirstnet_pico`` ... ``convfirstnet_small``."""
+    return list(MODEL_NAMES)
+
+
+def _canonical(name: str) -> str:
+    key = name.lower().removeprefix("timm/")
+    key = key if key.startswith("convfirstnet_") else f"convfirstnet_{key}"
+    if key not in MODEL_NAMES:
+        raise ValueError(f"unknown model {name!r}; available: {', '.join(MODEL_NAMES)}")
+    return key
+
+
+def fuse(model: nn.Module) -> nn.Module:
+    """Inference form: a copy with BatchNorm folded into the convolutions (in fp64, cast back) and
+    every block replaced by one ``torch.ops.convfirstnet`` op on NHWC activations, in eval mode.
+
+    Equivalent to ``timm.utils.reparameterize_model(model)`` (each block's ``fuse()``) plus ``eval()``.
+    """
+    from timm.utils import reparameterize_model
+
+    return reparameterize_model(model).eval()
+
+
+_fuse = fuse  # create_model's `fuse` argument shadows the function
+
+
+def create_model(
+    name: str,
+    pretrained: bool = False,
+    checkpoint_path: str | os.PathLike | None = None,
+    fuse: bool | None = None,
+    **kwargs: Any,
+) -> ConvFirstNet:
+    """Build a ConvFirstNet by name (``"small"`` or ``"convfirstnet_small"``).
+
+    ``pretrained=True`` loads weights (``checkpoint_path``, else the resolution order of
+    ``convfirstnet.weights``) and returns the fused inference form in eval mode; ``fuse=False`` keeps
+    BatchNorm for fine-tuning. ``checkpoint_path`` alone loads that file into the training form.
+    Other keyword arguments (``num_classes``, ``in_chans``, ``drop_rate``, ``drop_path_rate``) go to
+    the model.
+    """
+    key = _canonical(name)
+    model = timm.create_model(key, pretrained=False, **kwargs)
+    if pretrained or checkpoint_path is not None:
+        load_weights(model, resolve_weights(key, checkpoint_path), name=key)
+    if fuse if fuse is not None else pretrained:
+        return _fuse(model)
+    return model
+
+
+def pico(pretrained: bool = False, **kwargs: Any) -> ConvFirstNet:
+    """ConvFirstNet-Pico: 5.9 M params, 0.86 GMACs at 256x256 (paper: 79.9 % ImageNet top-1)."""
+    return create_model("convfirstnet_pico", pretrained, **kwargs)
+
+
+def nano(pretrained: bool = False, **kwargs: Any) -> ConvFirstNet:
+    """ConvFirstNet-Nano: 10.1 M params, 1.82 GMACs at 256x256 (paper: 81.8 % top-1)."""
+    return create_model("convfirstnet_nano", pretrained, **kwargs)
+
+
+def tiny(pretrained: bool = False, **kwargs: Any) -> ConvFirstNet:
+    """ConvFirstNet-Tiny: 17.2 M params, 3.23 GMACs at 256x256 (paper: 82.8 % top-1)."""
+    return create_model("convfirstnet_tiny", pretrained, **kwargs)
+
+
+def small(pretrained: bool = False, **kwargs: Any) -> ConvFirstNet:
+    """ConvFirstNet-Small: 28.5 M params, 5.50 GMACs at 256x256 (paper: 83.3 % top-1)."""
+    return create_model("convfirstnet_small", pretrained, **kwargs)

@@ -1,0 +1,261 @@
+"""ConvFirstNet (A. Lavin, "On the Efficiency of Convolutional Neural Networks", 2024; arXiv 2404.03617).
+
+Stem and three ConvFirst stages (grouped 3x3 conv before a 1x1 FFN) at high resolution, two MBConv +
+Squeeze-Excite stages at low resolution, a 1x1 conv head to 1280 features. Sizes are rows of
+``SIZES``, read from the paper's Table 3; timm registers ``convfirstnet_{pico,nano,tiny,small}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
+
+from .blocks import ConvFirst, Head, MBConv, Stem
+
+MIN_INPUT_SIZE = 32  # five stride-2 stages; each BlurPool reflects one pixel, so needs a 2x2 map
+
+
+@dataclass(frozen=True)
+class Stage:
+    block: str  # "convfirst" or "mbconv"
+    channels: int
+    depth: int
+    stride: int
+    expansion: int
+
+
+@dataclass(frozen=True)
+class Size:
+    stem: int
+    stages: tuple[Stage, ...]
+    drop_rate: float  # dropout before the classifier (paper 6.3)
+
+
+# Stage kinds, strides and expansions are the same for every size (paper Table 3).
+STAGE_KINDS = (("convfirst", 1, 3), ("convfirst", 2, 6), ("convfirst", 2, 6), ("mbconv", 2, 4), ("mbconv", 2, 4))
+
+
+def _size(stem: int, channels: Sequence[int], depths: Sequence[int], drop_rate: float) -> Size:
+    stages = tuple(Stage(k, c, d, s, t) for (k, s, t), c, d in zip(STAGE_KINDS, channels, depths))
+    return Size(stem, stages, drop_rate)
+
+
+# Paper Table 3: stem channels; output channels and depth of stages 1-5; dropout (paper 6.3).
+SIZES: dict[str, Size] = {
+    "pico": _size(16, channels=(16, 32, 48, 128, 128), depths=(1, 2, 3, 11, 11), drop_rate=0.2),
+    "nano": _size(24, channels=(24, 48, 64, 160, 160), depths=(1, 3, 4, 14, 14), drop_rate=0.3),
+    "tiny": _size(24, channels=(24, 48, 72, 192, 192), depths=(2, 5, 6, 18, 18), drop_rate=0.3),
+    "small": _size(32, channels=(32, 64, 96, 256, 256), depths=(2, 5, 6, 18, 18), drop_rate=0.3),
+}
+
+
+class ConvFirstNet(nn.Module):
+    """ConvFirstNet classifier, timm conventions (``forward_features`` / ``forward_head`` / ...).
+
+    ``forward_features`` returns the last stage's map (``num_features`` channels, stride 32);
+    ``forward_head`` runs the 1x1 conv head, SiLU and average pool (``head_hidden_size`` = 1280,
+    what ``pre_logits=True`` returns), dropout and the classifier.
+    """
+
+    def __init__(
+        self,
+        stem_chs: int,
+        stages: Sequence[Stage],
+        num_classes: int = 1000,
+        in_chans: int = 3,
+        head_chs: int = 1280,
+        global_pool: str = "avg",
+        drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+    ):
+        super().__init__()
+        _check_global_pool(global_pool)
+        self.num_classes = num_classes
+        self.in_chans = in_chans
+        self.drop_rate = drop_rate
+        self.grad_checkpointing = False
+        self.stem = Stem(in_chans, stem_chs)
+
+        # Stochastic depth grows linearly over the residual (stride-1) blocks, as in timm.
+        num_blocks = sum(s.depth for s in stages)
+        rates = torch.linspace(0, drop_path_rate, num_blocks).tolist()
+        blocks_done, c_in, reduction = 0, stem_chs, 2
+        self.feature_info = []
+        stage_modules = []
+        for i, st in enumerate(stages):
+            blocks = []
+            for j in range(st.depth):
+                stride = st.stride if j == 0 else 1
+                dpr = rates[blocks_done + j]
+                if st.block == "convfirst":
+                    blocks.append(ConvFirst(c_in, st.channels, stride, st.expansion, drop_path=dpr))
+                else:
+                    blocks.append(MBConv(c_in, st.channels, stride, st.expansion, drop_path=dpr))
+                c_in = st.channels
+            blocks_done += st.depth
+            reduction *= st.stride
+            stage_modules.append(nn.Sequential(*blocks))
+            self.feature_info.append(dict(num_chs=c_in, reduction=reduction, module=f"stages.{i}"))
+        self.stages = nn.Sequential(*stage_modules)
+        self.num_features = c_in
+        self.head_hidden_size = head_chs
+        self.head = Head(c_in, head_chs)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.classifier = nn.Linear(head_chs, num_classes) if num_classes > 0 else nn.Identity()
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                nn.init.zeros_(m.bias)
+
+    # timm model interface --------------------------------------------------------------------
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+        return dict(
+            stem=r"^stem",
+            blocks=r"^stages\.(\d+)" if coarse else [(r"^stages\.(\d+)\.(\d+)", None), (r"^head\.", (99999,))],
+        )
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        return set()  # timm's optimizer factory already exempts biases and BatchNorm
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.classifier
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        if global_pool is not None:
+            _check_global_pool(global_pool)
+        self.num_classes = num_classes
+        device, dtype = self.head_device_dtype()
+        self.classifier = (
+            nn.Linear(self.head_hidden_size, num_classes, device=device, dtype=dtype) if num_classes > 0 else nn.Identity()
+        )
+
+    def head_device_dtype(self) -> tuple[torch.device, torch.dtype]:
+        p = next(self.head.parameters())
+        return p.device, p.dtype
+
+    def load_pretrained(self, path: str) -> None:
+        """Called by timm for ``pretrained=True`` (pretrained_cfg ``custom_load``): our loader and checks."""
+        from .weights import load_weights
+
+        load_weights(self, path)
+
+    # forward ----------------------------------------------------------------------------------
+    def check_input(self, x: torch.Tensor) -> None:
+        if x.dim() != 4:
+            raise ValueError(f"ConvFirstNet expects a 4-D (N, C, H, W) image batch, got shape {tuple(x.shape)}")
+        if x.shape[1] != self.in_chans:
+            raise ValueError(f"ConvFirstNet expects {self.in_chans} input channels, got {x.shape[1]} ({tuple(x.shape)})")
+        if min(x.shape[2], x.shape[3]) < MIN_INPUT_SIZE:
+            raise ValueError(
+                f"ConvFirstNet needs an input of at least {MIN_INPUT_SIZE}x{MIN_INPUT_SIZE}, got {x.shape[2]}x{x.shape[3]}"
+            )
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        self.check_input(x)
+        x = self.stem(x)
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            return checkpoint_seq(self.stages, x)
+        return self.stages(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = self.head_drop(self.head(x))
+        return x if pre_logits else self.classifier(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def _check_global_pool(global_pool: str) -> None:
+    if global_pool != "avg":
+        raise ValueError(f"ConvFirstNet's head fuses average pooling; global_pool={global_pool!r} is not supported")
+
+
+def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """timm hook for ``pretrained_cfg`` loads: strip wrapper prefixes (DDP ``module.``, compile ``_orig_mod.``)."""
+    from .weights import clean_state_dict
+
+    return clean_state_dict(state_dict)
+
+
+def _create(variant: str, pretrained: bool = False, **kwargs: Any) -> ConvFirstNet:
+    size = SIZES[variant.removeprefix("convfirstnet_")]
+    if pretrained:
+        from .weights import resolve_weights
+
+        overlay = dict(kwargs.pop("pretrained_cfg_overlay", None) or {})
+        if not overlay.get("file"):
+            overlay["file"] = str(resolve_weights(variant))
+        kwargs["pretrained_cfg_overlay"] = overlay
+    return build_model_with_cfg(
+        ConvFirstNet,
+        variant,
+        pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(flatten_sequential=True, out_indices=(0, 1, 2, 3, 4)),
+        stem_chs=size.stem,
+        stages=size.stages,
+        **kwargs,
+    )
+
+
+def _cfg(**kwargs: Any) -> dict[str, Any]:
+    return {
+        "url": "",
+        "num_classes": 1000,
+        "input_size": (3, 256, 256),  # paper: train at 224, evaluate at 256
+        "min_input_size": (3, MIN_INPUT_SIZE, MIN_INPUT_SIZE),
+        "pool_size": (8, 8),
+        # The paper does not state its eval crop; 0.95 follows timm's recent recipes.
+        "crop_pct": 0.95,
+        "interpolation": "bicubic",
+        "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "stem.conv",
+        "classifier": "classifier",
+        "custom_load": True,  # timm calls ConvFirstNet.load_pretrained(file): our checks and formats
+        "paper_ids": "arXiv:2404.03617",
+        "license": "apache-2.0",
+        **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs({f"convfirstnet_{name}": _cfg() for name in SIZES})
+
+
+@register_model
+def convfirstnet_pico(pretrained: bool = False, **kwargs: Any) -> ConvFirstNet:
+    return _create("convfirstnet_pico", pretrained, **kwargs)
+
+
+@register_model
+def convfirstnet_nano(pretrained: bool = False, **kwargs: Any) -> ConvFirstNet:
+    return _create("convfirstnet_nano", pretrained, **kwargs)
+
+
+@register_model
+def convfirstnet_tiny(pretrained: bool = False, **kwargs: Any) -> ConvFirstNet:
+    return _create("convfirstnet_tiny", pretrained, **kwargs)
+
+
+@register_model
+def convfirstnet_small(pretrained: bool = False, **kwargs: Any) -> ConvFirstNet:
+    return _create("convfirstnet_small", pretrained, **kwargs)
