@@ -13,7 +13,7 @@ def count_params(model: nn.Module) -> int:
 
 @torch.no_grad()
 def count_macs(model: nn.Module, input_size: tuple[int, int, int] = (3, 256, 256)) -> int:
-    """Multiply-accumulates for one image (FLOPs / 2), on the meta device: no memory, no compute.
+    """Multiply-accumulates for one image (FLOPs / 2), from one forward pass at batch 1.
 
     Counts every convolution (BlurPool and SE included) and the classifier, as the paper's tables do.
     Run it on the training form: fused blocks are custom ops the counter does not see.
