@@ -47,6 +47,8 @@ class FusedBlock(nn.Module):
 class Stem(nn.Module):
     """Paper stage 0: dense 3x3 conv, stride 2, BatchNorm, ReLU."""
 
+    conv_bn_pairs = (("conv", "bn"),)
+
     def __init__(self, in_chans: int, out_chs: int):
         super().__init__()
         self.conv = nn.Conv2d(in_chans, out_chs, 3, 2, 1, bias=False)
@@ -80,6 +82,8 @@ class ConvFirst(nn.Module):
     stride 2: ``u = BlurPool(cat[x, BN(gconv(x))])``, ``out = BN(W2 ReLU(BN(W1 u)))``, no residual.
     Hidden width R = expansion x C (C = block input channels).
     """
+
+    conv_bn_pairs = (("conv_dw", "bn_dw"), ("conv_expand", "bn_expand"), ("conv_project", "bn_project"))
 
     def __init__(self, in_chs: int, out_chs: int, stride: int, expansion: int, drop_path: float = 0.0):
         super().__init__()
@@ -132,6 +136,8 @@ class MBConv(nn.Module):
     ``out = BN(W_proj SE(g))`` plus ``x`` when stride 1. SE is timm's ``SEModule`` (1x1 convs with bias,
     ReLU, sigmoid gate), as in EfficientNet.
     """
+
+    conv_bn_pairs = (("conv_expand", "bn_expand"), ("conv_dw", "bn_dw"), ("conv_project", "bn_project"))
 
     def __init__(
         self, in_chs: int, out_chs: int, stride: int, expansion: int = 4, se_ratio: float = 0.25,
@@ -190,6 +196,8 @@ class FusedMBConv(FusedBlock):
 # ---------------------------------------------------------------------------------------------- head
 class Head(nn.Module):
     """1x1 conv to 1280, BatchNorm, SiLU, global average pool -> (N, 1280) (classifier is separate)."""
+
+    conv_bn_pairs = (("conv", "bn"),)
 
     def __init__(self, in_chs: int, out_chs: int = 1280):
         super().__init__()

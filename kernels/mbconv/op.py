@@ -44,5 +44,7 @@ def mbconv(
              w_se2=w_se2, b_se2=b_se2, w_proj=w_proj, b_proj=b_proj),
     )
     if use_triton(x):
-        raise NotImplementedError("Triton MBConv kernel not wired yet")
+        from .kernel import mbconv_triton
+
+        return mbconv_triton(x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj, stride)
     return mbconv_reference(x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj, stride)

@@ -2,8 +2,11 @@
 
 import torch
 
-from .._launch import check_activation, check_shape, check_weights, define_op, use_triton
+from .._launch import HAS_TRITON, check_activation, check_shape, check_weights, define_op, use_triton
 from .reference import stem_reference
+
+if HAS_TRITON:
+    from .kernel import check_supported, stem_triton
 
 
 @define_op("convfirstnet::stem")
@@ -15,5 +18,6 @@ def stem(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     check_shape("stem", "b", b, (c_out,))
     check_weights("stem", x, {"w": w, "b": b})
     if use_triton(x):
-        raise NotImplementedError("Triton stem kernel not wired yet")
+        check_supported(c_in, c_out)
+        return stem_triton(x, w, b)
     return stem_reference(x, w, b)

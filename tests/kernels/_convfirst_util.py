@@ -47,3 +47,40 @@ def nan_banded(x: torch.Tensor, memory_format=torch.channels_last) -> torch.Tens
     view = big[:n, 1 : c + 1, 1 : h + 1, 2 : w + 2]
     view.copy_(x)
     return view
+
+
+# ------------------------------------------------------------------------------------------------
+# Compiling kernels for a GPU target on a machine without one
+# ------------------------------------------------------------------------------------------------
+
+# Shared memory per block usable by a kernel (opt-in maximum): H100 227 KB, A100 163 KB.
+SMEM_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
+TRITON_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def compile_for_gpu(kernel, dtype: torch.dtype, constexprs: dict, arch: int, num_warps: int, num_stages: int):
+    """Compile a @triton.jit kernel for sm_<arch> with ptxas, no GPU needed; returns the compiled kernel.
+
+    Pointer arguments (names ending in ``_ptr``) get ``dtype``; every other runtime argument (sizes,
+    strides) is i32, the general case (a GPU launch may also specialise ints equal to 1 or divisible
+    by 16; those variants only add alignment facts). Under TRITON_INTERPRET the decorator returns an
+    interpreted function, so the Python function is re-wrapped in a JITFunction here.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*" + TRITON_DTYPE[dtype]
+        else:
+            sig[name] = "i32"
+    src = ASTSource(fn, sig, constexprs)
+    return triton.compile(
+        src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
+    )
