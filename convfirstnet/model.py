@@ -53,6 +53,14 @@ SIZES: dict[str, Size] = {
     "small": _size(32, channels=(32, 64, 96, 256, 256), depths=(2, 5, 6, 18, 18), drop_rate=0.3),
 }
 
+# The paper's Table 3 / SPEC: parameters (M), GMACs at 256x256 and ImageNet-1k top-1 (%).
+PAPER: dict[str, dict[str, float]] = {
+    "pico": dict(params_m=5.91, gmacs=0.86, top1=79.858),
+    "nano": dict(params_m=10.17, gmacs=1.812, top1=81.834),
+    "tiny": dict(params_m=17.24, gmacs=3.227, top1=82.752),
+    "small": dict(params_m=28.55, gmacs=5.493, top1=83.312),
+}
+
 
 class ConvFirstNet(nn.Module):
     """ConvFirstNet classifier, timm conventions (``forward_features`` / ``forward_head`` / ...).

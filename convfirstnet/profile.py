@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
@@ -13,17 +15,12 @@ def count_params(model: nn.Module) -> int:
 
 @torch.no_grad()
 def count_macs(model: nn.Module, input_size: tuple[int, int, int] = (3, 256, 256)) -> int:
-    """Multiply-accumulates for one image (FLOPs / 2), from one forward pass at batch 1.
+    """Multiply-accumulates for one image (FLOPs / 2), counted on a meta-device copy (shapes only).
 
     Counts every convolution (BlurPool and SE included) and the classifier, as the paper's tables do.
     Run it on the training form: fused blocks are custom ops the counter does not see.
     """
-    was_training = model.training
-    model.eval()
-    x = torch.empty(1, *input_size)
-    try:
-        with FlopCounterMode(display=False) as counter:
-            model(x)
-    finally:
-        model.train(was_training)
+    meta = copy.deepcopy(model).eval().to("meta")
+    with FlopCounterMode(display=False) as counter:
+        meta(torch.empty(1, *input_size, device="meta"))
     return counter.get_total_flops() // 2

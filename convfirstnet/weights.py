@@ -217,3 +217,21 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, name: str | None 
             + f": {problem}"
         )
     model.load_state_dict(state_dict, strict=True)
+
+
+# ------------------------------------------------------------------------------------ fingerprints
+def tensors_sha256(state_dict: dict[str, torch.Tensor]) -> str:
+    """Fingerprint of a state dict's contents, independent of the file format that holds it.
+
+    sha256 over the tensors in sorted key order; for each: the key (UTF-8), NUL, the dtype (e.g.
+    ``torch.float32``), NUL, the shape (``64,3,3,3``; empty for a scalar), NUL, then the raw bytes of the
+    contiguous CPU tensor (native little-endian layout, as safetensors stores them). The same weights
+    give the same value whether read from a ``.pth`` or a ``.safetensors`` file.
+    """
+    h = hashlib.sha256()
+    for key in sorted(state_dict):
+        t = state_dict[key].detach().cpu().contiguous()
+        header = f"{key}\0{t.dtype}\0{','.join(str(s) for s in t.shape)}\0"
+        h.update(header.encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

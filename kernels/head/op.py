@@ -14,5 +14,7 @@ def head(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     check_shape("head", "b", b, (f,))
     check_weights("head", x, {"w": w, "b": b})
     if use_triton(x):
-        raise NotImplementedError("Triton head kernel not wired yet")
+        from .kernel import head_triton
+
+        return head_triton(x, w, b)
     return head_reference(x, w, b)

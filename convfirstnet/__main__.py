@@ -1,0 +1,3 @@
+from convfirstnet.cli import main
+
+raise SystemExit(main())

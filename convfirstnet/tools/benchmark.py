@@ -1,0 +1,598 @@
+"""``convfirstnet bench``: inference throughput of ConvFirstNet (and timm models) per backend.
+
+Network mode (default) times whole models; block mode (``--blocks``) times stages of 8 stride-1
+blocks with the configurations of the paper's Tables 1 and 2 and prints them beside the paper's
+A5000 numbers. Every run writes one JSON record to ``--out-dir`` (``benchmarks/results/``) and
+prints a Markdown table.
+
+Backends (``--backends``):
+
+* ``fused``: ``convfirstnet.fuse(model)``, one ``torch.ops.convfirstnet`` op per block (Triton
+  kernels on CUDA; the PyTorch reference on CPU, recorded as ``kernels: reference``).
+* ``fused-cudagraph``: the fused model captured once in a CUDA graph (kernels are compiled and
+  warmed up before capture) and replayed: no launch overhead. CUDA only.
+* ``eager``: the training form (BatchNorm) in eval mode, channels-last, plain PyTorch.
+* ``inductor``: ``torch.compile`` (static shapes) of the BN-folded, unfused model from
+  ``fold_batchnorm`` (for timm models: the model as is), channels-last: the layer-by-layer baseline.
+* ``inductor-max-autotune``: the same with ``mode="max-autotune"`` (Triton GEMM/conv templates, and
+  CUDA graphs on GPU).
+
+Models are cast to ``--dtype`` (no autocast); activations are channels-last. Timing: ``--warmup``
+untimed iterations, then ``--iters`` iterations each timed with CUDA events (``perf_counter`` on
+CPU); the record keeps median, p10 and p90. Throughput is batch / median; achieved TFLOP/s is
+2 x MACs x img/s with MACs counted by ``convfirstnet.profile.count_macs`` (PyTorch's FLOP counter
+on the unfused model); % of peak uses the device's dense fp16/bf16 tensor-core peak from
+``bench_devices`` (or ``--peak-tflops``, or the matmul peak measured with ``--measure-peak``).
+
+A backend that cannot run here (CUDA graphs on CPU, fused kernels for a non-ConvFirstNet model, an
+out-of-memory batch, a compiler error) is reported as skipped with the reason; the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as _dt
+import gc
+import json
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from .bench_devices import lookup_device
+from .bench_paper import PAPER_BATCH, PAPER_DEVICE, PAPER_STAGE_DEPTH, BlockRow, block_rows
+from .bench_timing import (
+    command_line,
+    device_info,
+    git_info,
+    measure_matmul_peak,
+    software_info,
+    summarize,
+    throughput,
+    time_iterations,
+)
+
+NETWORK_BACKENDS = ("fused", "fused-cudagraph", "eager", "inductor", "inductor-max-autotune")
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+DEFAULT_MODELS = ("convfirstnet_pico", "convfirstnet_nano", "convfirstnet_tiny", "convfirstnet_small")
+SCHEMA = 1
+
+
+class Skip(Exception):
+    """A backend that cannot run in this configuration; the message says why."""
+
+
+# ------------------------------------------------------------------------------------------ parsing
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _backend_list(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [n for n in names if n not in NETWORK_BACKENDS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown backend(s) {bad}; choose from {', '.join(NETWORK_BACKENDS)}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="convfirstnet bench",
+        description="Inference benchmark: fused Triton kernels vs eager PyTorch vs torch.compile/Inductor.",
+    )
+    p.add_argument(
+        "models", nargs="*",
+        help="model names: pico|nano|tiny|small (or convfirstnet_*) and any timm model; NAME@RES sets "
+        "that model's resolution (e.g. convnext_small@288). Default: the four ConvFirstNet sizes.",
+    )
+    p.add_argument("--backends", type=_backend_list, default=None,
+                   help=f"comma list of {', '.join(NETWORK_BACKENDS)} (default: fused,fused-cudagraph,eager,"
+                   "inductor on CUDA; fused,eager on CPU; block mode: fused,inductor on CUDA)")
+    p.add_argument("--batch-sizes", type=_int_list, default=None,
+                   help="comma list (default 1,32,128,256; block mode 128)")
+    p.add_argument("--resolution", type=int, default=256, help="input height = width (default 256)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float16",
+                   help="float16 (default) or bfloat16 on CUDA; CPU runs always use float32")
+    p.add_argument("--device", default="auto", help="auto (CUDA if available), cuda, cuda:N or cpu")
+    p.add_argument("--warmup", type=int, default=10, help="untimed iterations before timing (default 10)")
+    p.add_argument("--iters", type=int, default=50, help="timed iterations (default 50; use >= 50 on GPU)")
+    p.add_argument("--blocks", choices=("convfirst", "mbconv", "all"), default=None,
+                   help="block mode: stages of the paper's Table 1 (convfirst) / Table 2 (mbconv) configurations")
+    p.add_argument("--block-depth", type=int, default=PAPER_STAGE_DEPTH,
+                   help=f"blocks per timed stage in block mode (default {PAPER_STAGE_DEPTH}, as the paper)")
+    p.add_argument("--block-limit", type=int, default=None,
+                   help="block mode: only the first N configurations (for quick checks)")
+    p.add_argument("--measure-peak", action="store_true",
+                   help="also measure a dense matmul peak on this device and report %% of it")
+    p.add_argument("--peak-size", type=int, default=None, help="matrix size for --measure-peak")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="dense fp16/bf16 peak TFLOP/s to use instead of the device table")
+    p.add_argument("--out-dir", default="benchmarks/results", help="where the JSON record goes")
+    p.add_argument("--no-save", action="store_true", help="print the table only, write no record")
+    p.add_argument("--tag", default="", help="free text stored in the record and its file name")
+    return p
+
+
+# ------------------------------------------------------------------------------------------ setup
+def resolve_device(arg: str) -> torch.device:
+    if arg == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(arg)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {arg}: no CUDA device is available")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str | None]:
+    if device.type == "cpu" and name != "float32":
+        return torch.float32, f"--dtype {name} ignored: CPU runs use float32"
+    return DTYPES[name], None
+
+
+def parse_model_spec(spec: str, default_resolution: int) -> tuple[str, int]:
+    name, _, res = spec.partition("@")
+    if res:
+        try:
+            return name, int(res)
+        except ValueError as e:
+            raise SystemExit(f"bad model spec {spec!r}: expected NAME or NAME@RESOLUTION") from e
+    return name, default_resolution
+
+
+def canonical_convfirstnet(name: str) -> str | None:
+    from convfirstnet.factory import MODEL_NAMES
+
+    key = name.lower().removeprefix("timm/")
+    key = key if key.startswith("convfirstnet_") else f"convfirstnet_{key}"
+    return key if key in MODEL_NAMES else None
+
+
+def build_model(name: str) -> tuple[nn.Module, str, bool]:
+    """(training-form model on CPU in fp32, canonical name, is ConvFirstNet)."""
+    key = canonical_convfirstnet(name)
+    if key is not None:
+        from convfirstnet.factory import create_model
+
+        return create_model(key), key, True
+    import timm
+
+    try:
+        return timm.create_model(name, pretrained=False), name, False
+    except RuntimeError as e:  # timm: "Unknown model"
+        raise Skip(f"unknown model {name!r}: {e}") from e
+
+
+def model_cost(model: nn.Module, input_size: tuple[int, int, int]) -> tuple[int, int]:
+    from convfirstnet.profile import count_macs, count_params
+
+    return count_macs(model, input_size), count_params(model)
+
+
+def kernels_path(device: torch.device) -> str:
+    """Which implementation the fused ops take on this device (from CONVFIRSTNET_KERNELS)."""
+    from convfirstnet.kernels._launch import HAS_TRITON, backend, interpreter_enabled
+
+    name = backend()
+    if name == "reference" or not HAS_TRITON:
+        return "reference"
+    if device.type == "cuda":
+        return "triton"
+    if name == "triton" and interpreter_enabled():
+        return "triton-interpreter"
+    return "reference"
+
+
+# ---------------------------------------------------------------------------------------- backends
+def _to(model: nn.Module, device: torch.device, dtype: torch.dtype, channels_last: bool = True) -> nn.Module:
+    model = model.to(device=device, dtype=dtype)
+    return model.to(memory_format=torch.channels_last) if channels_last else model
+
+
+def prepare(
+    backend: str, train_model: nn.Module, is_convfirstnet: bool, x: torch.Tensor
+) -> tuple[Callable[[], object], dict]:
+    """A zero-argument callable that runs one forward pass of ``backend`` on ``x``, plus notes.
+
+    Raises ``Skip`` when the backend cannot run here. Compilation and CUDA-graph capture happen here
+    (their wall time goes to the notes), so the caller's warm-up only settles clocks and caches.
+    """
+    device, dtype = x.device, x.dtype
+    notes: dict = {}
+    if backend in ("fused", "fused-cudagraph"):
+        if not is_convfirstnet:
+            raise Skip("fused kernels exist only for ConvFirstNet models")
+        if backend == "fused-cudagraph" and device.type != "cuda":
+            raise Skip("CUDA graphs need a CUDA device")
+        from convfirstnet.factory import fuse
+
+        notes["kernels"] = kernels_path(device)
+        # Fused weights keep their own layout (the ops take NCHW-shaped weights); only x is NHWC.
+        model = _to(fuse(copy.deepcopy(train_model)), device, dtype, channels_last=False)
+        if backend == "fused":
+            return (lambda: model(x)), notes
+        t0 = time.perf_counter()
+        # Compile and warm every kernel outside the capture (autotuning or a first launch during
+        # capture breaks it), on a side stream as torch.cuda.graphs recommends.
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                model(x)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = model(x)
+        notes["capture_s"] = round(time.perf_counter() - t0, 3)
+        notes["_keep"] = (graph, static_out, model)  # keep graph memory alive while timing
+        return graph.replay, notes
+    if backend == "eager":
+        model = _to(copy.deepcopy(train_model).eval(), device, dtype)
+        return (lambda: model(x)), notes
+    if backend in ("inductor", "inductor-max-autotune"):
+        if is_convfirstnet:
+            from convfirstnet.folding import fold_batchnorm
+
+            base = fold_batchnorm(train_model)
+            notes["baseline"] = "fold_batchnorm (BN folded, unfused layers)"
+        else:
+            base = copy.deepcopy(train_model).eval()
+            notes["baseline"] = "timm model as is (BN not folded)"
+        base = _to(base, device, dtype)
+        mode = "max-autotune" if backend == "inductor-max-autotune" else None
+        torch._dynamo.reset()
+        compiled = torch.compile(base, mode=mode, dynamic=False)
+        mark_step = getattr(torch.compiler, "cudagraph_mark_step_begin", None)
+        uses_graphs = mode == "max-autotune" and device.type == "cuda" and mark_step is not None
+
+        def run() -> object:
+            if uses_graphs:
+                mark_step()  # each call is a new step for CUDA-graph trees
+            return compiled(x)
+
+        t0 = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        notes["compile_s"] = round(time.perf_counter() - t0, 3)
+        return run, notes
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def _short_error(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().splitlines()
+    return text[0][:300] if text else type(e).__name__
+
+
+def run_case(
+    backend: str, train_model: nn.Module, is_convfirstnet: bool, x: torch.Tensor, warmup: int, iters: int
+) -> dict:
+    """Prepare, warm up and time one (backend, input) case; a dict with status ok or skipped."""
+    device = x.device
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        with torch.inference_mode():
+            fn, notes = prepare(backend, train_model, is_convfirstnet, x)
+            times = time_iterations(fn, device, warmup, iters)
+    except Skip as e:
+        return dict(status="skipped", reason=str(e))
+    except torch.cuda.OutOfMemoryError as e:
+        return dict(status="skipped", reason=f"out of memory: {_short_error(e)}")
+    except Exception as e:  # a compiler or kernel failure must not end the whole run
+        tb = traceback.format_exc(limit=4)
+        print(f"[bench] {backend} failed:\n{tb}", file=sys.stderr)
+        return dict(status="skipped", reason=f"failed: {_short_error(e)}")
+    finally:
+        gc.collect()
+    result = dict(status="ok", times_ms=summarize(times))
+    result.update({k: v for k, v in notes.items() if not k.startswith("_")})
+    if device.type == "cuda":
+        result["peak_mem_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    del notes
+    return result
+
+
+def _figures(result: dict, batch: int, macs: int, peak: float | None, measured: float | None) -> None:
+    if result.get("status") != "ok":
+        return
+    med = result["times_ms"]["median"]
+    result["ms_per_batch"] = med
+    result.update(throughput(batch, med, macs, peak))
+    if measured:
+        result["pct_measured_peak"] = 100 * result["tflops"] / measured
+
+
+# -------------------------------------------------------------------------------------------- runs
+def run_network(args, device, dtype, peak, measured) -> list[dict]:
+    results = []
+    specs = args.models or list(DEFAULT_MODELS)
+    for spec in specs:
+        name, res = parse_model_spec(spec, args.resolution)
+        try:
+            train_model, key, is_cfn = build_model(name)
+        except Skip as e:
+            results.append(dict(model=name, status="skipped", reason=str(e)))
+            continue
+        macs, params = model_cost(train_model, (3, res, res))
+        for backend in args.backends:
+            for batch in args.batch_sizes:
+                x = torch.randn(batch, 3, res, res, device=device, dtype=dtype).contiguous(
+                    memory_format=torch.channels_last
+                )
+                row = dict(model=key, backend=backend, batch=batch, resolution=res,
+                           dtype=str(dtype).removeprefix("torch."), macs_per_image=macs, params=params)
+                row.update(run_case(backend, train_model, is_cfn, x, args.warmup, args.iters))
+                _figures(row, batch, macs, peak, measured)
+                results.append(row)
+                print(f"[bench] {_progress(row)}", file=sys.stderr)
+                del x
+    return results
+
+
+def build_stage(row: BlockRow, depth: int) -> nn.Module:
+    """``depth`` stride-1 blocks of the row's configuration, training form, BN statistics perturbed so
+    folding is not an identity."""
+    from convfirstnet.blocks import ConvFirst, MBConv
+
+    cls = ConvFirst if row.block == "convfirst" else MBConv
+    stage = nn.Sequential(*[cls(row.channels, row.channels, 1, row.expansion) for _ in range(depth)])
+    g = torch.Generator().manual_seed(0)
+    for m in stage.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.copy_(0.1 * torch.randn(m.num_features, generator=g))
+            m.running_var.copy_(1 + 0.1 * torch.rand(m.num_features, generator=g))
+    return stage.eval()
+
+
+def run_blocks(args, device, dtype, peak, measured) -> list[dict]:
+    from convfirstnet.profile import count_macs, count_params
+
+    rows = block_rows(args.blocks)
+    if args.block_limit is not None:
+        rows = rows[: args.block_limit]
+    results = []
+    for row in rows:
+        stage = build_stage(row, args.block_depth)
+        macs = count_macs(stage, (row.channels, row.size, row.size))
+        params = count_params(stage)
+        for backend in args.backends:
+            for batch in args.batch_sizes:
+                x = torch.randn(batch, row.channels, row.size, row.size, device=device, dtype=dtype).contiguous(
+                    memory_format=torch.channels_last
+                )
+                rec = dict(
+                    block=row.block, channels=row.channels, expansion=row.expansion, size=row.size,
+                    depth=args.block_depth, backend=backend, batch=batch, dtype=str(dtype).removeprefix("torch."),
+                    macs_per_image=macs, params=params, paper=_paper_fields(row),
+                )
+                rec.update(run_case(backend, stage, True, x, args.warmup, args.iters))
+                _figures(rec, batch, macs, peak, measured)
+                results.append(rec)
+                print(f"[bench] {_progress(rec)}", file=sys.stderr)
+                del x
+    return results
+
+
+def _paper_fields(row: BlockRow) -> dict:
+    return dict(
+        inductor_ms=row.inductor_ms, fused_ms=row.fused_ms, fused_pct_peak=row.fused_pct_peak,
+        inductor_pct_peak=row.inductor_pct_peak, speedup=row.speedup, device=PAPER_DEVICE, batch=PAPER_BATCH,
+    )
+
+
+def _progress(r: dict) -> str:
+    what = r.get("model") or f"{r.get('block')} C={r.get('channels')} t={r.get('expansion')} {r.get('size')}"
+    head = f"{what} {r.get('backend')} batch={r.get('batch')}"
+    if r.get("status") != "ok":
+        return f"{head}: skipped ({r.get('reason')})"
+    return f"{head}: {r['ms_per_batch']:.3f} ms, {r['img_per_s']:.1f} img/s"
+
+
+# ----------------------------------------------------------------------------------------- tables
+def _fmt(v: float | None, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _fmt_ms(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3f}" if v < 10 else f"{v:.2f}" if v < 100 else f"{v:.1f}"
+
+
+def network_table(results: Sequence[dict]) -> str:
+    lines = [
+        "| model | backend | batch | img/s | ms/batch (median) | p10-p90 ms | TFLOP/s | % peak | peak mem MB | notes |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in results:
+        if r.get("status") != "ok":
+            lines.append(
+                f"| {r.get('model', '-')} | {r.get('backend', '-')} | {r.get('batch', '-')} "
+                f"| - | - | - | - | - | - | skipped: {r.get('reason', '')} |"
+            )
+            continue
+        t = r["times_ms"]
+        notes = ", ".join(f"{k}={r[k]}" for k in ("kernels", "compile_s", "capture_s") if k in r)
+        lines.append(
+            f"| {r['model']}@{r['resolution']} | {r['backend']} | {r['batch']} | {r['img_per_s']:.1f} "
+            f"| {_fmt_ms(t['median'])} | {_fmt_ms(t['p10'])}-{_fmt_ms(t['p90'])} | {r['tflops']:.2f} "
+            f"| {_fmt(r.get('pct_peak'))} | {_fmt(r.get('peak_mem_mb'), '.0f')} | {notes} |"
+        )
+    return "\n".join(lines)
+
+
+def block_table(results: Sequence[dict]) -> str:
+    """One line per configuration and batch: fused vs Inductor beside the paper's A5000 figures."""
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in results:
+        key = (r["block"], r["channels"], r["expansion"], r["size"], r["batch"])
+        groups.setdefault(key, {})[r["backend"]] = r
+    backends = []
+    for r in results:
+        if r["backend"] not in backends:
+            backends.append(r["backend"])
+    head = ["block", "C", "t", "HxW", "batch"] + [f"{b} ms" for b in backends]
+    head += ["fused TFLOP/s", "fused % peak", "speed-up vs inductor",
+             "paper inductor ms", "paper fused ms", "paper fused % peak", "paper speed-up"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 5 + "---:|" * (len(head) - 5)]
+    for (block, c, t, s, batch), by in groups.items():
+        cells = [block, str(c), str(t), f"{s}x{s}", str(batch)]
+        for b in backends:
+            r = by.get(b)
+            cells.append(_fmt_ms(r["ms_per_batch"]) if r and r.get("status") == "ok" else "skipped")
+        fused = by.get("fused-cudagraph") if _ok(by.get("fused-cudagraph")) else by.get("fused")
+        ind = by.get("inductor")
+        cells.append(_fmt(fused["tflops"], ".2f") if _ok(fused) else "-")
+        cells.append(_fmt(fused.get("pct_peak")) if _ok(fused) else "-")
+        speed = ind["ms_per_batch"] / fused["ms_per_batch"] if _ok(fused) and _ok(ind) else None
+        cells.append(f"{speed:.1f}x" if speed else "-")
+        paper = next(iter(by.values()))["paper"]
+        cells += [f"{paper['inductor_ms']:.2f}", f"{paper['fused_ms']:.2f}", f"{paper['fused_pct_peak']:.1f}",
+                  f"{paper['speedup']:.1f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    skipped = sorted({f"{r['backend']}: {r.get('reason')}" for r in results if r.get("status") != "ok"})
+    if skipped:
+        lines += ["", "Skipped: " + "; ".join(skipped)]
+    return "\n".join(lines)
+
+
+def _ok(r: dict | None) -> bool:
+    return bool(r) and r.get("status") == "ok"
+
+
+# ----------------------------------------------------------------------------------------- record
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")[:60] or "x"
+
+
+def record_filename(record: dict) -> str:
+    dev = record["device"]
+    spec = lookup_device(dev["name"]) if dev["type"] == "cuda" else None
+    device_slug = spec.key if spec else ("cpu" if dev["type"] == "cpu" else _slug(dev["name"]))
+    stamp = record["date"].replace("-", "").replace(":", "")[:15] + "Z"
+    if record["mode"] == "blocks":
+        what = f"blocks-{record['settings']['blocks']}"
+    else:
+        models = record["settings"]["models"]
+        what = "-".join(m.removeprefix("convfirstnet_") for m in models) if len(models) <= 4 else f"{len(models)}models"
+    parts = [stamp, device_slug, record["settings"]["dtype"], _slug(what)]
+    if record.get("tag"):
+        parts.append(_slug(record["tag"]))
+    return "_".join(parts) + ".json"
+
+
+def write_record(record: dict, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / record_filename(record)
+    n = 1
+    while path.exists():
+        path = out / f"{path.stem.rsplit('~', 1)[0]}~{n}.json"
+        n += 1
+    path.write_text(json.dumps(record, indent=1, sort_keys=False) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------------------------------- main
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    import convfirstnet  # noqa: F401  (registers the ops and the timm models)
+
+    device = resolve_device(args.device)
+    dtype, dtype_note = resolve_dtype(args.dtype, device)
+    if dtype_note:
+        print(f"[bench] {dtype_note}", file=sys.stderr)
+    if args.backends is None:
+        if args.blocks:
+            args.backends = ["fused", "inductor"] if device.type == "cuda" else ["fused", "eager"]
+        else:
+            args.backends = (["fused", "fused-cudagraph", "eager", "inductor"] if device.type == "cuda"
+                             else ["fused", "eager"])
+    if args.batch_sizes is None:
+        args.batch_sizes = [PAPER_BATCH] if args.blocks else [1, 32, 128, 256]
+    if args.iters < 1 or args.warmup < 0:
+        raise SystemExit("--iters must be >= 1 and --warmup >= 0")
+    if device.type == "cuda" and args.iters < 50:
+        print(f"[bench] note: --iters {args.iters} < 50 timed iterations", file=sys.stderr)
+
+    dev = device_info(device)
+    spec = lookup_device(dev["name"]) if device.type == "cuda" else None
+    peak, peak_source = None, None
+    if args.peak_tflops:
+        peak, peak_source = args.peak_tflops, "--peak-tflops"
+    elif spec is not None and dtype in (torch.float16, torch.bfloat16):
+        peak, peak_source = spec.peak_tflops, f"table: {spec.name}"
+    dev.update(peak_tflops=peak, peak_source=peak_source, table_key=spec.key if spec else None)
+    measured = None
+    if args.measure_peak:
+        m = measure_matmul_peak(device, dtype, args.peak_size)
+        measured = m["tflops"]
+        dev["measured_peak"] = m
+        print(f"[bench] measured matmul peak: {measured:.2f} TFLOP/s ({m['size']}^3 {m['dtype']})", file=sys.stderr)
+        if peak is None:
+            peak, dev["peak_source"] = measured, "measured matmul"
+            dev["peak_tflops"] = peak
+    if peak is None:
+        print("[bench] no peak known for this device: % of peak is left empty "
+              "(use --peak-tflops or --measure-peak)", file=sys.stderr)
+
+    now = _dt.datetime.now(_dt.timezone.utc)
+    if args.blocks:
+        results = run_blocks(args, device, dtype, peak, measured)
+        table = block_table(results)
+    else:
+        results = run_network(args, device, dtype, peak, measured)
+        table = network_table(results)
+
+    record = dict(
+        schema=SCHEMA,
+        mode="blocks" if args.blocks else "network",
+        date=now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        command=command_line("convfirstnet bench", argv),
+        tag=args.tag,
+        git=git_info(),
+        device=dev,
+        software=software_info(),
+        settings=dict(
+            models=[parse_model_spec(s, args.resolution)[0] for s in (args.models or DEFAULT_MODELS)]
+            if not args.blocks else [],
+            blocks=args.blocks, block_depth=args.block_depth if args.blocks else None,
+            backends=args.backends, batch_sizes=args.batch_sizes, resolution=args.resolution,
+            dtype=str(dtype).removeprefix("torch."), warmup=args.warmup, iters=args.iters,
+            channels_last=True, timer="cuda-events" if device.type == "cuda" else "perf_counter",
+        ),
+        results=results,
+    )
+    if dtype_note:
+        record["settings"]["note"] = dtype_note
+    header = (f"**{dev['name']}** ({device.type}), {record['settings']['dtype']}, "
+              f"peak {_fmt(peak, '.4g')} TFLOP/s ({peak_source or 'unknown'}), {record['date']}")
+    print(header)
+    print()
+    print(table)
+    if not args.no_save:
+        path = write_record(record, args.out_dir)
+        print(f"\nrecord: {path}")
+    ok = [r for r in results if r.get("status") == "ok"]
+    return 0 if ok or not results else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

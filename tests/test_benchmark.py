@@ -1,0 +1,209 @@
+"""The benchmark tool on CPU: statistics, peak table, JSON records, Markdown tables, README results."""
+
+import json
+
+import pytest
+import torch
+
+from convfirstnet.tools import bench_report, benchmark
+from convfirstnet.tools.bench_devices import DEVICES, device_by_key, lookup_device
+from convfirstnet.tools.bench_paper import TABLE1, TABLE2
+from convfirstnet.tools.bench_timing import percentile, summarize, throughput
+
+
+# ------------------------------------------------------------------------------------- statistics
+def test_percentile_interpolates_like_numpy():
+    xs = [float(v) for v in range(1, 11)]  # 1..10
+    assert percentile(xs, 50) == pytest.approx(5.5)
+    assert percentile(xs, 10) == pytest.approx(1.9)  # 1 + 0.9 * (2 - 1)
+    assert percentile(xs, 90) == pytest.approx(9.1)
+    assert percentile(list(reversed(xs)), 0) == 1 and percentile(xs, 100) == 10
+    assert percentile([3.0], 37) == 3.0
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_summarize():
+    s = summarize([4.0, 1.0, 3.0, 2.0])
+    assert s == dict(median=2.5, p10=pytest.approx(1.3), p90=pytest.approx(3.7), mean=2.5, min=1.0, max=4.0, n=4)
+    with pytest.raises(ValueError, match="no timed"):
+        summarize([])
+
+
+def test_throughput_arithmetic():
+    # 128 images in 10 ms at 1 GMAC/image: 12,800 img/s, 2 * 1e9 * 12,800 = 25.6 TFLOP/s
+    t = throughput(batch=128, ms_per_batch=10.0, macs_per_image=10**9, peak_tflops=989.4)
+    assert t["img_per_s"] == pytest.approx(12_800)
+    assert t["tflops"] == pytest.approx(25.6)
+    assert t["pct_peak"] == pytest.approx(100 * 25.6 / 989.4)
+    assert throughput(1, 1.0, 10, None)["pct_peak"] is None
+
+
+# ------------------------------------------------------------------------------------- peak table
+@pytest.mark.parametrize(
+    "name, key, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", "h100", 989.4),
+        ("NVIDIA H100 PCIe", "h100-pcie", 756.0),
+        ("NVIDIA H100 NVL", "h100-nvl", 835.5),
+        ("NVIDIA H200", "h200", 989.4),
+        ("NVIDIA A100-SXM4-80GB", "a100", 312.0),
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb", 312.0),
+        ("NVIDIA RTX A5000", "a5000", 76.7),
+        ("NVIDIA GeForce RTX 4090", "rtx4090", 165.2),
+        ("NVIDIA L40S", "l40s", 362.0),
+        ("NVIDIA L4", "l4", 121.0),
+    ],
+)
+def test_peak_lookup(name, key, peak):
+    spec = lookup_device(name)
+    assert spec is not None and spec.key == key and spec.peak_tflops == peak
+
+
+@pytest.mark.parametrize("name", ["NVIDIA A10G", "NVIDIA L40", "Some Future GPU", ""])
+def test_peak_lookup_unknown(name):
+    assert lookup_device(name) is None
+
+
+def test_device_table():
+    assert device_by_key("h100").bandwidth_tbs == 3.35 and device_by_key("H200").bandwidth_tbs == 4.8
+    assert device_by_key("a5000-paper").op_byte == pytest.approx(76.7 / 0.48)
+    assert len({d.key for d in DEVICES}) == len(DEVICES)
+    with pytest.raises(ValueError, match="unknown device"):
+        device_by_key("tpu")
+
+
+def test_paper_tables_are_consistent():
+    for row in TABLE1 + TABLE2:  # speed-up = Inductor / fused, within the rounding of the printed times
+        lo = (row.inductor_ms - 0.005) / (row.fused_ms + 0.005)
+        hi = (row.inductor_ms + 0.005) / (row.fused_ms - 0.005)
+        assert lo - 0.05 <= row.speedup <= hi + 0.05, row
+    assert len(TABLE1) == 8 and len(TABLE2) == 10
+    assert min(r.speedup for r in TABLE2) == 3.0 and max(r.speedup for r in TABLE2) == 5.4
+
+
+# ------------------------------------------------------------------------------------ CPU runs
+def _only_record(tmp_path):
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1, files
+    return files[0], json.loads(files[0].read_text())
+
+
+def test_cpu_network_run_writes_record(tmp_path, capsys):
+    argv = ["pico", "resnet10t@32", "--resolution", "32", "--batch-sizes", "1,2", "--iters", "2", "--warmup", "1",
+            "--backends", "fused,eager,fused-cudagraph", "--device", "cpu", "--out-dir", str(tmp_path)]
+    assert benchmark.main(argv) == 0
+    path, rec = _only_record(tmp_path)
+    assert path.name.endswith("_cpu_float32_pico-resnet10t.json")
+    assert rec["mode"] == "network" and rec["schema"] == benchmark.SCHEMA
+    assert rec["device"]["type"] == "cpu" and rec["settings"]["dtype"] == "float32"
+    assert rec["command"].startswith("convfirstnet bench pico")
+    for key in ("python", "torch", "triton", "timm"):
+        assert key in rec["software"]
+    assert "commit" in rec["git"] and rec["date"].endswith("Z")
+    by = {(r["model"], r["backend"], r["batch"]): r for r in rec["results"]}
+    assert len(by) == 2 * 3 * 2
+    ok = by[("convfirstnet_pico", "fused", 2)]
+    assert ok["status"] == "ok" and ok["kernels"] == "reference" and ok["times_ms"]["n"] == 2
+    assert ok["times_ms"]["p10"] <= ok["times_ms"]["median"] <= ok["times_ms"]["p90"]
+    assert ok["img_per_s"] == pytest.approx(2 / (ok["ms_per_batch"] / 1e3))
+    assert ok["tflops"] == pytest.approx(2 * ok["macs_per_image"] * ok["img_per_s"] / 1e12)
+    assert ok["pct_peak"] is None  # no peak known for a CPU
+    assert by[("resnet10t", "eager", 1)]["status"] == "ok"
+    assert by[("resnet10t", "fused", 1)]["status"] == "skipped"
+    assert "only for ConvFirstNet" in by[("resnet10t", "fused", 1)]["reason"]
+    assert "CUDA" in by[("convfirstnet_pico", "fused-cudagraph", 1)]["reason"]
+    out = capsys.readouterr().out
+    assert "| model | backend | batch | img/s |" in out and "convfirstnet_pico@32 | fused | 2 |" in out
+    assert "skipped: CUDA graphs need a CUDA device" in out
+
+
+def test_cpu_block_mode_and_peak(tmp_path, capsys):
+    argv = ["--blocks", "mbconv", "--block-limit", "1", "--block-depth", "1", "--batch-sizes", "1", "--iters", "1",
+            "--warmup", "0", "--backends", "fused,eager", "--measure-peak", "--peak-size", "64",
+            "--out-dir", str(tmp_path), "--tag", "ci check"]
+    assert benchmark.main(argv) == 0
+    path, rec = _only_record(tmp_path)
+    assert path.name.endswith("_cpu_float32_blocks-mbconv_ci-check.json")
+    assert rec["mode"] == "blocks" and rec["device"]["measured_peak"]["size"] == 64
+    assert rec["device"]["peak_source"] == "measured matmul"
+    fused = next(r for r in rec["results"] if r["backend"] == "fused")
+    assert (fused["block"], fused["channels"], fused["expansion"], fused["size"]) == ("mbconv", 128, 4, 16)
+    assert fused["paper"]["inductor_ms"] == 11.46 and fused["pct_peak"] is not None
+    # one stride-1 MBConv 128 -> 512 -> 128 at 16x16 with SE 512 -> 32 -> 512
+    assert fused["macs_per_image"] == 256 * (128 * 512 * 2 + 512 * 8 * 9) + 2 * 512 * 32
+    out = capsys.readouterr().out
+    assert "| block | C | t | HxW | batch | fused ms | eager ms |" in out and "| 11.46 | 2.48 | 46.2 | 4.6x |" in out
+
+
+def test_bad_arguments():
+    with pytest.raises(SystemExit):
+        benchmark.main(["--backends", "tensorrt"])
+    with pytest.raises(SystemExit):
+        benchmark.main(["--batch-sizes", "0"])
+
+
+def test_unknown_model_is_skipped(tmp_path):
+    argv = ["no_such_model_xyz", "--device", "cpu", "--batch-sizes", "1", "--iters", "1", "--out-dir", str(tmp_path)]
+    assert benchmark.main(argv) == 1
+    _, rec = _only_record(tmp_path)
+    assert rec["results"][0]["status"] == "skipped"
+
+
+# -------------------------------------------------------------------------------- README results
+def _gpu_record(date, mode, results, name="NVIDIA H100 80GB HBM3"):
+    return dict(schema=1, mode=mode, date=date, command="convfirstnet bench small", git=dict(commit="abc1234", dirty=False),
+                device=dict(type="cuda", name=name, peak_tflops=989.4), software=dict(torch="2.11", triton="3.6"),
+                settings=dict(dtype="float16"), results=results)
+
+
+def _net(backend, ms, batch=128, pct=None):
+    return dict(model="convfirstnet_small", backend=backend, batch=batch, resolution=256, dtype="float16",
+                status="ok", ms_per_batch=ms, img_per_s=batch / ms * 1e3, pct_peak=pct)
+
+
+def test_results_table_from_records(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps(_gpu_record("2026-01-01T00:00:00Z", "network", [
+        _net("fused", 20.0, pct=30.0), _net("inductor", 60.0), dict(backend="eager", status="skipped", reason="x")])))
+    # a newer record replaces the fused figure, keeps the older inductor one
+    (tmp_path / "b.json").write_text(json.dumps(_gpu_record("2026-02-01T00:00:00Z", "network", [
+        _net("fused", 16.0, pct=35.0)])))
+    blk = dict(block="convfirst", channels=16, expansion=3, size=128, batch=128, dtype="float16", status="ok",
+               paper=dict(speedup=14.2, fused_pct_peak=35.1))
+    (tmp_path / "c.json").write_text(json.dumps(_gpu_record("2026-02-02T00:00:00Z", "blocks", [
+        dict(blk, backend="fused", ms_per_batch=0.5, pct_peak=40.0), dict(blk, backend="inductor", ms_per_batch=4.0)])))
+    (tmp_path / "cpu.json").write_text(json.dumps(dict(_gpu_record("2026-03-01T00:00:00Z", "network", [
+        _net("fused", 999.0)]), device=dict(type="cpu", name="x86"))))
+    (tmp_path / "broken.json").write_text("{")
+    records = bench_report.load_records(tmp_path)
+    assert [n for n, _ in records] == ["a.json", "b.json", "c.json", "cpu.json"]
+    text = bench_report.results_markdown(records)
+    assert "| NVIDIA H100 80GB HBM3 | float16 | small@256 | 128 | 8,000 | - | 2,133 |" in text
+    assert "| 16.000 | 35.0 | 3.8x | `a.json`, `b.json` |" in text  # 60 / 16 ms
+    assert "| convfirst | 16 | 3 | 128x128 | 128 | 0.500 | 4.000 | 8.0x | 40.0 | 14.2x | 35.1 |" in text
+    assert "cpu.json" not in text and "999" not in text
+    assert "`c.json`: NVIDIA H100 80GB HBM3 (cuda), 2026-02-02T00:00:00Z" in text
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{bench_report.START}\nold\n{bench_report.END}\n\nafter\n")
+    assert bench_report.main(["--records", str(tmp_path), "--write", str(readme)]) == 0
+    content = readme.read_text()
+    assert "old" not in content and "small@256" in content and content.endswith(f"{bench_report.END}\n\nafter\n")
+    readme.write_text("no markers\n")
+    assert bench_report.main(["--records", str(tmp_path), "--write", str(readme)]) == 1
+
+
+def test_results_table_without_gpu_records(tmp_path, capsys):
+    assert "No GPU records yet" in bench_report.results_markdown([])
+    assert bench_report.main(["--records", str(tmp_path / "missing")]) == 0
+    assert "No GPU records yet" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_backends_smoke(tmp_path):
+    argv = ["pico", "--batch-sizes", "8", "--iters", "5", "--warmup", "2", "--backends", "fused,fused-cudagraph,eager",
+            "--out-dir", str(tmp_path)]
+    assert benchmark.main(argv) == 0
+    _, rec = _only_record(tmp_path)
+    assert all(r["status"] == "ok" for r in rec["results"]), rec["results"]
+    assert all(r["peak_mem_mb"] > 0 for r in rec["results"])
