@@ -51,7 +51,7 @@ def cache_dir() -> Path:
 
 def manifest() -> dict[str, Any]:
     """``weights/manifest.json``: the source checkout's copy, else the one installed with the package."""
-    path = SOURCE_WEIGHTS_DIR / "manifest.json"
+    path = Path(__file__).resolve().parent.parent / "weights" / "manifest.json"
     if path.is_file():
         text = path.read_text()
     else:

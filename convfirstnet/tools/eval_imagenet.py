@@ -94,10 +94,13 @@ def evaluate(
     dtype: torch.dtype = torch.float32,
     progress: Any = None,
     world_size: int = 1,
+    pad_to: int | None = None,
 ) -> Counts:
     """Run ``model`` over ``loader``, counting exactly the first ``num_images`` samples it yields.
 
-    Later samples (a ``DistributedSampler``'s padding) are dropped. ``progress``: a tqdm bar or None.
+    Later samples (a ``DistributedSampler``'s padding) are dropped. ``pad_to``: zero-pad smaller batches
+    to this size (and drop the extra outputs), so a compiled model sees one shape and never recompiles.
+    ``progress``: a tqdm bar or None.
     """
     correct1 = correct5 = None
     seen = 0
@@ -107,8 +110,10 @@ def evaluate(
         if keep <= 0:
             break
         images, target = images[:keep], target[:keep]
+        if pad_to is not None and keep < pad_to:
+            images = torch.cat([images, images.new_zeros((pad_to - keep, *images.shape[1:]))])
         images = images.to(dtype).contiguous(memory_format=torch.channels_last)
-        logits = model(images)
+        logits = model(images)[:keep]
         c1, c5 = topk_hits(logits, target)
         correct1 = c1 if correct1 is None else correct1 + c1
         correct5 = c5 if correct5 is None else correct5 + c5
@@ -323,8 +328,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         loader = build_loader(dataset, data_config, args.batch_size, args.workers, device, rank, world_size)
 
         # Warm-up (compilation, autotuning, allocator) outside the timed loop, as timm's validate.py does.
+        # A compiled model gets every batch padded to the full batch size: one shape, one compilation.
+        pad_to = args.batch_size if args.compile else None
         with torch.no_grad():
-            x = torch.zeros((min(args.batch_size, num_images), *data_config["input_size"]), device=device)
+            x = torch.zeros((pad_to or min(args.batch_size, num_images), *data_config["input_size"]), device=device)
             model(x.to(dtype).contiguous(memory_format=torch.channels_last))
         _sync(device)
         _barrier(world_size)
@@ -335,7 +342,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             progress = tqdm(total=num_images, desc=f"eval {name}", unit="img", mininterval=1.0, file=sys.stderr)
         start = time.perf_counter()
-        local = evaluate(model, loader, shard_size(num_images, rank, world_size), dtype, progress, world_size)
+        local = evaluate(model, loader, shard_size(num_images, rank, world_size), dtype, progress, world_size, pad_to)
         _sync(device)
         counts = all_reduce_counts(local, device, world_size)
         elapsed = time.perf_counter() - start
