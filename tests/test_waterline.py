@@ -14,7 +14,7 @@ A5000_PAPER = device_by_key("a5000-paper")
 
 @pytest.fixture(scope="module")
 def pico():
-    return waterline.analyze("pico", "h100", batch=128, resolution=256)
+    return waterline.analyze("pico", "h100", batch=128, resolution=128)
 
 
 def _kernel(kernels, name):
@@ -22,8 +22,8 @@ def _kernel(kernels, name):
 
 
 def test_one_layer_by_hand(pico):
-    # Pico stage 1, ConvFirst(16, t=3) at 128x128: expand 1x1 16 -> 48, batch 128, fp16
-    p = 128 * 128 * 128
+    # Pico stage 1 at a 128x128 input: ConvFirst(16, t=3) on 64x64 maps; expand 1x1 16 -> 48, batch 128, fp16
+    p = 128 * 64 * 64
     k = _kernel(pico.layerwise, "stages.0.0.conv_expand")
     assert k.kind == "pointwise" and k.stage == "stage1"
     assert k.macs == p * 16 * 48
@@ -44,7 +44,7 @@ def test_one_layer_by_hand(pico):
 def test_totals_match_count_macs(pico):
     from convfirstnet import create_model
 
-    macs = count_macs(create_model("pico"))
+    macs = count_macs(create_model("pico"), (3, 128, 128))
     assert pico.macs_per_image == macs
     assert sum(k.macs for k in pico.layerwise) == 128 * macs
     assert sum(k.macs for k in pico.fused) == 128 * macs
