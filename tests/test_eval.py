@@ -152,11 +152,11 @@ def test_evaluate_counts_exactly_and_drops_padding():
     images[torch.arange(7), torch.tensor([0, 1, 1, 0, 1, 2, 2]), 0, 0] = 1.0  # predictions
     loader = [(images[i : i + 3], target[i : i + 3]) for i in range(0, 7, 3)]
     stub = _Stub()
-    # Only the first 5 samples are real (as if the last two were sampler padding); 3 of them are right.
-    assert evaluate(stub, loader, num_images=5) == Counts(top1=3, top5=5, images=5)
+    # Only the first 5 samples are real (as if the last two were sampler padding); 4 of them are right.
+    assert evaluate(stub, loader, num_images=5) == Counts(top1=4, top5=5, images=5)
     assert stub.batches == [3, 2]
     stub = _Stub()
-    assert evaluate(stub, loader, num_images=7, pad_to=3) == Counts(top1=4, top5=7, images=7)
+    assert evaluate(stub, loader, num_images=7, pad_to=3) == Counts(top1=5, top5=7, images=7)
     assert stub.batches == [3, 3, 3]  # the last batch of 1 ran padded to 3
 
 

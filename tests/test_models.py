@@ -1,5 +1,7 @@
 """Training form, timm conventions, the fused inference form and torch.compile (CPU)."""
 
+from pathlib import Path
+
 import pytest
 import timm
 import torch
@@ -13,6 +15,7 @@ from convfirstnet.profile import count_macs, count_params
 from ._models import randomize_bn, rel_err, trained_like
 
 NAMES = convfirstnet.list_models()
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def test_registry():
@@ -40,6 +43,10 @@ def test_params_and_macs_match_paper(size):
     gmacs = count_macs(model, (3, 256, 256)) / 1e9
     assert params == pytest.approx(PAPER[size]["params_m"], rel=0.005)
     assert gmacs == pytest.approx(PAPER[size]["gmacs"], rel=0.005)
+    # The README's table states these same figures.
+    paper = PAPER[size]
+    row = f"| convfirstnet_{size} | {params:.3f} | {paper['params_m']:g} | {gmacs:.3f} | {paper['gmacs']:g} | {paper['top1']:g} |"
+    assert row in README.read_text()
 
 
 def test_architecture_rows():

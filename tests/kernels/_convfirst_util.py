@@ -84,3 +84,76 @@ def compile_for_gpu(kernel, dtype: torch.dtype, constexprs: dict, arch: int, num
     return triton.compile(
         src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
     )
+
+
+def shipped_variants(block: str) -> list[dict]:
+    """Every (kernel, constexprs, launch options) the launcher of `block` can pick for model shapes."""
+    kernels_package()
+    if block == "stem":
+        from convfirstnet.kernels.stem import kernel as S
+
+        return [
+            dict(name=f"stem_c{cfg.c_pad}", kernel=S._stem_kernel, num_warps=cfg.num_warps, num_stages=2,
+                 constexprs=dict(C_IN=cfg.c_in, C_PAD=cfg.c_pad, BLOCK_M=cfg.block_m))
+            for cfg in S.shipped_configs()
+        ]
+    from convfirstnet.kernels.convfirst import kernel as K
+
+    out = []
+    for cfg in K.shipped_configs():
+        ce = dict(C_PAD=cfg.c_pad, BLOCK_M=cfg.block_m, BLOCK_H=cfg.block_h)
+        if cfg.stride == 2:
+            ce["K_PAD"] = cfg.k_pad
+        out.append(dict(
+            name=f"s{cfg.stride}_c{cfg.c_pad}_k{cfg.k_pad}_m{cfg.block_m}_h{cfg.block_h}_w{cfg.num_warps}",
+            kernel=K._convfirst_s1_kernel if cfg.stride == 1 else K._convfirst_s2_kernel,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, constexprs=ce, precision=K.precision_for,
+        ))
+    return out
+
+
+def _compile_all(block: str, dtypes: list[str], archs: list[int]) -> list[dict]:
+    rows = []
+    for v in shipped_variants(block):
+        for dname in dtypes:
+            dtype = getattr(torch, dname)
+            ce = dict(v["constexprs"])
+            if "precision" in v:
+                ce["PRECISION"] = v["precision"](dtype)
+            for arch in archs:
+                row = dict(name=v["name"], dtype=dname, arch=arch)
+                try:
+                    c = compile_for_gpu(v["kernel"], dtype, ce, arch, v["num_warps"], v["num_stages"])
+                    row.update(ok=True, shared=int(c.metadata.shared))
+                except Exception as e:  # reported per variant by the test
+                    row.update(ok=False, error=f"{type(e).__name__}: {e}"[-2000:])
+                rows.append(row)
+    return rows
+
+
+def compile_all_in_subprocess(block: str, dtypes=("float16", "bfloat16", "float32"), archs=(90, 80)) -> list[dict]:
+    """Run `_compile_all` in a fresh interpreter with TRITON_INTERPRET=0.
+
+    With TRITON_INTERPRET=1 set at import, @triton.jit yields interpreted functions and triton.compile
+    of them fails inside the frontend (seen with triton 3.9), so the GPU compile runs in a child process
+    where the kernels are real JITFunctions.
+    """
+    import json
+    import os
+    import subprocess
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "tests.kernels._convfirst_util", block, ",".join(dtypes), ",".join(map(str, archs))]
+    res = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=1200)
+    if res.returncode != 0:
+        raise RuntimeError(f"compile subprocess failed ({res.returncode}):\n{res.stderr[-4000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    import json
+
+    _block, _dtypes, _archs = sys.argv[1], sys.argv[2].split(","), [int(a) for a in sys.argv[3].split(",")]
+    print(json.dumps(_compile_all(_block, _dtypes, _archs)))
