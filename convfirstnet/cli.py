@@ -112,7 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         return module.main(argv[1:])
     if argv and argv[0] == "info":
         argv = argv[1:]
-    return info(argv)
+    try:
+        return info(argv)
+    except (ValueError, TypeError, RuntimeError) as e:  # bad model name, size, device: one line, no traceback
+        print(f"convfirstnet: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -299,13 +299,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not classes:
         raise EvalError(f"no class folders in {str(root)!r} (expected an ImageFolder tree: one folder per class)")
 
+    dataset = build_dataset(root, classes)
     model, path = build_model(name, args.checkpoint)
     if len(classes) != model.num_classes:
         raise EvalError(
-            f"{str(root)!r} has {len(classes)} class folders, but the {name} checkpoint {str(path)!r} "
-            f"classifies {model.num_classes} classes"
+            f"{str(root)!r} has {len(classes)} class folder{'s' * (len(classes) != 1)}, but the {name} "
+            f"checkpoint {str(path)!r} classifies {model.num_classes} classes"
         )
-    dataset = build_dataset(root, classes)
     if args.limit is not None and args.limit < len(dataset):
         from torch.utils.data import Subset
 
