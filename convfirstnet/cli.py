@@ -62,6 +62,7 @@ def info(argv: list[str]) -> int:
     torch.manual_seed(0)
     for name in args.models or convfirstnet.list_models():
         model = convfirstnet.create_model(name).eval()
+        name = model.pretrained_cfg["architecture"]
         params = count_params(model) / 1e6
         gmacs = count_macs(model, (3, size, size)) / 1e9
         fused = convfirstnet.fuse(model)

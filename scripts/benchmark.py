@@ -1,7 +1,7 @@
 """Inference benchmark (same as ``convfirstnet bench``); see convfirstnet/tools/benchmark.py.
 
-    python scripts/benchmark.py small --batch-sizes 128            # whole network, all backends
-    python scripts/benchmark.py --blocks all                       # paper Tables 1 and 2
+python scripts/benchmark.py small --batch-sizes 128            # whole network, all backends
+python scripts/benchmark.py --blocks all                       # paper Tables 1 and 2
 """
 
 import sys

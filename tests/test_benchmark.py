@@ -25,7 +25,9 @@ def test_percentile_interpolates_like_numpy():
 
 def test_summarize():
     s = summarize([4.0, 1.0, 3.0, 2.0])
-    assert s == dict(median=2.5, p10=pytest.approx(1.3), p90=pytest.approx(3.7), mean=2.5, min=1.0, max=4.0, n=4)
+    assert s == dict(
+        median=2.5, p10=pytest.approx(1.3), p90=pytest.approx(3.7), mean=2.5, min=1.0, max=4.0, n=4
+    )
     with pytest.raises(ValueError, match="no timed"):
         summarize([])
 
@@ -90,8 +92,24 @@ def _only_record(tmp_path):
 
 
 def test_cpu_network_run_writes_record(tmp_path, capsys):
-    argv = ["pico", "resnet10t@32", "--resolution", "32", "--batch-sizes", "2", "--iters", "2", "--warmup", "1",
-            "--backends", "fused,eager,fused-cudagraph", "--device", "cpu", "--out-dir", str(tmp_path)]
+    argv = [
+        "pico",
+        "resnet10t@32",
+        "--resolution",
+        "32",
+        "--batch-sizes",
+        "2",
+        "--iters",
+        "2",
+        "--warmup",
+        "0",
+        "--backends",
+        "fused,eager,fused-cudagraph",
+        "--device",
+        "cpu",
+        "--out-dir",
+        str(tmp_path),
+    ]
     assert benchmark.main(argv) == 0
     path, rec = _only_record(tmp_path)
     assert path.name.endswith("_cpu_float32_pico-resnet10t.json")
@@ -119,9 +137,29 @@ def test_cpu_network_run_writes_record(tmp_path, capsys):
 
 
 def test_cpu_block_mode_and_peak(tmp_path, capsys):
-    argv = ["--blocks", "mbconv", "--block-limit", "1", "--block-depth", "1", "--batch-sizes", "1", "--iters", "1",
-            "--warmup", "0", "--backends", "fused,eager", "--measure-peak", "--peak-size", "64",
-            "--out-dir", str(tmp_path), "--tag", "ci check"]
+    argv = [
+        "--blocks",
+        "mbconv",
+        "--block-limit",
+        "1",
+        "--block-depth",
+        "1",
+        "--batch-sizes",
+        "1",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--backends",
+        "fused,eager",
+        "--measure-peak",
+        "--peak-size",
+        "64",
+        "--out-dir",
+        str(tmp_path),
+        "--tag",
+        "ci check",
+    ]
     assert benchmark.main(argv) == 0
     path, rec = _only_record(tmp_path)
     assert path.name.endswith("_cpu_float32_blocks-mbconv_ci-check.json")
@@ -133,7 +171,10 @@ def test_cpu_block_mode_and_peak(tmp_path, capsys):
     # one stride-1 MBConv 128 -> 512 -> 128 at 16x16 with SE 512 -> 32 -> 512
     assert fused["macs_per_image"] == 256 * (128 * 512 * 2 + 512 * 8 * 9) + 2 * 512 * 32
     out = capsys.readouterr().out
-    assert "| block | C | t | HxW | batch | fused ms | eager ms |" in out and "| 11.46 | 2.48 | 46.2 | 4.6x |" in out
+    assert (
+        "| block | C | t | HxW | batch | fused ms | eager ms |" in out
+        and "| 11.46 | 2.48 | 46.2 | 4.6x |" in out
+    )
 
 
 def test_bad_arguments():
@@ -144,7 +185,17 @@ def test_bad_arguments():
 
 
 def test_unknown_model_is_skipped(tmp_path):
-    argv = ["no_such_model_xyz", "--device", "cpu", "--batch-sizes", "1", "--iters", "1", "--out-dir", str(tmp_path)]
+    argv = [
+        "no_such_model_xyz",
+        "--device",
+        "cpu",
+        "--batch-sizes",
+        "1",
+        "--iters",
+        "1",
+        "--out-dir",
+        str(tmp_path),
+    ]
     assert benchmark.main(argv) == 1
     _, rec = _only_record(tmp_path)
     assert rec["results"][0]["status"] == "skipped"
@@ -152,35 +203,90 @@ def test_unknown_model_is_skipped(tmp_path):
 
 # -------------------------------------------------------------------------------- README results
 def _gpu_record(date, mode, results, name="NVIDIA H100 80GB HBM3"):
-    return dict(schema=1, mode=mode, date=date, command="convfirstnet bench small", git=dict(commit="abc1234", dirty=False),
-                device=dict(type="cuda", name=name, peak_tflops=989.4), software=dict(torch="2.11", triton="3.6"),
-                settings=dict(dtype="float16"), results=results)
+    return dict(
+        schema=1,
+        mode=mode,
+        date=date,
+        command="convfirstnet bench small",
+        git=dict(commit="abc1234", dirty=False),
+        device=dict(type="cuda", name=name, peak_tflops=989.4),
+        software=dict(torch="2.11", triton="3.6"),
+        settings=dict(dtype="float16"),
+        results=results,
+    )
 
 
 def _net(backend, ms, batch=128, pct=None):
-    return dict(model="convfirstnet_small", backend=backend, batch=batch, resolution=256, dtype="float16",
-                status="ok", ms_per_batch=ms, img_per_s=batch / ms * 1e3, pct_peak=pct)
+    return dict(
+        model="convfirstnet_small",
+        backend=backend,
+        batch=batch,
+        resolution=256,
+        dtype="float16",
+        status="ok",
+        ms_per_batch=ms,
+        img_per_s=batch / ms * 1e3,
+        pct_peak=pct,
+    )
 
 
 def test_results_table_from_records(tmp_path):
-    (tmp_path / "a.json").write_text(json.dumps(_gpu_record("2026-01-01T00:00:00Z", "network", [
-        _net("fused", 20.0, pct=30.0), _net("inductor", 60.0), dict(backend="eager", status="skipped", reason="x")])))
+    (tmp_path / "a.json").write_text(
+        json.dumps(
+            _gpu_record(
+                "2026-01-01T00:00:00Z",
+                "network",
+                [
+                    _net("fused", 20.0, pct=30.0),
+                    _net("inductor", 60.0),
+                    dict(backend="eager", status="skipped", reason="x"),
+                ],
+            )
+        )
+    )
     # a newer record replaces the fused figure, keeps the older inductor one
-    (tmp_path / "b.json").write_text(json.dumps(_gpu_record("2026-02-01T00:00:00Z", "network", [
-        _net("fused", 16.0, pct=35.0)])))
-    blk = dict(block="convfirst", channels=16, expansion=3, size=128, batch=128, dtype="float16", status="ok",
-               paper=dict(speedup=14.2, fused_pct_peak=35.1))
-    (tmp_path / "c.json").write_text(json.dumps(_gpu_record("2026-02-02T00:00:00Z", "blocks", [
-        dict(blk, backend="fused", ms_per_batch=0.5, pct_peak=40.0), dict(blk, backend="inductor", ms_per_batch=4.0)])))
-    (tmp_path / "cpu.json").write_text(json.dumps(dict(_gpu_record("2026-03-01T00:00:00Z", "network", [
-        _net("fused", 999.0)]), device=dict(type="cpu", name="x86"))))
+    (tmp_path / "b.json").write_text(
+        json.dumps(_gpu_record("2026-02-01T00:00:00Z", "network", [_net("fused", 16.0, pct=35.0)]))
+    )
+    blk = dict(
+        block="convfirst",
+        channels=16,
+        expansion=3,
+        size=128,
+        batch=128,
+        dtype="float16",
+        status="ok",
+        paper=dict(speedup=14.2, fused_pct_peak=35.1),
+    )
+    (tmp_path / "c.json").write_text(
+        json.dumps(
+            _gpu_record(
+                "2026-02-02T00:00:00Z",
+                "blocks",
+                [
+                    dict(blk, backend="fused", ms_per_batch=0.5, pct_peak=40.0),
+                    dict(blk, backend="inductor", ms_per_batch=4.0),
+                ],
+            )
+        )
+    )
+    (tmp_path / "cpu.json").write_text(
+        json.dumps(
+            dict(
+                _gpu_record("2026-03-01T00:00:00Z", "network", [_net("fused", 999.0)]),
+                device=dict(type="cpu", name="x86"),
+            )
+        )
+    )
     (tmp_path / "broken.json").write_text("{")
     records = bench_report.load_records(tmp_path)
     assert [n for n, _ in records] == ["a.json", "b.json", "c.json", "cpu.json"]
     text = bench_report.results_markdown(records)
     # columns only for backends with figures; fused from b.json (newer), inductor from a.json: 60 / 16 ms
-    assert "| NVIDIA H100 80GB HBM3 | float16 | small@256 | 128 | 8,000 | 2,133 | 16.00 | 35.0 | 3.8x " \
+    assert (
+        "| NVIDIA H100 80GB HBM3 | float16 | small@256 | 128 | 8,000 | 2,133 | 16.00 | 35.0 | 3.8x "
         "| `a.json`, `b.json` |" in text
+    )
     assert "| convfirst | 16 | 3 | 128x128 | 128 | 0.500 | 4.000 | 8.0x | 40.0 | 14.2x | 35.1 |" in text
     assert "cpu.json" not in text and "999" not in text
     assert "`c.json`: NVIDIA H100 80GB HBM3 (cuda), 2026-02-02T00:00:00Z" in text
@@ -189,7 +295,9 @@ def test_results_table_from_records(tmp_path):
     readme.write_text(f"# x\n\n{bench_report.START}\nold\n{bench_report.END}\n\nafter\n")
     assert bench_report.main(["--records", str(tmp_path), "--write", str(readme)]) == 0
     content = readme.read_text()
-    assert "old" not in content and "small@256" in content and content.endswith(f"{bench_report.END}\n\nafter\n")
+    assert (
+        "old" not in content and "small@256" in content and content.endswith(f"{bench_report.END}\n\nafter\n")
+    )
     readme.write_text("no markers\n")
     assert bench_report.main(["--records", str(tmp_path), "--write", str(readme)]) == 1
 
@@ -202,8 +310,19 @@ def test_results_table_without_gpu_records(tmp_path, capsys):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_backends_smoke(tmp_path):
-    argv = ["pico", "--batch-sizes", "8", "--iters", "5", "--warmup", "2", "--backends", "fused,fused-cudagraph,eager",
-            "--out-dir", str(tmp_path)]
+    argv = [
+        "pico",
+        "--batch-sizes",
+        "8",
+        "--iters",
+        "5",
+        "--warmup",
+        "2",
+        "--backends",
+        "fused,fused-cudagraph,eager",
+        "--out-dir",
+        str(tmp_path),
+    ]
     assert benchmark.main(argv) == 0
     _, rec = _only_record(tmp_path)
     assert all(r["status"] == "ok" for r in rec["results"]), rec["results"]

@@ -72,8 +72,12 @@ def test_round_trip_prefers_ema_and_reproduces_outputs(tmp_path, timm_checkpoint
     entry = convert_checkpoint(path, out, "pico")
 
     assert entry == {
-        "name": "convfirstnet_pico", "file": "convfirstnet_pico.safetensors", "url": None,
-        "sha256": sha256_file(out), "source": "model_best.pth.tar", "top1": None,
+        "name": "convfirstnet_pico",
+        "file": "convfirstnet_pico.safetensors",
+        "url": None,
+        "sha256": sha256_file(out),
+        "source": "model_best.pth.tar",
+        "top1": None,
         "note": "top1: measure with convfirstnet eval",
     }
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name]  # no temporary file left
@@ -82,7 +86,9 @@ def test_round_trip_prefers_ema_and_reproduces_outputs(tmp_path, timm_checkpoint
     assert not any(k.startswith("module.") for k in sd)
     assert meta["architecture"] == "convfirstnet_pico" and meta["source"] == "model_best.pth.tar"
     assert meta["tensors_sha256"] == tensors_sha256(ema.state_dict()) == tensors_sha256(sd)
-    assert meta["convfirstnet_version"] == convfirstnet.__version__ and meta["num_classes"] == str(NUM_CLASSES)
+    assert meta["convfirstnet_version"] == convfirstnet.__version__ and meta["num_classes"] == str(
+        NUM_CLASSES
+    )
     created = datetime.fromisoformat(meta["created"])
     assert created.tzinfo is not None and created.utcoffset().total_seconds() == 0
     assert abs((datetime.now(timezone.utc) - created).total_seconds()) < 600
@@ -96,7 +102,9 @@ def test_round_trip_prefers_ema_and_reproduces_outputs(tmp_path, timm_checkpoint
 
 def test_in_memory_state_dict_and_checkpoint_dict(tmp_path):
     model = _model(2)
-    a = convert_checkpoint(model.state_dict(), tmp_path / "a.safetensors", "convfirstnet_pico", source="run 42")
+    a = convert_checkpoint(
+        model.state_dict(), tmp_path / "a.safetensors", "convfirstnet_pico", source="run 42"
+    )
     b = convert_checkpoint({"state_dict": model.state_dict(), "epoch": 1}, tmp_path / "b.safetensors", "pico")
     assert a["source"] == "run 42" and b["source"] == ""
     sd_a, meta_a = read_checkpoint(tmp_path / "a.safetensors")
@@ -106,7 +114,11 @@ def test_in_memory_state_dict_and_checkpoint_dict(tmp_path):
 
 
 def test_tensors_sha256_definition():
-    sd = {"b": torch.arange(6, dtype=torch.float32).reshape(2, 3), "a": torch.tensor(3), "c": torch.ones(2, dtype=torch.bfloat16)}
+    sd = {
+        "b": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "a": torch.tensor(3),
+        "c": torch.ones(2, dtype=torch.bfloat16),
+    }
     ref = tensors_sha256(sd)
     assert tensors_sha256(dict(reversed(list(sd.items())))) == ref  # key order does not matter
     assert tensors_sha256({**sd, "b": sd["b"].t().contiguous().t()}) == ref  # memory layout does not matter
@@ -122,7 +134,7 @@ def test_tensors_sha256_definition():
     def raw(t):  # bytes as stored; numpy has no bfloat16, so read those as int16
         return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).contiguous().numpy().tobytes()
 
-    shape = lambda t: ",".join(map(str, t.shape))  # noqa: E731
+    shape = lambda t: ",".join(map(str, t.shape))
     stream = b"".join(f"{k}\0{sd[k].dtype}\0{shape(sd[k])}\0".encode() + raw(sd[k]) for k in sorted(sd))
     assert hashlib.sha256(stream).hexdigest() == ref
 
@@ -160,7 +172,10 @@ def _error_cases(tmp_path: Path, ckpt: Path) -> dict[str, tuple[list[str], str]]
         "unreadable": ([str(garbage), out, "--model", "pico"], "cannot read checkpoint"),
         "unknown model": ([str(ckpt), out, "--model", "resnet50"], "unknown model"),
         "other size": ([str(ckpt), out, "--model", "nano"], "does not fit convfirstnet_nano"),
-        "output suffix": ([str(ckpt), str(tmp_path / "o.pth"), "--model", "pico"], "must end in .safetensors"),
+        "output suffix": (
+            [str(ckpt), str(tmp_path / "o.pth"), "--model", "pico"],
+            "must end in .safetensors",
+        ),
     }
 
 
@@ -184,9 +199,20 @@ def test_script_runs_from_a_checkout(tmp_path, timm_checkpoint):
     out = tmp_path / "w.safetensors"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "convert_checkpoint.py"), str(timm_checkpoint[0]), str(out),
-         "--model", "pico"],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+        [
+            sys.executable,
+            str(REPO / "scripts" / "convert_checkpoint.py"),
+            str(timm_checkpoint[0]),
+            str(out),
+            "--model",
+            "pico",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["sha256"] == sha256_file(out)

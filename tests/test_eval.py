@@ -72,7 +72,10 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     with torch.no_grad():
         bias7.classifier.weight.zero_()
         bias7.classifier.bias.copy_(torch.tensor(BIAS))
-    return {"random7": save_model(random7, d / "random7.safetensors"), "bias7": save_model(bias7, d / "bias7.safetensors")}
+    return {
+        "random7": save_model(random7, d / "random7.safetensors"),
+        "bias7": save_model(bias7, d / "bias7.safetensors"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +104,18 @@ def eval_json(capsys, tmp_path: Path, *args: str | Path, name: str = "r.json") -
 # ----------------------------------------------------------------------------------------- metrics
 def test_exact_metrics_and_label_order(capsys, tmp_path, checkpoints, data7):
     """Every image's logits are BIAS: top-1 is class 3 (n04), top-5 classes {3, 0, 5, 6, 2}."""
-    r = eval_json(capsys, tmp_path, "--model", "pico", "--data", data7, "--checkpoint", checkpoints["bias7"],
-                  "--batch-size", "4")
+    r = eval_json(
+        capsys,
+        tmp_path,
+        "--model",
+        "pico",
+        "--data",
+        data7,
+        "--checkpoint",
+        checkpoints["bias7"],
+        "--batch-size",
+        "4",
+    )
     n = sum(CLASS_COUNTS.values())
     top1 = CLASS_COUNTS[SORTED[3]]
     top5 = sum(CLASS_COUNTS[SORTED[i]] for i in (3, 0, 5, 6, 2))
@@ -163,17 +176,48 @@ def test_evaluate_counts_exactly_and_drops_padding():
 # ----------------------------------------------------------------------------------------- options
 def test_results_json_fields(capsys, tmp_path, checkpoints, data7):
     ckpt = checkpoints["random7"]
-    r = eval_json(capsys, tmp_path, "--model", "convfirstnet_pico", "--data", data7 / "val", "--checkpoint", ckpt,
-                  "--batch-size", "8", "--device", "cpu")
+    r = eval_json(
+        capsys,
+        tmp_path,
+        "--model",
+        "convfirstnet_pico",
+        "--data",
+        data7 / "val",
+        "--checkpoint",
+        ckpt,
+        "--batch-size",
+        "8",
+        "--device",
+        "cpu",
+    )
     required = {
-        "model", "checkpoint", "checkpoint_sha256", "top1", "top5", "num_images", "img_size", "crop_pct",
-        "interpolation", "dtype", "device", "fused", "compiled", "img_per_sec", "torch", "triton", "convfirstnet",
+        "model",
+        "checkpoint",
+        "checkpoint_sha256",
+        "top1",
+        "top5",
+        "num_images",
+        "img_size",
+        "crop_pct",
+        "interpolation",
+        "dtype",
+        "device",
+        "fused",
+        "compiled",
+        "img_per_sec",
+        "torch",
+        "triton",
+        "convfirstnet",
     }
     assert required <= r.keys()
     assert r["model"] == "convfirstnet_pico"
     assert r["checkpoint"] == str(ckpt) and r["checkpoint_sha256"] == sha256_file(ckpt)
     assert r["num_images"] == 21 and 0 <= r["top1"] <= r["top5"] <= 100
-    assert (r["img_size"], r["crop_pct"], r["interpolation"]) == (32, 0.95, "bicubic")  # pretrained_cfg, size overridden
+    assert (r["img_size"], r["crop_pct"], r["interpolation"]) == (
+        32,
+        0.95,
+        "bicubic",
+    )  # pretrained_cfg, size overridden
     assert (r["dtype"], r["device"], r["fused"], r["compiled"]) == ("float32", "cpu", True, False)
     assert r["img_per_sec"] > 0
     assert r["torch"] == torch.__version__ and r["convfirstnet"] == convfirstnet.__version__
@@ -193,12 +237,29 @@ def test_fused_unfused_compiled_agree(capsys, tmp_path, checkpoints, data7, monk
     assert (fused["fused"], unfused["fused"], compiled["compiled"]) == (True, False, True)
     for r in (unfused, compiled):
         assert (r["top1_correct"], r["top5_correct"], r["num_images"]) == (
-            fused["top1_correct"], fused["top5_correct"], fused["num_images"])
+            fused["top1_correct"],
+            fused["top5_correct"],
+            fused["num_images"],
+        )
 
 
 def test_bfloat16_and_limit(capsys, tmp_path, checkpoints, data7):
-    r = eval_json(capsys, tmp_path, "--model", "pico", "--data", data7, "--checkpoint", checkpoints["bias7"],
-                  "--dtype", "bfloat16", "--limit", "7", "--batch-size", "3")
+    r = eval_json(
+        capsys,
+        tmp_path,
+        "--model",
+        "pico",
+        "--data",
+        data7,
+        "--checkpoint",
+        checkpoints["bias7"],
+        "--dtype",
+        "bfloat16",
+        "--limit",
+        "7",
+        "--batch-size",
+        "3",
+    )
     # The first 7 images in sorted file order: n01 (2), n02 (4), n03 (0), n04 (1 of 6); top-1 is class 3.
     assert (r["dtype"], r["num_images"], r["top1_correct"], r["top5_correct"]) == ("bfloat16", 7, 1, 3)
 
@@ -218,26 +279,46 @@ def _errors(tmp_path: Path, checkpoints: dict[str, Path], data7: Path) -> dict[s
         "empty data": (pico + ["--data", tmp_path / "empty"], "no class folders"),
         "no images": (pico + ["--data", tmp_path / "no_images"], "no images"),
         "unknown model": (["--model", "resnet50", "--data", data7], "unknown model 'resnet50'"),
-        "missing checkpoint": (["--model", "pico", "--data", data7, "--checkpoint", tmp_path / "x.pth"], "does not exist"),
-        "unreadable checkpoint": (["--model", "pico", "--data", data7, "--checkpoint", garbage], "cannot read checkpoint"),
-        "checkpoint of another model": (["--model", "nano", "--data", data7, "--checkpoint", checkpoints["random7"]],
-                                        "is for convfirstnet_pico, not convfirstnet_nano"),
-        "wrong class count": (pico + ["--data", three], "has 3 class folders, but the convfirstnet_pico checkpoint"),
+        "missing checkpoint": (
+            ["--model", "pico", "--data", data7, "--checkpoint", tmp_path / "x.pth"],
+            "does not exist",
+        ),
+        "unreadable checkpoint": (
+            ["--model", "pico", "--data", data7, "--checkpoint", garbage],
+            "cannot read checkpoint",
+        ),
+        "checkpoint of another model": (
+            ["--model", "nano", "--data", data7, "--checkpoint", checkpoints["random7"]],
+            "is for convfirstnet_pico, not convfirstnet_nano",
+        ),
+        "wrong class count": (
+            pico + ["--data", three],
+            "has 3 class folders, but the convfirstnet_pico checkpoint",
+        ),
         "input too small": (pico + ["--data", data7, "--img-size", "16"], "needs at least 32"),
         "bad batch size": (pico + ["--data", data7, "--batch-size", "0"], "--batch-size must be at least 1"),
     }
 
 
 ERROR_CASES = [
-    "missing data", "data is a file", "empty data", "no images", "unknown model", "missing checkpoint",
-    "unreadable checkpoint", "checkpoint of another model", "wrong class count", "input too small", "bad batch size",
+    "missing data",
+    "data is a file",
+    "empty data",
+    "no images",
+    "unknown model",
+    "missing checkpoint",
+    "unreadable checkpoint",
+    "checkpoint of another model",
+    "wrong class count",
+    "input too small",
+    "bad batch size",
 ]
 
 
 @pytest.mark.parametrize("case", ERROR_CASES)
 def test_errors_are_one_line(case, capsys, tmp_path, checkpoints, data7):
     args, message = _errors(tmp_path, checkpoints, data7)[case]
-    code, out, err = run_eval(capsys, *args, "--workers", "0", "--no-progress")
+    code, _, err = run_eval(capsys, *args, "--workers", "0", "--no-progress")
     assert code == 1
     assert err.count("\n") == 1 and err.startswith("convfirstnet eval: error: "), err
     assert message in err and "Traceback" not in err
@@ -270,8 +351,18 @@ def test_no_weights_without_checkpoint(capsys, tmp_path, data7, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests the no-GPU message")
 def test_cuda_requested_without_gpu(capsys, checkpoints, data7):
-    code, _, err = run_eval(capsys, "--model", "pico", "--data", data7, "--checkpoint", checkpoints["random7"],
-                            "--device", "cuda", *FAST)
+    code, _, err = run_eval(
+        capsys,
+        "--model",
+        "pico",
+        "--data",
+        data7,
+        "--checkpoint",
+        checkpoints["random7"],
+        "--device",
+        "cuda",
+        *FAST,
+    )
     assert code == 1 and err.count("\n") == 1 and "no CUDA device" in err
 
 
@@ -279,8 +370,20 @@ def test_script_error_exit_without_traceback(tmp_path):
     """The scripts/ wrapper, as a user runs it: exit status 1, one line on stderr."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "eval_imagenet.py"), "--model", "pico", "--data", str(tmp_path / "nope")],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+        [
+            sys.executable,
+            str(REPO / "scripts" / "eval_imagenet.py"),
+            "--model",
+            "pico",
+            "--data",
+            str(tmp_path / "nope"),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert proc.returncode == 1
     assert proc.stderr.strip().count("\n") == 0 and "does not exist" in proc.stderr, proc.stderr
@@ -289,17 +392,34 @@ def test_script_error_exit_without_traceback(tmp_path):
 # ----------------------------------------------------------------------------------------- distributed
 def test_two_process_gloo_equals_single_process(capsys, tmp_path, checkpoints):
     """torchrun, 2 CPU processes (gloo): 13 images in batches of 2 leave one padded sample on rank 1."""
-    data = make_image_folder(tmp_path / "data", {"n01": 3, "n02": 1, "n03": 2, "n04": 0, "n05": 4, "n06": 1, "n07": 2},
-                             seed=1)
+    data = make_image_folder(
+        tmp_path / "data", {"n01": 3, "n02": 1, "n03": 2, "n04": 0, "n05": 4, "n06": 1, "n07": 2}, seed=1
+    )
     args = ["--model", "pico", "--data", data, "--checkpoint", checkpoints["random7"], "--batch-size", "2"]
     single = eval_json(capsys, tmp_path, *args, name="single.json")
     out = tmp_path / "dist.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(REPO / "scripts" / "eval_imagenet.py"), *map(str, args), "--device", "cpu", "--results-json", str(out),
-         *FAST],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(REPO / "scripts" / "eval_imagenet.py"),
+            *map(str, args),
+            "--device",
+            "cpu",
+            "--results-json",
+            str(out),
+            *FAST,
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     dist = json.loads(out.read_text())
@@ -307,3 +427,50 @@ def test_two_process_gloo_equals_single_process(capsys, tmp_path, checkpoints):
     keys = ("num_images", "top1_correct", "top5_correct", "top1", "top5")
     assert [dist[k] for k in keys] == [single[k] for k in keys]
     assert dist["num_images"] == 13
+
+
+def test_same_counts_as_timm_pipeline(capsys, tmp_path, checkpoints):
+    """The counts equal a plain loop over timm's own create_dataset / create_loader (what timm's
+    validate.py runs) with the model loaded by timm.create_model(checkpoint_path=...)."""
+    import timm
+    from timm.data import create_dataset, create_loader, resolve_data_config
+
+    data = make_image_folder(
+        tmp_path / "data", {"n01": 2, "n02": 3, "n03": 1, "n04": 2, "n05": 1, "n06": 2, "n07": 1}, seed=2
+    )
+    ckpt = checkpoints["random7"]
+    r = eval_json(
+        capsys,
+        tmp_path,
+        "--model",
+        "pico",
+        "--data",
+        data,
+        "--checkpoint",
+        ckpt,
+        "--no-fuse",
+        "--batch-size",
+        "4",
+    )
+    model = timm.create_model("convfirstnet_pico", num_classes=7, checkpoint_path=str(ckpt)).eval()
+    cfg = resolve_data_config({"img_size": 32}, model=model, use_test_size=True)
+    loader = create_loader(
+        create_dataset("", root=str(data), split="validation"),
+        input_size=cfg["input_size"],
+        batch_size=4,
+        interpolation=cfg["interpolation"],
+        mean=cfg["mean"],
+        std=cfg["std"],
+        crop_pct=cfg["crop_pct"],
+        crop_mode=cfg["crop_mode"],
+        num_workers=0,
+        device=torch.device("cpu"),
+    )
+    top1 = top5 = n = 0
+    with torch.no_grad():
+        for x, y in loader:
+            pred = model(x).topk(5, dim=1).indices
+            top1 += int((pred[:, 0] == y).sum())
+            top5 += int((pred == y[:, None]).any(1).sum())
+            n += len(y)
+    assert (r["top1_correct"], r["top5_correct"], r["num_images"]) == (top1, top5, n) == (top1, top5, 12)

@@ -62,7 +62,15 @@ def test_totals_match_count_macs(pico):
 def test_block_count_and_stages(pico):
     # stem + 1 + 2 + 3 + 11 + 11 blocks + head + classifier
     assert len(pico.fused) == 1 + 28 + 2
-    assert {k.stage for k in pico.layerwise} == {"stem", "stage1", "stage2", "stage3", "stage4", "stage5", "head"}
+    assert {k.stage for k in pico.layerwise} == {
+        "stem",
+        "stage1",
+        "stage2",
+        "stage3",
+        "stage4",
+        "stage5",
+        "head",
+    }
     kinds = {k.kind for k in pico.layerwise}
     assert {"conv", "pointwise", "grouped", "pool/cat/multiply", "linear"} <= kinds
 
@@ -70,13 +78,23 @@ def test_block_count_and_stages(pico):
 # The paper's Fig. 8 and Fig. 12 (minimum latencies in microseconds, layer-wise and block-fusion,
 # A5000 at its benchmark clocks, batch 128, fp16), read from the figures' labels.
 PAPER_WELLS = {
-    ("convfirst", 16, 3, 128): (1538, 280), ("convfirst", 32, 3, 128): (3076, 559),
-    ("convfirst", 32, 6, 64): (1188, 199), ("convfirst", 48, 6, 64): (1783, 425),
-    ("convfirst", 64, 6, 64): (2377, 735), ("convfirst", 48, 6, 32): (446, 106),
-    ("convfirst", 64, 6, 32): (594, 184), ("convfirst", 96, 6, 32): (892, 402),
-    ("mbconv", 128, 4, 16): (544, 144), ("mbconv", 144, 4, 16): (612, 178), ("mbconv", 160, 4, 16): (680, 215),
-    ("mbconv", 192, 4, 16): (816, 300), ("mbconv", 256, 4, 16): (1150, 512), ("mbconv", 128, 4, 8): (137, 36),
-    ("mbconv", 144, 4, 8): (155, 45), ("mbconv", 160, 4, 8): (172, 54), ("mbconv", 192, 4, 8): (207, 75),
+    ("convfirst", 16, 3, 128): (1538, 280),
+    ("convfirst", 32, 3, 128): (3076, 559),
+    ("convfirst", 32, 6, 64): (1188, 199),
+    ("convfirst", 48, 6, 64): (1783, 425),
+    ("convfirst", 64, 6, 64): (2377, 735),
+    ("convfirst", 48, 6, 32): (446, 106),
+    ("convfirst", 64, 6, 32): (594, 184),
+    ("convfirst", 96, 6, 32): (892, 402),
+    ("mbconv", 128, 4, 16): (544, 144),
+    ("mbconv", 144, 4, 16): (612, 178),
+    ("mbconv", 160, 4, 16): (680, 215),
+    ("mbconv", 192, 4, 16): (816, 300),
+    ("mbconv", 256, 4, 16): (1150, 512),
+    ("mbconv", 128, 4, 8): (137, 36),
+    ("mbconv", 144, 4, 8): (155, 45),
+    ("mbconv", 160, 4, 8): (172, 54),
+    ("mbconv", 192, 4, 8): (207, 75),
     ("mbconv", 256, 4, 8): (290, 128),
 }
 
@@ -109,12 +127,36 @@ def test_plots(pico, tmp_path):
     pytest.importorskip("matplotlib")
     png = waterline.plot_waterline(pico, tmp_path / "w.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    rec = dict(mode="network", device=dict(type="cuda", name="NVIDIA H100 80GB HBM3"), results=[
-        dict(model="convfirstnet_pico", backend="fused", batch=128, resolution=256, status="ok", ms_per_batch=9.0),
-        dict(model="convfirstnet_pico", backend="fused-cudagraph", batch=128, resolution=256, status="ok",
-             ms_per_batch=8.0),
-        dict(model="convfirstnet_pico", backend="inductor", batch=128, resolution=256, status="ok", ms_per_batch=1.0),
-    ])
+    rec = dict(
+        mode="network",
+        device=dict(type="cuda", name="NVIDIA H100 80GB HBM3"),
+        results=[
+            dict(
+                model="convfirstnet_pico",
+                backend="fused",
+                batch=128,
+                resolution=256,
+                status="ok",
+                ms_per_batch=9.0,
+            ),
+            dict(
+                model="convfirstnet_pico",
+                backend="fused-cudagraph",
+                batch=128,
+                resolution=256,
+                status="ok",
+                ms_per_batch=8.0,
+            ),
+            dict(
+                model="convfirstnet_pico",
+                backend="inductor",
+                batch=128,
+                resolution=256,
+                status="ok",
+                ms_per_batch=1.0,
+            ),
+        ],
+    )
     (tmp_path / "r.json").write_text(json.dumps(rec))
     measured = waterline.measured_latencies(tmp_path, H100, 128)
     assert measured["convfirstnet_pico"]["ms_per_batch"] == 8.0
@@ -125,7 +167,10 @@ def test_plots(pico, tmp_path):
 
 def test_cli(tmp_path, capsys):
     out = tmp_path / "w.json"
-    assert waterline.main(["pico", "--device", "a100", "--batch", "8", "--resolution", "64", "--json", str(out)]) == 0
+    assert (
+        waterline.main(["pico", "--device", "a100", "--batch", "8", "--resolution", "64", "--json", str(out)])
+        == 0
+    )
     text = capsys.readouterr().out
     assert "convfirstnet_pico @ 64x64, batch 8" in text and "| stage5 |" in text
     data = json.loads(out.read_text())["model"]

@@ -39,14 +39,24 @@ DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec("h100", "NVIDIA H100 SXM", 989.4, 3.35, ("h100",), "SXM5 80 GB (HBM3)"),
     DeviceSpec("h200-nvl", "NVIDIA H200 NVL", 835.5, 4.8, ("h200 nvl",)),
     DeviceSpec("h200", "NVIDIA H200 SXM", 989.4, 4.8, ("h200", "gh200")),
-    DeviceSpec("a100-40gb", "NVIDIA A100 40GB", 312.0, 1.555, ("a100-sxm4-40gb", "a100-pcie-40gb", "a100 40gb")),
+    DeviceSpec(
+        "a100-40gb", "NVIDIA A100 40GB", 312.0, 1.555, ("a100-sxm4-40gb", "a100-pcie-40gb", "a100 40gb")
+    ),
     DeviceSpec("a100", "NVIDIA A100 80GB", 312.0, 2.0, ("a100",), "SXM4 2.04 TB/s, PCIe 1.94 TB/s"),
     DeviceSpec(
-        "a5000", "NVIDIA RTX A5000", 76.7, 0.768, ("rtx a5000",),
+        "a5000",
+        "NVIDIA RTX A5000",
+        76.7,
+        0.768,
+        ("rtx a5000",),
         "peak at base clock, as the paper uses (SPEC 3); datasheet memory bandwidth",
     ),
     DeviceSpec(
-        "a5000-paper", "NVIDIA RTX A5000 (paper clocks)", 76.7, 0.48, (),
+        "a5000-paper",
+        "NVIDIA RTX A5000 (paper clocks)",
+        76.7,
+        0.48,
+        (),
         "the paper's benchmark clocks: 1.17 GHz core, 1.25 GHz memory (Section 3.2)",
     ),
     DeviceSpec("a6000", "NVIDIA RTX A6000", 154.8, 0.768, ("rtx a6000",)),

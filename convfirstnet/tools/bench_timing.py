@@ -67,12 +67,12 @@ def time_iterations(fn: Callable[[], object], device: torch.device, warmup: int,
         torch.cuda.synchronize(device)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-        for s, e in zip(starts, ends):
+        for s, e in zip(starts, ends, strict=True):
             s.record()
             fn()
             e.record()
         torch.cuda.synchronize(device)
-        return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+        return [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
@@ -81,7 +81,9 @@ def time_iterations(fn: Callable[[], object], device: torch.device, warmup: int,
     return times
 
 
-def measure_matmul_peak(device: torch.device, dtype: torch.dtype, size: int | None = None, iters: int = 20) -> dict:
+def measure_matmul_peak(
+    device: torch.device, dtype: torch.dtype, size: int | None = None, iters: int = 20
+) -> dict:
     """Achieved dense matmul TFLOP/s (best of a few square sizes): an empirical peak for this device.
 
     On GPU the sizes are large enough to be compute bound; the result is what cuBLAS reaches at the
@@ -93,7 +95,7 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype, size: int | No
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
         with torch.inference_mode():
-            times = time_iterations(lambda: torch.mm(a, b), device, warmup=3, iters=iters)
+            times = time_iterations(lambda a=a, b=b: torch.mm(a, b), device, warmup=3, iters=iters)
         med = summarize(times)["median"]
         tflops = 2 * n**3 / (med / 1e3) / 1e12
         if best is None or tflops > best["tflops"]:
@@ -144,7 +146,9 @@ def software_info() -> dict:
 def device_info(device: torch.device) -> dict:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        driver = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", f"--id={device.index or 0}"])
+        driver = _run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", f"--id={device.index or 0}"]
+        )
         return dict(
             type="cuda",
             name=torch.cuda.get_device_name(device),

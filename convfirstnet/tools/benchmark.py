@@ -83,7 +83,9 @@ def _backend_list(text: str) -> list[str]:
     names = [v.strip() for v in text.split(",") if v.strip()]
     bad = [n for n in names if n not in NETWORK_BACKENDS]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown backend(s) {bad}; choose from {', '.join(NETWORK_BACKENDS)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown backend(s) {bad}; choose from {', '.join(NETWORK_BACKENDS)}"
+        )
     return names
 
 
@@ -93,32 +95,64 @@ def build_parser() -> argparse.ArgumentParser:
         description="Inference benchmark: fused Triton kernels vs eager PyTorch vs torch.compile/Inductor.",
     )
     p.add_argument(
-        "models", nargs="*",
+        "models",
+        nargs="*",
         help="model names: pico|nano|tiny|small (or convfirstnet_*) and any timm model; NAME@RES sets "
         "that model's resolution (e.g. convnext_small@288). Default: the four ConvFirstNet sizes.",
     )
-    p.add_argument("--backends", type=_backend_list, default=None,
-                   help=f"comma list of {', '.join(NETWORK_BACKENDS)} (default: fused,fused-cudagraph,eager,"
-                   "inductor on CUDA; fused,eager on CPU; block mode: fused,inductor on CUDA)")
-    p.add_argument("--batch-sizes", type=_int_list, default=None,
-                   help="comma list (default 1,32,128,256; block mode 128)")
+    p.add_argument(
+        "--backends",
+        type=_backend_list,
+        default=None,
+        help=f"comma list of {', '.join(NETWORK_BACKENDS)} (default: fused,fused-cudagraph,eager,"
+        "inductor on CUDA; fused,eager on CPU; block mode: fused,inductor on CUDA)",
+    )
+    p.add_argument(
+        "--batch-sizes",
+        type=_int_list,
+        default=None,
+        help="comma list (default 1,32,128,256; block mode 128)",
+    )
     p.add_argument("--resolution", type=int, default=256, help="input height = width (default 256)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float16",
-                   help="float16 (default) or bfloat16 on CUDA; CPU runs always use float32")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="float16",
+        help="float16 (default) or bfloat16 on CUDA; CPU runs always use float32",
+    )
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cuda, cuda:N or cpu")
     p.add_argument("--warmup", type=int, default=10, help="untimed iterations before timing (default 10)")
     p.add_argument("--iters", type=int, default=50, help="timed iterations (default 50; use >= 50 on GPU)")
-    p.add_argument("--blocks", choices=("convfirst", "mbconv", "all"), default=None,
-                   help="block mode: stages of the paper's Table 1 (convfirst) / Table 2 (mbconv) configurations")
-    p.add_argument("--block-depth", type=int, default=PAPER_STAGE_DEPTH,
-                   help=f"blocks per timed stage in block mode (default {PAPER_STAGE_DEPTH}, as the paper)")
-    p.add_argument("--block-limit", type=int, default=None,
-                   help="block mode: only the first N configurations (for quick checks)")
-    p.add_argument("--measure-peak", action="store_true",
-                   help="also measure a dense matmul peak on this device and report %% of it")
+    p.add_argument(
+        "--blocks",
+        choices=("convfirst", "mbconv", "all"),
+        default=None,
+        help="block mode: stages of the paper's Table 1 (convfirst) / Table 2 (mbconv) configurations",
+    )
+    p.add_argument(
+        "--block-depth",
+        type=int,
+        default=PAPER_STAGE_DEPTH,
+        help=f"blocks per timed stage in block mode (default {PAPER_STAGE_DEPTH}, as the paper)",
+    )
+    p.add_argument(
+        "--block-limit",
+        type=int,
+        default=None,
+        help="block mode: only the first N configurations (for quick checks)",
+    )
+    p.add_argument(
+        "--measure-peak",
+        action="store_true",
+        help="also measure a dense matmul peak on this device and report %% of it",
+    )
     p.add_argument("--peak-size", type=int, default=None, help="matrix size for --measure-peak")
-    p.add_argument("--peak-tflops", type=float, default=None,
-                   help="dense fp16/bf16 peak TFLOP/s to use instead of the device table")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="dense fp16/bf16 peak TFLOP/s to use instead of the device table",
+    )
     p.add_argument("--out-dir", default="benchmarks/results", help="where the JSON record goes")
     p.add_argument("--no-save", action="store_true", help="print the table only, write no record")
     p.add_argument("--tag", default="", help="free text stored in the record and its file name")
@@ -335,8 +369,15 @@ def run_network(args, device, dtype, peak, measured) -> list[dict]:
                 x = torch.randn(batch, 3, res, res, device=device, dtype=dtype).contiguous(
                     memory_format=torch.channels_last
                 )
-                row = dict(model=key, backend=backend, batch=batch, resolution=res,
-                           dtype=str(dtype).removeprefix("torch."), macs_per_image=macs, params=params)
+                row = dict(
+                    model=key,
+                    backend=backend,
+                    batch=batch,
+                    resolution=res,
+                    dtype=str(dtype).removeprefix("torch."),
+                    macs_per_image=macs,
+                    params=params,
+                )
                 row.update(run_case(backend, train_model, is_cfn, x, args.warmup, args.iters))
                 _figures(row, batch, macs, peak, measured)
                 results.append(row)
@@ -373,13 +414,21 @@ def run_blocks(args, device, dtype, peak, measured) -> list[dict]:
         params = count_params(stage)
         for backend in args.backends:
             for batch in args.batch_sizes:
-                x = torch.randn(batch, row.channels, row.size, row.size, device=device, dtype=dtype).contiguous(
-                    memory_format=torch.channels_last
-                )
+                x = torch.randn(
+                    batch, row.channels, row.size, row.size, device=device, dtype=dtype
+                ).contiguous(memory_format=torch.channels_last)
                 rec = dict(
-                    block=row.block, channels=row.channels, expansion=row.expansion, size=row.size,
-                    depth=args.block_depth, backend=backend, batch=batch, dtype=str(dtype).removeprefix("torch."),
-                    macs_per_image=macs, params=params, paper=_paper_fields(row),
+                    block=row.block,
+                    channels=row.channels,
+                    expansion=row.expansion,
+                    size=row.size,
+                    depth=args.block_depth,
+                    backend=backend,
+                    batch=batch,
+                    dtype=str(dtype).removeprefix("torch."),
+                    macs_per_image=macs,
+                    params=params,
+                    paper=_paper_fields(row),
                 )
                 rec.update(run_case(backend, stage, True, x, args.warmup, args.iters))
                 _figures(rec, batch, macs, peak, measured)
@@ -391,8 +440,13 @@ def run_blocks(args, device, dtype, peak, measured) -> list[dict]:
 
 def _paper_fields(row: BlockRow) -> dict:
     return dict(
-        inductor_ms=row.inductor_ms, fused_ms=row.fused_ms, fused_pct_peak=row.fused_pct_peak,
-        inductor_pct_peak=row.inductor_pct_peak, speedup=row.speedup, device=PAPER_DEVICE, batch=PAPER_BATCH,
+        inductor_ms=row.inductor_ms,
+        fused_ms=row.fused_ms,
+        fused_pct_peak=row.fused_pct_peak,
+        inductor_pct_peak=row.inductor_pct_peak,
+        speedup=row.speedup,
+        device=PAPER_DEVICE,
+        batch=PAPER_BATCH,
     )
 
 
@@ -417,7 +471,8 @@ def _fmt_ms(v: float | None) -> str:
 
 def network_table(results: Sequence[dict]) -> str:
     lines = [
-        "| model | backend | batch | img/s | ms/batch (median) | p10-p90 ms | TFLOP/s | % peak | peak mem MB | notes |",
+        "| model | backend | batch | img/s | ms/batch (median) | p10-p90 ms | TFLOP/s | % peak "
+        "| peak mem MB | notes |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
@@ -448,8 +503,15 @@ def block_table(results: Sequence[dict]) -> str:
         if r["backend"] not in backends:
             backends.append(r["backend"])
     head = ["block", "C", "t", "HxW", "batch"] + [f"{b} ms" for b in backends]
-    head += ["fused TFLOP/s", "fused % peak", "speed-up vs inductor",
-             "paper inductor ms", "paper fused ms", "paper fused % peak", "paper speed-up"]
+    head += [
+        "fused TFLOP/s",
+        "fused % peak",
+        "speed-up vs inductor",
+        "paper inductor ms",
+        "paper fused ms",
+        "paper fused % peak",
+        "paper speed-up",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 5 + "---:|" * (len(head) - 5)]
     for (block, c, t, s, batch), by in groups.items():
         cells = [block, str(c), str(t), f"{s}x{s}", str(batch)]
@@ -463,8 +525,12 @@ def block_table(results: Sequence[dict]) -> str:
         speed = ind["ms_per_batch"] / fused["ms_per_batch"] if _ok(fused) and _ok(ind) else None
         cells.append(f"{speed:.1f}x" if speed else "-")
         paper = next(iter(by.values()))["paper"]
-        cells += [f"{paper['inductor_ms']:.2f}", f"{paper['fused_ms']:.2f}", f"{paper['fused_pct_peak']:.1f}",
-                  f"{paper['speedup']:.1f}x"]
+        cells += [
+            f"{paper['inductor_ms']:.2f}",
+            f"{paper['fused_ms']:.2f}",
+            f"{paper['fused_pct_peak']:.1f}",
+            f"{paper['speedup']:.1f}x",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     skipped = sorted({f"{r['backend']}: {r.get('reason')}" for r in results if r.get("status") != "ok"})
     if skipped:
@@ -490,7 +556,11 @@ def record_filename(record: dict) -> str:
         what = f"blocks-{record['settings']['blocks']}"
     else:
         models = record["settings"]["models"]
-        what = "-".join(m.removeprefix("convfirstnet_") for m in models) if len(models) <= 4 else f"{len(models)}models"
+        what = (
+            "-".join(m.removeprefix("convfirstnet_") for m in models)
+            if len(models) <= 4
+            else f"{len(models)}models"
+        )
     parts = [stamp, device_slug, record["settings"]["dtype"], _slug(what)]
     if record.get("tag"):
         parts.append(_slug(record["tag"]))
@@ -523,8 +593,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.blocks:
             args.backends = ["fused", "inductor"] if device.type == "cuda" else ["fused", "eager"]
         else:
-            args.backends = (["fused", "fused-cudagraph", "eager", "inductor"] if device.type == "cuda"
-                             else ["fused", "eager"])
+            args.backends = (
+                ["fused", "fused-cudagraph", "eager", "inductor"]
+                if device.type == "cuda"
+                else ["fused", "eager"]
+            )
     if args.batch_sizes is None:
         args.batch_sizes = [PAPER_BATCH] if args.blocks else [1, 32, 128, 256]
     if args.iters < 1 or args.warmup < 0:
@@ -545,13 +618,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         m = measure_matmul_peak(device, dtype, args.peak_size)
         measured = m["tflops"]
         dev["measured_peak"] = m
-        print(f"[bench] measured matmul peak: {measured:.2f} TFLOP/s ({m['size']}^3 {m['dtype']})", file=sys.stderr)
+        print(
+            f"[bench] measured matmul peak: {measured:.2f} TFLOP/s ({m['size']}^3 {m['dtype']})",
+            file=sys.stderr,
+        )
         if peak is None:
             peak, dev["peak_source"] = measured, "measured matmul"
             dev["peak_tflops"] = peak
     if peak is None:
-        print("[bench] no peak known for this device: % of peak is left empty "
-              "(use --peak-tflops or --measure-peak)", file=sys.stderr)
+        print(
+            "[bench] no peak known for this device: % of peak is left empty "
+            "(use --peak-tflops or --measure-peak)",
+            file=sys.stderr,
+        )
 
     now = _dt.datetime.now(_dt.timezone.utc)
     if args.blocks:
@@ -572,18 +651,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         software=software_info(),
         settings=dict(
             models=[parse_model_spec(s, args.resolution)[0] for s in (args.models or DEFAULT_MODELS)]
-            if not args.blocks else [],
-            blocks=args.blocks, block_depth=args.block_depth if args.blocks else None,
-            backends=args.backends, batch_sizes=args.batch_sizes, resolution=args.resolution,
-            dtype=str(dtype).removeprefix("torch."), warmup=args.warmup, iters=args.iters,
-            channels_last=True, timer="cuda-events" if device.type == "cuda" else "perf_counter",
+            if not args.blocks
+            else [],
+            blocks=args.blocks,
+            block_depth=args.block_depth if args.blocks else None,
+            backends=args.backends,
+            batch_sizes=args.batch_sizes,
+            resolution=args.resolution,
+            dtype=str(dtype).removeprefix("torch."),
+            warmup=args.warmup,
+            iters=args.iters,
+            channels_last=True,
+            timer="cuda-events" if device.type == "cuda" else "perf_counter",
         ),
         results=results,
     )
     if dtype_note:
         record["settings"]["note"] = dtype_note
-    header = (f"**{dev['name']}** ({device.type}), {record['settings']['dtype']}, "
-              f"peak {_fmt(peak, '.4g')} TFLOP/s ({peak_source or 'unknown'}), {record['date']}")
+    header = (
+        f"**{dev['name']}** ({device.type}), {record['settings']['dtype']}, "
+        f"peak {_fmt(peak, '.4g')} TFLOP/s ({peak_source or 'unknown'}), {record['date']}"
+    )
     print(header)
     print()
     print(table)

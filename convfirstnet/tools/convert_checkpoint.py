@@ -1,6 +1,6 @@
 """Convert a training checkpoint into a ConvFirstNet weight file (safetensors + metadata).
 
-    convfirstnet convert output/train/.../model_best.pth.tar weights/convfirstnet_pico.safetensors --model pico
+    convfirstnet convert output/train/.../model_best.pth.tar convfirstnet_pico.safetensors --model pico
 
 Input: a timm training checkpoint (``.pth`` / ``.pth.tar``; EMA weights preferred, ``module.`` and
 ``_orig_mod.`` prefixes stripped), a safetensors file or a plain state-dict file, or (from Python) a state
@@ -20,9 +20,10 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -91,6 +92,9 @@ def convert_checkpoint(
     )
 
     name = _canonical(model)
+    output = Path(output)
+    if output.suffix != ".safetensors":
+        raise ValueError(f"output {str(output)!r} must end in .safetensors")
     if isinstance(checkpoint, Mapping):
         state_dict, in_meta = _in_memory_state_dict(checkpoint), {}
         where = "the checkpoint given in memory"
@@ -107,9 +111,6 @@ def convert_checkpoint(
         raise CheckpointError(f"{where} does not fit {name}: {problem}")
     original.load_state_dict(state_dict, strict=True)
 
-    output = Path(output)
-    if output.suffix != ".safetensors":
-        raise ValueError(f"output {str(output)!r} must end in .safetensors")
     metadata = {
         "format": "pt",
         "architecture": name,
@@ -128,9 +129,13 @@ def convert_checkpoint(
             raise CheckpointError(f"{str(output)!r}: the written file does not hold the converted weights")
         fresh = _build(name, loaded_sd)
         load_weights(fresh, tmp, name=name)
-        x = torch.randn(VERIFY_BATCH, fresh.in_chans, VERIFY_SIZE, VERIFY_SIZE, generator=torch.Generator().manual_seed(0))
+        x = torch.randn(
+            VERIFY_BATCH, fresh.in_chans, VERIFY_SIZE, VERIFY_SIZE, generator=torch.Generator().manual_seed(0)
+        )
         if not torch.equal(_output(fresh, x), _output(original, x)):
-            raise CheckpointError(f"{str(output)!r}: the written weights do not reproduce the checkpoint's outputs")
+            raise CheckpointError(
+                f"{str(output)!r}: the written weights do not reproduce the checkpoint's outputs"
+            )
         tmp.replace(output)
     finally:
         tmp.unlink(missing_ok=True)
@@ -155,7 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="timm .pth/.pth.tar (EMA preferred), safetensors or state-dict file")
     p.add_argument("output", help="weight file to write, e.g. weights/convfirstnet_pico.safetensors")
     p.add_argument("--model", required=True, help="model name, e.g. pico or convfirstnet_pico")
-    p.add_argument("--source", default="", help="provenance recorded in the file (default: checkpoint file name)")
+    p.add_argument(
+        "--source", default="", help="provenance recorded in the file (default: checkpoint file name)"
+    )
     return p
 
 

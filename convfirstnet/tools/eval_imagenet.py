@@ -23,12 +23,13 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SPLIT_FOLDERS = ("val", "validation")
@@ -46,8 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc_per_node=N scripts/eval_imagenet.py ...).",
     )
     p.add_argument("--model", required=True, help="pico, nano, tiny, small (or convfirstnet_<size>)")
-    p.add_argument("--data", required=True, type=Path, help="ImageFolder root, or a folder holding val/ or validation/")
-    p.add_argument("--checkpoint", type=Path, help="weight file or timm checkpoint (default: the model's pretrained weights)")
+    p.add_argument(
+        "--data", required=True, type=Path, help="ImageFolder root, or a folder holding val/ or validation/"
+    )
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="weight file or timm checkpoint (default: the model's pretrained weights)",
+    )
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available")
     p.add_argument("--workers", type=int, default=4, help="data-loading processes per device")
@@ -57,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="evaluate only the first N images (in sorted file order)")
     p.add_argument("--img-size", type=int, help="override the pretrained_cfg input size (square)")
     p.add_argument("--crop-pct", type=float, help="override the pretrained_cfg crop_pct")
-    p.add_argument("--interpolation", help="override the pretrained_cfg interpolation (bicubic, bilinear, ...)")
+    p.add_argument(
+        "--interpolation", help="override the pretrained_cfg interpolation (bicubic, bilinear, ...)"
+    )
     p.add_argument("--results-json", type=Path, help="write the results to this JSON file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -120,7 +129,9 @@ def evaluate(
         seen += keep
         if progress is not None:
             rate = seen * world_size / max(time.perf_counter() - start, 1e-9)
-            progress.set_postfix_str(f"top1 {100.0 * int(correct1) / seen:.2f}% {rate:.1f} img/s", refresh=False)
+            progress.set_postfix_str(
+                f"top1 {100.0 * int(correct1) / seen:.2f}% {rate:.1f} img/s", refresh=False
+            )
             progress.update(min(keep * world_size, progress.total - progress.n))
     if seen != num_images:
         raise RuntimeError(f"the loader gave {seen} images, expected {num_images}")
@@ -153,15 +164,25 @@ def build_dataset(root: Path, classes: list[str]):
 
     try:
         return create_dataset(
-            "", root=str(root), split="validation", search_split=False,
+            "",
+            root=str(root),
+            split="validation",
+            search_split=False,
             class_map={c: i for i, c in enumerate(classes)},
         )
     except RuntimeError as e:  # timm: "Found 0 images in subfolders of ..."
         raise EvalError(f"no images in {str(root)!r}: {e}") from e
 
 
-def build_loader(dataset, data_config: dict[str, Any], batch_size: int, workers: int, device: torch.device,
-                 rank: int = 0, world_size: int = 1):
+def build_loader(
+    dataset,
+    data_config: dict[str, Any],
+    batch_size: int,
+    workers: int,
+    device: torch.device,
+    rank: int = 0,
+    world_size: int = 1,
+):
     """timm's evaluation loader (``create_loader`` with the prefetcher), sharded by a ``DistributedSampler``.
 
     Images reach the device as uint8 and are normalised there in fp32 (``timm.data.PrefetchLoader``).
@@ -193,8 +214,12 @@ def build_loader(dataset, data_config: dict[str, Any], batch_size: int, workers:
         drop_last=False,
     )
     return PrefetchLoader(
-        loader, mean=data_config["mean"], std=data_config["std"], channels=data_config["input_size"][0],
-        device=device, img_dtype=torch.float32,
+        loader,
+        mean=data_config["mean"],
+        std=data_config["std"],
+        channels=data_config["input_size"][0],
+        device=device,
+        img_dtype=torch.float32,
     )
 
 
@@ -213,7 +238,9 @@ def build_model(name: str, checkpoint: Path | None) -> tuple[nn.Module, Path]:
     state_dict, _ = read_checkpoint(path)
     weight = state_dict.get("classifier.weight")
     if weight is None or weight.dim() != 2:
-        raise EvalError(f"checkpoint {str(path)!r} has no classifier (classifier.weight); it cannot be evaluated")
+        raise EvalError(
+            f"checkpoint {str(path)!r} has no classifier (classifier.weight); it cannot be evaluated"
+        )
     model = convfirstnet.create_model(name, checkpoint_path=path, num_classes=weight.shape[0])
     return model.eval(), path
 
@@ -229,8 +256,10 @@ def init_distributed(device_arg: str | None) -> tuple[int, int, torch.device]:
     use_cuda = device_arg == "cuda" or (device_arg is None and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise EvalError("--device cuda, but no CUDA device is available")
-    device = torch.device("cuda", local_rank if world_size > 1 else torch.cuda.current_device()) if use_cuda else (
-        torch.device("cpu")
+    device = (
+        torch.device("cuda", local_rank if world_size > 1 else torch.cuda.current_device())
+        if use_cuda
+        else (torch.device("cpu"))
     )
     if world_size > 1:
         if use_cuda:
@@ -277,11 +306,12 @@ def _versions() -> dict[str, str | None]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from timm.data import resolve_data_config
+
     import convfirstnet
     from convfirstnet.factory import _canonical
     from convfirstnet.model import MIN_INPUT_SIZE
     from convfirstnet.weights import sha256_file
-    from timm.data import resolve_data_config
 
     name = _canonical(args.model)
     if args.batch_size < 1:
@@ -297,7 +327,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     root = resolve_data_root(args.data)
     classes = class_folders(root)
     if not classes:
-        raise EvalError(f"no class folders in {str(root)!r} (expected an ImageFolder tree: one folder per class)")
+        raise EvalError(
+            f"no class folders in {str(root)!r} (expected an ImageFolder tree: one folder per class)"
+        )
 
     dataset = build_dataset(root, classes)
     model, path = build_model(name, args.checkpoint)
@@ -313,8 +345,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     num_images = len(dataset)
 
     overrides = {"img_size": args.img_size, "crop_pct": args.crop_pct, "interpolation": args.interpolation}
-    data_config = resolve_data_config({k: v for k, v in overrides.items() if v is not None}, model=model,
-                                      use_test_size=True)
+    data_config = resolve_data_config(
+        {k: v for k, v in overrides.items() if v is not None}, model=model, use_test_size=True
+    )
     param_count = sum(p.numel() for p in model.parameters())
 
     rank, world_size, device = init_distributed(args.device)
@@ -331,7 +364,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # A compiled model gets every batch padded to the full batch size: one shape, one compilation.
         pad_to = args.batch_size if args.compile else None
         with torch.no_grad():
-            x = torch.zeros((pad_to or min(args.batch_size, num_images), *data_config["input_size"]), device=device)
+            x = torch.zeros(
+                (pad_to or min(args.batch_size, num_images), *data_config["input_size"]), device=device
+            )
             model(x.to(dtype).contiguous(memory_format=torch.channels_last))
         _sync(device)
         _barrier(world_size)
@@ -340,9 +375,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if rank == 0 and not args.no_progress:
             from tqdm import tqdm
 
-            progress = tqdm(total=num_images, desc=f"eval {name}", unit="img", mininterval=1.0, file=sys.stderr)
+            progress = tqdm(
+                total=num_images, desc=f"eval {name}", unit="img", mininterval=1.0, file=sys.stderr
+            )
         start = time.perf_counter()
-        local = evaluate(model, loader, shard_size(num_images, rank, world_size), dtype, progress, world_size, pad_to)
+        local = evaluate(
+            model, loader, shard_size(num_images, rank, world_size), dtype, progress, world_size, pad_to
+        )
         _sync(device)
         counts = all_reduce_counts(local, device, world_size)
         elapsed = time.perf_counter() - start

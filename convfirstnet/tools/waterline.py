@@ -45,8 +45,17 @@ import torch.nn as nn
 from .bench_devices import DEVICE_KEYS, DeviceSpec, device_by_key
 from .bench_paper import PAPER_BATCH, TABLE4, block_rows
 
-KINDS = ("conv", "pointwise", "grouped", "pool/cat/multiply", "linear", "convfirst-fused", "mbconv-fused",
-         "stem-fused", "head-fused")
+KINDS = (
+    "conv",
+    "pointwise",
+    "grouped",
+    "pool/cat/multiply",
+    "linear",
+    "convfirst-fused",
+    "mbconv-fused",
+    "stem-fused",
+    "head-fused",
+)
 
 
 @dataclass
@@ -120,6 +129,7 @@ def _shape_hooks(model: nn.Module, input_size: tuple[int, int, int]) -> dict[str
     shapes: dict[str, tuple[tuple, tuple]] = {}
     handles = []
     for name, m in model.named_modules():
+
         def hook(mod, inp, out, name=name):
             if inp and isinstance(inp[0], torch.Tensor) and isinstance(out, torch.Tensor):
                 shapes[name] = (tuple(inp[0].shape), tuple(out.shape))
@@ -248,7 +258,9 @@ def build_kernels(
                 ks.append(b.blur(f"{p}blur", stage))
             ks += b.se_kernels(f"{p}se", m.se, stage)
             ks.append(b.conv(f"{p}conv_project", m.conv_project, stage, residual=m.stride == 1))
-            params = sum(b.conv_params(c) for c in (m.conv_expand, m.conv_dw, m.se.fc1, m.se.fc2, m.conv_project))
+            params = sum(
+                b.conv_params(c) for c in (m.conv_expand, m.conv_dw, m.se.fc1, m.se.fc2, m.conv_project)
+            )
             layer += ks
             fused.append(b.fused(path, "mbconv-fused", stage, ks, params))
         elif isinstance(m, Head):
@@ -280,13 +292,19 @@ class Analysis:
 
     @property
     def summaries(self) -> dict[str, Summary]:
-        return {"layer-wise": summarize(self.layerwise, self.device, self.batch),
-                "block-fusion": summarize(self.fused, self.device, self.batch)}
+        return {
+            "layer-wise": summarize(self.layerwise, self.device, self.batch),
+            "block-fusion": summarize(self.fused, self.device, self.batch),
+        }
 
 
 def analyze(
-    name: str, device: str | DeviceSpec = "h100", batch: int = PAPER_BATCH, resolution: int = 256,
-    elem_bytes: int = 2, check_macs: bool = True,
+    name: str,
+    device: str | DeviceSpec = "h100",
+    batch: int = PAPER_BATCH,
+    resolution: int = 256,
+    elem_bytes: int = 2,
+    check_macs: bool = True,
 ) -> Analysis:
     """Waterline analysis of a ConvFirstNet size (``"small"`` or ``"convfirstnet_small"``)."""
     from convfirstnet.factory import create_model
@@ -306,7 +324,9 @@ def analyze(
     return Analysis(key, dev, batch, resolution, elem_bytes, macs, layer, fused)
 
 
-def block_wells(device: str | DeviceSpec, which: str = "all", batch: int = PAPER_BATCH, elem_bytes: int = 2) -> list[dict]:
+def block_wells(
+    device: str | DeviceSpec, which: str = "all", batch: int = PAPER_BATCH, elem_bytes: int = 2
+) -> list[dict]:
     """Paper Fig. 8 / Fig. 12: one stride-1 block of each Table 1 / Table 2 configuration."""
     from convfirstnet.blocks import ConvFirst, MBConv
 
@@ -317,13 +337,22 @@ def block_wells(device: str | DeviceSpec, which: str = "all", batch: int = PAPER
         block = nn.Sequential(cls(row.channels, row.channels, 1, row.expansion))
         layer, fused = build_kernels(block, (row.channels, row.size, row.size), batch, elem_bytes)
         sl, sf = summarize(layer, dev, batch), summarize(fused, dev, batch)
-        rows.append(dict(
-            block=row.block, channels=row.channels, expansion=row.expansion, size=row.size,
-            layerwise_us=sl.t_min_ms * 1e3, fused_us=sf.t_min_ms * 1e3,
-            layerwise_c_max=sl.c_max, fused_c_max=sf.c_max, fused_intensity=sf.mediant_intensity,
-            bound_speedup=sl.t_min_ms / sf.t_min_ms,
-            paper_measured_speedup=row.speedup, paper_fused_pct_peak=row.fused_pct_peak,
-        ))
+        rows.append(
+            dict(
+                block=row.block,
+                channels=row.channels,
+                expansion=row.expansion,
+                size=row.size,
+                layerwise_us=sl.t_min_ms * 1e3,
+                fused_us=sf.t_min_ms * 1e3,
+                layerwise_c_max=sl.c_max,
+                fused_c_max=sf.c_max,
+                fused_intensity=sf.mediant_intensity,
+                bound_speedup=sl.t_min_ms / sf.t_min_ms,
+                paper_measured_speedup=row.speedup,
+                paper_fused_pct_peak=row.fused_pct_peak,
+            )
+        )
     return rows
 
 
@@ -331,7 +360,8 @@ def block_wells(device: str | DeviceSpec, which: str = "all", batch: int = PAPER
 def summary_table(a: Analysis) -> str:
     d = a.device
     lines = [
-        f"Waterline, {a.model} @ {a.resolution}x{a.resolution}, batch {a.batch}, {a.elem_bytes} bytes/element, "
+        f"Waterline, {a.model} @ {a.resolution}x{a.resolution}, batch {a.batch}, "
+        f"{a.elem_bytes} bytes/element, "
         f"{d.name}: {d.peak_tflops:g} TFLOP/s, {d.bandwidth_tbs:g} TB/s, op:byte {d.op_byte:.0f}. "
         f"MACs/image {a.macs_per_image / 1e9:.3f} G (= count_macs).",
         "",
@@ -341,7 +371,8 @@ def summary_table(a: Analysis) -> str:
     ]
     for label, s in a.summaries.items():
         lines.append(
-            f"| {label} | {s.kernels} | {s.gops:.1f} | {s.dram_gb:.2f} | {s.mediant_intensity:.0f} | {s.t_min_ms:.3f} "
+            f"| {label} | {s.kernels} | {s.gops:.1f} | {s.dram_gb:.2f} | {s.mediant_intensity:.0f} "
+            f"| {s.t_min_ms:.3f} "
             f"| {100 * s.c_max:.1f} % | {100 * s.roofline_c_max:.1f} % | {100 * s.memory_bound_time:.0f} % "
             f"| {s.img_per_s_bound:,.0f} |"
         )
@@ -357,7 +388,8 @@ def stage_table(a: Analysis) -> str:
         if k.stage not in stages:
             stages.append(k.stage)
     lines = [
-        "| stage | GOPs | layer-wise: kernels | DRAM GB | min ms | block-fusion: kernels | DRAM GB | min ms | OP/B (fused) |",
+        "| stage | GOPs | layer-wise: kernels | DRAM GB | min ms "
+        "| block-fusion: kernels | DRAM GB | min ms | OP/B (fused) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for st in stages:
@@ -374,7 +406,10 @@ def stage_table(a: Analysis) -> str:
 
 
 def kernel_table(kernels: Sequence[Kernel], dev: DeviceSpec) -> str:
-    lines = ["| kernel | kind | MOPs | DRAM MB | OP/B | min µs | bound |", "|---|---|---:|---:|---:|---:|---|"]
+    lines = [
+        "| kernel | kind | MOPs | DRAM MB | OP/B | min µs | bound |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
     for k in kernels:
         bound = "memory" if k.memory_bound(dev) else "compute"
         lines.append(
@@ -395,7 +430,8 @@ def wells_table(rows: Sequence[dict], dev: DeviceSpec) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r['block']} | {r['channels']} | {r['expansion']} | {r['size']}x{r['size']} | {r['layerwise_us']:.0f} "
+            f"| {r['block']} | {r['channels']} | {r['expansion']} | {r['size']}x{r['size']} "
+            f"| {r['layerwise_us']:.0f} "
             f"| {r['fused_us']:.0f} | {r['bound_speedup']:.1f}x | {r['fused_intensity']:.0f} "
             f"| {100 * r['fused_c_max']:.0f} % | {r['paper_measured_speedup']:.1f}x |"
         )
@@ -404,8 +440,14 @@ def wells_table(rows: Sequence[dict], dev: DeviceSpec) -> str:
 
 # -------------------------------------------------------------------------------------------- plots
 _COLORS = {
-    "conv": "#8c564b", "pointwise": "#1f77b4", "grouped": "#ff7f0e", "pool/cat/multiply": "#7f7f7f",
-    "linear": "#9467bd", "convfirst-fused": "#2ca02c", "mbconv-fused": "#d62728", "stem-fused": "#8c564b",
+    "conv": "#8c564b",
+    "pointwise": "#1f77b4",
+    "grouped": "#ff7f0e",
+    "pool/cat/multiply": "#7f7f7f",
+    "linear": "#9467bd",
+    "convfirst-fused": "#2ca02c",
+    "mbconv-fused": "#d62728",
+    "stem-fused": "#8c564b",
     "head-fused": "#9467bd",
 }
 
@@ -437,16 +479,32 @@ def plot_waterline(a: Analysis, path: str | Path) -> Path:
         for k in ks:
             w = k.t_min(dev) * 1e3
             h = min(k.intensity, ymax)
-            ax.bar(x, h, width=w, align="edge", color=_COLORS.get(k.kind, "k"), edgecolor="white", linewidth=0.2,
-                   label=k.kind if k.kind not in seen else None)
+            ax.bar(
+                x,
+                h,
+                width=w,
+                align="edge",
+                color=_COLORS.get(k.kind, "k"),
+                edgecolor="white",
+                linewidth=0.2,
+                label=k.kind if k.kind not in seen else None,
+            )
             seen.add(k.kind)
             x += w
         ax.axhline(dev.op_byte, color="#17becf", lw=2)
-        ax.text(t_max * 0.99, dev.op_byte * 1.03, f"{dev.name} op:byte {dev.op_byte:.0f}", ha="right",
-                va="bottom", color="#17becf")
+        ax.text(
+            t_max * 0.99,
+            dev.op_byte * 1.03,
+            f"{dev.name} op:byte {dev.op_byte:.0f}",
+            ha="right",
+            va="bottom",
+            color="#17becf",
+        )
         s = summarize(ks, dev, a.batch)
-        ax.set_title(f"{a.model}, {label}: min latency {s.t_min_ms:.2f} ms, max efficiency {100 * s.c_max:.0f} %"
-                     f" (batch {a.batch}, {a.resolution}px)")
+        ax.set_title(
+            f"{a.model}, {label}: min latency {s.t_min_ms:.2f} ms, max efficiency {100 * s.c_max:.0f} %"
+            f" (batch {a.batch}, {a.resolution}px)"
+        )
         ax.set_xlim(0, t_max * 1.01)
         ax.set_ylim(0, ymax)
         ax.set_ylabel("operational intensity [OP/B]")
@@ -455,7 +513,7 @@ def plot_waterline(a: Analysis, path: str | Path) -> Path:
     ax = fig.add_subplot(grid[2])
     ratios = [r for r in range(10, 801, 10)]
     for label, ks, color in (("layer-wise", a.layerwise, "#1f77b4"), ("block-fusion", a.fused, "#2ca02c")):
-        w, r = zip(*(c_max_at(ks, q) for q in ratios))
+        w, r = zip(*(c_max_at(ks, q) for q in ratios), strict=True)
         ax.plot(ratios, [100 * v for v in w], color=color, label=f"{label}: waterline")
         ax.plot(ratios, [100 * v for v in r], color=color, ls="--", label=f"{label}: roofline (mediant)")
     ax.axvline(dev.op_byte, color="#17becf", lw=1.5)
@@ -487,11 +545,17 @@ def measured_latencies(records_dir: str | Path, dev: DeviceSpec, batch: int) -> 
         if spec is None or spec.key != dev.key:
             continue
         for r in rec.get("results", []):
-            if (r.get("status") == "ok" and r.get("batch") == batch and r.get("backend") in ("fused", "fused-cudagraph")
-                    and r.get("resolution") == 256):
+            if (
+                r.get("status") == "ok"
+                and r.get("batch") == batch
+                and r.get("backend") in ("fused", "fused-cudagraph")
+                and r.get("resolution") == 256
+            ):
                 cur = best.get(r["model"])
                 if cur is None or r["ms_per_batch"] < cur["ms_per_batch"]:
-                    best[r["model"]] = dict(ms_per_batch=r["ms_per_batch"], record=path.name, backend=r["backend"])
+                    best[r["model"]] = dict(
+                        ms_per_batch=r["ms_per_batch"], record=path.name, backend=r["backend"]
+                    )
     return best
 
 
@@ -516,10 +580,19 @@ def plot_efficiency_gap(
             series["measured"].append((m["ms_per_batch"], acc, a.model))
             eff = ideal / m["ms_per_batch"]
             ax.plot([ideal, m["ms_per_batch"]], [acc, acc], color="0.6", lw=1)
-            ax.annotate(f"{100 * eff:.0f} %", (m["ms_per_batch"], acc), textcoords="offset points", xytext=(4, 3),
-                        fontsize=8)
-    styles = {"ideal": ("o", "k"), "layer-wise bound": ("v", "#1f77b4"), "block-fusion bound": ("^", "#2ca02c"),
-              "measured": ("s", "#d62728")}
+            ax.annotate(
+                f"{100 * eff:.0f} %",
+                (m["ms_per_batch"], acc),
+                textcoords="offset points",
+                xytext=(4, 3),
+                fontsize=8,
+            )
+    styles = {
+        "ideal": ("o", "k"),
+        "layer-wise bound": ("v", "#1f77b4"),
+        "block-fusion bound": ("^", "#2ca02c"),
+        "measured": ("s", "#d62728"),
+    }
     for label, pts in series.items():
         if pts:
             mk, col = styles[label]
@@ -527,10 +600,18 @@ def plot_efficiency_gap(
     if dev.key.startswith("a5000") and analyses[0].batch == PAPER_BATCH:
         # the paper's own measurement (Table 4), on the paper's device
         pts = [(PAPER_BATCH / TABLE4[a.model].img_per_s * 1e3, TABLE4[a.model].top1) for a in analyses]
-        ax.plot(*zip(*pts), marker="D", color="#ff7f0e", ls=":", label="paper Table 4 (A5000, fused)")
+        ax.plot(
+            *zip(*pts, strict=True), marker="D", color="#ff7f0e", ls=":", label="paper Table 4 (A5000, fused)"
+        )
     for t, acc, name in series["ideal"]:
-        ax.annotate(name.removeprefix("convfirstnet_"), (t, acc), textcoords="offset points", xytext=(-6, 6),
-                    fontsize=8, ha="right")
+        ax.annotate(
+            name.removeprefix("convfirstnet_"),
+            (t, acc),
+            textcoords="offset points",
+            xytext=(-6, 6),
+            fontsize=8,
+            ha="right",
+        )
     ax.set_xscale("log")
     from matplotlib.ticker import FormatStrFormatter, NullFormatter
 
@@ -555,26 +636,41 @@ def build_parser() -> argparse.ArgumentParser:
         description="Waterline analysis (paper Sections 4-5): minimum latency and maximum efficiency of "
         "layer-wise vs block-fusion execution on a device.",
     )
-    p.add_argument("model", nargs="?", default=None,
-                   help="pico|nano|tiny|small (or convfirstnet_*); omit with --blocks")
+    p.add_argument(
+        "model", nargs="?", default=None, help="pico|nano|tiny|small (or convfirstnet_*); omit with --blocks"
+    )
     p.add_argument("--device", default="h100", help=f"one of {', '.join(DEVICE_KEYS)} (default h100)")
     p.add_argument("--batch", type=int, default=PAPER_BATCH, help="batch size (default 128, as the paper)")
     p.add_argument("--resolution", type=int, default=256)
-    p.add_argument("--bytes", type=int, default=2, dest="elem_bytes", help="bytes per element (2 = fp16/bf16)")
+    p.add_argument(
+        "--bytes", type=int, default=2, dest="elem_bytes", help="bytes per element (2 = fp16/bf16)"
+    )
     p.add_argument("--kernels", action="store_true", help="also print every kernel (both executions)")
-    p.add_argument("--blocks", choices=("convfirst", "mbconv", "all"), default=None,
-                   help="single blocks of the paper's Table 1/2 configurations (Fig. 8 and 12)")
+    p.add_argument(
+        "--blocks",
+        choices=("convfirst", "mbconv", "all"),
+        default=None,
+        help="single blocks of the paper's Table 1/2 configurations (Fig. 8 and 12)",
+    )
     p.add_argument("--plot", default=None, help="waterline PNG (layer-wise, block-fusion, op:byte sweep)")
     p.add_argument("--gap-plot", default=None, help="efficiency-gap PNG over the four sizes")
-    p.add_argument("--records", default="benchmarks/results",
-                   help="benchmark records for measured latency in --gap-plot (default benchmarks/results)")
+    p.add_argument(
+        "--records",
+        default="benchmarks/results",
+        help="benchmark records for measured latency in --gap-plot (default benchmarks/results)",
+    )
     p.add_argument("--json", default=None, help="write the numbers as JSON here")
+    p.add_argument("--markdown", default=None, help="also write the printed tables to this file")
     return p
 
 
 def _analysis_json(a: Analysis) -> dict:
     return dict(
-        model=a.model, device=asdict(a.device), batch=a.batch, resolution=a.resolution, elem_bytes=a.elem_bytes,
+        model=a.model,
+        device=asdict(a.device),
+        batch=a.batch,
+        resolution=a.resolution,
+        elem_bytes=a.elem_bytes,
         macs_per_image=a.macs_per_image,
         summary={k: asdict(v) for k, v in a.summaries.items()},
         layerwise=[dict(asdict(k), t_min_us=k.t_min(a.device) * 1e6) for k in a.layerwise],
@@ -595,25 +691,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("convfirstnet waterline: give a MODEL, --blocks or --gap-plot", file=sys.stderr)
         return 2
     out: dict = {}
+    text: list[str] = []
     if args.blocks:
         rows = block_wells(dev, args.blocks, args.batch, args.elem_bytes)
-        print(wells_table(rows, dev))
-        print()
+        text += [wells_table(rows, dev), ""]
         out["blocks"] = rows
     if args.model:
         a = analyze(args.model, dev, args.batch, args.resolution, args.elem_bytes)
-        print(summary_table(a))
-        print()
-        print(stage_table(a))
+        text += [summary_table(a), "", stage_table(a)]
         if args.kernels:
             for label, ks in (("layer-wise", a.layerwise), ("block-fusion", a.fused)):
-                print(f"\n{label} kernels:\n")
-                print(kernel_table(ks, dev))
-        if args.plot:
-            print(f"\nplot: {plot_waterline(a, args.plot)}")
+                text += ["", f"{label} kernels:", "", kernel_table(ks, dev)]
         out["model"] = _analysis_json(a)
+    print("\n".join(text))
+    if args.markdown:
+        Path(args.markdown).write_text("\n".join(text).rstrip() + "\n")
+    if args.model and args.plot:
+        print(f"\nplot: {plot_waterline(a, args.plot)}")
     if args.gap_plot:
-        analyses = [analyze(n, dev, args.batch, 256, args.elem_bytes) for n in ("pico", "nano", "tiny", "small")]
+        analyses = [
+            analyze(n, dev, args.batch, 256, args.elem_bytes) for n in ("pico", "nano", "tiny", "small")
+        ]
         measured = measured_latencies(args.records, dev, args.batch) if Path(args.records).is_dir() else {}
         print(f"\nmeasured latencies used: {measured or 'none (no matching benchmark records)'}")
         print(f"plot: {plot_efficiency_gap(analyses, args.gap_plot, measured)}")

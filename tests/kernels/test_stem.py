@@ -81,16 +81,24 @@ def test_rejects_unsupported_before_launch(triton_backend):
         torch.ops.convfirstnet.stem(make_image(1, 8, 8, torch.float32, c_in=4), w, b)
 
 
-def test_torch_compile_fullgraph(triton_backend):
+def test_torch_compile_fullgraph_cpu(reference_backend):
+    """CPU: the op's reference branch compiles in one graph. (The Triton branch cannot be traced
+    under TRITON_INTERPRET: wrap_triton runs interpreted kernels eagerly on fake tensors.)"""
     torch._dynamo.reset()
     w, b = make_stem(16, torch.float32)
-
-    def f(x):
-        return torch.ops.convfirstnet.stem(x, w, b) * 2
-
     x = make_image(1, 9, 9, torch.float32)
-    out = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    out = torch.compile(lambda t: torch.ops.convfirstnet.stem(t, w, b) * 2, fullgraph=True, backend="aot_eager")(x)
     torch.testing.assert_close(out, stem_reference(x, w, b) * 2, atol=1e-5, rtol=1e-5)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_torch_compile_fullgraph_gpu(triton_backend):
+    torch._dynamo.reset()
+    w, b = make_stem(24, torch.float16, "cuda")
+    x = make_image(2, 65, 47, torch.float16, "cuda")
+    fn = lambda t: torch.ops.convfirstnet.stem(t, w, b)  # noqa: E731
+    torch.testing.assert_close(torch.compile(fn, fullgraph=True)(x), fn(x), atol=0, rtol=0)
 
 
 @pytest.fixture(scope="module")
