@@ -154,13 +154,37 @@ def test_verification_failure_leaves_no_file(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_cli_prints_manifest_entry(tmp_path, timm_checkpoint, capsys):
+def test_cli_prints_manifest_entry(tmp_path, timm_checkpoint, capsys, monkeypatch):
     path, _, _ = timm_checkpoint
     out = tmp_path / "p.safetensors"
-    assert main([str(path), str(out), "--model", "pico", "--source", "timm train.py, 300 epochs"]) == 0
+    argv = [
+        "--model",
+        "pico",
+        "--checkpoint",
+        str(path),
+        "--output",
+        str(out),
+        "--source",
+        "timm train.py, 300 ep",
+    ]
+    assert main(argv) == 0
     entry = json.loads(capsys.readouterr().out)
-    assert entry["sha256"] == sha256_file(out) and entry["source"] == "timm train.py, 300 epochs"
+    assert entry["sha256"] == sha256_file(out) and entry["source"] == "timm train.py, 300 ep"
     assert entry["top1"] is None
+    # Without --output: <name>.safetensors in the current directory, the name the weight lookup expects.
+    monkeypatch.chdir(tmp_path)
+    assert main([str(path), "--model", "pico"]) == 0
+    assert json.loads(capsys.readouterr().out)["file"] == "convfirstnet_pico.safetensors"
+    assert (tmp_path / "convfirstnet_pico.safetensors").is_file()
+
+
+def test_cli_usage_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "pico"])
+    assert e.value.code == 2 and "a checkpoint is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["a.pth", "--checkpoint", "b.pth", "--model", "pico"])
+    assert e.value.code == 2 and "checkpoint given twice" in capsys.readouterr().err
 
 
 def _error_cases(tmp_path: Path, ckpt: Path) -> dict[str, tuple[list[str], str]]:

@@ -1,6 +1,7 @@
 """Convert a training checkpoint into a ConvFirstNet weight file (safetensors + metadata).
 
-    convfirstnet convert output/train/.../model_best.pth.tar convfirstnet_pico.safetensors --model pico
+    convfirstnet convert --model pico --checkpoint output/train/.../model_best.pth.tar \\
+        --output weights/convfirstnet_pico.safetensors
 
 Input: a timm training checkpoint (``.pth`` / ``.pth.tar``; EMA weights preferred, ``module.`` and
 ``_orig_mod.`` prefixes stripped), a safetensors file or a plain state-dict file, or (from Python) a state
@@ -155,15 +156,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="convfirstnet convert",
         description="Convert a training checkpoint into a verified ConvFirstNet safetensors weight file; "
-        "print its weights/manifest.json entry.",
+        "print its weights/manifest.json entry. Paths go as options or as positionals: "
+        "`convert --model pico --checkpoint IN --output OUT` or `convert IN OUT --model pico`.",
     )
-    p.add_argument("checkpoint", help="timm .pth/.pth.tar (EMA preferred), safetensors or state-dict file")
-    p.add_argument("output", help="weight file to write, e.g. weights/convfirstnet_pico.safetensors")
+    p.add_argument("checkpoint_arg", nargs="?", metavar="CHECKPOINT", help="same as --checkpoint")
+    p.add_argument("output_arg", nargs="?", metavar="OUTPUT", help="same as --output")
     p.add_argument("--model", required=True, help="model name, e.g. pico or convfirstnet_pico")
+    p.add_argument("--checkpoint", help="timm .pth/.pth.tar (EMA preferred), safetensors or state-dict file")
+    p.add_argument("--output", help="weight file to write (default: ./<model name>.safetensors)")
     p.add_argument(
         "--source", default="", help="provenance recorded in the file (default: checkpoint file name)"
     )
     return p
+
+
+def _pick(p: argparse.ArgumentParser, what: str, option: str | None, positional: str | None) -> str | None:
+    if option is not None and positional is not None and option != positional:
+        p.error(f"{what} given twice: {positional!r} and --{what} {option!r}")
+    return option if option is not None else positional
 
 
 def _one_line(e: BaseException) -> str:
@@ -171,11 +181,18 @@ def _one_line(e: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    checkpoint = _pick(p, "checkpoint", args.checkpoint, args.checkpoint_arg)
+    output = _pick(p, "output", args.output, args.output_arg)
+    if checkpoint is None:
+        p.error("a checkpoint is required (--checkpoint PATH)")
+    from convfirstnet.factory import _canonical
     from convfirstnet.weights import CheckpointError, WeightsNotFoundError
 
     try:
-        entry = convert_checkpoint(args.checkpoint, args.output, args.model, args.source)
+        output = output if output is not None else f"{_canonical(args.model)}.safetensors"
+        entry = convert_checkpoint(checkpoint, output, args.model, args.source)
     except (CheckpointError, WeightsNotFoundError, ValueError, OSError) as e:
         print(f"convfirstnet convert: error: {_one_line(e)}", file=sys.stderr)
         return 1

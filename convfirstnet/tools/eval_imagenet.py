@@ -55,10 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="weight file or timm checkpoint (default: the model's pretrained weights)",
     )
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=256, help="images per batch and device (default: 256)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available")
-    p.add_argument("--workers", type=int, default=4, help="data-loading processes per device")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="model and input dtype")
+    p.add_argument("--workers", type=int, default=4, help="data-loading processes per device (default: 4)")
+    p.add_argument(
+        "--dtype", choices=tuple(DTYPES), default="float32", help="model and input dtype (default: float32)"
+    )
     p.add_argument("--no-fuse", action="store_true", help="run the training form (BatchNorm, layer by layer)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--limit", type=int, help="evaluate only the first N images (in sorted file order)")
@@ -113,7 +115,7 @@ def evaluate(
     """
     correct1 = correct5 = None
     seen = 0
-    start = time.perf_counter()
+    start = last_postfix = time.perf_counter()
     for images, target in loader:
         keep = min(images.shape[0], num_images - seen)
         if keep <= 0:
@@ -128,11 +130,14 @@ def evaluate(
         correct5 = c5 if correct5 is None else correct5 + c5
         seen += keep
         if progress is not None:
-            rate = seen * world_size / max(time.perf_counter() - start, 1e-9)
-            progress.set_postfix_str(
-                f"top1 {100.0 * int(correct1) / seen:.2f}% {rate:.1f} img/s", refresh=False
-            )
             progress.update(min(keep * world_size, progress.total - progress.n))
+            now = time.perf_counter()
+            if now - last_postfix < 1.0 and seen < num_images:
+                continue  # the running top-1 needs a device sync: at most once a second
+            last_postfix, rate = now, seen * world_size / max(now - start, 1e-9)
+            progress.set_postfix_str(
+                f"top1 {100.0 * int(correct1) / seen:.2f}% {rate:.1f} img/s", refresh=True
+            )
     if seen != num_images:
         raise RuntimeError(f"the loader gave {seen} images, expected {num_images}")
     return Counts(int(correct1 or 0), int(correct5 or 0), seen)
@@ -256,11 +261,10 @@ def init_distributed(device_arg: str | None) -> tuple[int, int, torch.device]:
     use_cuda = device_arg == "cuda" or (device_arg is None and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise EvalError("--device cuda, but no CUDA device is available")
-    device = (
-        torch.device("cuda", local_rank if world_size > 1 else torch.cuda.current_device())
-        if use_cuda
-        else (torch.device("cpu"))
-    )
+    if use_cuda:
+        device = torch.device("cuda", local_rank if world_size > 1 else torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
     if world_size > 1:
         if use_cuda:
             torch.cuda.set_device(device)
@@ -355,7 +359,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         dtype = DTYPES[args.dtype]
         if not args.no_fuse:
             model = convfirstnet.fuse(model)  # folds BatchNorm in fp64 from the fp32 weights, then cast
-        model = model.to(device=device, dtype=dtype, memory_format=torch.channels_last).eval()
+        model = model.to(device=device, dtype=dtype).eval()
+        if args.no_fuse:  # cuDNN's NHWC path; the fused blocks already run NHWC on their own weights
+            model = model.to(memory_format=torch.channels_last)
         if args.compile:
             model = torch.compile(model)
         loader = build_loader(dataset, data_config, args.batch_size, args.workers, device, rank, world_size)
