@@ -155,6 +155,8 @@ def test_cpu_block_mode_and_peak(tmp_path, capsys):
         "--measure-peak",
         "--peak-size",
         "64",
+        "--device",
+        "cpu",
         "--out-dir",
         str(tmp_path),
         "--tag",

@@ -177,3 +177,4 @@ def test_cli(tmp_path, capsys):
     assert data["device"]["key"] == "a100" and len(data["fused"]) == 31
     assert waterline.main(["pico", "--device", "tpu"]) == 2
     assert waterline.main([]) == 2
+    assert waterline.main(["resnet50"]) == 2  # the block structure is known for ConvFirstNet only

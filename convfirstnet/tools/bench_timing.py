@@ -94,7 +94,7 @@ def measure_matmul_peak(
     for n in sizes:
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
-        with torch.inference_mode():
+        with torch.no_grad():
             times = time_iterations(lambda a=a, b=b: torch.mm(a, b), device, warmup=3, iters=iters)
         med = summarize(times)["median"]
         tflops = 2 * n**3 / (med / 1e3) / 1e12

@@ -255,7 +255,7 @@ def prepare(
 
         notes["kernels"] = kernels_path(device)
         # Fused weights keep their own layout (the ops take NCHW-shaped weights); only x is NHWC.
-        model = _to(fuse(copy.deepcopy(train_model)), device, dtype, channels_last=False)
+        model = _to(fuse(train_model), device, dtype, channels_last=False)  # fuse() works on a copy
         if backend == "fused":
             return (lambda: model(x)), notes
         t0 = time.perf_counter()
@@ -321,7 +321,9 @@ def run_case(
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        with torch.inference_mode():
+        # no_grad rather than inference_mode: module copies made here hold normal tensors, which
+        # torch.compile and CUDA-graph capture handle on every torch version
+        with torch.no_grad():
             fn, notes = prepare(backend, train_model, is_convfirstnet, x)
             times = time_iterations(fn, device, warmup, iters)
     except Skip as e:
@@ -431,11 +433,37 @@ def run_blocks(args, device, dtype, peak, measured) -> list[dict]:
                     paper=_paper_fields(row),
                 )
                 rec.update(run_case(backend, stage, True, x, args.warmup, args.iters))
+                if rec.get("kernels") == "triton":
+                    rec["kernel_config"] = kernel_config(row, dtype)
                 _figures(rec, batch, macs, peak, measured)
                 results.append(rec)
                 print(f"[bench] {_progress(rec)}", file=sys.stderr)
                 del x
     return results
+
+
+def kernel_config(row: BlockRow, dtype: torch.dtype) -> dict | None:
+    """The fused kernel's tile configuration for a stride-1 block of ``row`` (best effort: the kernel
+    modules' ``convfirst_config`` / ``mbconv_config`` tables), or None when it cannot be read."""
+    import dataclasses
+
+    try:
+        if row.block == "convfirst":
+            from convfirstnet.kernels.convfirst.kernel import convfirst_config as fn
+
+            args = (row.channels, row.channels, 1)
+        else:
+            from convfirstnet.kernels.mbconv.kernel import mbconv_config as fn
+
+            c = row.channels
+            args = (c, row.expansion * c, c, row.size, row.size, 1)
+        try:
+            cfg = fn(*args, dtype=dtype)
+        except TypeError:
+            cfg = fn(*args)
+    except Exception:  # noqa: BLE001 - a changed kernel table must not stop the benchmark
+        return None
+    return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else {"repr": repr(cfg)}
 
 
 def _paper_fields(row: BlockRow) -> dict:
@@ -463,6 +491,10 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _tf(v: float) -> str:
+    return f"{v:.2f}" if v >= 1 else f"{v:.3g}"
+
+
 def _fmt_ms(v: float | None) -> str:
     if v is None:
         return "-"
@@ -486,7 +518,7 @@ def network_table(results: Sequence[dict]) -> str:
         notes = ", ".join(f"{k}={r[k]}" for k in ("kernels", "compile_s", "capture_s") if k in r)
         lines.append(
             f"| {r['model']}@{r['resolution']} | {r['backend']} | {r['batch']} | {r['img_per_s']:.1f} "
-            f"| {_fmt_ms(t['median'])} | {_fmt_ms(t['p10'])}-{_fmt_ms(t['p90'])} | {r['tflops']:.2f} "
+            f"| {_fmt_ms(t['median'])} | {_fmt_ms(t['p10'])}-{_fmt_ms(t['p90'])} | {_tf(r['tflops'])} "
             f"| {_fmt(r.get('pct_peak'))} | {_fmt(r.get('peak_mem_mb'), '.0f')} | {notes} |"
         )
     return "\n".join(lines)
@@ -520,7 +552,7 @@ def block_table(results: Sequence[dict]) -> str:
             cells.append(_fmt_ms(r["ms_per_batch"]) if r and r.get("status") == "ok" else "skipped")
         fused = by.get("fused-cudagraph") if _ok(by.get("fused-cudagraph")) else by.get("fused")
         ind = by.get("inductor")
-        cells.append(_fmt(fused["tflops"], ".2f") if _ok(fused) else "-")
+        cells.append(_tf(fused["tflops"]) if _ok(fused) else "-")
         cells.append(_fmt(fused.get("pct_peak")) if _ok(fused) else "-")
         speed = ind["ms_per_batch"] / fused["ms_per_batch"] if _ok(fused) and _ok(ind) else None
         cells.append(f"{speed:.1f}x" if speed else "-")
@@ -605,6 +637,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device.type == "cuda" and args.iters < 50:
         print(f"[bench] note: --iters {args.iters} < 50 timed iterations", file=sys.stderr)
 
+    if device.type == "cuda":
+        # as timm's benchmark does: let cuDNN pick its fastest algorithms for the eager baseline
+        torch.backends.cudnn.benchmark = True
     dev = device_info(device)
     spec = lookup_device(dev["name"]) if device.type == "cuda" else None
     peak, peak_source = None, None
@@ -662,6 +697,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             warmup=args.warmup,
             iters=args.iters,
             channels_last=True,
+            cudnn_benchmark=device.type == "cuda",
             timer="cuda-events" if device.type == "cuda" else "perf_counter",
         ),
         results=results,

@@ -697,7 +697,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         text += [wells_table(rows, dev), ""]
         out["blocks"] = rows
     if args.model:
-        a = analyze(args.model, dev, args.batch, args.resolution, args.elem_bytes)
+        try:
+            a = analyze(args.model, dev, args.batch, args.resolution, args.elem_bytes)
+        except ValueError as e:  # unknown model name, input too small
+            print(f"convfirstnet waterline: {e}", file=sys.stderr)
+            return 2
         text += [summary_table(a), "", stage_table(a)]
         if args.kernels:
             for label, ks in (("layer-wise", a.layerwise), ("block-fusion", a.fused)):
