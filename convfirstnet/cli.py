@@ -20,6 +20,7 @@ TOOLS = {
     "train": ("train_imagenet", "train with the paper's recipe"),
     "bench": ("benchmark", "throughput: fused kernels vs torch.compile"),
     "waterline": ("waterline", "waterline / efficiency-gap analysis of a model"),
+    "results": ("bench_report", "README results table from benchmarks/results"),
 }
 
 
