@@ -1,6 +1,7 @@
 """The benchmark tool on CPU: statistics, peak table, JSON records, Markdown tables, README results."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -329,3 +330,12 @@ def test_gpu_backends_smoke(tmp_path):
     _, rec = _only_record(tmp_path)
     assert all(r["status"] == "ok" for r in rec["results"]), rec["results"]
     assert all(r["peak_mem_mb"] > 0 for r in rec["results"])
+
+
+def test_readme_results_match_committed_records():
+    """The README's results block is exactly what the generator makes of benchmarks/results/."""
+    root = Path(__file__).resolve().parent.parent
+    text = bench_report.results_markdown(bench_report.load_records(root / "benchmarks" / "results"))
+    readme = (root / "README.md").read_text()
+    block = readme.split(bench_report.START, 1)[1].split(bench_report.END, 1)[0]
+    assert text.strip() in block
