@@ -38,13 +38,29 @@ dot. Each of the 9 taps is one dense dot `x_tap[BLOCK_M, C_PAD] @ Wbd_tap[C_PAD,
 `Wbd_tap[ci, co] = w_conv[co, ci % 8, tap]` if ci // 8 == co // 8 else 0, built on the fly with a
 masked load from the (C, 8, 3, 3) weight (L2-resident). Of the three formulations in KERNEL-NOTES
 this one is the simplest, runs on tensor cores (wgmma on Hopper) and accumulates in fp32 in the dot;
-its cost is C_PAD / 8 times the useful conv MACs (2x at C=16, 8x at C=48/64, 16x at C=72/96).
-Waterline reasoning: per output pixel the stride-1 FFN costs 2*t*C^2 MACs and the useful conv
-72*C; the block-diagonal conv costs 9*C_PAD^2, i.e. 9*C_PAD^2 / (2*t*C^2) of the FFN: 0.75x (C=16,
-t=3), 0.27x-0.5x (C=32..64, t=6) and up to 0.37x/0.74x (C=96/72, t=6). All on tensor cores, so the
-fused block stays above the fp16 waterline (its DRAM traffic is ~2*C*2 bytes per pixel against
->= 1000 MACs per pixel for every shipped shape); the waste is compute a later version can remove
-with the batched two-taps-per-K formulation (waste 10/9) once a GPU can time both.
+its cost is C_PAD / 8 times the useful conv MACs (2x at C = 16 up to 16x at C = 72/96).
+
+Waterline (paper 5.3.2). Per output pixel in fp16 the block reads C and writes K values, and the
+useful work is 72C (conv, per full-res pixel) + C1*R + R*K MACs. Useful operational intensity,
+with the tensor-core work the kernel actually issues (block-diagonal conv, C and K padded to powers
+of two, R rounded up to BLOCK_H) relative to the useful work:
+
+    block (C, R, K, stride)   FLOP/byte   issued/useful    block (C, R, K, s)   FLOP/byte   issued/useful
+    16,  48, 16, 1                 84         1.62          16,  96, 32, 2            112         0.98
+    24,  72, 24, 1                108         3.36          24, 144, 48, 2            144         1.63
+    32,  96, 32, 1                132         2.06          32, 192, 64, 2            176         1.00
+    32, 192, 32, 1                228         1.47          32, 192, 48, 2            175         1.10
+    48, 288, 48, 1                324         2.50          48, 288, 64, 2            234         1.64
+    64, 384, 64, 1                420         1.60          48, 288, 72, 2            236         1.91
+    72, 432, 72, 1                468         3.89          64, 384, 96, 2            297         1.29
+    96, 576, 96, 1                612         2.51
+
+(stride 2: the conv counted once per full-res pixel, 4 per output pixel; issued work = 9 dots per
+output pixel.) The waterline is ~100 FLOP/byte on the paper's A5000 and ~295 on H100 (fp16 dense
+990 TFLOP/s over 3.35 TB/s). Blocks under it are memory bound and the extra issued work is hidden;
+the compute-bound ones (stride 1 with C >= 48 on H100) pay it in full, most at C = 24 and 72 where
+power-of-two padding adds to the block-diagonal waste. Removing it (per-16-channel batched dots
+for the conv, non-power-of-two channel splits) is the first optimisation to time on a GPU.
 
 Accumulation and precision
 --------------------------
@@ -53,8 +69,9 @@ to feed the W1 dot (as a layer-wise fp16 network would store it). For each hidde
 `h = ReLU(y @ W1[:, chunk] + b1[chunk])` is an fp32 [BLOCK_M, BLOCK_H] tile, rounded to the
 activation dtype and accumulated into `acc` (fp32, [BLOCK_M, K_PAD]) by `tl.dot(h, W2[chunk, :], acc)`.
 `acc` starts as residual + b2 (stride 1) or b2 (stride 2). The hidden activation lives only in
-registers/shared memory. fp32 inputs use `input_precision="ieee"` (exact fp32 FMA dots, matching the
-fp32 reference; fp32 is the checking path, fp16/bf16 are the fast ones).
+registers/shared memory. fp32 inputs use `input_precision="tf32x3"` (3xTF32 split products on tensor
+cores, ~fp32 accuracy; "ieee" FMA dots took minutes to compile at C_PAD = 128). fp32 is the checking
+path, fp16/bf16 are the fast ones. (The interpreter computes every dot in exact fp32.)
 
 Stride 2: one kernel
 --------------------
@@ -69,8 +86,10 @@ conv's zero padding applied after the blur's reflection, exactly as the referenc
 
 So per tap the kernel forms the blurred input tile on chip (9 masked loads, fp32 FMA with the
 exact power-of-two filter weights), runs ONE block-diagonal dot, and the x half of the concat is the
-centre tap's Xb. The FFN then never materialises the concat: `W1 u = W1[:, :C] blur(x) + W1[:, C:]
-blur(y)` is two dots per hidden chunk. Conv MACs stay at 9 dots per output pixel (= 2.25 dots per
+centre tap's Xb (selected with a `tl.where` on the tap index). Xb is rounded to the activation dtype
+for the dot (one extra rounding of a convex combination of inputs, |err| <= 2^-11 relative in fp16).
+The FFN then never materialises the concat: `W1 u = W1[:, :C] blur(x) + W1[:, C:] blur(y)` is two
+dots per hidden chunk. Conv MACs stay at 9 dots per output pixel (= 2.25 dots per
 full-res pixel, vs 1 in a layer-wise conv) but nothing but x is read and nothing but out is written:
 a two-kernel split (conv+blur kernel writing u, then an FFN kernel) would add a 2C-channel
 quarter-resolution round trip and a launch for no saved work. Cost of this choice: 81 masked
@@ -89,7 +108,10 @@ compiled for sm_90 and sm_80 in tests/kernels/test_convfirst.py (shared memory m
     C_PAD >= 64 (y, acc and the fp32 hidden tile at C_PAD = 128 are 3 x 64 x 128 fp32 = 96
     regs/thread at 8 warps; BLOCK_M = 128 there would spill).
   * num_warps = 4 up to BLOCK_M x max(C_PAD, K_PAD) = 4096 fp32 elements per live tile, else 8.
-  * num_stages = 2: the R loop has at most 9 iterations; deeper pipelining only adds shared memory.
+  * num_stages = 2 for fp16/bf16: the tap and R loops have at most 9 iterations; deeper pipelining
+    only adds shared memory. 1 for fp32: double-buffered fp32 operands at C_PAD = 128 needed 229 KB.
+  * The tap loops are runtime loops (`range(9)`), not unrolled: unrolling the stride-2 kernel's
+    9 x 9 loads, or fp32 dots at C_PAD = 128, made one compile take 20 s to > 2 min on CPU.
 Under the interpreter the same single config is used (multi-config autotune needs a GPU), and the
 table never autotunes, so launches are deterministic under torch.compile and CUDA-graph capture.
 Channel counts above 128 (not in ConvFirstNet) are rejected before launch.
@@ -148,7 +170,7 @@ def _convfirst_s1_kernel(
 
     # ---- grouped 3x3 conv, padding 1: 9 shifted loads of the tile (halo rows hit L1/L2) ----
     y = tl.zeros((BLOCK_M, C_PAD), dtype=tl.float32)
-    for tap in tl.static_range(9):
+    for tap in range(9):
         ih = oh + (tap // 3 - 1)
         iw = ow + (tap % 3 - 1)
         ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
@@ -225,9 +247,9 @@ def _convfirst_s2_kernel(
     # ---- blur(y) = sum_tap Xb_tap @ Wbd_tap;  blur(x) = Xb_centre (header) ----
     uy = tl.zeros((BLOCK_M, C_PAD), dtype=tl.float32)
     ux = tl.zeros((BLOCK_M, C_PAD), dtype=tl.float32)
-    for tap in tl.static_range(9):
+    for tap in range(9):
         xb = tl.zeros((BLOCK_M, C_PAD), dtype=tl.float32)
-        for b in tl.static_range(9):
+        for b in range(9):  # a runtime loop: unrolling 9 x 9 loads made compiles take ~20-60 s
             # blur tap b at full resolution, reflected into [0, H) x [0, W) (H, W >= 2) ...
             rh = 2 * oh + (b // 3 - 1)
             rh = tl.where(rh < 0, -rh, rh)
@@ -243,9 +265,9 @@ def _convfirst_s2_kernel(
                 x_img[:, None] + ih[:, None] * sxh + iw[:, None] * sxw + offs_c[None, :] * sxc,
                 mask=ok[:, None] & c_ok[None, :], other=0.0,
             )
-            xb += xv.to(tl.float32) * ((1 + (b // 3) % 2) * (1 + (b % 3) % 2) / 16.0)  # [1,2,1]^2/16
-        if tap == 4:
-            ux = xb
+            fb = (1 + (b // 3) % 2) * (1 + (b % 3) % 2) * 0.0625  # [1,2,1] (x) [1,2,1] / 16
+            xb += xv.to(tl.float32) * fb
+        ux = tl.where(tap == 4, xb, ux)  # the centre conv tap's blurred tile is blur(x)
         wt = tl.load(wc_ptr + wbd_off + (tap // 3) * swc_h + (tap % 3) * swc_w, mask=wbd_mask, other=0.0)
         uy = tl.dot(xb.to(dt), wt, uy, input_precision=PRECISION)
     uy += tl.load(bc_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
@@ -292,22 +314,35 @@ class ConvFirstConfig:
     block_m: int
     block_h: int
     num_warps: int
-    num_stages: int = 2
+    num_stages: int
+    precision: str  # tl.dot input_precision
 
 
 BLOCK_H = 64
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _pad(c: int) -> int:
     return max(16, triton.next_power_of_2(c))
 
 
-def convfirst_config(c: int, k: int, stride: int) -> ConvFirstConfig:
-    """The tile config used for a C -> K block (R does not change the compiled kernel)."""
+def precision_for(dtype: torch.dtype) -> str:
+    # fp32: 3xTF32 (three tensor-core passes, ~fp32 accuracy); "ieee" expands every dot into
+    # unrolled FMAs (> 2 minutes of compile time at C_PAD = 128). Ignored for 16-bit inputs.
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def convfirst_config(c: int, k: int, stride: int, dtype: torch.dtype = torch.float16) -> ConvFirstConfig:
+    """The tile config used for a C -> K block in `dtype` (R does not change the compiled kernel)."""
     c_pad, k_pad = _pad(c), _pad(k)
     block_m = 128 if max(c_pad, k_pad) <= 32 else 64
     num_warps = 4 if block_m * max(c_pad, k_pad) <= 4096 else 8
-    return ConvFirstConfig(stride, c_pad, k_pad, block_m, BLOCK_H, num_warps)
+    # fp32 operands are twice as large: a double-buffered fp32 [128, 128] tap weight plus the
+    # [64, 128] input tile needed 229 KB at C_PAD = 128 (over Hopper's 227 KB), so no pipelining.
+    num_stages = 1 if dtype == torch.float32 else 2
+    return ConvFirstConfig(
+        stride, c_pad, k_pad, block_m, BLOCK_H, num_warps, num_stages, precision_for(dtype)
+    )
 
 
 # The ConvFirst blocks of Pico..Small (SPEC Table 3) as (C, R, K, stride): stride-1 blocks with
@@ -323,9 +358,20 @@ MODEL_SHAPES: tuple[tuple[int, int, int, int], ...] = (
 )
 
 
-def shipped_configs() -> list[ConvFirstConfig]:
-    """Every distinct compiled config the model shapes use (what the GPU compile test builds)."""
-    return sorted({convfirst_config(c, k, s) for c, _, k, s in MODEL_SHAPES}, key=lambda cfg: (cfg.stride, cfg.c_pad, cfg.k_pad))
+def shipped_configs(dtype: torch.dtype = torch.float16) -> list[ConvFirstConfig]:
+    """Every distinct compiled config the model shapes use in `dtype` (what the GPU compile test builds)."""
+    cfgs = {convfirst_config(c, k, s, dtype) for c, _, k, s in MODEL_SHAPES}
+    return sorted(cfgs, key=lambda cfg: (cfg.stride, cfg.c_pad, cfg.k_pad))
+
+
+def useful_macs(n: int, c: int, h: int, w: int, r: int, k: int, stride: int) -> int:
+    """Multiply-accumulates of the block as the paper counts them (for % of peak in benchmarks):
+    grouped conv at full resolution (72 C per pixel) plus the two 1x1 layers at output resolution.
+    The block-diagonal conv (C_PAD / 8 x) and the stride-2 blur recompute are not counted."""
+    conv = n * h * w * 9 * GROUP * c
+    ho, wo = (h, w) if stride == 1 else ((h + 1) // 2, (w + 1) // 2)
+    c1 = c if stride == 1 else 2 * c
+    return conv + n * ho * wo * (c1 * r + r * k)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -340,12 +386,14 @@ def _launch(kernel):
     return wrap_triton(kernel)
 
 
-def precision_for(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # "tf32" is ignored for 16-bit inputs
-
-
 def check_supported(x: torch.Tensor, c: int, k: int) -> None:
     """Kernel limits beyond the op's checks (raised before any allocation or launch)."""
+    if x.dtype == torch.bfloat16 and x.device.type != "cuda":
+        # Triton's interpreter computes bf16 tl.dot wrongly (garbage of 1e10 magnitude, triton 3.9)
+        raise NotImplementedError(
+            "convfirstnet.convfirst: bfloat16 through the Triton interpreter gives wrong tl.dot results; "
+            "use float16/float32, or CONVFIRSTNET_KERNELS=reference on CPU"
+        )
     if c % GROUP:
         raise ValueError(f"convfirstnet.convfirst: channels must be a multiple of {GROUP}, got {c}")
     if max(c, k) > MAX_CHANNELS:
@@ -375,10 +423,10 @@ def convfirst_triton(
     if m == 0:
         return out
     b_conv, b1, b2 = b_conv.contiguous(), b1.contiguous(), b2.contiguous()
-    cfg = convfirst_config(c, k, stride)
+    cfg = convfirst_config(c, k, stride, x.dtype)
     grid = (triton.cdiv(m, cfg.block_m),)
     common = (*x.stride(), *w_conv.stride(), *w1.stride(), *w2.stride())
-    meta = dict(BLOCK_M=cfg.block_m, BLOCK_H=cfg.block_h, PRECISION=precision_for(x.dtype),
+    meta = dict(BLOCK_M=cfg.block_m, BLOCK_H=cfg.block_h, PRECISION=cfg.precision,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if stride == 1:
         _launch(_convfirst_s1_kernel)[grid](

@@ -1,37 +1,21 @@
 """Shared helpers of the stem / ConvFirst kernel tests.
 
 `kernels_package()` imports ``convfirstnet.kernels`` (which registers ``torch.ops.convfirstnet.*``).
-The kernel tests need only that folder, so when the model package around it cannot be imported
-(e.g. while its modules are being written) the folder is loaded under the same name, the way
-``convfirstnet/_kernels_path.py`` does for an uninstalled checkout.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 
 import torch
 
-KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 
 
 def kernels_package():
-    try:
-        return importlib.import_module("convfirstnet.kernels")
-    except ImportError:
-        pass
-    if "convfirstnet.kernels" in sys.modules:
-        return sys.modules["convfirstnet.kernels"]
-    spec = importlib.util.spec_from_file_location(
-        "convfirstnet.kernels", KERNELS_DIR / "__init__.py", submodule_search_locations=[str(KERNELS_DIR)]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["convfirstnet.kernels"] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("convfirstnet.kernels")
 
 
 def nan_banded(x: torch.Tensor, memory_format=torch.channels_last) -> torch.Tensor:
@@ -94,44 +78,45 @@ def shipped_variants(block: str) -> list[dict]:
 
         return [
             dict(name=f"stem_c{cfg.c_pad}", kernel=S._stem_kernel, num_warps=cfg.num_warps, num_stages=2,
-                 constexprs=dict(C_IN=cfg.c_in, C_PAD=cfg.c_pad, BLOCK_M=cfg.block_m))
+                 constexprs=dict(C_IN=cfg.c_in, C_PAD=cfg.c_pad, BLOCK_M=cfg.block_m),
+                 dtypes=[torch.float16, torch.bfloat16, torch.float32])
             for cfg in S.shipped_configs()
         ]
     from convfirstnet.kernels.convfirst import kernel as K
 
     out = []
-    for cfg in K.shipped_configs():
-        ce = dict(C_PAD=cfg.c_pad, BLOCK_M=cfg.block_m, BLOCK_H=cfg.block_h)
-        if cfg.stride == 2:
-            ce["K_PAD"] = cfg.k_pad
-        out.append(dict(
-            name=f"s{cfg.stride}_c{cfg.c_pad}_k{cfg.k_pad}_m{cfg.block_m}_h{cfg.block_h}_w{cfg.num_warps}",
-            kernel=K._convfirst_s1_kernel if cfg.stride == 1 else K._convfirst_s2_kernel,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, constexprs=ce, precision=K.precision_for,
-        ))
+    for dtype in K.DTYPES:
+        for cfg in K.shipped_configs(dtype):
+            ce = dict(C_PAD=cfg.c_pad, BLOCK_M=cfg.block_m, BLOCK_H=cfg.block_h, PRECISION=cfg.precision)
+            if cfg.stride == 2:
+                ce["K_PAD"] = cfg.k_pad
+            out.append(dict(
+                name=(f"s{cfg.stride}_c{cfg.c_pad}_k{cfg.k_pad}_m{cfg.block_m}"
+                      f"_w{cfg.num_warps}_st{cfg.num_stages}"),
+                kernel=K._convfirst_s1_kernel if cfg.stride == 1 else K._convfirst_s2_kernel,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, constexprs=ce, dtype=dtype,
+            ))
     return out
 
 
-def _compile_all(block: str, dtypes: list[str], archs: list[int]) -> list[dict]:
+def _compile_all(block: str, archs: list[int]) -> list[dict]:
     rows = []
     for v in shipped_variants(block):
-        for dname in dtypes:
-            dtype = getattr(torch, dname)
-            ce = dict(v["constexprs"])
-            if "precision" in v:
-                ce["PRECISION"] = v["precision"](dtype)
+        for dtype in v.get("dtypes", [v.get("dtype")]):
             for arch in archs:
-                row = dict(name=v["name"], dtype=dname, arch=arch)
+                row = dict(name=v["name"], dtype=str(dtype).replace("torch.", ""), arch=arch)
                 try:
-                    c = compile_for_gpu(v["kernel"], dtype, ce, arch, v["num_warps"], v["num_stages"])
+                    c = compile_for_gpu(
+                        v["kernel"], dtype, v["constexprs"], arch, v["num_warps"], v["num_stages"]
+                    )
                     row.update(ok=True, shared=int(c.metadata.shared))
-                except Exception as e:  # reported per variant by the test
+                except Exception as e:  # noqa: BLE001  (reported per variant by the test)
                     row.update(ok=False, error=f"{type(e).__name__}: {e}"[-2000:])
                 rows.append(row)
     return rows
 
 
-def compile_all_in_subprocess(block: str, dtypes=("float16", "bfloat16", "float32"), archs=(90, 80)) -> list[dict]:
+def compile_all_in_subprocess(block: str, archs=(90, 80)) -> list[dict]:
     """Run `_compile_all` in a fresh interpreter with TRITON_INTERPRET=0.
 
     With TRITON_INTERPRET=1 set at import, @triton.jit yields interpreted functions and triton.compile
@@ -145,15 +130,23 @@ def compile_all_in_subprocess(block: str, dtypes=("float16", "bfloat16", "float3
     env = dict(os.environ, TRITON_INTERPRET="0")
     root = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "tests.kernels._convfirst_util", block, ",".join(dtypes), ",".join(map(str, archs))]
-    res = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=1200)
-    if res.returncode != 0:
-        raise RuntimeError(f"compile subprocess failed ({res.returncode}):\n{res.stderr[-4000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    # one child per architecture, run concurrently (the compiles are single-threaded)
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "tests.kernels._convfirst_util", block, str(arch)], env=env,
+                         cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for arch in archs
+    ]
+    rows = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=1200)
+        if proc.returncode != 0:
+            raise RuntimeError(f"compile subprocess failed ({proc.returncode}):\n{err[-4000:]}")
+        rows += json.loads(out.strip().splitlines()[-1])
+    return rows
 
 
 if __name__ == "__main__":
     import json
 
-    _block, _dtypes, _archs = sys.argv[1], sys.argv[2].split(","), [int(a) for a in sys.argv[3].split(",")]
-    print(json.dumps(_compile_all(_block, _dtypes, _archs)))
+    _block, _archs = sys.argv[1], [int(a) for a in sys.argv[2].split(",")]
+    print(json.dumps(_compile_all(_block, _archs)))
