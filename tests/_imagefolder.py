@@ -20,7 +20,7 @@ def make_image_folder(
     size: int = 40,
     seed: int = 0,
 ) -> Path:
-    """Write ``per_class[split]`` PNG images per class for each split (default train 48, val 16); return root."""
+    """Write ``per_class[split]`` PNGs per class and split (default train 48, val 16); return ``root``."""
     from PIL import Image, ImageDraw
 
     if not 1 <= num_classes <= len(COLOURS):
@@ -37,7 +37,9 @@ def make_image_folder(
                 img = Image.fromarray(pixels)
                 side = int(rng.integers(size // 3, size // 2 + 1))
                 x0, y0 = (int(v) for v in rng.integers(0, size - side, 2))
-                colour = tuple(int(c) for c in np.clip(np.array(COLOURS[k]) + rng.integers(-25, 26, 3), 0, 255))
+                colour = tuple(
+                    int(c) for c in np.clip(np.array(COLOURS[k]) + rng.integers(-25, 26, 3), 0, 255)
+                )
                 draw = ImageDraw.Draw(img)
                 box = (x0, y0, x0 + side, y0 + side)
                 (draw.rectangle if rng.random() < 0.5 else draw.ellipse)(box, fill=colour)
