@@ -25,6 +25,16 @@ def triton_backend(monkeypatch):
 
 
 @pytest.fixture
+def one_thread():
+    """One intra-op thread for tests of small models: on a 2-core machine that also runs subprocesses
+    (torchrun workers, data loaders), two threads per process spin against each other (~10x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def reference_backend(monkeypatch):
     monkeypatch.setenv("CONVFIRSTNET_KERNELS", "reference")
 

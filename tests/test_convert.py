@@ -18,27 +18,17 @@ from convfirstnet import weights
 from convfirstnet.tools.convert_checkpoint import convert_checkpoint, main
 from convfirstnet.weights import CheckpointError, read_checkpoint, sha256_file, tensors_sha256
 
+from ._models import trained_like
+
 REPO = Path(__file__).resolve().parent.parent
 NUM_CLASSES = 5
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a small, busy CPU two threads spin against each other and run ~30x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    model = convfirstnet.create_model("pico", num_classes=NUM_CLASSES)
-    for m in model.modules():  # non-trivial BatchNorm statistics
-        if isinstance(m, torch.nn.BatchNorm2d):
-            m.running_mean.uniform_(-0.1, 0.1)
-            m.running_var.uniform_(0.5, 2.0)
-    return model.eval()
+    return trained_like("pico", seed=seed, num_classes=NUM_CLASSES)
 
 
 @pytest.fixture(scope="module")

@@ -32,13 +32,7 @@ SORTED = ["n01", "n02", "n03", "n04", "n05", "n07", "n10"]
 BIAS = [5.0, 1.0, 2.0, 6.0, 0.0, 4.0, 3.0]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a small, busy CPU two threads spin against each other and run ~30x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_image_folder(root: Path, counts: dict[str, int], seed: int = 0) -> Path:

@@ -24,14 +24,7 @@ SMALL = "--model pico --img-size 32 --val-img-size 32 --workers 0 --device cpu -
 SMALL = SMALL.split() + ["--no-progress"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Train on one CPU thread: the tensors are tiny, and on the 2-core CI machine with other work running a
-    Pico training step (batch 32, 32x32) measured 0.20 s with one thread and 2.1 s with two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # Pico steps on 32x32 images: 0.2 s, vs 2 s with two busy threads
 
 
 def read_log(output: Path) -> list[dict]:

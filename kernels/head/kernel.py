@@ -15,8 +15,9 @@ Tiling and grid
 Grid (cdiv(F, BLOCK_F), N): one program owns BLOCK_F output features of one image and walks the
 image's H*W pixels in blocks of BLOCK_P rows. Per pixel block: ``acc[BLOCK_P, BLOCK_F]`` =
 ``tl.dot`` over C in steps of BLOCK_C (fp32 accumulation, operands in x's dtype; fp32 inputs use
-``input_precision="ieee"``), then bias + SiLU, masked to zero on pixel rows past H*W, and summed
-over rows into a fp32 ``[BLOCK_F]`` running total. After the last block the total is divided by
+``input_precision="tf32x3"``, ~fp32 accuracy on tensor cores, see kernels/mbconv/kernel.py), then
+bias + SiLU, masked to zero on pixel rows past H*W, and summed over rows into a fp32 ``[BLOCK_F]``
+running total. After the last block the total is divided by
 H*W and stored in x's dtype. No atomics, no scratch: the op stays functional and deterministic.
 
 Constants (``head_config``; not tuned on a GPU yet): BLOCK_F = 128 splits F = 1280 into 10
@@ -33,6 +34,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
+
+FP32_PRECISION = "tf32x3"  # dot precision for fp32 operands (the interpreter computes exact fp32)
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,21 @@ def head_config(c: int, f: int, h: int, w: int) -> HeadConfig:
     block_p = min(64, max(16, triton.next_power_of_2(h * w)))
     block_c = min(64, max(16, triton.next_power_of_2(c)))
     return HeadConfig(block_p, 128, block_c, 4)
+
+
+SUPPORTED_C = (128, 160, 192, 256)  # the head follows stage 5 (SPEC 1, Table 3)
+
+
+def shipped_variants() -> list[dict]:
+    """Every distinct set of meta-parameters (``num_warps`` included) for the supported shapes
+    (C 128 ... 256, maps 1x1 ... 64x64); the tests compile each for sm_90 and sm_80."""
+    seen = {}
+    for c in SUPPORTED_C:
+        for hw in (1, 2, 4, 8, 16, 32, 64):
+            cfg = head_config(c, 1280, hw, hw)
+            meta = dict(cfg.constexprs(), num_warps=cfg.num_warps)
+            seen[tuple(sorted(meta.items()))] = meta
+    return list(seen.values())
 
 
 @triton.jit
@@ -78,8 +97,13 @@ def _head_kernel(
         acc = tl.zeros((BLOCK_P, BLOCK_F), dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
             c_ok = (c0 + rc) < C
-            xt = tl.load(x_rows[:, None] + (c0 + rc)[None, :] * sxc, mask=p_ok[:, None] & c_ok[None, :], other=0.0)
-            wt = tl.load(w_ptr + rf[None, :] * swf + (c0 + rc)[:, None] * swc, mask=c_ok[:, None] & f_ok[None, :], other=0.0)
+            xt = tl.load(
+                x_rows[:, None] + (c0 + rc)[None, :] * sxc, mask=p_ok[:, None] & c_ok[None, :], other=0.0
+            )
+            wt = tl.load(
+                w_ptr + rf[None, :] * swf + (c0 + rc)[:, None] * swc,
+                mask=c_ok[:, None] & f_ok[None, :], other=0.0,
+            )
             acc = tl.dot(xt, wt, acc, input_precision=PREC)
         y = acc + bias[None, :]
         y = y / (1.0 + tl.exp(-y))
@@ -89,15 +113,13 @@ def _head_kernel(
 
 def head_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Launch the fused head. Inputs are validated by op.py before this call."""
-    from torch.library import wrap_triton
-
     n, c, h, wd = x.shape
     f = w.shape[0]
     out = torch.empty((n, f), device=x.device, dtype=x.dtype)
     if n == 0:
         return out
     cfg = head_config(c, f, h, wd)
-    prec = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for fp16/bf16 operands
+    prec = FP32_PRECISION if x.dtype == torch.float32 else "tf32"  # only fp32 operands use it
     grid = (triton.cdiv(f, cfg.block_f), n)
     wrap_triton(_head_kernel)[grid](
         x, w, b, out, c, f, wd, h * wd, *x.stride(), *w.stride(), out.stride(0),

@@ -2,8 +2,11 @@
 
 import torch
 
-from .._launch import check_activation, check_shape, check_weights, define_op, use_triton
+from .._launch import HAS_TRITON, check_activation, check_shape, check_weights, define_op, use_triton
 from .reference import head_reference
+
+if HAS_TRITON:
+    from .kernel import head_triton
 
 
 @define_op("convfirstnet::head")
@@ -14,7 +17,5 @@ def head(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     check_shape("head", "b", b, (f,))
     check_weights("head", x, {"w": w, "b": b})
     if use_triton(x):
-        from .kernel import head_triton
-
         return head_triton(x, w, b)
     return head_reference(x, w, b)

@@ -17,30 +17,42 @@ no grid barrier that is safe without a cooperative launch (a spin-wait deadlocks
 program is resident, e.g. batch 256 at 16x16), so this file splits the block at that barrier:
 
 1. ``_mbconv_kernel[PASS=1]`` (grid: spatial tiles x images): per hidden chunk, expand + SiLU +
-   grouped conv + SiLU (+ BlurPool) on chip, then ``tl.atomic_add`` of the tile's column sums into
-   ``pool`` (N, R) fp32. Nothing of width R is written.
-2. ``_se_kernel`` (grid: images): the tiny SE MLP, ``gate`` (N, R) fp32.
+   grouped conv + SiLU (+ BlurPool) on chip, then the tile's column sums are stored into
+   ``partial`` (N, tiles, R) fp32. Nothing of width R per pixel is written. Per-tile partials
+   rather than ``tl.atomic_add`` into (N, R): the sum order is fixed (bit-reproducible output,
+   no zero-filled buffer), for 4 x R x 4 B = 8 KB per image at 16x16 (4 tiles).
+2. ``_se_kernel`` (grid: images): sums the partials, the tiny SE MLP, ``gate`` (N, R) fp32.
 3. ``_mbconv_kernel[PASS=2]``: recompute the same hidden chunks, multiply by the gate, accumulate
    the projection over hidden chunks in registers (no atomics on the output), add bias and residual,
    store the (N, K, H', W') output once.
 
-Waterline arithmetic (one image, C=128, R=512, K=128, 16x16, fp16; H100 SXM: 990 TFLOP/s dense
-fp16, 3.35 TB/s, op:byte = 295 FLOP/B):
+Waterline arithmetic (one image, fp16; H100 SXM: 990 TFLOP/s dense fp16, 3.35 TB/s, op:byte =
+295 FLOP/B). FLOP counts include the waste of the shipped tiles (next section): the expand runs on
+an h window padded to a power of two (2x the pixels it serves), the grouped conv is a
+block-diagonal ``tl.dot`` with K = BLOCK_R = 32 (4x the useful MACs: the price of tensor cores at
+group width 8), and passes 1 and 2 both compute expand + conv. Shared-memory traffic of the gathers
+is not counted.
 
-* useful work: expand 2*256*128*512 = 33.6 MFLOP, grouped conv 2*256*512*72 = 18.9 MFLOP, project
-  33.6 MFLOP: 86 MFLOP (paper Table 5: 33.55 + 18.87 + 33.55).
-* layer-wise kernels move x (64 KB), then the 256 KB hidden tensor five times (expand writes h,
-  conv reads h and writes g, pool reads g, gate*project reads g), then the residual and the output
-  (128 KB): ~1.47 MB, 58 FLOP/B, far under 295: memory bound at >= 0.44 us per image.
-* these kernels move x twice, the output once, and 2 x R x 4 B of pool/gate: ~0.2 MB. They execute
-  more FLOPs than the useful 86 M: the expand runs on a halo window padded to a power of two (2x
-  the useful pixels at the shipped tiles), the grouped conv runs as a block-diagonal ``tl.dot``
-  with K = BLOCK_R (BLOCK_R / 8 = 4x the useful MACs, the price of tensor cores at group width 8),
-  and passes 1 and 2 both compute expand + conv: 2 * (67 + 76) + 34 = 320 MFLOP, ~1600 FLOP/B.
-  Compute bound at >= 0.32 us per image, 27 % of peak as useful work at best, against >= 0.44 us
-  for the memory-bound layer-wise sequence. Smaller waste factors (BLOCK_R = 16 halves the conv
-  waste, larger tiles shrink the halo) move the bound toward the 2 * 52 + 34 = 138 MFLOP of a
-  waste-free two-pass block (0.14 us). Which point wins on a GPU is an open measurement.
+* Stride 1, C = K = 128, R = 512, 16x16 (paper Table 5, MBConv s1): useful work is expand
+  2*256*128*512 = 33.6 MFLOP + grouped conv 2*256*512*72 = 18.9 + project 33.6 = 86 MFLOP.
+  Layer-wise kernels move x (64 KB), the 256 KB hidden tensor five times (expand writes h, conv
+  reads h and writes g, pool reads g, gate*project reads g), the residual and the output
+  (128 KB): ~1.47 MB, 58 FLOP/B, memory bound at >= 0.44 us per image.
+  These kernels move x twice and the output once (~0.2 MB; partials and gate are 5 x R x 4 B) and
+  execute 2 * (67 expand + 76 conv) + 34 project = 320 MFLOP: ~1600 FLOP/B, compute bound at
+  >= 0.32 us per image (27 % of peak as useful work at best).
+* Stride 2, C = K = 128, R = 512, 16x16 -> 8x8 (Table 5, MBConv s2): useful 33.6 + 18.9 + 8.4 =
+  61 MFLOP; layer-wise ~1.3 MB (h written and read, full-resolution g written and read by the blur,
+  the blurred g read by pool and project): 47 FLOP/B, >= 0.39 us. Here the g window is also
+  padded 2x (81 -> 128 rows for 64 full-resolution pixels), so the conv costs 8x its useful MACs:
+  2 * (67 + 151) + 8 = 444 MFLOP on ~0.15 MB, >= 0.45 us: on paper no faster than layer-wise.
+
+So the two-pass design wins where the bytes it saves exceed the recompute, and the waste factors
+decide by how much. The first levers, to be timed on a GPU: BLOCK_R = 16 (conv waste 2x instead of
+4x: stride 1 -> 244 MFLOP, 0.25 us; stride 2 -> 293 MFLOP, 0.30 us), stride-2 tiles whose g window
+fills its power of two (3x8 outputs: g 7x17 = 119 of 128 rows), and the two-taps-per-K batched dot
+of KERNEL-NOTES (conv waste 10/9). A waste-free two-pass block is 2 * 52 + 34 = 138 MFLOP (0.14 us)
+at stride 1.
 
 Tiling and grid
 ---------------
@@ -50,6 +62,7 @@ chunk and the conv needs no communication between chunks). For that tile it need
 
 * the ``g`` window: the output tile itself (stride 1), or the (2*TILE_H+1) x (2*TILE_W+1) full
   resolution pixels under the blur filter (stride 2), flattened row-major into BLOCK_G rows;
+  neighbouring stride-2 tiles share one row/column of that window (computed twice);
 * the ``h`` window: the ``g`` window grown by one pixel each side (the 3x3 conv), flattened into
   BLOCK_H rows. Triton tensors have power-of-two sizes, so BLOCK_H / BLOCK_G / BLOCK_O are the next
   powers of two (>= 16 for ``tl.dot``); the extra rows are masked.
@@ -61,8 +74,10 @@ The grouped conv is nine taps; tap (dy, dx) gathers its shifted ``h`` rows with 
 BLOCK_R x BLOCK_R weight tile built by a masked load (``j // 8 == r // 8``). The blur (stride 2) is
 nine more gathers with the fixed weights; reflect padding is folded into the gather indices. All
 accumulation is fp32; ``h`` and the gated ``g`` are rounded to the input dtype before their
-``tl.dot`` (fp16/bf16 tensor cores); fp32 inputs use ``input_precision="ieee"`` to match the
-fp32 reference.
+``tl.dot`` (fp16/bf16 tensor cores). fp32 inputs use ``input_precision="tf32x3"`` (three TF32
+tensor-core products with split operands, ~fp32 accuracy; the same choice as kernels/convfirst).
+"ieee" was tried first: its FMA-lowered dots took 1 to more than 5 minutes per variant in ptxas
+and 80 KB of shared memory. The interpreter computes every dot in exact fp32.
 
 Configurations come from ``mbconv_config`` (a table by stride and map size, documented there) so
 that a benchmark can report them and tests can compile every one of them for sm_90 and sm_80.
@@ -77,6 +92,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 from .._launch import GROUP_WIDTH
 
@@ -132,33 +148,69 @@ class MBConvConfig:
 BLOCK_R = 32
 # BLOCK_C = 64: the expand K step; every block input C (48 ... 256) is one to four steps.
 BLOCK_C = 64
+# dot precision for fp32 operands (module docstring); fp16/bf16 operands ignore it
+FP32_PRECISION = "tf32x3"
 # SE kernel chunk over R (broadcast-multiply + tl.sum on [BLOCK_S, SE_BLOCK_R], fp32).
 SE_BLOCK_R = 128
 
 
 def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int) -> MBConvConfig:
-    """Per-shape tiles. Not tuned on a GPU yet; each choice is what keeps the halo waste at ~2x:
+    """Per-shape tiles (not tuned on a GPU yet). One tile per stride keeps the set of compiled
+    variants small (each is compiled for sm_90 and sm_80 in the tests):
 
-    * stride 1, map > 4x4: 8x8 tile, h window 10x10 = 100 -> 128 rows (expand on 2x the outputs).
-      16x16 maps give 4 tiles per image, 8x8 maps one.
-    * stride 1, map <= 4x4 (down to 1x1): 4x4 tile, h window 6x6 = 36 -> 64 rows.
-    * stride 2, output > 4x4: 4x8 tile, g window 9x17 = 153 -> 256, h window 11x19 = 209 -> 256.
-    * stride 2, output <= 4x4: 4x4 tile, g window 9x9 = 81 -> 128, h window 11x11 = 121 -> 128.
-
-    num_warps: 8 once a program holds 256-row windows or a 64 x 256 fp32 output accumulator
-    (64 KB of registers), else 4.
+    * stride 1: 8x8 output tile; h window 10x10 = 100 -> 128 rows, so the expand runs on 2x the
+      output pixels. The paper's maps are 16x16 (4 tiles per image) and 8x8 (one tile); smaller
+      maps (down to 1x1) are masked rows of the same tile.
+    * stride 2: 4x4 output tile; g window 9x9 = 81 -> 128 rows (2x the 64 full-resolution pixels
+      under the tile), h window 11x11 = 121 -> 128 rows: the same FLOP waste as a 4x8 tile (g 9x17
+      -> 256, h 11x19 -> 256), which compiled 3x slower (30-40 s per variant for sm_80 in ptxas,
+      over 90 s in fp32) and needed 147 KB of shared memory in fp32 against 80 KB here.
+    * BLOCK_K = K rounded up to a power of two (64, 128 or 256 for the paper's 48 ... 256): the
+      whole output row of a pixel stays in one fp32 accumulator, so hidden chunks never meet in
+      DRAM (no atomics on the output).
+    * num_warps 8 once a program holds 256-row windows or a 64 x 256 fp32 accumulator (64 KB of
+      registers: 64 per thread at 8 warps), else 4.
     """
+    tile = (8, 8) if stride == 1 else (4, 4)
     block_k = max(16, triton.next_power_of_2(k))
     block_c = min(BLOCK_C, max(16, triton.next_power_of_2(c)))
-    if stride == 1:
-        tile = (8, 8) if h * w > 16 else (4, 4)
-    else:
-        oh, ow = (h + 1) // 2, (w + 1) // 2
-        tile = (4, 8) if oh * ow > 16 else (4, 4)
     cfg = MBConvConfig(stride, tile[0], tile[1], BLOCK_R, block_c, block_k, 4)
     if cfg.block_h >= 256 or cfg.block_o * block_k >= 64 * 256:
         cfg = MBConvConfig(stride, tile[0], tile[1], BLOCK_R, block_c, block_k, 8)
     return cfg
+
+
+def pass_constexprs(cfg: MBConvConfig, pass_: int) -> dict:
+    """Meta-parameters of one pass, ``num_warps`` included. Pass 1 has no output accumulator, so
+    BLOCK_K is pinned to 16 and the warps follow the window size only: all output widths share one
+    compiled pass-1 variant."""
+    meta = dict(cfg.constexprs(), PASS=pass_, num_warps=cfg.num_warps)
+    if pass_ == 1:
+        meta["BLOCK_K"] = 16
+        meta["num_warps"] = 8 if cfg.block_h >= 256 else 4
+    return meta
+
+
+# The shapes the package supports (SPEC 1): block inputs C, stride-2 block outputs K.
+SUPPORTED_C = (48, 64, 72, 96, 128, 160, 192, 256)
+SUPPORTED_K_STRIDE2 = (128, 160, 192, 256)
+
+
+def shipped_variants() -> list[dict]:
+    """Every distinct set of meta-parameters (``num_warps`` included) the launcher picks for the
+    supported shapes; the tests compile each for sm_90 and sm_80 (dtype and PREC added there)."""
+    seen = {}
+    for c in SUPPORTED_C:
+        for stride, ks in ((1, (c,)), (2, SUPPORTED_K_STRIDE2)):
+            for k in ks:
+                for hw in (1, 2, 4, 8, 16, 32, 64):
+                    if stride == 2 and hw < 2:
+                        continue
+                    cfg = mbconv_config(c, 4 * c, k, hw, hw, stride)
+                    for p in (1, 2):
+                        meta = pass_constexprs(cfg, p)
+                        seen[tuple(sorted(meta.items()))] = meta
+    return list(seen.values())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,14 +219,9 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int) -> MBConv
 
 
 @triton.jit
-def _silu(v):
-    return v / (1.0 + tl.exp(-v))
-
-
-@triton.jit
 def _mbconv_kernel(
     # pointers
-    x_ptr, out_ptr, pool_ptr, gate_ptr,
+    x_ptr, out_ptr, part_ptr, gate_ptr,
     wexp_ptr, bexp_ptr, wconv_ptr, bconv_ptr, wproj_ptr, bproj_ptr,
     # sizes
     H, W, OH, OW, C, R, K, TILES_W,
@@ -240,14 +287,17 @@ def _mbconv_kernel(
         acc_h = tl.zeros((BLOCK_H, BLOCK_R), dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
             c_ok = (c0 + rc) < C
-            xt = tl.load(x_rows[:, None] + (c0 + rc)[None, :] * sxc, mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+            xt = tl.load(
+                x_rows[:, None] + (c0 + rc)[None, :] * sxc, mask=h_ok[:, None] & c_ok[None, :], other=0.0
+            )
             wt = tl.load(
                 wexp_ptr + (r0 + rr)[None, :] * swe_r + (c0 + rc)[:, None] * swe_c,
                 mask=c_ok[:, None] & r_ok[None, :], other=0.0,
             )
             acc_h = tl.dot(xt, wt, acc_h, input_precision=PREC)
         b_e = tl.load(bexp_ptr + r0 + rr, mask=r_ok, other=0.0).to(tl.float32)
-        hid = _silu(acc_h + b_e[None, :])
+        hid = acc_h + b_e[None, :]
+        hid = hid / (1.0 + tl.exp(-hid))  # SiLU (inlined: one self-contained kernel compiles from CPU too)
         hid = tl.where(h_ok[:, None], hid, 0.0).to(dtype)
 
         # ---- grouped 3x3 conv: nine gathered taps x block-diagonal weights
@@ -258,7 +308,8 @@ def _mbconv_kernel(
             wbd = tl.load(wconv_ptr + r0 * (8 * 9) + bd_offs + t, mask=bd_in_group & r_ok[None, :], other=0.0)
             acc_g = tl.dot(tap, wbd, acc_g, input_precision=PREC)
         b_c = tl.load(bconv_ptr + r0 + rr, mask=r_ok, other=0.0).to(tl.float32)
-        g = _silu(acc_g + b_c[None, :])
+        g = acc_g + b_c[None, :]
+        g = g / (1.0 + tl.exp(-g))
 
         # ---- BlurPool (stride 2): nine gathers with reflect-padded indices and weights [1,2,1]^2/16
         if STRIDE == 2:
@@ -276,9 +327,9 @@ def _mbconv_kernel(
             g = acc_b
 
         if PASS == 1:
-            # ---- pooled partial sums of this tile for this chunk
+            # ---- pooled partial sums of this tile for this chunk: partial[n, tile, r]
             part = tl.sum(tl.where(o_ok[:, None], g, 0.0), axis=0)
-            tl.atomic_add(pool_ptr + n * R + r0 + rr, part, mask=r_ok)
+            tl.store(part_ptr + (n * tl.num_programs(0) + pid_t) * R + r0 + rr, part, mask=r_ok)
         else:
             # ---- gate, then project this chunk into the output accumulator
             gate = tl.load(gate_ptr + n * R + r0 + rr, mask=r_ok, other=0.0)
@@ -302,11 +353,12 @@ def _mbconv_kernel(
 
 @triton.jit
 def _se_kernel(
-    pool_ptr, gate_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
-    R, S, HW_OUT,
+    part_ptr, gate_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
+    R, S, TILES, HW_OUT,
     BLOCK_S: tl.constexpr, BLOCK_RS: tl.constexpr,
 ):
-    """gate[n] = sigmoid(W2 ReLU(W1 pool[n] / HW_OUT + b1) + b2), fp32; one program per image.
+    """gate[n] = sigmoid(W2 ReLU(W1 mean[n] + b1) + b2) with mean[n] = sum_t partial[n, t] / HW_OUT,
+    fp32; one program per image, tiles summed in a fixed order.
 
     Broadcast-multiply + ``tl.sum`` rather than ``tl.dot``: the matrix-vector products are
     S x R <= 64 x 1024 per image, too small for tensor cores to matter.
@@ -318,7 +370,10 @@ def _se_kernel(
     for r0 in range(0, R, BLOCK_RS):
         rr = r0 + tl.arange(0, BLOCK_RS)
         r_ok = rr < R
-        p = tl.load(pool_ptr + n * R + rr, mask=r_ok, other=0.0) / HW_OUT
+        p = tl.zeros((BLOCK_RS,), dtype=tl.float32)
+        for t in range(0, TILES):
+            p += tl.load(part_ptr + (n * TILES + t) * R + rr, mask=r_ok, other=0.0)
+        p = p / HW_OUT
         w1 = tl.load(w1_ptr + rs[:, None] * R + rr[None, :], mask=s_ok[:, None] & r_ok[None, :], other=0.0)
         z += tl.sum(w1.to(tl.float32) * p[None, :], axis=1)
     z = tl.maximum(z + tl.load(b1_ptr + rs, mask=s_ok, other=0.0).to(tl.float32), 0.0)
@@ -336,7 +391,23 @@ def _se_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def se_config(s: int, r: int) -> dict:
+MAX_K = 256  # widest output kept in one fp32 accumulator (BLOCK_K); the paper's stages stop at 256
+
+
+def check_supported(r: int, k: int) -> None:
+    """Shapes the Triton path handles (called by op.py before any launch)."""
+    if k > MAX_K:
+        raise ValueError(
+            f"convfirstnet.mbconv: the Triton kernel supports up to {MAX_K} output channels, got {k}; "
+            "use CONVFIRSTNET_KERNELS=reference for wider blocks"
+        )
+    if r % GROUP_WIDTH:
+        raise ValueError(
+            f"convfirstnet.mbconv: hidden width {r} is not a multiple of the group width {GROUP_WIDTH}"
+        )
+
+
+def se_config(s: int) -> dict:
     return dict(BLOCK_S=max(16, triton.next_power_of_2(s)), BLOCK_RS=SE_BLOCK_R)
 
 
@@ -355,11 +426,8 @@ def mbconv_triton(
     stride: int,
 ) -> torch.Tensor:
     """Launch pass 1, the SE kernel and pass 2. Inputs are validated by op.py before this call."""
-    from torch.library import wrap_triton
-
     n, c, h, w = x.shape
     r, k, s = w_exp.shape[0], w_proj.shape[0], w_se1.shape[0]
-    assert r % GROUP_WIDTH == 0
     oh, ow = (h, w) if stride == 1 else ((h + 1) // 2, (w + 1) // 2)
     out = torch.empty((n, k, oh, ow), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
     if n == 0:
@@ -367,18 +435,23 @@ def mbconv_triton(
     cfg = mbconv_config(c, r, k, h, w, stride)
     w_conv = w_conv.contiguous()  # (R, 8, 3, 3) addressed as r * 72 + j * 9 + tap
     w_se1, w_se2 = w_se1.contiguous(), w_se2.contiguous()
-    pool = torch.zeros((n, r), device=x.device, dtype=torch.float32)
-    gate = torch.empty((n, r), device=x.device, dtype=torch.float32)
     tiles_w = triton.cdiv(ow, cfg.tile_w)
-    grid = (triton.cdiv(oh, cfg.tile_h) * tiles_w, n)
-    prec = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for fp16/bf16 operands
+    tiles = triton.cdiv(oh, cfg.tile_h) * tiles_w
+    grid = (tiles, n)
+    # scratch, allocated here so the op stays functional and CUDA-graph safe; pass 1 writes every
+    # element of ``partial`` and the SE kernel every element of ``gate``, so no zero fill
+    partial = torch.empty((n, tiles, r), device=x.device, dtype=torch.float32)
+    gate = torch.empty((n, r), device=x.device, dtype=torch.float32)
+    prec = FP32_PRECISION if x.dtype == torch.float32 else "tf32"  # only fp32 operands use it
     args = (
-        x, out, pool, gate, w_exp, b_exp, w_conv, b_conv, w_proj, b_proj,
+        x, out, partial, gate, w_exp, b_exp, w_conv, b_conv, w_proj, b_proj,
         h, w, oh, ow, c, r, k, tiles_w,
         *x.stride(), *out.stride(), *w_exp.stride(), *w_proj.stride(),
     )
     kernel = wrap_triton(_mbconv_kernel)
-    kernel[grid](*args, PASS=1, PREC=prec, num_warps=cfg.num_warps, **cfg.constexprs())
-    wrap_triton(_se_kernel)[(n,)](pool, gate, w_se1, b_se1, w_se2, b_se2, r, s, oh * ow, **se_config(s, r))
-    kernel[grid](*args, PASS=2, PREC=prec, num_warps=cfg.num_warps, **cfg.constexprs())
+    kernel[grid](*args, PREC=prec, **pass_constexprs(cfg, 1))
+    wrap_triton(_se_kernel)[(n,)](
+        partial, gate, w_se1, b_se1, w_se2, b_se2, r, s, tiles, oh * ow, **se_config(s)
+    )
+    kernel[grid](*args, PREC=prec, **pass_constexprs(cfg, 2))
     return out

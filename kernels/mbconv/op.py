@@ -2,8 +2,20 @@
 
 import torch
 
-from .._launch import GROUP_WIDTH, check_activation, check_shape, check_spatial, check_weights, define_op, use_triton
+from .._launch import (
+    GROUP_WIDTH,
+    HAS_TRITON,
+    check_activation,
+    check_shape,
+    check_spatial,
+    check_weights,
+    define_op,
+    use_triton,
+)
 from .reference import mbconv_reference
+
+if HAS_TRITON:
+    from .kernel import check_supported, mbconv_triton
 
 
 @define_op("convfirstnet::mbconv")
@@ -44,7 +56,8 @@ def mbconv(
              w_se2=w_se2, b_se2=b_se2, w_proj=w_proj, b_proj=b_proj),
     )
     if use_triton(x):
-        from .kernel import mbconv_triton
-
-        return mbconv_triton(x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj, stride)
+        check_supported(r, k)
+        return mbconv_triton(
+            x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj, stride
+        )
     return mbconv_reference(x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj, stride)
