@@ -43,8 +43,8 @@ def info(argv: list[str]) -> int:
     import torch
 
     import convfirstnet
-    from convfirstnet.profile import count_macs, count_params
     from convfirstnet.kernels._launch import backend, use_triton
+    from convfirstnet.profile import count_macs, count_params
 
     args = _info_parser().parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

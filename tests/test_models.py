@@ -12,7 +12,7 @@ from convfirstnet.blocks import FusedConvFirst, FusedHead, FusedMBConv, FusedSte
 from convfirstnet.model import PAPER, SIZES
 from convfirstnet.profile import count_macs, count_params
 
-from ._models import randomize_bn, rel_err, trained_like
+from ._models import rel_err, trained_like
 
 NAMES = convfirstnet.list_models()
 README = Path(__file__).resolve().parent.parent / "README.md"

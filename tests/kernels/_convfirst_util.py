@@ -1,21 +1,14 @@
 """Shared helpers of the stem / ConvFirst kernel tests.
 
-`kernels_package()` imports ``convfirstnet.kernels`` (which registers ``torch.ops.convfirstnet.*``).
+Strided NaN-banded inputs, and compiling the shipped kernel configurations for GPU targets.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib
 import sys
 from pathlib import Path
 
 import torch
-
-
-
-def kernels_package():
-    return importlib.import_module("convfirstnet.kernels")
 
 
 def nan_banded(x: torch.Tensor, memory_format=torch.channels_last) -> torch.Tensor:
@@ -72,7 +65,6 @@ def compile_for_gpu(kernel, dtype: torch.dtype, constexprs: dict, arch: int, num
 
 def shipped_variants(block: str) -> list[dict]:
     """Every (kernel, constexprs, launch options) the launcher of `block` can pick for model shapes."""
-    kernels_package()
     if block == "stem":
         from convfirstnet.kernels.stem import kernel as S
 

@@ -6,12 +6,10 @@ Run: pytest tests/kernels/test_convfirst.py --durations=10
 
 import pytest
 import torch
-
-from tests.kernels._convfirst_util import SMEM_LIMIT, compile_all_in_subprocess, kernels_package, nan_banded
-
-kernels_package()  # registers torch.ops.convfirstnet.*
 from convfirstnet.kernels.convfirst import kernel as K
 from convfirstnet.kernels.convfirst.reference import convfirst_reference
+
+from tests.kernels._convfirst_util import SMEM_LIMIT, compile_all_in_subprocess, nan_banded
 
 # dtype -> (atol, rtol) for outputs of O(1-5) magnitude (x ~ N(0, 1), fan-in scaled weights).
 # fp32: the interpreter's dots are exact fp32; GPU dots use 3xTF32 (products split into tf32

@@ -5,12 +5,10 @@ Run: pytest tests/kernels/test_stem.py --durations=10
 
 import pytest
 import torch
-
-from tests.kernels._convfirst_util import SMEM_LIMIT, compile_all_in_subprocess, kernels_package, nan_banded
-
-kernels_package()  # registers torch.ops.convfirstnet.*
 from convfirstnet.kernels.stem import kernel as S
 from convfirstnet.kernels.stem.reference import stem_reference
+
+from tests.kernels._convfirst_util import SMEM_LIMIT, compile_all_in_subprocess, nan_banded
 
 # dtype -> (atol, rtol). The stem reduces only 27 products in fp32 on both sides, so the kernel and
 # the reference differ by summation order (27 * 2^-24 relative) and then, for 16-bit dtypes, by at
