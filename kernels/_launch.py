@@ -123,5 +123,14 @@ def define_op(qualname: str) -> Callable[[Callable], Callable]:
     return register
 
 
-def channels_last(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous(memory_format=torch.channels_last)
+def launchable(kernel):
+    """``wrap_triton(kernel)``, so torch.compile sees the launch as a user-defined Triton kernel.
+
+    Under the interpreter (TRITON_INTERPRET=1 when the kernel was decorated) ``@triton.jit`` gives an
+    ``InterpretedFunction``, which torch < 2.15 refuses to wrap: it is launched as it is.
+    """
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    return wrap_triton(kernel) if isinstance(kernel, (JITFunction, Autotuner)) else kernel
+

@@ -125,6 +125,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._launch import launchable
+
 GROUP = 8  # channels per group of the 3x3 conv (paper 5.3: matches mma.m16n8k8)
 MAX_CHANNELS = 128  # C_PAD / K_PAD limit of the register-resident tiles
 
@@ -379,13 +381,6 @@ def useful_macs(n: int, c: int, h: int, w: int, r: int, k: int, stride: int) -> 
 # ------------------------------------------------------------------------------------------------
 
 
-def _launch(kernel):
-    # wrap_triton makes the launch visible to torch.compile as a user-defined Triton kernel.
-    from torch.library import wrap_triton
-
-    return wrap_triton(kernel)
-
-
 def check_supported(x: torch.Tensor, c: int, k: int) -> None:
     """Kernel limits beyond the op's checks (raised before any allocation or launch)."""
     if x.dtype == torch.bfloat16 and x.device.type != "cuda":
@@ -429,11 +424,11 @@ def convfirst_triton(
     meta = dict(BLOCK_M=cfg.block_m, BLOCK_H=cfg.block_h, PRECISION=cfg.precision,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if stride == 1:
-        _launch(_convfirst_s1_kernel)[grid](
+        launchable(_convfirst_s1_kernel)[grid](
             x, w_conv, b_conv, w1, b1, w2, b2, out, m, h, w, c, r, *common, C_PAD=cfg.c_pad, **meta
         )
     else:
-        _launch(_convfirst_s2_kernel)[grid](
+        launchable(_convfirst_s2_kernel)[grid](
             x, w_conv, b_conv, w1, b1, w2, b2, out, m, h, w, ho, wo, c, r, k, *common,
             C_PAD=cfg.c_pad, K_PAD=cfg.k_pad, **meta,
         )

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
+
+from .._launch import launchable
 
 FP32_PRECISION = "tf32x3"  # dot precision for fp32 operands (the interpreter computes exact fp32)
 
@@ -121,7 +122,7 @@ def head_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tens
     cfg = head_config(c, f, h, wd)
     prec = FP32_PRECISION if x.dtype == torch.float32 else "tf32"  # only fp32 operands use it
     grid = (triton.cdiv(f, cfg.block_f), n)
-    wrap_triton(_head_kernel)[grid](
+    launchable(_head_kernel)[grid](
         x, w, b, out, c, f, wd, h * wd, *x.stride(), *w.stride(), out.stride(0),
         PREC=prec, num_warps=cfg.num_warps, **cfg.constexprs(),
     )

@@ -92,9 +92,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
-from .._launch import GROUP_WIDTH
+from .._launch import GROUP_WIDTH, launchable
 
 # ----------------------------------------------------------------------------------------------
 # Configuration table
@@ -448,9 +447,9 @@ def mbconv_triton(
         h, w, oh, ow, c, r, k, tiles_w,
         *x.stride(), *out.stride(), *w_exp.stride(), *w_proj.stride(),
     )
-    kernel = wrap_triton(_mbconv_kernel)
+    kernel = launchable(_mbconv_kernel)
     kernel[grid](*args, PREC=prec, **pass_constexprs(cfg, 1))
-    wrap_triton(_se_kernel)[(n,)](
+    launchable(_se_kernel)[(n,)](
         partial, gate, w_se1, b_se1, w_se2, b_se2, r, s, tiles, oh * ow, **se_config(s)
     )
     kernel[grid](*args, PREC=prec, **pass_constexprs(cfg, 2))

@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._launch import launchable
+
 
 @triton.jit
 def _stem_kernel(
@@ -110,8 +112,6 @@ def check_supported(c_in: int, c_out: int) -> None:
 
 def stem_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Launch the stem kernel. Inputs are validated by the op; x may be NCHW or NHWC."""
-    from torch.library import wrap_triton
-
     n, c_in, h, wd = x.shape
     c0 = w.shape[0]
     check_supported(c_in, c0)
@@ -121,7 +121,7 @@ def stem_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tens
     if m == 0:
         return out
     cfg = stem_config(c_in, c0)
-    wrap_triton(_stem_kernel)[(triton.cdiv(m, cfg.block_m),)](
+    launchable(_stem_kernel)[(triton.cdiv(m, cfg.block_m),)](
         x, w, b.contiguous(), out, m, h, wd, ho, wo, c0, *x.stride(), *w.stride(),
         C_IN=c_in, C_PAD=cfg.c_pad, BLOCK_M=cfg.block_m, num_warps=cfg.num_warps,
     )
