@@ -19,9 +19,17 @@ torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
 @pytest.fixture
 def triton_backend(monkeypatch):
-    """Run the ops through the Triton kernels (interpreter on CPU)."""
+    """Run the ops through the Triton kernels (GPU tests, or CPU tensors in the interpreter)."""
     pytest.importorskip("triton")
     monkeypatch.setenv("CONVFIRSTNET_KERNELS", "triton")
+
+
+@pytest.fixture
+def interpreter_backend(triton_backend):
+    """Triton kernels on CPU tensors, in Triton's interpreter. On a GPU machine the kernels are compiled
+    for the GPU instead (TRITON_INTERPRET unset), so these tests skip there and the CUDA ones run."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("interpreter test: runs where there is no GPU (TRITON_INTERPRET=1)")
 
 
 @pytest.fixture

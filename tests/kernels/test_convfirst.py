@@ -81,7 +81,7 @@ SHAPES = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("n,c,h,w,r,k,stride", SHAPES)
-def test_matches_reference(triton_backend, n, c, h, w, r, k, stride, dtype):
+def test_matches_reference(interpreter_backend, n, c, h, w, r, k, stride, dtype):
     x = make_input(n, c, h, w, dtype).contiguous(memory_format=torch.channels_last)
     run_and_check(x, make_block(c, r, k, stride, dtype), stride)
 
@@ -90,7 +90,7 @@ def test_matches_reference(triton_backend, n, c, h, w, r, k, stride, dtype):
     "memory_format", [torch.channels_last, torch.contiguous_format], ids=["nhwc", "nchw"]
 )
 @pytest.mark.parametrize("stride,k", [(1, 24), (2, 48)], ids=["s1", "s2"])
-def test_strided_inputs_and_masks(triton_backend, stride, k, memory_format):
+def test_strided_inputs_and_masks(interpreter_backend, stride, k, memory_format):
     """Non-contiguous views (NCHW or NHWC strides) inside a NaN-filled buffer: any unmasked read
     outside the tensor or any stride mistake shows up as NaN or a mismatch."""
     x = nan_banded(make_input(2, 24, 7, 9, torch.float32), memory_format)
@@ -100,14 +100,14 @@ def test_strided_inputs_and_masks(triton_backend, stride, k, memory_format):
 
 
 @pytest.mark.parametrize("stride,k", [(1, 16), (2, 32)], ids=["s1", "s2"])
-def test_batch_zero_returns_empty(triton_backend, stride, k):
+def test_batch_zero_returns_empty(interpreter_backend, stride, k):
     x = torch.empty(0, 16, 9, 9).contiguous(memory_format=torch.channels_last)
     out = torch.ops.convfirstnet.convfirst(x, *make_block(16, 48, k, stride, torch.float32).values(), stride)
     ho = 9 if stride == 1 else 5
     assert out.shape == (0, k, ho, ho) and out.is_contiguous(memory_format=torch.channels_last)
 
 
-def test_rejects_unsupported_before_launch(triton_backend):
+def test_rejects_unsupported_before_launch(interpreter_backend):
     x = make_input(1, 12, 5, 5, torch.float32)
     with pytest.raises(ValueError, match="multiple of 8"):
         torch.ops.convfirstnet.convfirst(x, *make_block(12, 36, 12, 1, torch.float32).values(), 1)
@@ -120,7 +120,7 @@ def test_rejects_unsupported_before_launch(triton_backend):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-only guard")
-def test_bf16_refused_in_interpreter(triton_backend):
+def test_bf16_refused_in_interpreter(interpreter_backend):
     x = make_input(1, 16, 5, 5, torch.bfloat16)
     with pytest.raises(NotImplementedError, match="interpreter"):
         torch.ops.convfirstnet.convfirst(x, *make_block(16, 48, 16, 1, torch.bfloat16).values(), 1)

@@ -51,12 +51,12 @@ SHAPES = [  # (N, C, H, W, F)
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_matches_reference(triton_backend, shape, dtype):
+def test_matches_reference(interpreter_backend, shape, dtype):
     n, c, h, w, f = shape
     check(*make_head(n, c, h, w, f, dtype=dtype))
 
 
-def test_nchw_input_and_no_reads_outside_the_view(triton_backend):
+def test_nchw_input_and_no_reads_outside_the_view(interpreter_backend):
     x, weight, bias = make_head(1, 16, 5, 7, 256)
     check(x.contiguous(), weight, bias)
     big = torch.full((3, 20, 7, 9), float("nan"))  # NCHW buffer: the view is neither layout
@@ -65,13 +65,13 @@ def test_nchw_input_and_no_reads_outside_the_view(triton_backend):
     assert torch.isfinite(check(view, weight, bias)).all()
 
 
-def test_batch_zero_returns_empty(triton_backend):
+def test_batch_zero_returns_empty(interpreter_backend):
     x, weight, bias = make_head(0, 16, 4, 4, 256)
     out = torch.ops.convfirstnet.head(x, weight, bias)
     assert out.shape == (0, 256) and out.dtype == x.dtype
 
 
-def test_invalid_input_raises(triton_backend):
+def test_invalid_input_raises(interpreter_backend):
     x, weight, bias = make_head(1, 16, 4, 4, 256)
     with pytest.raises(ValueError, match="channels"):
         torch.ops.convfirstnet.head(x[:, :8], weight, bias)

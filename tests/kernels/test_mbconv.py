@@ -79,27 +79,27 @@ SHAPES_STRIDE2 = [  # (N, C, K, H, W)
 
 @pytest.mark.parametrize("shape", SHAPES_STRIDE1, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_stride1_matches_reference(triton_backend, shape, dtype):
+def test_stride1_matches_reference(interpreter_backend, shape, dtype):
     x, weights = make_block(*shape, stride=1, dtype=dtype)
     check(x, weights, 1)
 
 
 @pytest.mark.parametrize("shape", SHAPES_STRIDE2, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_stride2_matches_reference(triton_backend, shape, dtype):
+def test_stride2_matches_reference(interpreter_backend, shape, dtype):
     n, c, k, h, w = shape
     x, weights = make_block(n, c, h, w, stride=2, k=k, dtype=dtype)
     check(x, weights, 2)
 
 
 @pytest.mark.parametrize("stride", [1, 2])
-def test_nchw_contiguous_input(triton_backend, stride):
+def test_nchw_contiguous_input(interpreter_backend, stride):
     x, weights = make_block(2, 16, 5, 6, stride=stride, seed=1)
     check(x.contiguous(), weights, stride)
 
 
 @pytest.mark.parametrize("stride", [1, 2])
-def test_no_reads_outside_the_view(triton_backend, stride):
+def test_no_reads_outside_the_view(interpreter_backend, stride):
     """A view inside a NaN-filled buffer: any unmasked load of a neighbour pixel, channel or image
     would poison the output (the interpreter does not fault on out-of-bounds reads)."""
     x, weights = make_block(1, 16, 5, 7, stride=stride, seed=2)
@@ -111,14 +111,14 @@ def test_no_reads_outside_the_view(triton_backend, stride):
 
 
 @pytest.mark.parametrize("stride", [1, 2])
-def test_batch_zero_returns_empty(triton_backend, stride):
+def test_batch_zero_returns_empty(interpreter_backend, stride):
     x, weights = make_block(0, 16, 4, 6, stride=stride, k=24 if stride == 2 else 16)
     out = torch.ops.convfirstnet.mbconv(x, *weights, stride)
     assert out.shape == ((0, 16, 4, 6) if stride == 1 else (0, 24, 2, 3))
     assert out.is_contiguous(memory_format=torch.channels_last)
 
 
-def test_invalid_input_raises_before_launch(triton_backend):
+def test_invalid_input_raises_before_launch(interpreter_backend):
     x, weights = make_block(1, 16, 4, 4, stride=1)
     with pytest.raises(ValueError, match="stride"):
         torch.ops.convfirstnet.mbconv(x, *weights, 3)

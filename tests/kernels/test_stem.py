@@ -55,26 +55,26 @@ def run_and_check(x, w, b):
     (2, 13, 17, 24),   # odd H and W, 24 -> 32 padded channels
     (3, 16, 23, 32),   # 3 x 8 x 12 = 288 output pixels: three BLOCK_M = 128 tiles, the last partial
 ])
-def test_matches_reference(triton_backend, n, h, w, c0, memory_format, dtype):
+def test_matches_reference(interpreter_backend, n, h, w, c0, memory_format, dtype):
     x = make_image(n, h, w, dtype).contiguous(memory_format=memory_format)
     run_and_check(x, *make_stem(c0, dtype))
 
 
 @MEMORY_FORMATS
-def test_strided_view_in_nan_buffer(triton_backend, memory_format):
+def test_strided_view_in_nan_buffer(interpreter_backend, memory_format):
     x = nan_banded(make_image(2, 9, 12, torch.float32), memory_format)
     out = run_and_check(x, *make_stem(16, torch.float32))
     assert torch.isfinite(out).all()
 
 
-def test_batch_zero_and_one(triton_backend):
+def test_batch_zero_and_one(interpreter_backend):
     w, b = make_stem(16, torch.float32)
     out = torch.ops.convfirstnet.stem(torch.empty(0, 3, 9, 9), w, b)
     assert out.shape == (0, 16, 5, 5) and out.is_contiguous(memory_format=torch.channels_last)
     run_and_check(make_image(1, 1, 2, torch.float32), w, b)  # a 1x2 image: every tap but one masked
 
 
-def test_rejects_unsupported_before_launch(triton_backend):
+def test_rejects_unsupported_before_launch(interpreter_backend):
     w, b = make_stem(136, torch.float32)
     with pytest.raises(ValueError, match="output channels"):
         torch.ops.convfirstnet.stem(make_image(1, 8, 8, torch.float32), w, b)
