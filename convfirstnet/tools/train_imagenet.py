@@ -504,7 +504,7 @@ def train(args: argparse.Namespace) -> int:
                 loss = train_loss_fn(train_model(images), target)
             optimizer.zero_grad(set_to_none=True)
             if loss_scaler is not None:
-                loss_scaler(loss, optimizer, clip_grad=args.clip_grad, parameters=model.parameters())
+                loss_scaler(loss, optimizer, clip_grad=args.clip_grad or None, parameters=model.parameters())
             else:
                 loss.backward()
                 if args.clip_grad:

@@ -123,7 +123,7 @@ def head_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tens
     prec = FP32_PRECISION if x.dtype == torch.float32 else "tf32"  # only fp32 operands use it
     grid = (triton.cdiv(f, cfg.block_f), n)
     launchable(_head_kernel)[grid](
-        x, w, b, out, c, f, wd, h * wd, *x.stride(), *w.stride(), out.stride(0),
+        x, w, b.contiguous(), out, c, f, wd, h * wd, *x.stride(), *w.stride(), out.stride(0),
         PREC=prec, num_warps=cfg.num_warps, **cfg.constexprs(),
     )
     return out

@@ -434,6 +434,9 @@ def mbconv_triton(
     cfg = mbconv_config(c, r, k, h, w, stride)
     w_conv = w_conv.contiguous()  # (R, 8, 3, 3) addressed as r * 72 + j * 9 + tap
     w_se1, w_se2 = w_se1.contiguous(), w_se2.contiguous()
+    # 1-D biases are addressed as base + index (unit stride)
+    b_exp, b_conv, b_proj = b_exp.contiguous(), b_conv.contiguous(), b_proj.contiguous()
+    b_se1, b_se2 = b_se1.contiguous(), b_se2.contiguous()
     tiles_w = triton.cdiv(ow, cfg.tile_w)
     tiles = triton.cdiv(oh, cfg.tile_h) * tiles_w
     grid = (tiles, n)
