@@ -65,6 +65,13 @@ def test_nchw_input_and_no_reads_outside_the_view(interpreter_backend):
     assert torch.isfinite(check(view, weight, bias)).all()
 
 
+def test_strided_weight_and_bias(interpreter_backend):
+    x, weight, bias = make_head(1, 16, 5, 7, 256)
+    # every other element of a NaN-interleaved buffer: unit strides would read the NaNs
+    weight, bias = (torch.stack([t, torch.full_like(t, float("nan"))], dim=-1)[..., 0] for t in (weight, bias))
+    assert torch.isfinite(check(x, weight, bias)).all()
+
+
 def test_batch_zero_returns_empty(interpreter_backend):
     x, weight, bias = make_head(0, 16, 4, 4, 256)
     out = torch.ops.convfirstnet.head(x, weight, bias)

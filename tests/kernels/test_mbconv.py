@@ -99,6 +99,15 @@ def test_nchw_contiguous_input(interpreter_backend, stride):
 
 
 @pytest.mark.parametrize("stride", [1, 2])
+def test_strided_weights(interpreter_backend, stride):
+    """Weights and biases as strided views (every other element): the launcher must honour strides."""
+    x, weights = make_block(1, 16, 5, 6, stride=stride, seed=4)
+    strided = tuple(torch.stack([w, torch.full_like(w, float("nan"))], dim=-1)[..., 0] for w in weights)
+    assert not any(w.is_contiguous() for w in strided)
+    check(x, strided, stride)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
 def test_no_reads_outside_the_view(interpreter_backend, stride):
     """A view inside a NaN-filled buffer: any unmasked load of a neighbour pixel, channel or image
     would poison the output (the interpreter does not fault on out-of-bounds reads)."""
