@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 SOURCE_WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
+SOURCE_MANIFEST = SOURCE_WEIGHTS_DIR / "manifest.json"  # fixed at import: the lookup dir may be redirected
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 PRODUCE_HINT = (
     "No ConvFirstNet ImageNet weights are published yet. Produce a weight file with "
@@ -51,9 +52,8 @@ def cache_dir() -> Path:
 
 def manifest() -> dict[str, Any]:
     """``weights/manifest.json``: the source checkout's copy, else the one installed with the package."""
-    path = Path(__file__).resolve().parent.parent / "weights" / "manifest.json"
-    if path.is_file():
-        text = path.read_text()
+    if SOURCE_MANIFEST.is_file():
+        text = SOURCE_MANIFEST.read_text()
     else:
         from importlib.resources import files
 
