@@ -37,7 +37,7 @@ class FusedBlock(nn.Module):
     def _cast(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         # Custom ops have no autocast rule: run them in the autocast dtype explicitly.
         weights = [getattr(self, n) for n in self.weight_names]
-        if torch.is_autocast_enabled(x.device.type):
+        if x.device.type != "meta" and torch.is_autocast_enabled(x.device.type):  # meta: cost recording
             dtype = torch.get_autocast_dtype(x.device.type)
             return x.to(dtype), [w.to(dtype) for w in weights]
         return x, weights

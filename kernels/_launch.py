@@ -14,6 +14,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from ._cost import KernelCost, active_recording
+
 try:  # triton is a Linux-only dependency; without it every op runs its reference.
     import triton  # noqa: F401
     from torch.library import triton_op, wrap_triton
@@ -41,6 +43,8 @@ def interpreter_enabled() -> bool:
 
 def use_triton(x: torch.Tensor) -> bool:
     """True when this call must run the Triton kernel (decided before any launch)."""
+    if active_recording() is not None:  # the static cost report records every op's Triton launches
+        return HAS_TRITON
     name = backend()
     if name == "reference":
         return False
@@ -134,3 +138,16 @@ def launchable(kernel):
 
     return wrap_triton(kernel) if isinstance(kernel, (JITFunction, Autotuner)) else kernel
 
+
+
+def launch(kernel, grid, *args, cost: Callable[[], KernelCost] | None = None, **meta) -> None:
+    """Launch ``kernel[grid](*args, **meta)``; while a cost recording is active, record it instead.
+
+    ``cost`` builds the launch's :class:`~convfirstnet.kernels._cost.KernelCost` from the launcher's own
+    values; it is called only when recording (see ``_cost.py``).
+    """
+    rec = active_recording()
+    if rec is not None:
+        rec.add(kernel, grid, args, meta, cost)
+        return
+    launchable(kernel)[grid](*args, **meta)

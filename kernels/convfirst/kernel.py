@@ -125,7 +125,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import launchable
+from .._launch import launch
 
 GROUP = 8  # channels per group of the 3x3 conv (paper 5.3: matches mma.m16n8k8)
 MAX_CHANNELS = 128  # C_PAD / K_PAD limit of the register-resident tiles
@@ -424,11 +424,13 @@ def convfirst_triton(
     meta = dict(BLOCK_M=cfg.block_m, BLOCK_H=cfg.block_h, PRECISION=cfg.precision,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if stride == 1:
-        launchable(_convfirst_s1_kernel)[grid](
+        launch(
+            _convfirst_s1_kernel, grid,
             x, w_conv, b_conv, w1, b1, w2, b2, out, m, h, w, c, r, *common, C_PAD=cfg.c_pad, **meta
         )
     else:
-        launchable(_convfirst_s2_kernel)[grid](
+        launch(
+            _convfirst_s2_kernel, grid,
             x, w_conv, b_conv, w1, b1, w2, b2, out, m, h, w, ho, wo, c, r, k, *common,
             C_PAD=cfg.c_pad, K_PAD=cfg.k_pad, **meta,
         )

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import launchable
+from .._launch import launch
 
 FP32_PRECISION = "tf32x3"  # dot precision for fp32 operands (the interpreter computes exact fp32)
 
@@ -122,7 +122,8 @@ def head_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tens
     cfg = head_config(c, f, h, wd)
     prec = FP32_PRECISION if x.dtype == torch.float32 else "tf32"  # only fp32 operands use it
     grid = (triton.cdiv(f, cfg.block_f), n)
-    launchable(_head_kernel)[grid](
+    launch(
+        _head_kernel, grid,
         x, w, b.contiguous(), out, c, f, wd, h * wd, *x.stride(), *w.stride(), out.stride(0),
         PREC=prec, num_warps=cfg.num_warps, **cfg.constexprs(),
     )

@@ -93,7 +93,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import GROUP_WIDTH, launchable
+from .._launch import GROUP_WIDTH, launch
 
 # ----------------------------------------------------------------------------------------------
 # Configuration table
@@ -450,10 +450,9 @@ def mbconv_triton(
         h, w, oh, ow, c, r, k, tiles_w,
         *x.stride(), *out.stride(), *w_exp.stride(), *w_proj.stride(),
     )
-    kernel = launchable(_mbconv_kernel)
-    kernel[grid](*args, PREC=prec, **pass_constexprs(cfg, 1))
-    launchable(_se_kernel)[(n,)](
-        partial, gate, w_se1, b_se1, w_se2, b_se2, r, s, tiles, oh * ow, **se_config(s)
+    launch(_mbconv_kernel, grid, *args, PREC=prec, **pass_constexprs(cfg, 1))
+    launch(
+        _se_kernel, (n,), partial, gate, w_se1, b_se1, w_se2, b_se2, r, s, tiles, oh * ow, **se_config(s)
     )
-    kernel[grid](*args, PREC=prec, **pass_constexprs(cfg, 2))
+    launch(_mbconv_kernel, grid, *args, PREC=prec, **pass_constexprs(cfg, 2))
     return out

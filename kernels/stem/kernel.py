@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import launchable
+from .._launch import launch
 
 
 @triton.jit
@@ -121,7 +121,8 @@ def stem_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tens
     if m == 0:
         return out
     cfg = stem_config(c_in, c0)
-    launchable(_stem_kernel)[(triton.cdiv(m, cfg.block_m),)](
+    launch(
+        _stem_kernel, (triton.cdiv(m, cfg.block_m),),
         x, w, b.contiguous(), out, m, h, wd, ho, wo, c0, *x.stride(), *w.stride(),
         C_IN=c_in, C_PAD=cfg.c_pad, BLOCK_M=cfg.block_m, num_warps=cfg.num_warps,
     )

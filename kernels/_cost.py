@@ -1,0 +1,96 @@
+"""What a launcher declares about each launch, for the static cost report (``convfirstnet kernels``).
+
+Every launcher launches through :func:`convfirstnet.kernels._launch.launch` and passes
+``cost=lambda: KernelCost(...)`` computed from the very values it launches with (tile sizes, grid,
+trip counts). The lambda runs only inside :func:`recording`, so ordinary launches pay nothing, and
+the report reads the declarations instead of re-typing them: the report cannot drift from the code.
+
+Counting rules (one launch, whole grid):
+
+* ``useful_macs``: the multiply-accumulates of the block's math that this launch performs, counted
+  as the paper counts them (grouped conv 72 per output element at the resolution it runs, 1x1 layers
+  C_in x C_out per pixel, SE and BlurPool included where the launch does them). The launches of one
+  block sum to the block's ``count_macs``.
+* ``mma_macs``: tensor-core MACs as issued: every ``tl.dot`` as M x N x K of its tile shapes
+  (padding, block-diagonal zeros, halo rows and recompute included) times its trips and programs.
+* ``dram_bytes``: the DRAM traffic the design cannot avoid: inputs read once, outputs written once,
+  weights once per launch, and any intermediate the design writes to and reads back from global
+  memory (counted in full unless it is per-program scratch declared in ``l2_bytes``).
+* ``loops``: the runtime loops of one program, outermost first and in program order, with their
+  trip counts; the report matches them against the loops it finds in the compiled SASS (backward
+  branches) and weights each instruction by the trips of the loops around it.
+* ``l2_bytes``: traffic to per-program scratch that is re-read by the same program shortly after it
+  is written (it stays in L1/L2); ``scratch_bytes_per_program`` is its footprint, which the report
+  checks against the L2 capacity before believing it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+
+@dataclass(frozen=True)
+class Loop:
+    """A runtime loop of one program: iterations per entry, and the loops nested in its body."""
+
+    name: str
+    trips: int
+    body: tuple["Loop", ...] = ()
+
+
+@dataclass(frozen=True)
+class KernelCost:
+    """The declaration of one launch (see the module docstring for the counting rules)."""
+
+    useful_macs: int
+    mma_macs: int
+    dram_bytes: int
+    loops: tuple[Loop, ...] = ()
+    l2_bytes: int = 0
+    scratch_bytes_per_program: int = 0
+    note: str = ""
+
+
+@dataclass
+class Launch:
+    """One recorded launch: the JIT function, its grid and arguments exactly as the launcher passed them."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple
+    meta: dict  # constexprs and launch options (num_warps, num_stages)
+    cost: KernelCost | None
+    block: str | None  # label of the block being recorded (set by the caller of ``recording``)
+
+
+@dataclass
+class Recording:
+    launches: list[Launch] = field(default_factory=list)
+    block: str | None = None  # the caller sets this around each block's forward
+
+    def add(self, kernel: Any, grid: tuple, args: tuple, meta: dict, cost: Callable[[], KernelCost] | None):
+        grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))
+        self.launches.append(Launch(kernel, grid, args, dict(meta), cost() if cost else None, self.block))
+
+
+_RECORDING: contextvars.ContextVar[Recording | None] = contextvars.ContextVar("convfirstnet_recording", default=None)
+
+
+def active_recording() -> Recording | None:
+    return _RECORDING.get()
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Recording]:
+    """Record launches instead of running them. Inside, every op takes its Triton path whatever the
+    device (meta tensors are the intended input: shapes without memory), and each ``launch`` appends
+    a :class:`Launch` with its cost declaration."""
+    rec = Recording()
+    token = _RECORDING.set(rec)
+    try:
+        yield rec
+    finally:
+        _RECORDING.reset(token)
