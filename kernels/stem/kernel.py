@@ -4,28 +4,59 @@
     w: (C0, C_IN, 3, 3), b: (C0,)      (BatchNorm folded)
     out = ReLU(conv2d(x, w, b, stride=2, padding=1))   (N, C0, ceil(H/2), ceil(W/2)), NHWC memory
 
+Waterline: why the stem is a gather plus one small tensor-core dot
+-----------------------------------------------------------------
+At batch 128, 256x256, fp16, C0 = 32 (Small) the stem reads the 3-channel image (50 MB) and writes
+the 32-channel 128x128 map (134 MB): 184.5 MB, 55 us at 3.35 TB/s. Its 1.8 GMACs take 3.7 us on the
+tensor cores, but 27 x C0 fp32 FMAs per output pixel are 2.1M pixels x 864 / 32 lanes = 57M warp
+instructions, 59 us at 4 warp-instructions per clock on 132 SMs: an FMA formulation cannot reach the
+DRAM bound (the previous kernel, 27 rank-1 updates, compiled to 2167 SASS instructions per warp per
+128 pixels: ~148 us). So the reduction runs on the tensor cores and the kernel's instructions go to
+the gather: each output pixel's 27 taps are loaded once (27 scalar loads per pixel, one per thread),
+laid out as one row of an im2col tile, and multiplied by the [32, C0] weight matrix in one ``tl.dot``.
+K is padded from 27 to 32 (the padding is zeros known at compile time: no loads; the 5/32 extra
+tensor-core work is free in a memory-bound kernel).
+
 Tiling and grid
 ---------------
-Program `pid` owns BLOCK_M output pixels of the batch flattened in NHW order and all C0 output
-channels (padded to C_PAD, a power of two >= 16, masked): grid = cdiv(N * HO * WO, BLOCK_M). The
-tile is stored as one [BLOCK_M, C0] block, i.e. BLOCK_M * C0 contiguous NHWC elements.
+A program owns BLOCK_M = 128 output pixels of one image: ROWS = BLOCK_M / BW consecutive output rows
+of BW pixels (BW = the output width rounded up to a power of two, at most 128: one whole output row
+at 256x256 input). grid = (N * cdiv(HO, ROWS) * cdiv(WO, BW),), all in grid.x (limit 2^31 - 1,
+checked by the launcher); the program decodes (image, row block, column block) with two scalar
+divisions, and each pixel's (row, column) in its tile with constexpr shifts: no per-pixel division.
 
-Accumulation
-------------
-The reduction has only C_IN * 9 = 27 terms, too short for a tensor-core dot (K would be padded
-from 27 to 32 and the operands built by gathers), and the stem is memory bound anyway (3 input
-channels read, C0 = 16..32 written per output pixel: ~14 MOPs of 0.86 GMACs in Pico). So the
-kernel is 27 rank-1 updates in fp32: for each (input channel, tap) it loads one input value per
-output pixel (a [BLOCK_M] gather: stride 2 in W, channel stride 1 (NHWC) or H*W (NCHW)) and one
-weight per output channel ([C_PAD], L1-resident) and does `acc += x[:, None] * w[None, :]`.
-Padding is a mask on the input coordinates (zero padding); masked pixels (m >= M) are not stored.
+The im2col tile
+---------------
+Column k of the [BLOCK_M, 32] tile is tap k = c * 9 + kh * 3 + kw, the order of a contiguous
+(C0, C_IN, 3, 3) weight, so for the usual contiguous weight (``W_CONTIG``) row k of the [32, C0_PAD]
+weight operand is simply element k of each output channel's 27. Each tap is a [BLOCK_M] load (one
+element per thread, 4 warps x 32 threads = 128 pixels) at the pixel's base offset plus a constant:
+with a dense NHWC image (``NHWC``: channel stride 1, pixel stride C_IN, fixed at compile time) a tap
+is an immediate offset of one row pointer, so the 27 loads cost little more than the loads
+themselves. The 32 loaded vectors become the tile with ``tl.join`` (each join appends a length-2 axis
+held by the same thread; joining v_i with v_(i+16), then i with i+8, i+4, i+2, i+1 gives columns in
+tap order after the reshape), so every thread holds its pixel's row: no shuffles. Zero padding of the
+convolution is the load mask: one predicate per tap position (3 rows x 3 columns, combined once per
+pixel), shared by the input channels. C_IN > 3 (up to 16) uses cdiv(9 C_IN, 32) tiles and dots.
+
+Accumulation and epilogue
+-------------------------
+``acc = dot(A, Wk, bias)`` in fp32 (operands in x's dtype: fp16/bf16 products are exact in fp32;
+fp32 inputs use ``tf32x3``, ~fp32 accuracy on tensor cores, exact fp32 in the interpreter), ReLU,
+cast, and one store of the tile: C0 is a compile-time constant, so a pixel's C0 outputs are
+contiguous 16-byte vectors and a one-row tile is BLOCK_M * C0 contiguous NHWC elements.
+
+Compiled for sm_90 (Small: C0 = 32, fp16, NHWC, batch 128, 256x256; ``tests/kernels/test_stem.py``
+keeps these properties): wgmma (HGMMA 64x32x16), about 500 SASS instructions per warp per
+128-pixel tile (was 2167), no spills, 10 KB of shared memory for the dot operands. Issue estimate
+16384 programs x 4 warps x ~500 / (4 x 132 SMs x 1.83 GHz) ~ 34 us, under the 55 us DRAM bound.
+Not timed on a GPU yet.
 
 Tile constants
 --------------
-BLOCK_M = 128 output pixels, 4 warps: acc is 128 x C_PAD fp32 (32 regs/thread at C_PAD = 32), and
-128 pixels x 3 channels is 384 scattered input loads per tap batch; larger tiles only reduce the
-program count, which is already >= 4k at the paper's batch 128 x 128x128 outputs. Not tuned on a
-GPU (none available when written); compiled for sm_90/sm_80 in tests/kernels/test_stem.py.
+BLOCK_M = 128 = 4 warps x 32 threads: one pixel per thread in the gather, and the M = 128 of two
+wgmma 64-row tiles. K_PAD = 32 (27 taps, the next multiple of the fp16 MMA K step 16 that is a
+power of two). C0_PAD = C0 rounded up to a power of two >= 16 (the dot's N; masked on store).
 """
 
 from __future__ import annotations
@@ -36,94 +67,247 @@ import torch
 import triton
 import triton.language as tl
 
+from .._cost import KernelCost
 from .._launch import launch
+
+FP32_PRECISION = "tf32x3"  # dot precision for fp32 operands (the interpreter computes exact fp32)
+GRID_LIMIT = 2**31 - 1  # grid.x
+INDEX_LIMIT = 2**31  # per-image element offsets are int32
+
+
+@triton.jit
+def _tap(x_img, base, k: tl.constexpr, row_top, row_mid, row_bot, col_left, col_right,
+         sxc, sxh, sxw, C_IN: tl.constexpr):
+    """Column k of the im2col tile: x[c, 2 oh - 1 + kh, 2 ow - 1 + kw] for k = c * 9 + kh * 3 + kw,
+    zero outside the image (and for the K padding k >= 9 C_IN, without a load)."""
+    if k < 9 * C_IN:
+        c: tl.constexpr = k // 9
+        kh: tl.constexpr = (k // 3) % 3
+        kw: tl.constexpr = k % 3
+        if kh == 0:
+            ok = row_top
+        elif kh == 1:
+            ok = row_mid
+        else:
+            ok = row_bot
+        if kw == 0:
+            ok = ok & col_left
+        elif kw == 2:
+            ok = ok & col_right
+        v = tl.load(x_img + base + (kh * sxh + kw * sxw + c * sxc), mask=ok, other=0.0)
+    else:
+        v = tl.zeros_like(base).to(x_img.dtype.element_ty)
+    return v
+
+
+@triton.jit
+def _im2col32(x_img, base, K0: tl.constexpr, row_top, row_mid, row_bot, col_left, col_right,
+              sxc, sxh, sxw, C_IN: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The [BLOCK_M, 32] im2col tile of taps K0 ... K0 + 31, built from 32 per-pixel loads."""
+    v0 = _tap(x_img, base, K0 + 0, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v1 = _tap(x_img, base, K0 + 1, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v2 = _tap(x_img, base, K0 + 2, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v3 = _tap(x_img, base, K0 + 3, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v4 = _tap(x_img, base, K0 + 4, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v5 = _tap(x_img, base, K0 + 5, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v6 = _tap(x_img, base, K0 + 6, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v7 = _tap(x_img, base, K0 + 7, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v8 = _tap(x_img, base, K0 + 8, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v9 = _tap(x_img, base, K0 + 9, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v10 = _tap(x_img, base, K0 + 10, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v11 = _tap(x_img, base, K0 + 11, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v12 = _tap(x_img, base, K0 + 12, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v13 = _tap(x_img, base, K0 + 13, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v14 = _tap(x_img, base, K0 + 14, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v15 = _tap(x_img, base, K0 + 15, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v16 = _tap(x_img, base, K0 + 16, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v17 = _tap(x_img, base, K0 + 17, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v18 = _tap(x_img, base, K0 + 18, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v19 = _tap(x_img, base, K0 + 19, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v20 = _tap(x_img, base, K0 + 20, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v21 = _tap(x_img, base, K0 + 21, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v22 = _tap(x_img, base, K0 + 22, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v23 = _tap(x_img, base, K0 + 23, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v24 = _tap(x_img, base, K0 + 24, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v25 = _tap(x_img, base, K0 + 25, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v26 = _tap(x_img, base, K0 + 26, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v27 = _tap(x_img, base, K0 + 27, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v28 = _tap(x_img, base, K0 + 28, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v29 = _tap(x_img, base, K0 + 29, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v30 = _tap(x_img, base, K0 + 30, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v31 = _tap(x_img, base, K0 + 31, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    # tl.join(a, b) appends an axis of length 2 (a at 0, b at 1). Joining i with i + 16, then the
+    # pairs i with i + 8, i + 4, i + 2, i + 1 makes element [m, b1, b2, b3, b4, b5] tap
+    # 16 b1 + 8 b2 + 4 b3 + 2 b4 + b5: the row-major reshape to [BLOCK_M, 32] puts tap k in column k.
+    p0, p1, p2, p3 = tl.join(v0, v16), tl.join(v1, v17), tl.join(v2, v18), tl.join(v3, v19)
+    p4, p5, p6, p7 = tl.join(v4, v20), tl.join(v5, v21), tl.join(v6, v22), tl.join(v7, v23)
+    p8, p9, p10, p11 = tl.join(v8, v24), tl.join(v9, v25), tl.join(v10, v26), tl.join(v11, v27)
+    p12, p13, p14, p15 = tl.join(v12, v28), tl.join(v13, v29), tl.join(v14, v30), tl.join(v15, v31)
+    q0, q1, q2, q3 = tl.join(p0, p8), tl.join(p1, p9), tl.join(p2, p10), tl.join(p3, p11)
+    q4, q5, q6, q7 = tl.join(p4, p12), tl.join(p5, p13), tl.join(p6, p14), tl.join(p7, p15)
+    r0, r1, r2, r3 = tl.join(q0, q4), tl.join(q1, q5), tl.join(q2, q6), tl.join(q3, q7)
+    s0, s1 = tl.join(r0, r2), tl.join(r1, r3)
+    return tl.reshape(tl.join(s0, s1), (BLOCK_M, 32))
 
 
 @triton.jit
 def _stem_kernel(
     # pointers
     x_ptr, w_ptr, b_ptr, out_ptr,
-    # sizes: M = N * HO * WO output pixels
-    M, H, W, HO, WO, C0,
+    # sizes: input H x W, output HO x WO; tiles per image: TILES_H x TILES_W
+    H, W, HO, WO, TILES_H, TILES_W,
     # strides (elements) of x as logical (N, C_IN, H, W) and of w (C0, C_IN, 3, 3)
     sxn, sxc, sxh, sxw,
     swo, swi, swh, sww,
     # meta-parameters
-    C_IN: tl.constexpr, C_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    C_IN: tl.constexpr, C0: tl.constexpr, C_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BW: tl.constexpr,
+    NHWC: tl.constexpr, W_CONTIG: tl.constexpr, PREC: tl.constexpr,
 ):
+    tl.static_assert(BLOCK_M % BW == 0)
+    ROWS: tl.constexpr = BLOCK_M // BW
+    K_CHUNKS: tl.constexpr = (9 * C_IN + 31) // 32
+    if NHWC:  # dense NHWC pixels: channel stride 1, pixel stride C_IN, known at compile time
+        sxc = 1
+        sxw = C_IN
+
     pid = tl.program_id(0)
-    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    hwo = HO * WO
-    n = offs_m // hwo
-    oh = (offs_m % hwo) // WO
-    ow = offs_m % WO
+    tw = pid % TILES_W
+    t = pid // TILES_W
+    th = t % TILES_H
+    n = t // TILES_H
+    m = tl.arange(0, BLOCK_M)
+    oh = th * ROWS + m // BW
+    ow = tw * BW + m % BW
+    m_ok = (oh < HO) & (ow < WO)
+    ih0 = 2 * oh - 1  # top-left tap of the window
+    iw0 = 2 * ow - 1
+    row_top = m_ok & (ih0 >= 0)  # only the first and last rows / columns can fall outside the image
+    row_bot = m_ok & (ih0 + 2 < H)
+    col_left = iw0 >= 0
+    col_right = iw0 + 2 < W
     x_img = x_ptr + n.to(tl.int64) * sxn
+    base = ih0 * sxh + iw0 * sxw
+
     offs_c = tl.arange(0, C_PAD)
     c_ok = offs_c < C0
-
-    acc = tl.zeros((BLOCK_M, C_PAD), dtype=tl.float32)
-    acc += tl.load(b_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-    for tap in tl.static_range(9):
-        ih = 2 * oh + (tap // 3 - 1)
-        iw = 2 * ow + (tap % 3 - 1)
-        ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        pix = x_img + ih * sxh + iw * sxw
-        for ci in tl.static_range(C_IN):
-            xv = tl.load(pix + ci * sxc, mask=ok, other=0.0).to(tl.float32)  # [BLOCK_M]
-            wv = tl.load(w_ptr + offs_c * swo + ci * swi + (tap // 3) * swh + (tap % 3) * sww,
-                         mask=c_ok, other=0.0).to(tl.float32)  # [C_PAD]
-            acc += xv[:, None] * wv[None, :]
+    bias = tl.load(b_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+    acc = tl.broadcast_to(bias[None, :], (BLOCK_M, C_PAD))
+    for chunk in tl.static_range(K_CHUNKS):
+        a = _im2col32(x_img, base, chunk * 32, row_top, m_ok, row_bot, col_left, col_right,
+                      sxc, sxh, sxw, C_IN, BLOCK_M)
+        k = chunk * 32 + tl.arange(0, 32)
+        if W_CONTIG:  # w[o, c, kh, kw] at o * 9 C_IN + k
+            w_off = k[:, None] + offs_c[None, :] * (9 * C_IN)
+        else:
+            w_off = (k // 9 * swi + (k // 3) % 3 * swh + k % 3 * sww)[:, None] + offs_c[None, :] * swo
+        wk = tl.load(w_ptr + w_off, mask=(k < 9 * C_IN)[:, None] & c_ok[None, :], other=0.0)
+        acc = tl.dot(a, wk, acc, input_precision=PREC)
     acc = tl.maximum(acc, 0.0)
-    out_off = offs_m.to(tl.int64)[:, None] * C0 + offs_c[None, :]
-    tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & c_ok[None, :])
+
+    # NHWC output: the tile's first pixel, then r * WO + column for row r of the tile
+    tile = out_ptr + ((n.to(tl.int64) * HO + th * ROWS) * WO + tw * BW) * C0
+    pix = (m // BW) * WO + m % BW
+    tl.store(tile + pix[:, None] * C0 + offs_c[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & c_ok[None, :])
 
 
 @dataclass(frozen=True)
 class StemConfig:
     c_in: int
-    c_pad: int
+    c0: int
+    c_pad: int  # C0 rounded up to a power of two >= 16 (the dot's N)
+    bw: int  # output pixels per tile row (power of two <= BLOCK_M)
     block_m: int = 128
     num_warps: int = 4
 
+    @property
+    def rows(self) -> int:
+        return self.block_m // self.bw
 
-MAX_CHANNELS = 128  # acc is a [BLOCK_M, C_PAD] register tile
+    @property
+    def k_pad(self) -> int:
+        return 32 * triton.cdiv(9 * self.c_in, 32)
 
 
-def stem_config(c_in: int, c_out: int) -> StemConfig:
-    return StemConfig(c_in, max(16, triton.next_power_of_2(c_out)))
+MAX_CHANNELS = 128  # acc is a [BLOCK_M, C_PAD] fp32 register tile (128 per thread at C_PAD = 128)
+MAX_IN_CHANNELS = 16  # cdiv(9 * 16, 32) = 5 im2col tiles, unrolled
+
+
+def stem_config(c_in: int, c_out: int, wo: int) -> StemConfig:
+    block_m = 128
+    bw = min(block_m, triton.next_power_of_2(max(1, wo)))
+    return StemConfig(c_in, c_out, max(16, triton.next_power_of_2(c_out)), bw, block_m)
 
 
 # Stem shapes of Pico..Small (SPEC Table 3): RGB in, C0 out.
 MODEL_SHAPES: tuple[tuple[int, int], ...] = ((3, 16), (3, 24), (3, 32))
 
 
-def shipped_configs() -> list[StemConfig]:
-    return sorted({stem_config(ci, co) for ci, co in MODEL_SHAPES}, key=lambda cfg: cfg.c_pad)
-
-
 def check_supported(c_in: int, c_out: int) -> None:
-    if c_out > MAX_CHANNELS or c_in > 16:
+    if c_out > MAX_CHANNELS or c_in > MAX_IN_CHANNELS:
         raise ValueError(
-            f"convfirstnet.stem: the kernel supports up to 16 input and {MAX_CHANNELS} output channels, "
-            f"got {c_in} -> {c_out}"
+            f"convfirstnet.stem: the kernel supports up to {MAX_IN_CHANNELS} input and {MAX_CHANNELS} output "
+            f"channels, got {c_in} -> {c_out}"
         )
 
 
+def stem_grid(n: int, ho: int, wo: int, cfg: StemConfig) -> tuple[int, int, int]:
+    """(programs, tiles_h, tiles_w) of a launch."""
+    tiles_h, tiles_w = triton.cdiv(ho, cfg.rows), triton.cdiv(wo, cfg.bw)
+    return n * tiles_h * tiles_w, tiles_h, tiles_w
+
+
+def check_launchable(x: torch.Tensor, c_out: int) -> None:
+    """The limits of one launch, checked before it: grid.x and int32 offsets inside one image."""
+    n, c_in, h, w = x.shape
+    ho, wo = (h + 1) // 2, (w + 1) // 2
+    programs, _, _ = stem_grid(n, ho, wo, stem_config(c_in, c_out, wo))
+    if programs > GRID_LIMIT:
+        raise ValueError(
+            f"convfirstnet.stem: {programs} programs for input {tuple(x.shape)} exceed the grid limit "
+            f"{GRID_LIMIT}; split the batch"
+        )
+    span = sum((size - 1) * abs(stride) for size, stride in zip(x.shape[1:], x.stride()[1:])) + 1
+    if span >= INDEX_LIMIT or ho * wo * c_out >= INDEX_LIMIT:
+        raise ValueError(
+            f"convfirstnet.stem: one image of {tuple(x.shape[1:])} spans {span} elements; the kernel indexes "
+            f"inside an image with 32-bit offsets (limit {INDEX_LIMIT})"
+        )
+
+
+def stem_cost(n: int, h: int, w: int, cfg: StemConfig, programs: int, elem: int, fp32: bool) -> KernelCost:
+    ho, wo = (h + 1) // 2, (w + 1) // 2
+    passes = 3 if fp32 else 1  # tf32x3: three tensor-core products per dot
+    return KernelCost(
+        useful_macs=n * ho * wo * cfg.c0 * 9 * cfg.c_in,
+        mma_macs=passes * programs * cfg.block_m * cfg.c_pad * cfg.k_pad,
+        # the image once (each input pixel is in 1 to 4 windows; the overlap is served by L1/L2),
+        # the output once, the weights and bias once
+        dram_bytes=elem * (n * cfg.c_in * h * w + n * ho * wo * cfg.c0 + cfg.c0 * (9 * cfg.c_in + 1)),
+        loops=(),
+        note=f"{cfg.rows}x{cfg.bw}-pixel tiles, K {9 * cfg.c_in} padded to {cfg.k_pad}, "
+        f"N {cfg.c0} padded to {cfg.c_pad}" + (", tf32x3 (3 passes)" if fp32 else ""),
+    )
+
+
 def stem_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Launch the stem kernel. Inputs are validated by the op; x may be NCHW or NHWC."""
+    """Launch the stem kernel. Inputs are validated by the op (and ``check_supported`` /
+    ``check_launchable``); x may be NCHW, NHWC or any strided view."""
     n, c_in, h, wd = x.shape
     c0 = w.shape[0]
-    check_supported(c_in, c0)
     ho, wo = (h + 1) // 2, (wd + 1) // 2
     out = torch.empty((n, c0, ho, wo), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
-    m = n * ho * wo
-    if m == 0:
+    if out.numel() == 0:
         return out
-    cfg = stem_config(c_in, c0)
+    cfg = stem_config(c_in, c0, wo)
+    programs, tiles_h, tiles_w = stem_grid(n, ho, wo, cfg)
+    nhwc = x.stride(1) == 1 and x.stride(3) == c_in
+    fp32 = x.dtype == torch.float32
     launch(
-        _stem_kernel, (triton.cdiv(m, cfg.block_m),),
-        x, w, b.contiguous(), out, m, h, wd, ho, wo, c0, *x.stride(), *w.stride(),
-        C_IN=c_in, C_PAD=cfg.c_pad, BLOCK_M=cfg.block_m, num_warps=cfg.num_warps,
+        _stem_kernel, (programs,),
+        x, w, b.contiguous(), out, h, wd, ho, wo, tiles_h, tiles_w, *x.stride(), *w.stride(),
+        C_IN=c_in, C0=c0, C_PAD=cfg.c_pad, BLOCK_M=cfg.block_m, BW=cfg.bw, NHWC=nhwc,
+        W_CONTIG=w.is_contiguous(), PREC=FP32_PRECISION if fp32 else "tf32", num_warps=cfg.num_warps,
+        cost=lambda: stem_cost(n, h, wd, cfg, programs, x.element_size(), fp32),
     )
     return out

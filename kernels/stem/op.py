@@ -6,7 +6,7 @@ from .._launch import HAS_TRITON, check_activation, check_shape, check_weights, 
 from .reference import stem_reference
 
 if HAS_TRITON:
-    from .kernel import check_supported, stem_triton
+    from .kernel import check_launchable, check_supported, stem_triton
 
 
 @define_op("convfirstnet::stem")
@@ -19,5 +19,6 @@ def stem(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     check_weights("stem", x, {"w": w, "b": b})
     if use_triton(x):
         check_supported(c_in, c_out)
+        check_launchable(x, c_out)
         return stem_triton(x, w, b)
     return stem_reference(x, w, b)

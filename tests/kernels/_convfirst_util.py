@@ -64,16 +64,7 @@ def compile_for_gpu(kernel, dtype: torch.dtype, constexprs: dict, arch: int, num
 
 
 def shipped_variants(block: str) -> list[dict]:
-    """Every (kernel, constexprs, launch options) the launcher of `block` can pick for model shapes."""
-    if block == "stem":
-        from convfirstnet.kernels.stem import kernel as S
-
-        return [
-            dict(name=f"stem_c{cfg.c_pad}", kernel=S._stem_kernel, num_warps=cfg.num_warps, num_stages=2,
-                 constexprs=dict(C_IN=cfg.c_in, C_PAD=cfg.c_pad, BLOCK_M=cfg.block_m),
-                 dtypes=[torch.float16, torch.bfloat16, torch.float32])
-            for cfg in S.shipped_configs()
-        ]
+    """Every (kernel, constexprs, launch options) the ConvFirst launcher can pick for model shapes."""
     from convfirstnet.kernels.convfirst import kernel as K
 
     out = []
