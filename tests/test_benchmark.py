@@ -312,7 +312,12 @@ def test_results_table_without_gpu_records(tmp_path, capsys):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_backends_smoke(tmp_path):
+@pytest.mark.gpu
+def test_gpu_backends_smoke(tmp_path, monkeypatch):
+    # the fused rows must time the Triton kernels, whatever CONVFIRSTNET_KERNELS says outside the test
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "auto")
+    # the benchmark turns cuDNN autotuning on for the process; restore it for the tests that follow
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
     argv = [
         "pico",
         "--batch-sizes",
@@ -328,8 +333,16 @@ def test_gpu_backends_smoke(tmp_path):
     ]
     assert benchmark.main(argv) == 0
     _, rec = _only_record(tmp_path)
+    assert rec["device"]["type"] == "cuda" and rec["settings"]["dtype"] == "float16"
+    by = {r["backend"]: r for r in rec["results"]}
+    assert set(by) == {"fused", "fused-cudagraph", "eager"}
     assert all(r["status"] == "ok" for r in rec["results"]), rec["results"]
-    assert all(r["peak_mem_mb"] > 0 for r in rec["results"])
+    assert by["fused"]["kernels"] == "triton" and by["fused-cudagraph"]["kernels"] == "triton"
+    assert "capture_s" in by["fused-cudagraph"]
+    for r in rec["results"]:
+        assert r["times_ms"]["n"] == 5 and 0 < r["times_ms"]["p10"] <= r["times_ms"]["median"] <= r["times_ms"]["p90"]
+        assert r["img_per_s"] == pytest.approx(8 / (r["ms_per_batch"] / 1e3))
+        assert r["peak_mem_mb"] > 0
 
 
 def test_readme_results_match_committed_records():
