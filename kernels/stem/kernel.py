@@ -19,25 +19,28 @@ tensor-core work is free in a memory-bound kernel).
 
 Tiling and grid
 ---------------
-A program owns BLOCK_M = 128 output pixels of one image: ROWS = BLOCK_M / BW consecutive output rows
-of BW pixels (BW = the output width rounded up to a power of two, at most 128: one whole output row
-at 256x256 input). grid = (N * cdiv(HO, ROWS) * cdiv(WO, BW),), all in grid.x (limit 2^31 - 1,
-checked by the launcher); the program decodes (image, row block, column block) with two scalar
-divisions, and each pixel's (row, column) in its tile with constexpr shifts: no per-pixel division.
+A tile is BLOCK_M = 128 output pixels of one image: ROWS = BLOCK_M / BW consecutive output rows of
+BW pixels (BW = the output width rounded up to a power of two, at most 128: one whole output row at
+256x256 input). A program does STEPS = min(4, tile rows) tiles one below the other in a runtime loop,
+so its setup (decoding its image and tile position with two scalar divisions, loading the weights
+and bias) is paid once per 4 tiles. grid = (N * cdiv(tile rows, STEPS) * tile columns,), all in
+grid.x (limit 2^31 - 1, checked by the launcher). Each pixel's (row, column) in its tile comes from
+constexpr shifts: no per-pixel division.
 
 The im2col tile
 ---------------
 Column k of the [BLOCK_M, 32] tile is tap k = c * 9 + kh * 3 + kw, the order of a contiguous
 (C0, C_IN, 3, 3) weight, so for the usual contiguous weight (``W_CONTIG``) row k of the [32, C0_PAD]
 weight operand is simply element k of each output channel's 27. Each tap is a [BLOCK_M] load (one
-element per thread, 4 warps x 32 threads = 128 pixels) at the pixel's base offset plus a constant:
-with a dense NHWC image (``NHWC``: channel stride 1, pixel stride C_IN, fixed at compile time) a tap
-is an immediate offset of one row pointer, so the 27 loads cost little more than the loads
-themselves. The 32 loaded vectors become the tile with ``tl.join`` (each join appends a length-2 axis
-held by the same thread; joining v_i with v_(i+16), then i with i+8, i+4, i+2, i+1 gives columns in
-tap order after the reshape), so every thread holds its pixel's row: no shuffles. Zero padding of the
-convolution is the load mask: one predicate per tap position (3 rows x 3 columns, combined once per
-pixel), shared by the input channels. C_IN > 3 (up to 16) uses cdiv(9 C_IN, 32) tiles and dots.
+element per thread, 4 warps x 32 threads = 128 pixels) from one of three row pointers per pixel
+(the window's left pixel in each of its rows) plus ``kw * sxw + c * sxc``: with a dense NHWC image
+(``NHWC``: channel stride 1, pixel stride C_IN, fixed at compile time) that is an immediate offset in
+the load instruction. The 32 loaded vectors become the tile with ``tl.join`` (each join appends a
+length-2 axis held by the same thread; joining v_i with v_(i+16), then i with i+8, i+4, i+2, i+1 gives
+columns in tap order after the reshape), so every thread holds its pixel's row: no shuffles. Zero
+padding of the convolution is the load mask: one predicate per tap position (3 rows x 3 columns,
+combined once per pixel), shared by the input channels. C_IN > 3 (up to 16) uses cdiv(9 C_IN, 32)
+tiles and dots (their weight rows are then loaded per tile).
 
 Accumulation and epilogue
 -------------------------
@@ -47,16 +50,18 @@ cast, and one store of the tile: C0 is a compile-time constant, so a pixel's C0 
 contiguous 16-byte vectors and a one-row tile is BLOCK_M * C0 contiguous NHWC elements.
 
 Compiled for sm_90 (Small: C0 = 32, fp16, NHWC, batch 128, 256x256; ``tests/kernels/test_stem.py``
-keeps these properties): wgmma (HGMMA 64x32x16), about 500 SASS instructions per warp per
-128-pixel tile (was 2167), no spills, 10 KB of shared memory for the dot operands. Issue estimate
-16384 programs x 4 warps x ~500 / (4 x 132 SMs x 1.83 GHz) ~ 34 us, under the 55 us DRAM bound.
-Not timed on a GPU yet.
+keeps these properties): wgmma (HGMMA 64x32x16), 85 registers, no spills, 10 KB of shared memory for
+the dot operands; 252 SASS instructions per warp per 128-pixel tile plus ~190 per program (the old
+kernel: 2167 per tile). Issue estimate 4096 programs x 4 warps x 1203 / (4 x 132 SMs x 1.83 GHz) =
+21 us, under the 55 us DRAM bound (Pico, C0 = 16: 17 us against 35 us). Not timed on a GPU yet.
 
 Tile constants
 --------------
 BLOCK_M = 128 = 4 warps x 32 threads: one pixel per thread in the gather, and the M = 128 of two
 wgmma 64-row tiles. K_PAD = 32 (27 taps, the next multiple of the fp16 MMA K step 16 that is a
 power of two). C0_PAD = C0 rounded up to a power of two >= 16 (the dot's N; masked on store).
+ROW_STEPS = 4 tiles per program: ~190 setup instructions shared by 4 tiles of ~250, and still
+4096 programs (31 per SM) at batch 128.
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._cost import KernelCost
+from .._cost import KernelCost, Loop
 from .._launch import launch
 
 FP32_PRECISION = "tf32x3"  # dot precision for fp32 operands (the interpreter computes exact fp32)
@@ -76,66 +81,70 @@ INDEX_LIMIT = 2**31  # per-image element offsets are int32
 
 
 @triton.jit
-def _tap(x_img, base, k: tl.constexpr, row_top, row_mid, row_bot, col_left, col_right,
-         sxc, sxh, sxw, C_IN: tl.constexpr):
+def _tap(row0, row1, row2, k: tl.constexpr, row_top, row_mid, row_bot, col_left, col_right,
+         sxc, sxw, C_IN: tl.constexpr):
     """Column k of the im2col tile: x[c, 2 oh - 1 + kh, 2 ow - 1 + kw] for k = c * 9 + kh * 3 + kw,
-    zero outside the image (and for the K padding k >= 9 C_IN, without a load)."""
+    zero outside the image (and for the K padding k >= 9 C_IN, without a load). row0..row2 point at
+    each window's left pixel in its three rows; with NHWC the rest of the offset is a constant."""
     if k < 9 * C_IN:
         c: tl.constexpr = k // 9
         kh: tl.constexpr = (k // 3) % 3
         kw: tl.constexpr = k % 3
         if kh == 0:
+            ptr = row0
             ok = row_top
         elif kh == 1:
+            ptr = row1
             ok = row_mid
         else:
+            ptr = row2
             ok = row_bot
         if kw == 0:
             ok = ok & col_left
         elif kw == 2:
             ok = ok & col_right
-        v = tl.load(x_img + base + (kh * sxh + kw * sxw + c * sxc), mask=ok, other=0.0)
+        v = tl.load(ptr + (kw * sxw + c * sxc), mask=ok, other=0.0)
     else:
-        v = tl.zeros_like(base).to(x_img.dtype.element_ty)
+        v = tl.zeros(row0.shape, dtype=row0.dtype.element_ty)
     return v
 
 
 @triton.jit
-def _im2col32(x_img, base, K0: tl.constexpr, row_top, row_mid, row_bot, col_left, col_right,
-              sxc, sxh, sxw, C_IN: tl.constexpr, BLOCK_M: tl.constexpr):
+def _im2col32(row0, row1, row2, K0: tl.constexpr, row_top, row_mid, row_bot, col_left, col_right,
+              sxc, sxw, C_IN: tl.constexpr, BLOCK_M: tl.constexpr):
     """The [BLOCK_M, 32] im2col tile of taps K0 ... K0 + 31, built from 32 per-pixel loads."""
-    v0 = _tap(x_img, base, K0 + 0, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v1 = _tap(x_img, base, K0 + 1, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v2 = _tap(x_img, base, K0 + 2, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v3 = _tap(x_img, base, K0 + 3, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v4 = _tap(x_img, base, K0 + 4, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v5 = _tap(x_img, base, K0 + 5, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v6 = _tap(x_img, base, K0 + 6, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v7 = _tap(x_img, base, K0 + 7, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v8 = _tap(x_img, base, K0 + 8, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v9 = _tap(x_img, base, K0 + 9, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v10 = _tap(x_img, base, K0 + 10, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v11 = _tap(x_img, base, K0 + 11, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v12 = _tap(x_img, base, K0 + 12, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v13 = _tap(x_img, base, K0 + 13, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v14 = _tap(x_img, base, K0 + 14, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v15 = _tap(x_img, base, K0 + 15, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v16 = _tap(x_img, base, K0 + 16, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v17 = _tap(x_img, base, K0 + 17, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v18 = _tap(x_img, base, K0 + 18, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v19 = _tap(x_img, base, K0 + 19, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v20 = _tap(x_img, base, K0 + 20, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v21 = _tap(x_img, base, K0 + 21, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v22 = _tap(x_img, base, K0 + 22, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v23 = _tap(x_img, base, K0 + 23, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v24 = _tap(x_img, base, K0 + 24, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v25 = _tap(x_img, base, K0 + 25, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v26 = _tap(x_img, base, K0 + 26, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v27 = _tap(x_img, base, K0 + 27, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v28 = _tap(x_img, base, K0 + 28, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v29 = _tap(x_img, base, K0 + 29, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v30 = _tap(x_img, base, K0 + 30, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
-    v31 = _tap(x_img, base, K0 + 31, row_top, row_mid, row_bot, col_left, col_right, sxc, sxh, sxw, C_IN)
+    v0 = _tap(row0, row1, row2, K0 + 0, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v1 = _tap(row0, row1, row2, K0 + 1, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v2 = _tap(row0, row1, row2, K0 + 2, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v3 = _tap(row0, row1, row2, K0 + 3, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v4 = _tap(row0, row1, row2, K0 + 4, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v5 = _tap(row0, row1, row2, K0 + 5, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v6 = _tap(row0, row1, row2, K0 + 6, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v7 = _tap(row0, row1, row2, K0 + 7, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v8 = _tap(row0, row1, row2, K0 + 8, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v9 = _tap(row0, row1, row2, K0 + 9, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v10 = _tap(row0, row1, row2, K0 + 10, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v11 = _tap(row0, row1, row2, K0 + 11, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v12 = _tap(row0, row1, row2, K0 + 12, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v13 = _tap(row0, row1, row2, K0 + 13, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v14 = _tap(row0, row1, row2, K0 + 14, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v15 = _tap(row0, row1, row2, K0 + 15, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v16 = _tap(row0, row1, row2, K0 + 16, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v17 = _tap(row0, row1, row2, K0 + 17, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v18 = _tap(row0, row1, row2, K0 + 18, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v19 = _tap(row0, row1, row2, K0 + 19, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v20 = _tap(row0, row1, row2, K0 + 20, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v21 = _tap(row0, row1, row2, K0 + 21, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v22 = _tap(row0, row1, row2, K0 + 22, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v23 = _tap(row0, row1, row2, K0 + 23, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v24 = _tap(row0, row1, row2, K0 + 24, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v25 = _tap(row0, row1, row2, K0 + 25, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v26 = _tap(row0, row1, row2, K0 + 26, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v27 = _tap(row0, row1, row2, K0 + 27, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v28 = _tap(row0, row1, row2, K0 + 28, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v29 = _tap(row0, row1, row2, K0 + 29, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v30 = _tap(row0, row1, row2, K0 + 30, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
+    v31 = _tap(row0, row1, row2, K0 + 31, row_top, row_mid, row_bot, col_left, col_right, sxc, sxw, C_IN)
     # tl.join(a, b) appends an axis of length 2 (a at 0, b at 1). Joining i with i + 16, then the
     # pairs i with i + 8, i + 4, i + 2, i + 1 makes element [m, b1, b2, b3, b4, b5] tap
     # 16 b1 + 8 b2 + 4 b3 + 2 b4 + b5: the row-major reshape to [BLOCK_M, 32] puts tap k in column k.
@@ -151,11 +160,24 @@ def _im2col32(x_img, base, K0: tl.constexpr, row_top, row_mid, row_bot, col_left
 
 
 @triton.jit
+def _w_chunk(w_ptr, chunk: tl.constexpr, offs_c, c_ok, swo, swi, swh, sww, C_IN: tl.constexpr,
+             W_CONTIG: tl.constexpr):
+    """Rows chunk * 32 ... + 31 of the [K_PAD, C_PAD] weight operand: row k holds tap k of every output
+    channel (zero past the 9 * C_IN taps and the C0 channels)."""
+    k = chunk * 32 + tl.arange(0, 32)
+    if W_CONTIG:  # w[o, c, kh, kw] at o * 9 C_IN + k
+        w_off = k[:, None] + offs_c[None, :] * (9 * C_IN)
+    else:
+        w_off = (k // 9 * swi + (k // 3) % 3 * swh + k % 3 * sww)[:, None] + offs_c[None, :] * swo
+    return tl.load(w_ptr + w_off, mask=(k < 9 * C_IN)[:, None] & c_ok[None, :], other=0.0)
+
+
+@triton.jit
 def _stem_kernel(
     # pointers
     x_ptr, w_ptr, b_ptr, out_ptr,
-    # sizes: input H x W, output HO x WO; tiles per image: TILES_H x TILES_W
-    H, W, HO, WO, TILES_H, TILES_W,
+    # sizes: input H x W, output HO x WO; tiles per image: TILES_H x TILES_W; tile rows per program
+    H, W, HO, WO, TILES_H, TILES_W, STEPS,
     # strides (elements) of x as logical (N, C_IN, H, W) and of w (C0, C_IN, 3, 3)
     sxn, sxc, sxh, sxw,
     swo, swi, swh, sww,
@@ -170,45 +192,53 @@ def _stem_kernel(
         sxc = 1
         sxw = C_IN
 
+    # program -> (image n, first tile row th0, tile column tw); it does tile rows th0 ... th0 + STEPS - 1
     pid = tl.program_id(0)
     tw = pid % TILES_W
     t = pid // TILES_W
-    th = t % TILES_H
-    n = t // TILES_H
-    m = tl.arange(0, BLOCK_M)
-    oh = th * ROWS + m // BW
-    ow = tw * BW + m % BW
-    m_ok = (oh < HO) & (ow < WO)
-    ih0 = 2 * oh - 1  # top-left tap of the window
-    iw0 = 2 * ow - 1
-    row_top = m_ok & (ih0 >= 0)  # only the first and last rows / columns can fall outside the image
-    row_bot = m_ok & (ih0 + 2 < H)
-    col_left = iw0 >= 0
-    col_right = iw0 + 2 < W
+    groups_h = tl.cdiv(TILES_H, STEPS)
+    th0 = (t % groups_h) * STEPS
+    n = t // groups_h
     x_img = x_ptr + n.to(tl.int64) * sxn
-    base = ih0 * sxh + iw0 * sxw
+    out_img = out_ptr + n.to(tl.int64) * HO * WO * C0
+
+    m = tl.arange(0, BLOCK_M)
+    ow = tw * BW + m % BW
+    iw0 = 2 * ow - 1  # left tap column of each window
+    col_ok = ow < WO
+    col_left = iw0 >= 0  # only the first and last columns / rows can fall outside the image
+    col_right = iw0 + 2 < W
+    pix = (m // BW) * WO + ow  # output pixel of each tile row, relative to the tile's first row
 
     offs_c = tl.arange(0, C_PAD)
     c_ok = offs_c < C0
     bias = tl.load(b_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)
-    acc = tl.broadcast_to(bias[None, :], (BLOCK_M, C_PAD))
-    for chunk in tl.static_range(K_CHUNKS):
-        a = _im2col32(x_img, base, chunk * 32, row_top, m_ok, row_bot, col_left, col_right,
-                      sxc, sxh, sxw, C_IN, BLOCK_M)
-        k = chunk * 32 + tl.arange(0, 32)
-        if W_CONTIG:  # w[o, c, kh, kw] at o * 9 C_IN + k
-            w_off = k[:, None] + offs_c[None, :] * (9 * C_IN)
-        else:
-            w_off = (k // 9 * swi + (k // 3) % 3 * swh + k % 3 * sww)[:, None] + offs_c[None, :] * swo
-        wk = tl.load(w_ptr + w_off, mask=(k < 9 * C_IN)[:, None] & c_ok[None, :], other=0.0)
-        acc = tl.dot(a, wk, acc, input_precision=PREC)
-    acc = tl.maximum(acc, 0.0)
+    if K_CHUNKS == 1:  # the whole weight operand, loaded once (C_IN <= 3)
+        w0 = _w_chunk(w_ptr, 0, offs_c, c_ok, swo, swi, swh, sww, C_IN, W_CONTIG)
 
-    # NHWC output: the tile's first pixel, then r * WO + column for row r of the tile
-    tile = out_ptr + ((n.to(tl.int64) * HO + th * ROWS) * WO + tw * BW) * C0
-    pix = (m // BW) * WO + m % BW
-    tl.store(tile + pix[:, None] * C0 + offs_c[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & c_ok[None, :])
+    for th in range(th0, tl.minimum(th0 + STEPS, TILES_H)):
+        oh = th * ROWS + m // BW
+        m_ok = col_ok & (oh < HO)
+        ih0 = 2 * oh - 1  # top tap row of each window
+        row_top = m_ok & (ih0 >= 0)
+        row_bot = m_ok & (ih0 + 2 < H)
+        row0 = x_img + (ih0 * sxh + iw0 * sxw)  # each window's top-left tap
+        row1 = row0 + sxh
+        row2 = row1 + sxh
+        acc = tl.broadcast_to(bias[None, :], (BLOCK_M, C_PAD))
+        for chunk in tl.static_range(K_CHUNKS):
+            a = _im2col32(row0, row1, row2, chunk * 32, row_top, m_ok, row_bot, col_left, col_right,
+                          sxc, sxw, C_IN, BLOCK_M)
+            if K_CHUNKS == 1:
+                wk = w0
+            else:
+                wk = _w_chunk(w_ptr, chunk, offs_c, c_ok, swo, swi, swh, sww, C_IN, W_CONTIG)
+            acc = tl.dot(a, wk, acc, input_precision=PREC)
+        acc = tl.maximum(acc, 0.0)
+        # NHWC output: the tile's first row, then r * WO + column for row r of the tile
+        tile = out_img + th * ROWS * WO * C0
+        tl.store(tile + pix[:, None] * C0 + offs_c[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & c_ok[None, :])
 
 
 @dataclass(frozen=True)
@@ -217,6 +247,7 @@ class StemConfig:
     c0: int
     c_pad: int  # C0 rounded up to a power of two >= 16 (the dot's N)
     bw: int  # output pixels per tile row (power of two <= BLOCK_M)
+    steps: int  # tiles per program, one below the other (a runtime loop)
     block_m: int = 128
     num_warps: int = 4
 
@@ -233,10 +264,14 @@ MAX_CHANNELS = 128  # acc is a [BLOCK_M, C_PAD] fp32 register tile (128 per thre
 MAX_IN_CHANNELS = 16  # cdiv(9 * 16, 32) = 5 im2col tiles, unrolled
 
 
-def stem_config(c_in: int, c_out: int, wo: int) -> StemConfig:
+ROW_STEPS = 4  # tiles per program: amortizes the program's setup (index decoding, weights, bias)
+
+
+def stem_config(c_in: int, c_out: int, ho: int, wo: int) -> StemConfig:
     block_m = 128
     bw = min(block_m, triton.next_power_of_2(max(1, wo)))
-    return StemConfig(c_in, c_out, max(16, triton.next_power_of_2(c_out)), bw, block_m)
+    steps = max(1, min(ROW_STEPS, triton.cdiv(ho, block_m // bw)))
+    return StemConfig(c_in, c_out, max(16, triton.next_power_of_2(c_out)), bw, steps, block_m)
 
 
 # Stem shapes of Pico..Small (SPEC Table 3): RGB in, C0 out.
@@ -252,16 +287,16 @@ def check_supported(c_in: int, c_out: int) -> None:
 
 
 def stem_grid(n: int, ho: int, wo: int, cfg: StemConfig) -> tuple[int, int, int]:
-    """(programs, tiles_h, tiles_w) of a launch."""
+    """(programs, tiles_h, tiles_w) of a launch: tiles_h x tiles_w tiles per image, cfg.steps per program."""
     tiles_h, tiles_w = triton.cdiv(ho, cfg.rows), triton.cdiv(wo, cfg.bw)
-    return n * tiles_h * tiles_w, tiles_h, tiles_w
+    return n * triton.cdiv(tiles_h, cfg.steps) * tiles_w, tiles_h, tiles_w
 
 
 def check_launchable(x: torch.Tensor, c_out: int) -> None:
     """The limits of one launch, checked before it: grid.x and int32 offsets inside one image."""
     n, c_in, h, w = x.shape
     ho, wo = (h + 1) // 2, (w + 1) // 2
-    programs, _, _ = stem_grid(n, ho, wo, stem_config(c_in, c_out, wo))
+    programs, _, _ = stem_grid(n, ho, wo, stem_config(c_in, c_out, ho, wo))
     if programs > GRID_LIMIT:
         raise ValueError(
             f"convfirstnet.stem: {programs} programs for input {tuple(x.shape)} exceed the grid limit "
@@ -275,18 +310,18 @@ def check_launchable(x: torch.Tensor, c_out: int) -> None:
         )
 
 
-def stem_cost(n: int, h: int, w: int, cfg: StemConfig, programs: int, elem: int, fp32: bool) -> KernelCost:
+def stem_cost(n: int, h: int, w: int, cfg: StemConfig, tiles: int, elem: int, fp32: bool) -> KernelCost:
     ho, wo = (h + 1) // 2, (w + 1) // 2
     passes = 3 if fp32 else 1  # tf32x3: three tensor-core products per dot
     return KernelCost(
         useful_macs=n * ho * wo * cfg.c0 * 9 * cfg.c_in,
-        mma_macs=passes * programs * cfg.block_m * cfg.c_pad * cfg.k_pad,
+        mma_macs=passes * n * tiles * cfg.block_m * cfg.c_pad * cfg.k_pad,
         # the image once (each input pixel is in 1 to 4 windows; the overlap is served by L1/L2),
         # the output once, the weights and bias once
         dram_bytes=elem * (n * cfg.c_in * h * w + n * ho * wo * cfg.c0 + cfg.c0 * (9 * cfg.c_in + 1)),
-        loops=(),
-        note=f"{cfg.rows}x{cfg.bw}-pixel tiles, K {9 * cfg.c_in} padded to {cfg.k_pad}, "
-        f"N {cfg.c0} padded to {cfg.c_pad}" + (", tf32x3 (3 passes)" if fp32 else ""),
+        loops=(Loop("tile rows", cfg.steps),),
+        note=f"{cfg.rows}x{cfg.bw}-pixel tiles, {cfg.steps} per program, K {9 * cfg.c_in} padded to "
+        f"{cfg.k_pad}, N {cfg.c0} padded to {cfg.c_pad}" + (", tf32x3 (3 passes)" if fp32 else ""),
     )
 
 
@@ -299,15 +334,15 @@ def stem_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tens
     out = torch.empty((n, c0, ho, wo), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
     if out.numel() == 0:
         return out
-    cfg = stem_config(c_in, c0, wo)
+    cfg = stem_config(c_in, c0, ho, wo)
     programs, tiles_h, tiles_w = stem_grid(n, ho, wo, cfg)
     nhwc = x.stride(1) == 1 and x.stride(3) == c_in
     fp32 = x.dtype == torch.float32
     launch(
         _stem_kernel, (programs,),
-        x, w, b.contiguous(), out, h, wd, ho, wo, tiles_h, tiles_w, *x.stride(), *w.stride(),
+        x, w, b.contiguous(), out, h, wd, ho, wo, tiles_h, tiles_w, cfg.steps, *x.stride(), *w.stride(),
         C_IN=c_in, C0=c0, C_PAD=cfg.c_pad, BLOCK_M=cfg.block_m, BW=cfg.bw, NHWC=nhwc,
         W_CONTIG=w.is_contiguous(), PREC=FP32_PRECISION if fp32 else "tf32", num_warps=cfg.num_warps,
-        cost=lambda: stem_cost(n, h, wd, cfg, programs, x.element_size(), fp32),
+        cost=lambda: stem_cost(n, h, wd, cfg, tiles_h * tiles_w, x.element_size(), fp32),
     )
     return out

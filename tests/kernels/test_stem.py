@@ -55,12 +55,12 @@ def run_and_check(x, w, b):
     return out
 
 
-# (N, H, W, C0) -> output HO x WO, tile (rows x BW), tiles per image
+# (N, H, W, C0) -> output HO x WO, tiles (rows x BW) per image, programs
 SHAPES = [
     (1, 7, 7, 16),  # 4x4: one 32x4 tile, 28 of its rows masked
     (2, 13, 17, 24),  # 7x9: one 8x16 tile per image, odd H and W; C0 24 padded to 32
-    (1, 40, 17, 32),  # 20x9: three 8x16 row blocks, the last one partial
-    (2, 5, 260, 32),  # 3x130: rows of 128 + 2 pixels, two column tiles per row
+    (1, 40, 17, 32),  # 20x9: three 8x16 tiles one below the other (the last one partial), one program
+    (2, 11, 260, 32),  # 6x130: 1x128 tiles, two per row; 4 + 2 tile rows per column: 4 programs per image
 ]
 
 
@@ -124,15 +124,16 @@ def test_rejects_unsupported_before_launch(interpreter_backend):
 
 
 def test_batch_past_the_grid_limit_is_refused():
-    """One program per 128 output pixels, all in grid.x (at most 2^31 - 1): 2^16 images of 4096x4096
-    need 2^31 programs. The op refuses them before any launch (checked while recording launches on
-    meta tensors, so nothing is allocated even if the check were missing)."""
+    """All programs are in grid.x (at most 2^31 - 1): one per 4 tiles of 128 output pixels, so 2^18
+    images of 4096x4096 (2048 x 16 tiles each) need 2^31. The op refuses them before any launch
+    (checked while recording launches on meta tensors: nothing is allocated even if the check were
+    missing)."""
     w, b = (t.to("meta") for t in make_stem(16, torch.float16))
-    x = torch.empty(2**16, 3, 4096, 4096, device="meta", dtype=torch.float16)
+    x = torch.empty(2**18, 3, 4096, 4096, device="meta", dtype=torch.float16)
     with pytest.raises(ValueError, match="grid limit"):
         record(lambda: torch.ops.convfirstnet.stem(x, w, b))
-    (launch,) = record(lambda: torch.ops.convfirstnet.stem(x[: 2**16 - 1], w, b))
-    assert launch.grid == ((2**16 - 1) * 2048 * 16,)
+    (launch,) = record(lambda: torch.ops.convfirstnet.stem(x[: 2**18 - 1], w, b))
+    assert launch.grid == ((2**18 - 1) * 512 * 16,)
 
 
 def test_torch_compile_fullgraph_cpu(reference_backend):
