@@ -105,6 +105,8 @@ def _resolve_device(arg: str | None):
         raise InfoError(f"--device {arg!r}: expected cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InfoError(f"--device {arg}, but no CUDA device is available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise InfoError(f"--device {arg}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 

@@ -172,6 +172,8 @@ def resolve_device(arg: str) -> torch.device:
         raise ToolError(f"--device {arg!r}: expected auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ToolError(f"--device {arg}, but no CUDA device is available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ToolError(f"--device {arg}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
