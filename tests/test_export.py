@@ -14,6 +14,8 @@ from convfirstnet.weights import save_weights
 
 from ._models import rel_err, trained_like
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # small models: one thread is faster on 2 cores
+
 BLOCK_OPS = {
     "convfirstnet.stem.default": 1,
     "convfirstnet.convfirst.default": 6,
@@ -39,7 +41,7 @@ def test_pt2_keeps_one_op_per_block_and_a_dynamic_batch(pico, pt2_file):
     program = load_pt2(pt2_file)
     targets = Counter(str(n.target) for n in program.graph.nodes if n.op == "call_function")
     assert {k: v for k, v in targets.items() if k.startswith("convfirstnet.")} == BLOCK_OPS
-    assert not [t for t in targets if "convolution" in t or "batch_norm" in t]  # no layer left outside the ops
+    assert not [t for t in targets if "convolution" in t or "batch_norm" in t]  # no layer outside the ops
     fused = convfirstnet.fuse(pico)
     for batch in (1, 5):
         x = torch.randn(batch, 3, 64, 64)

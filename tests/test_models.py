@@ -104,7 +104,7 @@ def test_in_chans_and_features_only():
 
 
 @pytest.mark.parametrize("form", ["training", "fused"])
-def test_forward_intermediates_equal_features_only(form):
+def test_forward_intermediates_equal_features_only(form, one_thread):
     model = trained_like("pico")
     features = trained_like("pico", features_only=True)  # same seed: the same stem and stages
     if form == "fused":
@@ -129,7 +129,7 @@ def test_forward_intermediates_equal_features_only(form):
         model.forward_intermediates(x, indices=[5])
 
 
-def test_prune_intermediate_layers():
+def test_prune_intermediate_layers(one_thread):
     model = trained_like("pico")
     x = torch.randn(1, 3, 64, 64)
     with torch.no_grad():
@@ -343,7 +343,7 @@ FOLDED = {
 }
 
 
-def test_fused_gradients_match_training_form():
+def test_fused_gradients_match_training_form(one_thread):
     """Input and weight gradients of the fused form equal the training form's in eval mode. A folded
     weight is W' = W * s (s = gamma / sqrt(var + eps) per output channel), so dL/dW = dL/dW' * s, and the
     folded bias gets BN's beta gradient; the SE weights are the same tensors in both forms."""
@@ -373,7 +373,7 @@ def test_fused_gradients_match_training_form():
     assert checked == 2 + 3 * 28
 
 
-def test_fused_parameters_trainability():
+def test_fused_parameters_trainability(one_thread):
     """fuse() keeps requires_grad (as torch.nn.utils.fusion does): trainable by default, a block frozen
     before fusing stays frozen; the input gradient works either way."""
     model = trained_like("pico")
@@ -428,7 +428,7 @@ def test_compile_fullgraph_cpu():
     assert rel_err(compiled, eager) < 1e-5
 
 
-def test_compile_backward_through_fused_block():
+def test_compile_backward_through_fused_block(one_thread):
     """A compiled forward + backward (AOTAutograd traces the registered backward) equals eager."""
     block = convfirstnet.fuse(trained_like("pico")).stages[3][0]
     x = torch.randn(2, 48, 8, 8).contiguous(memory_format=torch.channels_last)

@@ -230,7 +230,7 @@ def three_class(tmp_path_factory):
     return model, out / "convfirstnet_pico.safetensors", out / "last.pth.tar"
 
 
-def test_class_count_comes_from_the_checkpoint(isolated, three_class, no_network, monkeypatch):
+def test_class_count_comes_from_the_checkpoint(isolated, three_class, no_network, monkeypatch, one_thread):
     """Without num_classes, every way of loading gives the checkpoint's classifier, loaded."""
     ref, st, pth = three_class
     assert weights.checkpoint_num_classes(st) == 3 and weights.checkpoint_num_classes(pth) == 3
@@ -262,7 +262,7 @@ def test_class_count_comes_from_the_checkpoint(isolated, three_class, no_network
         timm.create_model("convfirstnet_pico", checkpoint_path=str(st))
 
 
-def test_other_class_count_reinitialises_classifier_and_warns(isolated, three_class, no_network):
+def test_other_class_count_reinitialises_classifier_and_warns(isolated, three_class, no_network, one_thread):
     """Fine-tuning: num_classes != the checkpoint's keeps a fresh classifier (timm's behaviour for
     pretrained weights) and says so; everything else is loaded."""
     ref, st, pth = three_class
