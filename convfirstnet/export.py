@@ -15,6 +15,9 @@
   is checked with ONNX's checker and run with onnxruntime on CPU against the PyTorch model. ONNX,
   onnxscript and onnxruntime are the optional extra ``pip install "convfirstnet[onnx]"``.
 
+Errors (a missing weight file, a bad option value, a failed check) print one ``convfirstnet export: error:``
+line and exit with status 1; a malformed command line prints the usage and exits with status 2.
+
 Both exports are verified after writing: the saved file is loaded back and run at a batch size other
 than the one traced, and the maximum relative error against the PyTorch model (``max |a - b| / max |b|``)
 is printed; above ``MAX_REL_ERR`` the export fails. ``torch.jit.script`` is not supported (the models use
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ExportError, ValueError, TypeError, RuntimeError, FileNotFoundError) as e:
         message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
         print(f"convfirstnet export: error: {message}", file=sys.stderr)
-        return 2
+        return 1
     return 0
 
 

@@ -117,7 +117,7 @@ def test_export_command_errors(args, message, tmp_path, monkeypatch, capsys):
     argv = ["export", "--model", "pico", *args]
     if "--format" not in args:
         argv += ["--format", "pt2"]
-    assert cli.main(argv) == 2
+    assert cli.main(argv) == 1
     err = capsys.readouterr().err
     assert err.startswith("convfirstnet export: error: ") and message in err and err.count("\n") == 1
     if not args:
