@@ -26,6 +26,7 @@ TOOLS = {
     "bench": ("benchmark", "throughput: fused kernels vs torch.compile"),
     "waterline": ("waterline", "waterline / efficiency-gap analysis of a model"),
     "results": ("bench_report", "README results table from benchmarks/results"),
+    "export": ("export", "export for deployment: pt2 (fused, torch.export) or onnx (BN-folded)"),
 }
 
 # Timing of the main command: at least this many iterations and this many seconds (after warm-up).
