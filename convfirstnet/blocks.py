@@ -1,9 +1,16 @@
 """ConvFirstNet blocks: the training form (with BatchNorm) beside its inference form (folded, fused).
 
-Each training block has ``fuse()``, which folds its BatchNorms in fp32 and returns the matching
+Each training block has ``fuse()``, which folds its BatchNorms in fp64 and returns the matching
 ``Fused*`` module; ``timm.utils.reparameterize_model`` calls exactly that. A fused block holds conv
 weights and biases only and its forward is one ``torch.ops.convfirstnet`` op (Triton kernel on GPU,
 PyTorch reference on CPU), on NHWC activations.
+
+Gradients: every op has a backward (``kernels/_autograd.py``: it recomputes the block through its
+PyTorch reference), for the input and for every weight and bias. The folded weights are parameters
+that require grad exactly when the training block's parameters do (the default; a block frozen with
+``requires_grad_(False)`` before ``fuse()`` stays frozen), as ``torch.nn.utils.fusion.fuse_conv_bn_eval``
+keeps ``requires_grad``. So ``model.parameters()`` of a fused model trains like any model's; BatchNorm is
+gone, so what trains is the folded convolution (there are no batch statistics to update).
 """
 
 from __future__ import annotations
@@ -15,6 +22,44 @@ from timm.layers import BlurPool2d, DropPath, SEModule
 from .folding import fold_conv_bn
 
 GROUP_WIDTH = 8
+MIN_INPUT_SIZE = 32  # five stride-2 stages; each BlurPool reflects one pixel, so needs a 2x2 map
+INPUT_DTYPES = "float32, float16, bfloat16 or float64"
+
+
+def check_input(x: object, in_chans: int, weight: torch.Tensor) -> None:
+    """Raise one clear error for what the model cannot take: called by the stem, so every path through
+    the model checks it (``forward``, ``forward_features``, ``forward_intermediates``, timm's
+    ``features_only`` wrapper), before any kernel launch. ``weight`` is the stem's, for device and dtype.
+    """
+    if not isinstance(x, torch.Tensor):
+        hint = "; convert it with torch.from_numpy(...)" if type(x).__module__ == "numpy" else ""
+        raise TypeError(
+            f"ConvFirstNet expects a torch.Tensor (N, C, H, W) image batch, got {type(x).__module__}."
+            f"{type(x).__qualname__}{hint}"
+        )
+    if x.dim() != 4:
+        raise ValueError(f"ConvFirstNet expects a 4-D (N, C, H, W) image batch, got shape {tuple(x.shape)}")
+    if x.shape[1] != in_chans:
+        raise ValueError(f"ConvFirstNet expects {in_chans} input channels, got {x.shape[1]} ({tuple(x.shape)})")
+    if min(x.shape[2], x.shape[3]) < MIN_INPUT_SIZE:
+        raise ValueError(
+            f"ConvFirstNet needs an input of at least {MIN_INPUT_SIZE}x{MIN_INPUT_SIZE}, got {x.shape[2]}x{x.shape[3]}"
+        )
+    if not x.is_floating_point():
+        raise TypeError(
+            f"ConvFirstNet expects a floating-point image batch ({INPUT_DTYPES}), got {x.dtype}; "
+            "convert and normalise it first (e.g. x.float() / 255, then the model's mean and std)"
+        )
+    if x.device != weight.device:
+        raise ValueError(
+            f"input is on {x.device} but the model is on {weight.device}; "
+            "move the model and the input to the same device"
+        )
+    if x.dtype != weight.dtype and not (x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)):
+        raise TypeError(
+            f"input dtype {x.dtype} differs from the model's {weight.dtype}; "
+            "cast the input (or use torch.autocast)"
+        )
 
 
 def _gconv3x3(channels: int, stride: int = 1) -> nn.Conv2d:
@@ -25,14 +70,19 @@ def _conv1x1(c_in: int, c_out: int) -> nn.Conv2d:
     return nn.Conv2d(c_in, c_out, 1, bias=False)
 
 
+def _trainable_like(block: nn.Module, fused: "FusedBlock") -> "FusedBlock":
+    """``fused`` with its weights requiring grad when any parameter of the training ``block`` does."""
+    return fused.requires_grad_(any(p.requires_grad for p in block.parameters()))
+
+
 class FusedBlock(nn.Module):
-    """Base of the inference blocks: frozen folded weights, autocast handled before the op."""
+    """Base of the inference blocks: folded weights as parameters, autocast handled before the op."""
 
     weight_names: tuple[str, ...] = ()
 
     def _register(self, **tensors: torch.Tensor) -> None:
         for name, t in tensors.items():
-            self.register_parameter(name, nn.Parameter(t.detach().clone(), requires_grad=False))
+            self.register_parameter(name, nn.Parameter(t.detach().clone()))
 
     def _cast(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         # Custom ops have no autocast rule: run them in the autocast dtype explicitly.
@@ -56,10 +106,11 @@ class Stem(nn.Module):
         self.act = nn.ReLU(inplace=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_input(x, self.conv.in_channels, self.conv.weight)
         return self.act(self.bn(self.conv(x)))
 
     def fuse(self) -> "FusedStem":
-        return FusedStem(*fold_conv_bn(self.conv, self.bn))
+        return _trainable_like(self, FusedStem(*fold_conv_bn(self.conv, self.bn)))
 
 
 class FusedStem(FusedBlock):
@@ -70,6 +121,7 @@ class FusedStem(FusedBlock):
         self._register(w=w, b=b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_input(x, self.w.shape[1], self.w)
         x, (w, b) = self._cast(x)
         return torch.ops.convfirstnet.stem(x, w, b)
 
@@ -112,7 +164,8 @@ class ConvFirst(nn.Module):
         w_conv, b_conv = fold_conv_bn(self.conv_dw, self.bn_dw)
         w1, b1 = fold_conv_bn(self.conv_expand, self.bn_expand)
         w2, b2 = fold_conv_bn(self.conv_project, self.bn_project)
-        return FusedConvFirst(w_conv, b_conv, w1.flatten(1), b1, w2.flatten(1), b2, self.stride)
+        fused = FusedConvFirst(w_conv, b_conv, w1.flatten(1), b1, w2.flatten(1), b2, self.stride)
+        return _trainable_like(self, fused)
 
 
 class FusedConvFirst(FusedBlock):
@@ -170,11 +223,12 @@ class MBConv(nn.Module):
         w_conv, b_conv = fold_conv_bn(self.conv_dw, self.bn_dw)
         w_proj, b_proj = fold_conv_bn(self.conv_project, self.bn_project)
         se = self.se
-        return FusedMBConv(
+        fused = FusedMBConv(
             w_exp.flatten(1), b_exp, w_conv, b_conv,
             se.fc1.weight.flatten(1), se.fc1.bias, se.fc2.weight.flatten(1), se.fc2.bias,
             w_proj.flatten(1), b_proj, self.stride,
         )
+        return _trainable_like(self, fused)
 
 
 class FusedMBConv(FusedBlock):
@@ -210,7 +264,7 @@ class Head(nn.Module):
 
     def fuse(self) -> "FusedHead":
         w, b = fold_conv_bn(self.conv, self.bn)
-        return FusedHead(w.flatten(1), b)
+        return _trainable_like(self, FusedHead(w.flatten(1), b))
 
 
 class FusedHead(FusedBlock):

@@ -2,13 +2,17 @@
 
 Without a subcommand (or with ``info``) it builds the four models and prints, for each, parameters,
 GMACs at the input size, a fused-vs-training-form check and the fused model's throughput on the
-current device. Other subcommands run the tools in ``convfirstnet/tools`` (the same code as
-``scripts/*.py``).
+current device (median over enough timed iterations, with its spread). Other subcommands run the tools
+in ``convfirstnet/tools`` (the same code as ``scripts/*.py``).
+
+Errors in the inputs end with one ``convfirstnet[ <command>]: error: ...`` line and exit status 1; a
+malformed command line (unknown option or subcommand) prints the usage and exits with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 import time
@@ -18,52 +22,137 @@ TOOLS = {
     "eval": ("eval_imagenet", "evaluate a model on an ImageNet-style folder"),
     "convert": ("convert_checkpoint", "turn a training checkpoint into a weight file"),
     "train": ("train_imagenet", "train with the paper's recipe"),
+    "timm-script": ("timm_script", "run timm's validate.py / train.py / benchmark.py with these models"),
     "bench": ("benchmark", "throughput: fused kernels vs torch.compile"),
     "waterline": ("waterline", "waterline / efficiency-gap analysis of a model"),
     "results": ("bench_report", "README results table from benchmarks/results"),
+    "export": ("export", "export for deployment: pt2 (fused, torch.export) or onnx (BN-folded)"),
 }
+
+# Timing of the main command: at least this many iterations and this many seconds (after warm-up).
+MIN_ITERS = {"cuda": 20, "cpu": 7}
+MIN_SECONDS = {"cuda": 1.0, "cpu": 5.0}
+MAX_ITERS = 1000
+WARMUP_SECONDS = 1.0
+
+
+def _commands_text() -> str:
+    width = max(len(k) for k in ("info", *TOOLS))
+    lines = [f"  {'info':<{width}}  (default) size, cost, fused-form check and throughput of the models"]
+    lines += [f"  {k:<{width}}  {v[1]}" for k, v in TOOLS.items()]
+    return "commands:\n" + "\n".join(lines) + "\n\nRun `convfirstnet <command> --help` for each."
+
+
+def _version_text() -> str:
+    import torch
+
+    import convfirstnet
+
+    parts = [f"torch {torch.__version__}"]
+    for mod in ("timm", "triton"):
+        try:
+            parts.append(f"{mod} {importlib.import_module(mod).__version__}")
+        except ImportError:
+            pass
+    return f"convfirstnet {convfirstnet.__version__} ({', '.join(parts)})"
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(_version_text())
+        parser.exit()
 
 
 def _info_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="convfirstnet",
+        usage="convfirstnet [command] [options]",
         description="ConvFirstNet models: size, cost, fused-form check and throughput on this machine.",
-        epilog="subcommands: " + "; ".join(f"{k}: {v[1]}" for k, v in TOOLS.items())
-        + ". Run `convfirstnet <subcommand> --help` for each.",
+        epilog=_commands_text(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--version", action=_Version, help="print the versions and exit")
     p.add_argument("--models", nargs="+", default=None, help="models (default: all four)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--batch-size", type=int, default=None, help="default: 128 on GPU, 4 on CPU")
     p.add_argument("--img-size", type=int, default=256)
-    p.add_argument("--iters", type=int, default=None, help="timed iterations (default: 20 on GPU, 2 on CPU)")
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help=f"timed iterations (default: at least {MIN_ITERS['cuda']} and {MIN_SECONDS['cuda']:g} s on GPU, "
+        f"{MIN_ITERS['cpu']} and {MIN_SECONDS['cpu']:g} s on CPU)",
+    )
     return p
+
+
+class InfoError(ValueError):
+    """A bad argument of the main command."""
+
+
+def _resolve_device(arg: str | None):
+    import torch
+
+    if arg is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(arg)
+    except RuntimeError as e:
+        raise InfoError(f"--device {arg!r}: expected cpu or cuda") from e
+    if device.type not in ("cpu", "cuda"):
+        raise InfoError(f"--device {arg!r}: expected cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InfoError(f"--device {arg}, but no CUDA device is available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise InfoError(f"--device {arg}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def info(argv: list[str]) -> int:
     import torch
 
     import convfirstnet
+    from convfirstnet.factory import _canonical
     from convfirstnet.kernels._launch import backend, use_triton
+    from convfirstnet.model import MIN_INPUT_SIZE
     from convfirstnet.profile import count_macs, count_params
 
     args = _info_parser().parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    # Every argument is checked before anything is printed.
+    names = [_canonical(n) for n in (args.models or convfirstnet.list_models())]
+    device = _resolve_device(args.device)
+    if args.img_size < MIN_INPUT_SIZE:
+        raise InfoError(f"--img-size {args.img_size}: ConvFirstNet needs at least {MIN_INPUT_SIZE}")
+    for flag, value in (("--batch-size", args.batch_size), ("--iters", args.iters)):
+        if value is not None and value < 1:
+            raise InfoError(f"{flag} must be at least 1")
     gpu = device.type == "cuda"
     batch = args.batch_size or (128 if gpu else 4)
-    iters = args.iters or (20 if gpu else 2)
     dtype = torch.float16 if gpu else torch.float32
     size = args.img_size
     probe = torch.empty(1, device=device)
     kernels = "Triton" if use_triton(probe) else "PyTorch reference"
-    print(f"convfirstnet {convfirstnet.__version__}, torch {torch.__version__}, device {_device_name(device)}, "
-          f"fused blocks run the {kernels} ops (CONVFIRSTNET_KERNELS={backend()}), {str(dtype)[6:]}, "
-          f"batch {batch}, {size}x{size}")
-    print("| model | params (M) | GMACs | fused vs training form (max rel. err) | img/s (fused) |")
-    print("|---|---|---|---|---|")
+    timing = (
+        f"{args.iters} timed iterations"
+        if args.iters
+        else f"median of >= {MIN_ITERS[device.type]} iterations and >= {MIN_SECONDS[device.type]:g} s"
+    )
+    print(
+        f"convfirstnet {convfirstnet.__version__}, torch {torch.__version__}, device {_device_name(device)}, "
+        f"fused blocks run the {kernels} ops (CONVFIRSTNET_KERNELS={backend()}), {str(dtype)[6:]}, "
+        f"batch {batch}, {size}x{size}, {timing}"
+    )
+    print(
+        "| model | params (M) | GMACs | fused vs training form (max rel. err) | img/s (fused, median) "
+        "| img/s p10-p90 | timed iterations |"
+    )
+    print("|---|---|---|---|---|---|---|")
     torch.manual_seed(0)
-    for name in args.models or convfirstnet.list_models():
+    for name in names:
         model = convfirstnet.create_model(name).eval()
-        name = model.pretrained_cfg["architecture"]
         params = count_params(model) / 1e6
         gmacs = count_macs(model, (3, size, size)) / 1e9
         fused = convfirstnet.fuse(model)
@@ -74,8 +163,12 @@ def info(argv: list[str]) -> int:
         err = ((out - ref).abs().max() / ref.abs().max()).item()
         fused = fused.to(dtype)
         xb = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
-        ips = batch / _time_forward(fused, xb, iters)
-        print(f"| {name} | {params:.3f} | {gmacs:.3f} | {err:.1e} | {ips:,.1f} |", flush=True)
+        t = time_forward(fused, xb, args.iters)
+        print(
+            f"| {name} | {params:.3f} | {gmacs:.3f} | {err:.1e} | {batch / t['median']:,.1f} "
+            f"| {batch / t['p90']:,.1f}-{batch / t['p10']:,.1f} | {t['n']} |",
+            flush=True,
+        )
     return 0
 
 
@@ -89,22 +182,54 @@ def _device_name(device) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def _time_forward(model, x, iters: int) -> float:
-    """Median seconds per forward, after one warm-up call."""
+def time_forward(
+    model, x, iters: int | None = None, min_iters: int | None = None, min_seconds: float | None = None
+) -> dict[str, float]:
+    """Seconds per forward: median, p10, p90 and the number of timed calls.
+
+    Warm-up: calls until ``WARMUP_SECONDS`` have passed (at least one). Then ``iters`` timed calls, or by
+    default as many as it takes to reach both ``min_iters`` calls and ``min_seconds`` of timing (at most
+    ``MAX_ITERS``), so a slow, noisy CPU still gets a stable median.
+    """
     import torch
 
-    times = []
-    with torch.inference_mode():
+    from convfirstnet.tools.bench_timing import summarize
+
+    kind = "cuda" if x.is_cuda else "cpu"
+    min_iters = iters or (min_iters if min_iters is not None else MIN_ITERS[kind])
+    min_seconds = 0.0 if iters else (min_seconds if min_seconds is not None else MIN_SECONDS[kind])
+    max_iters = iters or MAX_ITERS
+
+    def call() -> float:
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
         model(x)
-        for _ in range(iters):
-            if x.is_cuda:
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            model(x)
-            if x.is_cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    times: list[float] = []
+    with torch.inference_mode():
+        warm = call()
+        while warm < WARMUP_SECONDS:
+            warm += call()
+        while len(times) < max_iters and (len(times) < min_iters or sum(times) < min_seconds):
+            times.append(call())
+    s = summarize(times)
+    return dict(median=s["median"], p10=s["p10"], p90=s["p90"], n=s["n"])
+
+
+def _unknown_command(word: str) -> int:
+    names = ["info", *TOOLS]
+    close = difflib.get_close_matches(word, names, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    print(_info_parser().format_usage().rstrip(), file=sys.stderr)
+    print(
+        f"convfirstnet: error: unknown command {word!r}{hint}; commands: {', '.join(names)}",
+        file=sys.stderr,
+    )
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,11 +239,11 @@ def main(argv: list[str] | None = None) -> int:
         return module.main(argv[1:])
     if argv and argv[0] == "info":
         argv = argv[1:]
-    try:
-        return info(argv)
-    except (ValueError, TypeError, RuntimeError) as e:  # bad model name, size, device: one line, no traceback
-        print(f"convfirstnet: error: {e}", file=sys.stderr)
-        return 2
+    elif argv and not argv[0].startswith("-"):
+        return _unknown_command(argv[0])
+    from convfirstnet.tools._cli import run_reporting
+
+    return run_reporting("convfirstnet", lambda: info(argv))
 
 
 if __name__ == "__main__":

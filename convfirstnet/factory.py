@@ -9,7 +9,7 @@ import timm
 import torch.nn as nn
 
 from .model import SIZES, ConvFirstNet
-from .weights import load_weights, resolve_weights
+from .weights import checkpoint_num_classes, load_weights, resolve_weights
 
 MODEL_NAMES = tuple(f"convfirstnet_{size}" for size in SIZES)
 
@@ -55,11 +55,20 @@ def create_model(
     BatchNorm for fine-tuning. ``checkpoint_path`` alone loads that file into the training form.
     Other keyword arguments (``num_classes``, ``in_chans``, ``drop_rate``, ``drop_path_rate``) go to
     the model.
+
+    With weights, the model has the checkpoint's class count unless ``num_classes`` is given; a
+    different ``num_classes`` (fine-tuning) keeps a freshly initialised classifier and warns. Everything
+    else must fit exactly (:class:`convfirstnet.CheckpointError` otherwise).
     """
     key = _canonical(name)
+    path = resolve_weights(key, checkpoint_path) if pretrained or checkpoint_path is not None else None
+    if path is not None and kwargs.get("num_classes") is None:
+        num_classes = checkpoint_num_classes(path)
+        if num_classes is not None:
+            kwargs["num_classes"] = num_classes
     model = timm.create_model(key, pretrained=False, **kwargs)
-    if pretrained or checkpoint_path is not None:
-        load_weights(model, resolve_weights(key, checkpoint_path), name=key)
+    if path is not None:
+        load_weights(model, path, name=key)
     if fuse if fuse is not None else pretrained:
         return _fuse(model)
     return model

@@ -14,10 +14,9 @@ import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices  # where timm's own models import it from
 
-from .blocks import ConvFirst, Head, MBConv, Stem
-
-MIN_INPUT_SIZE = 32  # five stride-2 stages; each BlurPool reflects one pixel, so needs a 2x2 map
+from .blocks import MIN_INPUT_SIZE, ConvFirst, Head, MBConv, Stem, check_input
 
 
 @dataclass(frozen=True)
@@ -157,32 +156,80 @@ class ConvFirstNet(nn.Module):
         )
 
     def head_device_dtype(self) -> tuple[torch.device, torch.dtype]:
-        p = next(self.head.parameters())
+        p = next(self.parameters())
         return p.device, p.dtype
 
     def load_pretrained(self, path: str) -> None:
-        """Called by timm for ``pretrained=True`` (pretrained_cfg ``custom_load``): our loader and checks."""
+        """Called by timm for ``pretrained=True`` (pretrained_cfg ``custom_load``, which ``_create`` sets
+        for a weight file): the package's loader, checks and errors (``convfirstnet.weights.load_weights``)."""
         from .weights import load_weights
 
         load_weights(self, path)
 
     # forward ----------------------------------------------------------------------------------
     def check_input(self, x: torch.Tensor) -> None:
-        if x.dim() != 4:
-            raise ValueError(f"ConvFirstNet expects a 4-D (N, C, H, W) image batch, got shape {tuple(x.shape)}")
-        if x.shape[1] != self.in_chans:
-            raise ValueError(f"ConvFirstNet expects {self.in_chans} input channels, got {x.shape[1]} ({tuple(x.shape)})")
-        if min(x.shape[2], x.shape[3]) < MIN_INPUT_SIZE:
-            raise ValueError(
-                f"ConvFirstNet needs an input of at least {MIN_INPUT_SIZE}x{MIN_INPUT_SIZE}, got {x.shape[2]}x{x.shape[3]}"
-            )
+        """The stem runs this on every forward (see :func:`convfirstnet.blocks.check_input`)."""
+        check_input(x, self.in_chans, next(self.stem.parameters()))
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        self.check_input(x)
-        x = self.stem(x)
+        x = self.stem(x)  # checks the input
         if self.grad_checkpointing and not torch.jit.is_scripting():
             return checkpoint_seq(self.stages, x)
         return self.stages(x)
+
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: int | Sequence[int] | None = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
+        """timm's feature API: the outputs of stages ``indices`` (the five ``feature_info`` entries, strides
+        2..32; what ``features_only=True`` returns), and the final ``forward_features`` map.
+
+        ``indices``: last n stages if int, all if None, these stages if a sequence (negative from the end).
+        ``norm``: accepted for timm compatibility; ConvFirstNet has no norm after its last stage.
+        ``stop_early``: run no stage after the last one taken. ``output_fmt``: ``"NCHW"`` only (the fused
+        form's maps are NCHW tensors in channels-last memory). Returns the list of intermediates if
+        ``intermediates_only``, else ``(final map, intermediates)``.
+        """
+        if output_fmt != "NCHW":
+            raise ValueError(f"ConvFirstNet: output_fmt must be 'NCHW', got {output_fmt!r}")
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        intermediates = []
+        x = self.stem(x)  # checks the input
+        stages = self.stages[: max_index + 1] if stop_early else self.stages
+        for i, stage in enumerate(stages):
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint_seq(stage, x)
+            else:
+                x = stage(x)
+            if i in take_indices:
+                intermediates.append(x)
+        if intermediates_only:
+            return intermediates
+        return x, intermediates
+
+    def prune_intermediate_layers(
+        self, indices: int | Sequence[int] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> list[int]:
+        """Drop the stages after the last of ``indices`` and, with ``prune_head`` (or when stages were
+        dropped: the head is sized for the last stage), the head and classifier, so that ``forward_head``
+        passes the feature map through. ``prune_norm`` has nothing to prune. Returns the kept indices."""
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        prune_end = max_index < len(self.stages) - 1
+        self.stages = self.stages[: max_index + 1]
+        if prune_end:
+            self.num_features = self.feature_info[max_index]["num_chs"]
+        if prune_head or prune_end:
+            self.head = nn.Identity()
+            self.head_drop = nn.Identity()
+            self.classifier = nn.Identity()
+            self.num_classes = 0
+            self.head_hidden_size = self.num_features
+        return take_indices
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         x = self.head_drop(self.head(x))
@@ -204,14 +251,29 @@ def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: nn.Module) 
     return clean_state_dict(state_dict)
 
 
+# pretrained_cfg keys that name a weight source other than a local file: those load through timm's own code.
+_OTHER_SOURCES = ("url", "hf_hub_id", "state_dict")
+
+
 def _create(variant: str, pretrained: bool = False, **kwargs: Any) -> ConvFirstNet:
+    """timm's entry point. With ``pretrained=True`` the weight file (``pretrained_cfg_overlay`` ``file``,
+    else the package's lookup) is found first, so a missing file raises a ``WeightsNotFoundError`` naming
+    it; its class count becomes the pretrained_cfg's ``num_classes`` (the model's too, unless the caller
+    passes ``num_classes``); and it loads through ``ConvFirstNet.load_pretrained`` (``custom_load``), so
+    timm's path has the package's formats, checks and errors.
+    """
     size = SIZES[variant.removeprefix("convfirstnet_")]
     if pretrained:
-        from .weights import resolve_weights
+        from .weights import checkpoint_num_classes, resolve_weights
 
         overlay = dict(kwargs.pop("pretrained_cfg_overlay", None) or {})
-        if not overlay.get("file"):
-            overlay["file"] = str(resolve_weights(variant))
+        if not any(overlay.get(k) for k in _OTHER_SOURCES):
+            path = resolve_weights(variant, overlay.get("file") or None)
+            overlay["file"] = str(path)
+            overlay.setdefault("custom_load", True)  # timm resets it to False for an overlaid file
+            num_classes = checkpoint_num_classes(path)
+            if num_classes is not None:
+                overlay.setdefault("num_classes", num_classes)
         kwargs["pretrained_cfg_overlay"] = overlay
     return build_model_with_cfg(
         ConvFirstNet,
@@ -239,7 +301,7 @@ def _cfg(**kwargs: Any) -> dict[str, Any]:
         "std": IMAGENET_DEFAULT_STD,
         "first_conv": "stem.conv",
         "classifier": "classifier",
-        "custom_load": True,  # timm calls ConvFirstNet.load_pretrained(file): our checks and formats
+        "custom_load": True,  # timm calls ConvFirstNet.load_pretrained(file): our checks (see _create)
         "paper_ids": "arXiv:2404.03617",
         "license": "apache-2.0",
         **kwargs,

@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,7 @@ def resolve_weights(name: str, checkpoint_path: str | os.PathLike | None = None)
     if checkpoint_path is not None:
         path = Path(checkpoint_path).expanduser()
         if not path.is_file():
-            raise WeightsNotFoundError(f"checkpoint_path {str(path)!r} does not exist or is not a file")
+            raise WeightsNotFoundError(f"weight file {str(path)!r} does not exist or is not a file")
         return path
     filename = f"{name}.safetensors"
     candidates = []
@@ -107,6 +108,57 @@ def download(url: str, dst: Path, sha256: str) -> Path:
         raise CheckpointError(f"download of {url} has sha256 {actual}, the manifest says {sha256}")
     tmp.replace(dst)
     return dst
+
+
+MANIFEST_KEYS = ("file", "url", "sha256", "source", "top1")
+
+
+def verify_manifest(data: dict[str, Any] | None = None, *, fetch: bool = False) -> list[str]:
+    """Problems with a manifest (default: the shipped ``weights/manifest.json``), one line each; empty if
+    none. Every entry must name a registered model and have ``MANIFEST_KEYS``, a 64-hex ``sha256`` and a
+    ``url``; its file must exist and have that sha256. The file is read from a ``file://`` URL, else from
+    the cache (``cache_dir()/<file>``); a remote URL with no cached copy is downloaded with ``fetch=True``
+    (the download checks the sha256) and not checked otherwise.
+    """
+    from urllib.parse import urlparse
+    from urllib.request import url2pathname
+
+    from .model import SIZES
+
+    data = manifest() if data is None else data
+    problems = []
+    for name, entry in (data.get("models") or {}).items():
+        if name.removeprefix("convfirstnet_") not in SIZES or not name.startswith("convfirstnet_"):
+            problems.append(f"{name}: not a registered model")
+        missing = [k for k in MANIFEST_KEYS if k not in entry]
+        if missing:
+            problems.append(f"{name}: missing {', '.join(missing)}")
+            continue
+        digest, url = str(entry["sha256"]), entry["url"]
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            problems.append(f"{name}: sha256 {digest!r} is not 64 lowercase hex digits")
+            continue
+        if not url:
+            problems.append(f"{name}: no url (list a file only once it is published)")
+            continue
+        parsed = urlparse(url)
+        if parsed.scheme == "file":
+            path = Path(url2pathname(parsed.path))
+        elif (cache_dir() / entry["file"]).is_file():
+            path = cache_dir() / entry["file"]
+        elif fetch:
+            try:
+                download(url, cache_dir() / entry["file"], digest)
+            except Exception as e:  # unreachable URL or sha256 mismatch
+                problems.append(f"{name}: {url}: {type(e).__name__}: {e}")
+            continue
+        else:
+            continue
+        if not path.is_file():
+            problems.append(f"{name}: {path} does not exist")
+        elif sha256_file(path) != digest:
+            problems.append(f"{name}: {path} has sha256 {sha256_file(path)}, the manifest says {digest}")
+    return problems
 
 
 # ------------------------------------------------------------------------------------ reading
@@ -155,6 +207,39 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
     return clean_state_dict(state_dict), metadata
 
 
+def checkpoint_num_classes(path: str | os.PathLike) -> int | None:
+    """The class count of a checkpoint's classifier: the ``num_classes`` metadata of a weight file, else
+    the rows of ``classifier.weight`` (timm ``.pth`` files), 0 for a checkpoint without a classifier, None
+    when there is no way to tell. A safetensors file is not read in full for this.
+    """
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                meta = (f.metadata() or {}).get("num_classes", "")
+                keys = set(f.keys())
+                has_classifier = "classifier.weight" in keys
+                rows = f.get_slice("classifier.weight").get_shape()[0] if has_classifier else None
+        except Exception as e:
+            raise CheckpointError(f"cannot read checkpoint {str(path)!r} ({type(e).__name__}: {e})") from e
+        if meta.strip().isdigit():
+            if rows is not None and rows != int(meta):
+                raise CheckpointError(
+                    f"checkpoint {str(path)!r} says num_classes={meta} but its classifier.weight has "
+                    f"{rows} rows"
+                )
+            return int(meta)
+    else:
+        state_dict, _ = read_checkpoint(path)
+        keys = set(state_dict)
+        rows = state_dict["classifier.weight"].shape[0] if "classifier.weight" in keys else None
+    if rows is not None:
+        return int(rows)
+    return 0 if "classifier.bias" not in keys else None
+
+
 def save_weights(state_dict: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str]) -> None:
     """Write a weight file: contiguous CPU tensors, string metadata (``architecture`` required)."""
     from safetensors.torch import save_file
@@ -186,9 +271,13 @@ def _describe_mismatch(model_sd: dict[str, torch.Tensor], sd: dict[str, torch.Te
 def load_weights(model: nn.Module, path: str | os.PathLike, *, name: str | None = None) -> None:
     """Load a training-form checkpoint into a training-form ConvFirstNet, strictly.
 
-    A classifier of another size (``num_classes`` != the checkpoint's) is left at its initialisation, and
-    a stem for ``in_chans`` != 3 is adapted with timm's ``adapt_input_conv``, as timm does for
-    pretrained weights. Anything else that does not fit raises :class:`CheckpointError` naming the keys.
+    Two adaptations, as timm makes for pretrained weights: a model built for another ``num_classes``
+    than the checkpoint's keeps its own classifier (a fresh model's: its initialisation), with a
+    ``UserWarning`` saying so (none for ``num_classes=0``, which asks for no classifier); a stem for
+    ``in_chans`` != the checkpoint's is adapted with timm's ``adapt_input_conv``. Anything else that does
+    not fit raises :class:`CheckpointError` naming the keys. The entry points take the class count from
+    the checkpoint when the caller does not give one (:func:`checkpoint_num_classes`), so a
+    fine-tuned file loads whole.
     """
     from timm.models import adapt_input_conv
 
@@ -199,10 +288,13 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, name: str | None 
     if arch and name and arch != name:
         raise CheckpointError(f"checkpoint {str(path)!r} is for {arch}, not {name}")
     model_sd = model.state_dict()
+    ckpt_classes = state_dict["classifier.weight"].shape[0] if "classifier.weight" in state_dict else None
+    resized = False
     for key in ("classifier.weight", "classifier.bias"):
         if key in state_dict and (key not in model_sd or model_sd[key].shape != state_dict[key].shape):
             if key in model_sd:
-                state_dict[key] = model_sd[key]  # another num_classes: keep the new classifier's init
+                state_dict[key] = model_sd[key]  # another num_classes: keep the model's classifier
+                resized = True
             else:
                 del state_dict[key]  # num_classes=0
     stem = "stem.conv.weight"
@@ -217,6 +309,14 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, name: str | None 
             + f": {problem}"
         )
     model.load_state_dict(state_dict, strict=True)
+    if resized:
+        warnings.warn(
+            f"checkpoint {str(path)!r} has a {ckpt_classes}-class classifier but the model has "
+            f"num_classes={getattr(model, 'num_classes', '?')}: the classifier is not loaded and keeps the "
+            "model's initialisation (fine-tuning); leave num_classes unset to load the checkpoint's",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 # ------------------------------------------------------------------------------------ fingerprints

@@ -5,6 +5,8 @@ The backend is chosen per call from ``CONVFIRSTNET_KERNELS`` (read here and nowh
 * ``auto`` (default): Triton kernels for CUDA tensors, the PyTorch reference otherwise;
 * ``triton``: always the Triton kernels (on CPU tensors this needs ``TRITON_INTERPRET=1``);
 * ``reference``: always the PyTorch reference (any device).
+
+float64 tensors always take the reference (the kernels run fp32, fp16 and bf16 only).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ except ImportError:  # pragma: no cover - exercised only on machines without tri
     HAS_TRITON = False
 
 BACKENDS = ("auto", "triton", "reference")
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the Triton kernels run
+REFERENCE_DTYPES = (torch.float64,)  # runs the PyTorch reference only (gradient checks, numerics)
 GROUP_WIDTH = 8  # every grouped 3x3 conv of ConvFirstNet has 8 channels per group (SPEC 1)
 
 
@@ -47,6 +50,10 @@ def use_triton(x: torch.Tensor) -> bool:
         return HAS_TRITON
     name = backend()
     if name == "reference":
+        return False
+    if x.dtype in REFERENCE_DTYPES:
+        if name == "triton":
+            raise TypeError(f"CONVFIRSTNET_KERNELS=triton: the Triton kernels do not run {x.dtype}")
         return False
     if name == "auto":
         return HAS_TRITON and x.device.type == "cuda"
@@ -73,8 +80,11 @@ def check_activation(op: str, x: torch.Tensor, channels: int, *, name: str = "x"
             f"convfirstnet.{op}: {name} has {x.shape[1]} channels, the block expects {channels} "
             f"(shape {tuple(x.shape)})"
         )
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"convfirstnet.{op}: {name} has dtype {x.dtype}; expected float32, float16 or bfloat16")
+    if x.dtype not in FLOAT_DTYPES + REFERENCE_DTYPES:
+        raise TypeError(
+            f"convfirstnet.{op}: {name} has dtype {x.dtype}; expected float32, float16 or bfloat16 "
+            "(float64 runs the PyTorch reference)"
+        )
 
 
 def check_weights(op: str, x: torch.Tensor, weights: dict[str, torch.Tensor]) -> None:

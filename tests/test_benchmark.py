@@ -180,11 +180,51 @@ def test_cpu_block_mode_and_peak(tmp_path, capsys):
     )
 
 
-def test_bad_arguments():
+def test_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         benchmark.main(["--backends", "tensorrt"])
     with pytest.raises(SystemExit):
         benchmark.main(["--batch-sizes", "0"])
+    capsys.readouterr()
+    for argv, message in (
+        (["--device", "tpu"], "--device 'tpu': expected auto, cpu, cuda or cuda:N"),
+        (["pico@big", "--device", "cpu"], "bad model spec 'pico@big'"),
+        (["--iters", "0", "--device", "cpu"], "--iters must be >= 1"),
+    ):
+        assert benchmark.main(argv) == 1
+        out, err = capsys.readouterr()
+        assert err.startswith("convfirstnet bench: error: ") and err.count("\n") == 1 and message in err
+
+
+def test_dtype_note_only_when_asked(tmp_path, capsys):
+    """On CPU the default dtype is float32 without a word; an explicit --dtype float16 gets the note."""
+    from convfirstnet.tools.benchmark import resolve_dtype
+
+    cpu = torch.device("cpu")
+    assert resolve_dtype(None, cpu) == (torch.float32, None)
+    assert resolve_dtype("float32", cpu) == (torch.float32, None)
+    assert resolve_dtype("float16", cpu) == (torch.float32, "--dtype float16 ignored: CPU runs use float32")
+    assert resolve_dtype(None, torch.device("cuda")) == (torch.float16, None)
+    argv = [
+        "pico",
+        "--resolution",
+        "32",
+        "--batch-sizes",
+        "1",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--backends",
+        "eager",
+        "--device",
+        "cpu",
+        "--no-save",
+    ]
+    assert benchmark.main(argv) == 0
+    assert "ignored" not in capsys.readouterr().err
+    assert benchmark.main(argv + ["--dtype", "float16"]) == 0
+    assert "[bench] --dtype float16 ignored: CPU runs use float32" in capsys.readouterr().err
 
 
 def test_unknown_model_is_skipped(tmp_path):
@@ -202,6 +242,7 @@ def test_unknown_model_is_skipped(tmp_path):
     assert benchmark.main(argv) == 1
     _, rec = _only_record(tmp_path)
     assert rec["results"][0]["status"] == "skipped"
+    assert "unknown model 'no_such_model_xyz'" in rec["results"][0]["reason"]
 
 
 # -------------------------------------------------------------------------------- README results
@@ -339,7 +380,7 @@ def test_gpu_backends_smoke(tmp_path, monkeypatch):
     assert all(r["status"] == "ok" for r in rec["results"]), rec["results"]
     assert by["fused"]["kernels"] == "triton" and by["fused-cudagraph"]["kernels"] == "triton"
     assert "capture_s" in by["fused-cudagraph"]
-    for r in rec["results"]:
+    for r in rec["results"]:  # five timed iterations each, and the throughput is the batch over their median
         assert r["times_ms"]["n"] == 5 and 0 < r["times_ms"]["p10"] <= r["times_ms"]["median"] <= r["times_ms"]["p90"]
         assert r["img_per_s"] == pytest.approx(8 / (r["ms_per_batch"] / 1e3))
         assert r["peak_mem_mb"] > 0

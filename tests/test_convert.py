@@ -15,6 +15,7 @@ import torch
 
 import convfirstnet
 from convfirstnet import weights
+from convfirstnet.tools._cli import ToolError
 from convfirstnet.tools.convert_checkpoint import convert_checkpoint, main
 from convfirstnet.weights import CheckpointError, read_checkpoint, sha256_file, tensors_sha256
 
@@ -130,7 +131,8 @@ def test_tensors_sha256_definition():
 
 
 def test_verification_failure_leaves_no_file(tmp_path, monkeypatch):
-    """If the written file does not hold the weights, nothing is put at the output path."""
+    """If the written file does not hold the weights, nothing is put at the output path, and the folders
+    created for it are removed again."""
     save = weights.save_weights
 
     def corrupting_save(state_dict, path, metadata):
@@ -142,6 +144,66 @@ def test_verification_failure_leaves_no_file(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="does not hold the converted weights"):
         convert_checkpoint(_model(3).state_dict(), tmp_path / "x.safetensors", "pico")
     assert list(tmp_path.iterdir()) == []
+    with pytest.raises(CheckpointError, match="does not hold the converted weights"):
+        convert_checkpoint(_model(3).state_dict(), tmp_path / "new" / "folder" / "x.safetensors", "pico")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_written_file_has_the_usual_permissions(tmp_path):
+    """safetensors writes through a 0600 temporary file; the weight file gets the umask's mode."""
+    old = os.umask(0o022)
+    try:
+        convert_checkpoint(_model(3).state_dict(), tmp_path / "x.safetensors", "pico")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "x.safetensors").stat().st_mode & 0o777 == 0o644
+
+
+def test_existing_output_needs_overwrite(tmp_path, timm_checkpoint, capsys):
+    path, _, _ = timm_checkpoint
+    out = tmp_path / "w.safetensors"
+    out.write_bytes(b"someone else's file")
+    assert main([str(path), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "exists; pass --overwrite to replace it" in err
+    assert out.read_bytes() == b"someone else's file"
+    with pytest.raises(ToolError, match="exists"):
+        convert_checkpoint(path, out, "pico")
+    assert main([str(path), str(out), "--overwrite"]) == 0
+    assert json.loads(capsys.readouterr().out)["sha256"] == sha256_file(out)
+
+
+def test_says_which_weights_and_no_ema(tmp_path, timm_checkpoint, capsys):
+    """The command names the weights it took; --no-ema takes the raw state_dict."""
+    path, ema, raw = timm_checkpoint
+    assert main([str(path), str(tmp_path / "ema.safetensors")]) == 0
+    err = capsys.readouterr().err
+    assert "EMA weights (state_dict_ema) of" in err and "convfirstnet_pico (recorded in the file)" in err
+    assert main([str(path), str(tmp_path / "raw.safetensors"), "--no-ema"]) == 0
+    assert "raw weights (state_dict), the file also holds EMA weights" in capsys.readouterr().err
+    raw_sd, raw_meta = read_checkpoint(tmp_path / "raw.safetensors")
+    _, ema_meta = read_checkpoint(tmp_path / "ema.safetensors")
+    assert (raw_meta["checkpoint_key"], ema_meta["checkpoint_key"]) == ("state_dict", "state_dict_ema")
+    assert raw_meta["tensors_sha256"] == tensors_sha256(raw.state_dict()) != ema_meta["tensors_sha256"]
+
+
+def test_architecture_inferred_without_model(tmp_path, capsys, monkeypatch):
+    """Without --model: the architecture a file records, else the size its shapes fit."""
+    nano = convfirstnet.create_model("nano", num_classes=3)
+    plain = tmp_path / "nano_state_dict.pth"
+    torch.save(nano.state_dict(), plain)  # no metadata at all: found from the shapes
+    monkeypatch.chdir(tmp_path)
+    assert main([str(plain)]) == 0  # output: ./<inferred name>.safetensors
+    out, err = capsys.readouterr()
+    assert json.loads(out)["name"] == "convfirstnet_nano" and "(from its shapes)" in err
+    assert (
+        read_checkpoint(tmp_path / "convfirstnet_nano.safetensors")[1]["architecture"] == "convfirstnet_nano"
+    )
+    sd = nano.state_dict()
+    sd["stem.conv.weight"] = torch.zeros(8, 3, 3, 3)  # no ConvFirstNet size has an 8-channel stem
+    torch.save(sd, plain)
+    assert main([str(plain), str(tmp_path / "x.safetensors")]) == 1
+    assert "shapes fit no ConvFirstNet size; pass --model" in capsys.readouterr().err
 
 
 def test_cli_prints_manifest_entry(tmp_path, timm_checkpoint, capsys, monkeypatch):
@@ -183,7 +245,8 @@ def _error_cases(tmp_path: Path, ckpt: Path) -> dict[str, tuple[list[str], str]]
     out = str(tmp_path / "o.safetensors")
     return {
         "missing": ([str(tmp_path / "nope.pth"), out, "--model", "pico"], "does not exist"),
-        "unreadable": ([str(garbage), out, "--model", "pico"], "cannot read checkpoint"),
+        "unreadable": ([str(garbage), out, "--model", "pico"], "is not a checkpoint"),
+        "zip that is not a checkpoint": ([str(_zip(tmp_path)), out], "cannot read checkpoint"),
         "unknown model": ([str(ckpt), out, "--model", "resnet50"], "unknown model"),
         "other size": ([str(ckpt), out, "--model", "nano"], "does not fit convfirstnet_nano"),
         "output suffix": (
@@ -193,7 +256,19 @@ def _error_cases(tmp_path: Path, ckpt: Path) -> dict[str, tuple[list[str], str]]
     }
 
 
-@pytest.mark.parametrize("case", ["missing", "unreadable", "unknown model", "other size", "output suffix"])
+def _zip(tmp_path: Path) -> Path:
+    import zipfile
+
+    path = tmp_path / "archive.pth"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("notes.txt", "not a torch.save archive")
+    return path
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["missing", "unreadable", "zip that is not a checkpoint", "unknown model", "other size", "output suffix"],
+)
 def test_cli_errors_are_one_line(case, tmp_path, timm_checkpoint, capsys):
     argv, message = _error_cases(tmp_path, timm_checkpoint[0])[case]
     assert main(argv) == 1

@@ -56,9 +56,87 @@ def test_recipe_defaults():
     assert args.amp is None  # fp16 AMP whenever the device is CUDA
 
 
-def test_bad_data_is_one_line_error(tmp_path, capsys):
-    assert train_imagenet.main(["--model", "pico", "--data", str(tmp_path / "missing")]) == 2
-    assert "convfirstnet train: error: --data" in capsys.readouterr().err
+def test_timm_flags_and_defaults():
+    args = train_imagenet.build_parser().parse_args("-m pico --data-dir d -b 16 -j 3".split())
+    assert (args.model, str(args.data), args.batch_size, args.workers) == ("pico", "d", 16, 3)
+    args = train_imagenet.build_parser().parse_args("-m pico --data d".split())
+    assert args.workers is None  # the cores available, at most 8
+    assert (args.mixup, args.cutmix, args.cutmix_minmax) == (0.0, 0.0, None)  # the paper's recipe: off
+    assert (args.pretrained, args.initial_checkpoint) == (False, None)
+
+
+def _user_errors(tmp_path: Path, data: Path) -> dict[str, tuple[list[str], str]]:
+    flat = make_image_folder(tmp_path / "flat", 2, {"x": 2}, size=32) / "x"  # class folders, no train/
+    other = make_image_folder(tmp_path / "other", 2, {"train": 2, "val": 1}, size=32)
+    (other / "val" / "class_9").mkdir()
+    garbage = tmp_path / "garbage.pth.tar"
+    garbage.write_bytes(b"hello")  # torch.load(weights_only=True): KeyError 101
+    d = ["--data", str(data)]
+    return {
+        "unknown model": (["--model", "foo", *d], "unknown model 'foo'"),
+        "input too small": (["--model", "pico", *d, "--img-size", "16"], "--img-size 16: ConvFirstNet needs"),
+        "missing data": (["--model", "pico", "--data", str(tmp_path / "missing")], "is not a directory"),
+        "no train folder": (["--model", "pico", "--data", str(flat)], "has no train/ folder"),
+        "val class not in train": (["--model", "pico", "--data", str(other)], "class_9"),
+        "garbage resume": (["--model", "pico", *d, "--resume", str(garbage)], "is not a training checkpoint"),
+        "garbage initial checkpoint": (
+            ["--model", "pico", *d, "--initial-checkpoint", str(garbage)],
+            "is not a checkpoint",
+        ),
+        "too few classes": (["--model", "pico", *d, "--num-classes", "2"], "less than the 4 training"),
+        "odd batch with mixup": (["--model", "pico", *d, "--mixup", "0.2", "-b", "7"], "even --batch-size"),
+        "unknown optimizer": (["--model", "pico", *d, "--opt", "nope", "-b", "8"], "--opt 'nope'"),
+        "cuda without a gpu": (["--model", "pico", *d, "--device", "cuda"], "no CUDA device"),
+    }
+
+
+USER_ERRORS = [
+    "unknown model", "input too small", "missing data", "no train folder", "val class not in train",
+    "garbage resume", "garbage initial checkpoint", "too few classes", "odd batch with mixup",
+    "unknown optimizer", "cuda without a gpu",
+]
+
+
+@pytest.mark.parametrize("case", USER_ERRORS)
+def test_user_errors_are_one_line_and_create_nothing(case, tiny_data, tmp_path, capsys):
+    if case == "cuda without a gpu" and torch.cuda.is_available():
+        pytest.skip("tests the no-GPU message")
+    argv, message = _user_errors(tmp_path, tiny_data)[case]
+    out = tmp_path / "out" / "run"
+    assert train_imagenet.main([*argv, "--output", str(out), "--workers", "0", "--no-amp"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("convfirstnet train: error: ") and err.count("\n") == 1, err
+    assert message in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_failed_run_removes_what_it_created(tiny_data, tmp_path, monkeypatch, capsys):
+    """A run that fails before its first checkpoint leaves no output folder; after one, everything stays."""
+    argv = [*SMALL, "--data", str(tiny_data), "--aug", "none", "--batch-size", "8", "--no-ema"]
+    argv.append("--no-weights")
+
+    def failing_validate(*args, **kwargs):
+        raise RuntimeError("simulated failure")
+
+    monkeypatch.setattr(train_imagenet, "validate", failing_validate)
+    (tmp_path / "existing").mkdir()
+    out = tmp_path / "existing" / "new" / "run"
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        train_imagenet.main([*argv, "--epochs", "1", "--output", str(out)])
+    assert list((tmp_path / "existing").iterdir()) == []  # new/run removed, the existing parent kept
+
+    calls = []
+
+    def fails_second_time(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("simulated failure")
+        return {"loss": 1.0, "top1": 50.0, "top5": 100.0}
+
+    monkeypatch.setattr(train_imagenet, "validate", fails_second_time)
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        train_imagenet.main([*argv, "--epochs", "2", "--output", str(out)])
+    assert {"last.pth.tar", "args.yaml", "log.jsonl", "summary.csv"} <= {p.name for p in out.iterdir()}
 
 
 def test_smoke(tiny_data, tmp_path, capsys):
@@ -66,7 +144,11 @@ def test_smoke(tiny_data, tmp_path, capsys):
     out = tmp_path / "run"
     argv = [*SMALL, "--data", str(tiny_data), "--output", str(out)]
     argv += "--epochs 1 --batch-size 8 --warmup-epochs 0 --resume auto".split()
-    assert train_imagenet.main(argv) == 0
+    old = os.umask(0o022)
+    try:
+        assert train_imagenet.main(argv) == 0
+    finally:
+        os.umask(old)
     printed = capsys.readouterr().out
     assert "no checkpoint" in printed and "dropout 0.2, drop-path 0.2" in printed
     records = read_log(out)
@@ -75,9 +157,30 @@ def test_smoke(tiny_data, tmp_path, capsys):
     assert all(r["loss"] > 0 and r["lr"] > 0 and r["img_per_s"] > 0 for r in steps)
     epoch = records[-1]
     assert epoch["kind"] == "epoch" and 0 <= epoch["top1"] <= 100 and 0 <= epoch["ema_top1"] <= 100
-    assert (out / "summary.csv").read_text().startswith("epoch,train_loss,eval_top1,eval_ema_top1,lr")
+    for key in ("top1", "top5", "ema_top1", "ema_top5"):  # exact counts over the 16 validation images
+        assert (epoch[key] * 16 / 100) == pytest.approx(round(epoch[key] * 16 / 100))
+    assert epoch["top1"] <= epoch["top5"] and epoch["val_loss"] > 0 and epoch["ema_val_loss"] > 0
+    # timm's summary.csv columns, the EMA's beside the raw model's, the same numbers as the log
+    import csv
+
+    with open(out / "summary.csv", newline="") as f:
+        (row,) = list(csv.DictReader(f))
+    assert list(row) == [
+        "epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5",
+        "eval_ema_loss", "eval_ema_top1", "eval_ema_top5", "lr",
+    ]
+    assert float(row["eval_top1"]) == epoch["top1"] and float(row["eval_ema_top5"]) == epoch["ema_top5"]
+    assert float(row["eval_loss"]) == pytest.approx(epoch["val_loss"])
+    import yaml
+
+    saved = yaml.safe_load((out / "args.yaml").read_text())  # the arguments, as timm's train.py saves them
+    assert (saved["model"], saved["batch_size"], saved["data"]) == ("pico", 8, str(tiny_data))
     files = {p.name for p in out.iterdir()}
     assert {"last.pth.tar", "checkpoint-0.pth.tar", "convfirstnet_pico.safetensors"} <= files
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("last.pth.tar", "convfirstnet_pico.safetensors", "args.yaml"):  # not safetensors' 0600
+        assert (out / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
     checkpoint = load(out / "last.pth.tar")
     assert checkpoint["position"] == {"epoch": 1, "step_in_epoch": 0, "global_step": 4}
     assert {"state_dict", "state_dict_ema", "optimizer", "scheduler", "args"} <= checkpoint.keys()
@@ -122,6 +225,86 @@ def test_resume_continues_exactly(tiny_data, tmp_path, capsys):
         torch.testing.assert_close(dict(b[key]), dict(a[key]), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(b["optimizer"]["state"], a["optimizer"]["state"], rtol=1e-5, atol=1e-6)
     assert b["scheduler"] == a["scheduler"]
+
+
+def test_summary_columns_stay_aligned_between_validations(tiny_data, tmp_path):
+    """With --val-interval 2, epoch 0 has no validation: its eval cells are empty, not shifted."""
+    out = tmp_path / "run"
+    argv = [*SMALL, "--data", str(tiny_data), "--output", str(out), "--no-weights", "--aug", "none"]
+    argv += "--epochs 2 --batch-size 16 --val-interval 2 --warmup-epochs 0".split()
+    assert train_imagenet.main(argv) == 0
+    import csv
+
+    with open(out / "summary.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0][:5] == ["epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5"]
+    assert rows[0][-1] == "lr"
+    assert all(len(r) == len(rows[0]) for r in rows)
+    first, second = rows[1], rows[2]
+    assert first[0] == "0" and first[2:-1] == [""] * (len(rows[0]) - 3) and float(first[-1]) > 0
+    assert second[0] == "1" and all(float(v) >= 0 for v in second[2:-1])
+
+
+def _weights_like_training(num_classes: int, seed: int) -> torch.nn.Module:
+    from ._models import trained_like
+
+    return trained_like("pico", seed=seed, num_classes=num_classes)
+
+
+def test_finetune_from_pretrained_and_initial_checkpoint(tiny_data, tmp_path, monkeypatch, capsys):
+    """--pretrained (the package's lookup) and --initial-checkpoint (a timm checkpoint: EMA preferred) start
+    from those weights, with a new 4-class classifier for the 4 training folders."""
+    from convfirstnet.weights import save_weights
+
+    pretrained = _weights_like_training(7, seed=3)
+    weights_dir = tmp_path / "weights"
+    save_weights(pretrained.state_dict(), weights_dir / "convfirstnet_pico.safetensors",
+                 {"architecture": "convfirstnet_pico"})
+    raw, ema = _weights_like_training(7, seed=4), _weights_like_training(7, seed=5)
+    timm_ckpt = tmp_path / "model_best.pth.tar"
+    torch.save({"state_dict": raw.state_dict(), "state_dict_ema": ema.state_dict(), "epoch": 9}, timm_ckpt)
+    monkeypatch.setenv("CONVFIRSTNET_WEIGHTS_DIR", str(weights_dir))
+    # one step at a negligible learning rate: the weights after it are the starting weights
+    one_step = [*SMALL, "--data", str(tiny_data), "--batch-size", "8", "--max-steps", "1", "--lr", "1e-9",
+                "--warmup-epochs", "0", "--no-ema", "--aug", "none"]
+    for label, start, expected in (
+        ("pretrained", ["--pretrained"], pretrained),
+        ("initial", ["--initial-checkpoint", str(timm_ckpt)], ema),
+    ):
+        out = tmp_path / label
+        assert train_imagenet.main([*one_step, *start, "--output", str(out)]) == 0
+        printed = capsys.readouterr().out
+        assert "new 4-class classifier (the checkpoint has 7)" in printed
+        if label == "initial":
+            assert "EMA weights (state_dict_ema)" in printed
+        state = load(out / "recovery-0-1.pth.tar")["state_dict"]
+        assert state["classifier.weight"].shape == (4, 1280)
+        for key in ("stem.conv.weight", "stages.3.0.conv_expand.weight", "head.conv.weight"):
+            torch.testing.assert_close(state[key], expected.state_dict()[key], rtol=0, atol=1e-6)
+        assert not torch.allclose(state["stem.conv.weight"], raw.state_dict()["stem.conv.weight"], atol=1e-3)
+
+
+def test_mixup_and_cutmix_mix_the_targets(tiny_data, tmp_path, monkeypatch, capsys):
+    """--mixup / --cutmix: timm's Mixup on the batch and SoftTargetCrossEntropy on its soft targets."""
+    from timm.loss import SoftTargetCrossEntropy
+
+    seen = []
+    forward = SoftTargetCrossEntropy.forward
+
+    def recording_forward(self, x, target):
+        seen.append(target.detach().clone())
+        return forward(self, x, target)
+
+    monkeypatch.setattr(SoftTargetCrossEntropy, "forward", recording_forward)
+    argv = [*SMALL, "--data", str(tiny_data), "--output", str(tmp_path / "run"), "--batch-size", "8",
+            "--max-steps", "2", "--no-ema", "--aug", "none", "--smoothing", "0", "--mixup", "0.8",
+            "--cutmix", "1.0", "--warmup-epochs", "0"]
+    assert train_imagenet.main(argv) == 0
+    assert "mixup on" in capsys.readouterr().out
+    assert len(seen) == 2 and all(t.shape == (8, 4) for t in seen)
+    for t in seen:
+        torch.testing.assert_close(t.sum(dim=1), torch.ones(8))
+        assert ((t > 0).sum(dim=1) >= 2).any()  # some targets are mixtures of two classes
 
 
 @pytest.mark.slow

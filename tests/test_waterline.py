@@ -41,11 +41,52 @@ def test_one_layer_by_hand(pico):
     assert fused.macs == p * (16 * 8 * 9 + 2 * 16 * 48)
 
 
+def macs_by_hand(size: str, res: int, num_classes: int = 1000) -> int:
+    """MACs per image of a ConvFirstNet, from the SPEC's block definitions and the size table alone:
+    grouped 3x3 convs have group width 8 (8 x 9 MACs per output), BlurPool is a depth-wise 3x3 stride-2
+    filter (9 MACs per output), SE reduces to C/4 of the block input channels, spatial sizes halve at
+    every stride-2 stage."""
+    from convfirstnet.model import SIZES
+
+    spec = SIZES[size]
+    h = res // 2
+    macs = h * h * spec.stem * 3 * 9  # stem: dense 3x3, stride 2
+    c = spec.stem
+    for st in spec.stages:
+        for j in range(st.depth):
+            stride, k = (st.stride if j == 0 else 1), st.channels
+            if st.block == "convfirst":
+                hid = st.expansion * c
+                macs += h * h * c * 8 * 9  # grouped conv at the input resolution
+                if stride == 2:
+                    h //= 2
+                    macs += h * h * 2 * c * 9  # BlurPool of cat([x, y])
+                    macs += h * h * (2 * c * hid + hid * k)  # FFN on the concatenation
+                else:
+                    macs += h * h * (c * hid + hid * k)
+            else:
+                hid = st.expansion * c
+                macs += h * h * (c * hid + hid * 8 * 9)  # expand, grouped conv (input resolution)
+                if stride == 2:
+                    h //= 2
+                    macs += h * h * hid * 9  # BlurPool
+                macs += 2 * hid * (c // 4)  # Squeeze-Excite MLP on the pooled vector
+                macs += h * h * hid * k  # project
+            c = k
+    return macs + h * h * c * 1280 + 1280 * num_classes  # head 1x1 conv, classifier
+
+
+def test_cost_by_hand_matches_the_readme_table():
+    """The hand count reproduces the README / SPEC GMACs at 256x256, so it can stand as the reference."""
+    for size, gmacs in (("pico", 0.863), ("nano", 1.816), ("tiny", 3.230), ("small", 5.498)):
+        assert round(macs_by_hand(size, 256) / 1e9, 3) == gmacs
+
+
 def test_totals_match_count_macs(pico):
     from convfirstnet import create_model
 
     macs = count_macs(create_model("pico"), (3, 128, 128))
-    assert pico.macs_per_image == macs
+    assert pico.macs_per_image == macs_by_hand("pico", 128) == macs  # an independent count
     assert sum(k.macs for k in pico.layerwise) == 128 * macs
     assert sum(k.macs for k in pico.fused) == 128 * macs
     s = pico.summaries
@@ -123,8 +164,74 @@ def test_markdown_tables(pico):
     assert "| stages.0.0.conv_expand | pointwise |" in waterline.kernel_table(pico.layerwise, H100)
 
 
-def test_plots(pico, tmp_path):
-    pytest.importorskip("matplotlib")
+@pytest.fixture
+def figures(monkeypatch):
+    """The matplotlib figures the plot functions draw, kept when they close them."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    kept = []
+    close = plt.close
+
+    def keep(fig=None):
+        kept.append(fig)
+        return close(fig)
+
+    monkeypatch.setattr(plt, "close", keep)
+    return kept
+
+
+def _bars(ax):
+    from matplotlib.patches import Rectangle
+
+    return [p for p in ax.patches if isinstance(p, Rectangle) and p.get_width() > 0]
+
+
+def _renderer(fig):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)  # the closed figure gets a canvas again
+    canvas.draw()
+    return canvas.get_renderer()
+
+
+def _inside(ax, artist, fig) -> bool:
+    """Whether ``artist``'s box on the canvas overlaps the axes' plotting area."""
+    renderer = _renderer(fig)
+    return artist.get_window_extent(renderer).overlaps(ax.get_window_extent(renderer))
+
+
+def test_waterline_plot_shows_every_bar_with_labels(pico, tmp_path, figures):
+    from PIL import Image
+
+    png = waterline.plot_waterline(pico, tmp_path / "w.png")
+    assert Image.open(png).size[0] > 1000  # a real image, as wide as the figure
+    fig = figures[-1]
+    layer_ax, fused_ax, sweep_ax = fig.axes
+    for ax, kernels in ((layer_ax, pico.layerwise), (fused_ax, pico.fused)):
+        bars = _bars(ax)
+        assert len(bars) == len(kernels)
+        top = max(b.get_y() + b.get_height() for b in bars)
+        assert top == pytest.approx(max(k.intensity for k in kernels))  # the true height, not clipped
+        assert top < ax.get_ylim()[1]  # and inside the axes
+        assert not _inside(ax, ax.get_legend(), fig)  # the legend covers no bar
+    # each panel's intensity axis fits its own bars: the layer-wise one is not squashed by the fused one's
+    assert layer_ax.get_ylim()[1] < 0.5 * fused_ax.get_ylim()[1]
+    assert sweep_ax.get_title() and "op:byte" in sweep_ax.get_title()
+    labels = [t.get_text() for t in sweep_ax.get_legend().get_texts()]
+    assert any(f"op:byte {H100.op_byte:.0f}" in t for t in labels)  # the device's vertical line is named
+
+
+def test_efficiency_gap_plot_labels_the_latency_axis(pico, tmp_path, figures):
+    gap = waterline.plot_efficiency_gap([pico], tmp_path / "gap.png", None)
+    fig = figures[-1]
+    ax = fig.axes[0]
+    _renderer(fig)
+    lo, hi = ax.get_xlim()
+    shown = [t.get_text() for t in ax.get_xticklabels() if t.get_text() and lo <= t.get_position()[0] <= hi]
+    assert len(shown) >= 3, shown  # a log axis within about a decade gets 1-2-5 labels, not one lone label
+    assert gap.is_file()
+
+
+def test_plots(pico, tmp_path, figures):
     png = waterline.plot_waterline(pico, tmp_path / "w.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rec = dict(
@@ -163,6 +270,11 @@ def test_plots(pico, tmp_path):
     assert waterline.measured_latencies(tmp_path, device_by_key("a100"), 128) == {}
     gap = waterline.plot_efficiency_gap([pico], tmp_path / "gap.png", measured)
     assert gap.read_bytes()[:4] == b"\x89PNG"
+    ax = figures[-1].axes[0]
+    red = next(line for line in ax.get_lines() if line.get_label() == "measured")
+    assert list(red.get_xdata()) == [8.0]  # the faster of the two fused records
+    ideal = 2 * pico.macs_per_image * 128 / 989.4e12 * 1e3
+    assert any(t.get_text() == f"{100 * ideal / 8.0:.0f} %" for t in ax.texts)  # labelled with its efficiency
 
 
 def test_cli(tmp_path, capsys):
@@ -175,6 +287,12 @@ def test_cli(tmp_path, capsys):
     assert "convfirstnet_pico @ 64x64, batch 8" in text and "| stage5 |" in text
     data = json.loads(out.read_text())["model"]
     assert data["device"]["key"] == "a100" and len(data["fused"]) == 31
-    assert waterline.main(["pico", "--device", "tpu"]) == 2
-    assert waterline.main([]) == 2
-    assert waterline.main(["resnet50"]) == 2  # the block structure is known for ConvFirstNet only
+    for argv, message in (
+        (["pico", "--device", "tpu"], "unknown device 'tpu'"),
+        ([], "give a MODEL, --blocks or --gap-plot"),
+        (["resnet50"], "unknown model 'resnet50'"),  # the block structure is known for ConvFirstNet only
+        (["pico", "--resolution", "16"], "needs at least 32"),
+    ):
+        assert waterline.main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("convfirstnet waterline: error: ") and err.count("\n") == 1 and message in err

@@ -2,6 +2,7 @@
 
 import json
 import socket
+import warnings
 
 import pytest
 import timm
@@ -97,11 +98,46 @@ def test_manifest_download_verifies_sha256(isolated, pico_model, monkeypatch):
     assert not path.exists()
 
 
-def test_shipped_manifest_lists_only_real_files():
-    data = weights.manifest()
-    for name, entry in data["models"].items():
-        assert name in convfirstnet.list_models()
-        assert {"file", "url", "sha256", "source", "top1"} <= set(entry)
+def test_shipped_manifest_lists_only_real_files(isolated, no_network):
+    """The shipped manifest passes the same check as the generated ones below (files of remote URLs are
+    checked when they are in the cache; ``verify_manifest(fetch=True)`` downloads them)."""
+    assert weights.verify_manifest() == []
+
+
+def test_verify_manifest_checks_files_and_sha256(isolated, pico_model):
+    """A generated manifest: a good entry passes; a wrong sha256, a missing file, an unknown model, a
+    missing key and an unpublished (url-less) entry are each reported."""
+    good = _write(pico_model, isolated / "published" / "convfirstnet_pico.safetensors")
+    digest = weights.sha256_file(good)
+
+    def entry(path, sha=digest, **kw):
+        return {"file": path.name, "url": path.as_uri(), "sha256": sha, "source": "test", "top1": None, **kw}
+
+    assert weights.verify_manifest({"models": {"convfirstnet_pico": entry(good)}}) == []
+    cached = isolated / "cache" / "convfirstnet_nano.safetensors"  # a remote URL is checked from the cache
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"not the published file")
+    data = {
+        "models": {
+            "convfirstnet_pico": entry(good, sha="0" * 64),
+            "convfirstnet_tiny": entry(isolated / "nowhere.safetensors"),
+            "convfirstnet_huge": entry(good),
+            "convfirstnet_small": {k: v for k, v in entry(good).items() if k != "sha256"},
+            "convfirstnet_nano": entry(good, url="https://example.invalid/convfirstnet_nano.safetensors",
+                                       file="convfirstnet_nano.safetensors"),
+        }
+    }
+    problems = "\n".join(weights.verify_manifest(data))
+    assert f"convfirstnet_pico: {good} has sha256 {digest}, the manifest says {'0' * 64}" in problems
+    assert "convfirstnet_tiny: " in problems and "nowhere.safetensors does not exist" in problems
+    assert "convfirstnet_huge: not a registered model" in problems
+    assert "convfirstnet_small: missing sha256" in problems
+    assert f"convfirstnet_nano: {cached} has sha256" in problems
+    assert len(problems.splitlines()) == 5
+    unpublished = {"models": {"convfirstnet_pico": entry(good, url=None)}}
+    assert weights.verify_manifest(unpublished) == [
+        "convfirstnet_pico: no url (list a file only once it is published)"
+    ]
 
 
 def test_timm_pretrained_file_overlay_offline(isolated, pico_model, no_network):
@@ -131,7 +167,8 @@ def test_timm_training_checkpoint_prefers_ema(isolated, pico_model, no_network):
 
 def test_other_num_classes_and_in_chans(isolated, pico_model):
     path = _write(pico_model, isolated / "w.safetensors")
-    model = convfirstnet.pico(checkpoint_path=path, num_classes=10, in_chans=1)
+    with pytest.warns(UserWarning, match="1000-class classifier but the model has num_classes=10"):
+        model = convfirstnet.pico(checkpoint_path=path, num_classes=10, in_chans=1)
     assert model.classifier.out_features == 10
     sd, ref = model.state_dict(), pico_model.state_dict()
     assert torch.equal(sd["stages.3.0.conv_expand.weight"], ref["stages.3.0.conv_expand.weight"])
@@ -176,3 +213,96 @@ def test_missing_keys_are_named(isolated, pico_model):
 def test_manifest_json_is_valid():
     text = (weights.SOURCE_WEIGHTS_DIR / "manifest.json").read_text()
     assert json.loads(text)["models"] == {}  # no published weights today: none are invented
+
+
+# ------------------------------------------------------------------------------------ class count
+@pytest.fixture(scope="module")
+def three_class(tmp_path_factory):
+    """A 3-class pico written the way `convfirstnet train` writes its weight file (convert_checkpoint:
+    safetensors with num_classes metadata), and the same weights as a timm training checkpoint (.pth
+    has no metadata: the class count comes from classifier.weight)."""
+    from convfirstnet.tools.convert_checkpoint import convert_checkpoint
+
+    model = trained_like("pico", seed=3, num_classes=3)
+    out = tmp_path_factory.mktemp("three")
+    convert_checkpoint({"state_dict_ema": model.state_dict()}, out / "convfirstnet_pico.safetensors", "pico")
+    torch.save({"epoch": 1, "state_dict": model.state_dict()}, out / "last.pth.tar")
+    return model, out / "convfirstnet_pico.safetensors", out / "last.pth.tar"
+
+
+def test_class_count_comes_from_the_checkpoint(isolated, three_class, no_network, monkeypatch, one_thread):
+    """Without num_classes, every way of loading gives the checkpoint's classifier, loaded."""
+    ref, st, pth = three_class
+    assert weights.checkpoint_num_classes(st) == 3 and weights.checkpoint_num_classes(pth) == 3
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        expected = ref(x)
+    monkeypatch.setenv("CONVFIRSTNET_WEIGHTS_DIR", str(st.parent))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about
+        models = {
+            "checkpoint_path": convfirstnet.create_model("pico", checkpoint_path=st),
+            "checkpoint_path .pth": convfirstnet.create_model("pico", checkpoint_path=pth),
+            "pretrained": convfirstnet.pico(pretrained=True),  # fused
+            "timm file overlay": timm.create_model(
+                "convfirstnet_pico", pretrained=True, pretrained_cfg_overlay=dict(file=str(st))
+            ),
+            "timm lookup": timm.create_model("convfirstnet_pico", pretrained=True),
+        }
+    for how, model in models.items():
+        assert model.num_classes == 3, how
+        with torch.no_grad():
+            assert rel_err(model.eval()(x), expected) < 1e-6, how
+    assert models["timm file overlay"].pretrained_cfg["num_classes"] == 3
+    # timm's own checkpoint_path loader is strict and knows nothing of the file: it needs num_classes.
+    with torch.no_grad():
+        timm_loaded = timm.create_model("convfirstnet_pico", num_classes=3, checkpoint_path=str(st))
+        assert torch.equal(timm_loaded.eval()(x), expected)
+    with pytest.raises(RuntimeError, match="size mismatch for classifier.weight"):
+        timm.create_model("convfirstnet_pico", checkpoint_path=str(st))
+
+
+def test_other_class_count_reinitialises_classifier_and_warns(isolated, three_class, no_network, one_thread):
+    """Fine-tuning: num_classes != the checkpoint's keeps a fresh classifier (timm's behaviour for
+    pretrained weights) and says so; everything else is loaded."""
+    ref, st, pth = three_class
+    torch.manual_seed(5)
+    fresh = convfirstnet.create_model("pico", num_classes=10)
+    for load in (
+        lambda: convfirstnet.create_model("pico", checkpoint_path=st, num_classes=10),
+        lambda: convfirstnet.create_model("pico", checkpoint_path=pth, num_classes=10),
+        lambda: timm.create_model("convfirstnet_pico", pretrained=True, num_classes=10,
+                                  pretrained_cfg_overlay=dict(file=str(st))),
+    ):
+        torch.manual_seed(5)
+        with pytest.warns(UserWarning, match="has a 3-class classifier but the model has num_classes=10"):
+            model = load()
+        assert model.num_classes == 10
+        assert torch.equal(model.classifier.weight, fresh.classifier.weight)  # its initialisation
+        assert torch.equal(model.stages[4][0].conv_expand.weight, ref.stages[4][0].conv_expand.weight)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # num_classes=0 asks for no classifier: nothing dropped by surprise
+        assert convfirstnet.create_model("pico", checkpoint_path=st, num_classes=0).num_classes == 0
+
+
+def test_num_classes_metadata_must_match_the_tensors(isolated, pico_model):
+    path = isolated / "w.safetensors"
+    save_weights(pico_model.state_dict(), path, {"architecture": "convfirstnet_pico", "num_classes": "3"})
+    with pytest.raises(CheckpointError, match="says num_classes=3 but its classifier.weight has 1000 rows"):
+        convfirstnet.pico(checkpoint_path=path)
+
+
+def test_timm_pretrained_path_uses_the_package_loader(isolated, no_network):
+    """timm.create_model(pretrained=True, pretrained_cfg_overlay=dict(file=...)) names a missing file and
+    raises the package's errors for unreadable or mismatched files."""
+    missing = isolated / "missing.safetensors"
+    with pytest.raises(WeightsNotFoundError, match="missing.safetensors' does not exist"):
+        timm.create_model("convfirstnet_pico", pretrained=True, pretrained_cfg_overlay={"file": str(missing)})
+    bad = isolated / "broken.safetensors"
+    bad.write_bytes(b"\x00" * 64)
+    with pytest.raises(CheckpointError, match="cannot read checkpoint"):
+        timm.create_model("convfirstnet_pico", pretrained=True, pretrained_cfg_overlay=dict(file=str(bad)))
+    nano = isolated / "nano.safetensors"
+    save_weights(trained_like("nano").state_dict(), nano, {"architecture": "convfirstnet_nano"})
+    with pytest.raises(CheckpointError, match="is for convfirstnet_nano, not convfirstnet_pico"):
+        timm.create_model("convfirstnet_pico", pretrained=True, pretrained_cfg_overlay=dict(file=str(nano)))

@@ -195,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             write_between_markers(args.write, text)
         except (OSError, ValueError) as e:
-            print(f"convfirstnet results: {e}", file=sys.stderr)
+            print(f"convfirstnet results: error: {e}", file=sys.stderr)
             return 1
         print(f"wrote {len(records)} record(s) into {args.write}")
     else:

@@ -45,6 +45,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from ._cli import ToolError, run_reporting
 from .bench_devices import lookup_device
 from .bench_paper import PAPER_BATCH, PAPER_DEVICE, PAPER_STAGE_DEPTH, BlockRow, block_rows
 from .bench_timing import (
@@ -117,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
-        default="float16",
-        help="float16 (default) or bfloat16 on CUDA; CPU runs always use float32",
+        default=None,
+        help="float16 (default) or bfloat16 on CUDA; CPU runs use float32",
     )
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cuda, cuda:N or cpu")
     p.add_argument("--warmup", type=int, default=10, help="untimed iterations before timing (default 10)")
@@ -163,18 +164,28 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_device(arg: str) -> torch.device:
     if arg == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(arg)
+    try:
+        device = torch.device(arg)
+    except RuntimeError as e:
+        raise ToolError(f"--device {arg!r}: expected auto, cpu, cuda or cuda:N") from e
+    if device.type not in ("cpu", "cuda"):
+        raise ToolError(f"--device {arg!r}: expected auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device {arg}: no CUDA device is available")
+        raise ToolError(f"--device {arg}, but no CUDA device is available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ToolError(f"--device {arg}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 
-def resolve_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str | None]:
-    if device.type == "cpu" and name != "float32":
-        return torch.float32, f"--dtype {name} ignored: CPU runs use float32"
-    return DTYPES[name], None
+def resolve_dtype(name: str | None, device: torch.device) -> tuple[torch.dtype, str | None]:
+    """The dtype to run (``None``: float16 on CUDA, float32 on CPU) and a note when a requested one is not
+    used: only an explicit ``--dtype`` gets one."""
+    if device.type == "cpu":
+        note = f"--dtype {name} ignored: CPU runs use float32" if name not in (None, "float32") else None
+        return torch.float32, note
+    return DTYPES[name or "float16"], None
 
 
 def parse_model_spec(spec: str, default_resolution: int) -> tuple[str, int]:
@@ -183,7 +194,7 @@ def parse_model_spec(spec: str, default_resolution: int) -> tuple[str, int]:
         try:
             return name, int(res)
         except ValueError as e:
-            raise SystemExit(f"bad model spec {spec!r}: expected NAME or NAME@RESOLUTION") from e
+            raise ToolError(f"bad model spec {spec!r}: expected NAME or NAME@RESOLUTION") from e
     return name, default_resolution
 
 
@@ -615,6 +626,10 @@ def write_record(record: dict, out_dir: str | Path) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    return run_reporting("convfirstnet bench", lambda: run(args, argv))
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
     import convfirstnet  # noqa: F401  (registers the ops and the timm models)
 
     device = resolve_device(args.device)
@@ -633,7 +648,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.batch_sizes is None:
         args.batch_sizes = [PAPER_BATCH] if args.blocks else [1, 32, 128, 256]
     if args.iters < 1 or args.warmup < 0:
-        raise SystemExit("--iters must be >= 1 and --warmup >= 0")
+        raise ToolError("--iters must be >= 1 and --warmup >= 0")
+    for spec in args.models:
+        parse_model_spec(spec, args.resolution)  # a malformed NAME@RES is an error before any timing
     if device.type == "cuda" and args.iters < 50:
         print(f"[bench] note: --iters {args.iters} < 50 timed iterations", file=sys.stderr)
 

@@ -1,13 +1,17 @@
 """Convert a training checkpoint into a ConvFirstNet weight file (safetensors + metadata).
 
-    convfirstnet convert --model pico --checkpoint output/train/.../model_best.pth.tar \\
-        --output weights/convfirstnet_pico.safetensors
+    convfirstnet convert output/train/.../model_best.pth.tar weights/convfirstnet_pico.safetensors
 
-Input: a timm training checkpoint (``.pth`` / ``.pth.tar``; EMA weights preferred, ``module.`` and
-``_orig_mod.`` prefixes stripped), a safetensors file or a plain state-dict file, or (from Python) a state
-dict in memory. Output: a safetensors file holding the training-form state dict (BatchNorm included),
-with metadata ``architecture``, ``source``, ``created`` (UTC, ISO 8601), ``tensors_sha256`` (see
-:func:`convfirstnet.weights.tensors_sha256`), ``convfirstnet_version``, ``num_classes``.
+Input: a timm training checkpoint (``.pth`` / ``.pth.tar``; its EMA weights unless ``--no-ema``,
+``module.`` and ``_orig_mod.`` prefixes stripped), a safetensors file or a plain state-dict file, or (from
+Python) a state dict in memory. The architecture is ``--model``, else the one the checkpoint records
+(safetensors metadata, timm's ``arch`` / ``args.model``), else the size its tensor shapes fit. Output: a
+safetensors file holding the training-form state dict (BatchNorm included), with metadata
+``architecture``, ``source``, ``created`` (UTC, ISO 8601), ``tensors_sha256`` (see
+:func:`convfirstnet.weights.tensors_sha256`), ``convfirstnet_version``, ``num_classes`` and, for a
+training checkpoint, ``checkpoint_key`` (``state_dict_ema`` or ``state_dict``: which weights were taken).
+An existing output file is replaced only with ``--overwrite``; the new file gets the usual permissions
+(umask), not the temporary file's 0600.
 
 The file is verified before it is put in place: loaded back through the package's loader into a fresh
 model, whose output on a random input must equal, bit for bit in fp32, the output of a model holding the
@@ -28,21 +32,10 @@ from typing import Any
 
 import torch
 
+from . import checkpoint_io
+from ._cli import CreatedDirs, ToolError, publish, run_reporting
+
 VERIFY_BATCH, VERIFY_SIZE = 2, 64  # small and fast; above the 32x32 minimum input
-STATE_DICT_KEYS = ("state_dict_ema", "model_ema", "state_dict", "model")  # timm's preference order
-
-
-def _in_memory_state_dict(checkpoint: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """A state dict from a dict in memory: a timm checkpoint dict (EMA preferred) or a state dict."""
-    from convfirstnet.weights import CheckpointError, clean_state_dict
-
-    for key in STATE_DICT_KEYS:
-        if isinstance(checkpoint.get(key), Mapping):
-            checkpoint = checkpoint[key]
-            break
-    if not all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
-        raise CheckpointError("the checkpoint given in memory is not a state dict of tensors")
-    return clean_state_dict(dict(checkpoint))
 
 
 def _build(name: str, state_dict: Mapping[str, torch.Tensor]) -> torch.nn.Module:
@@ -67,24 +60,42 @@ def _output(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def convert_checkpoint(
     checkpoint: str | os.PathLike | Mapping[str, Any],
     output: str | os.PathLike,
-    model: str,
+    model: str | None = None,
     source: str = "",
+    *,
+    use_ema: bool = True,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Write ``checkpoint`` as a verified safetensors weight file at ``output``; return its manifest entry.
 
     ``checkpoint``: a path (timm ``.pth``/``.pth.tar``, safetensors, plain state dict) or a state dict /
-    timm checkpoint dict in memory. ``model``: ``"pico"`` or ``"convfirstnet_pico"`` etc. ``source``: free
-    text recorded in the metadata and the entry (default: the checkpoint's file name).
+    timm checkpoint dict in memory. ``model``: ``"pico"`` or ``"convfirstnet_pico"`` etc.; by default the
+    architecture the checkpoint records (safetensors metadata, timm's ``arch`` / ``args.model``), else the
+    size its tensor shapes fit. ``source``: free text recorded in the metadata and the entry (default: the
+    checkpoint's file name). ``use_ema``: take a timm checkpoint's EMA weights when it has them (else its
+    raw ``state_dict``). ``overwrite``: replace an existing ``output`` (else it is an error).
 
     Raises :class:`convfirstnet.CheckpointError` if the weights do not fit the model or the written file
     does not reproduce them, :class:`convfirstnet.WeightsNotFoundError` for a missing input file,
-    ``ValueError`` for an unknown model name.
+    ``ValueError`` for an unknown model name, ``convfirstnet.tools._cli.ToolError`` for an existing output.
     """
+    return convert(checkpoint, output, model, source, use_ema=use_ema, overwrite=overwrite)[0]
+
+
+def convert(
+    checkpoint: str | os.PathLike | Mapping[str, Any],
+    output: str | os.PathLike | None,
+    model: str | None = None,
+    source: str = "",
+    *,
+    use_ema: bool = True,
+    overwrite: bool = False,
+) -> tuple[dict[str, Any], checkpoint_io.Checkpoint]:
+    """:func:`convert_checkpoint`, also returning what was read (which weights, which architecture).
+    ``output=None``: ``./<model name>.safetensors``."""
     import convfirstnet
-    from convfirstnet.factory import _canonical
     from convfirstnet.weights import (
         CheckpointError,
-        _describe_mismatch,
         load_weights,
         read_checkpoint,
         save_weights,
@@ -92,25 +103,21 @@ def convert_checkpoint(
         tensors_sha256,
     )
 
-    name = _canonical(model)
-    output = Path(output)
+    if isinstance(checkpoint, Mapping):
+        ckpt = checkpoint_io.from_mapping(checkpoint, use_ema)
+    else:
+        ckpt = checkpoint_io.read(checkpoint, use_ema)
+        source = source or Path(checkpoint).name
+    name = checkpoint_io.resolve_architecture(ckpt, model)
+    output = Path(output if output is not None else f"{name}.safetensors")
     if output.suffix != ".safetensors":
         raise ValueError(f"output {str(output)!r} must end in .safetensors")
-    if isinstance(checkpoint, Mapping):
-        state_dict, in_meta = _in_memory_state_dict(checkpoint), {}
-        where = "the checkpoint given in memory"
-    else:
-        state_dict, in_meta = read_checkpoint(checkpoint)
-        where = f"checkpoint {str(checkpoint)!r}"
-        source = source or Path(checkpoint).name
-    if in_meta.get("architecture") and in_meta["architecture"] != name:
-        raise CheckpointError(f"{where} is for {in_meta['architecture']}, not {name}")
+    if output.exists() and not overwrite:
+        raise ToolError(f"{str(output)!r} exists; pass --overwrite to replace it")
+    state_dict = ckpt.state_dict
 
     original = _build(name, state_dict)
-    problem = _describe_mismatch(original.state_dict(), state_dict)
-    if problem:
-        raise CheckpointError(f"{where} does not fit {name}: {problem}")
-    original.load_state_dict(state_dict, strict=True)
+    checkpoint_io.load_into(original, ckpt, name)
 
     metadata = {
         "format": "pt",
@@ -121,7 +128,12 @@ def convert_checkpoint(
         "convfirstnet_version": convfirstnet.__version__,
         "num_classes": str(getattr(original, "num_classes", "")),
     }
+    if ckpt.key is not None:
+        metadata["checkpoint_key"] = ckpt.key  # which weights of a training checkpoint: EMA or raw
+    dirs = CreatedDirs()
+    dirs.make(output.parent)
     tmp = output.with_name(output.stem + ".part.safetensors")  # read_checkpoint goes by the suffix
+    done = False
     try:
         save_weights(state_dict, tmp, metadata)
         # Verify through the package's own loader, as a user would load the file.
@@ -137,11 +149,14 @@ def convert_checkpoint(
             raise CheckpointError(
                 f"{str(output)!r}: the written weights do not reproduce the checkpoint's outputs"
             )
-        tmp.replace(output)
+        publish(tmp, output, overwrite=overwrite)
+        done = True
     finally:
         tmp.unlink(missing_ok=True)
+        if not done:
+            dirs.remove_empty()
 
-    return {
+    entry = {
         "name": name,
         "file": output.name,
         "url": None,
@@ -150,6 +165,7 @@ def convert_checkpoint(
         "top1": None,
         "note": "top1: measure with convfirstnet eval",
     }
+    return entry, ckpt
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,13 +173,26 @@ def build_parser() -> argparse.ArgumentParser:
         prog="convfirstnet convert",
         description="Convert a training checkpoint into a verified ConvFirstNet safetensors weight file; "
         "print its weights/manifest.json entry. Paths go as options or as positionals: "
-        "`convert --model pico --checkpoint IN --output OUT` or `convert IN OUT --model pico`.",
+        "`convert --checkpoint IN --output OUT` or `convert IN OUT`.",
     )
     p.add_argument("checkpoint_arg", nargs="?", metavar="CHECKPOINT", help="same as --checkpoint")
     p.add_argument("output_arg", nargs="?", metavar="OUTPUT", help="same as --output")
-    p.add_argument("--model", required=True, help="model name, e.g. pico or convfirstnet_pico")
-    p.add_argument("--checkpoint", help="timm .pth/.pth.tar (EMA preferred), safetensors or state-dict file")
+    p.add_argument(
+        "-m",
+        "--model",
+        help="model name, e.g. pico or convfirstnet_pico (default: the architecture the checkpoint "
+        "records, else the one its tensor shapes fit)",
+    )
+    p.add_argument("--checkpoint", help="timm .pth/.pth.tar, safetensors or state-dict file")
     p.add_argument("--output", help="weight file to write (default: ./<model name>.safetensors)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    p.add_argument(
+        "--ema",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="take a timm checkpoint's EMA weights (state_dict_ema) when it has them; --no-ema takes its "
+        "raw state_dict (default: --ema)",
+    )
     p.add_argument(
         "--source", default="", help="provenance recorded in the file (default: checkpoint file name)"
     )
@@ -176,10 +205,6 @@ def _pick(p: argparse.ArgumentParser, what: str, option: str | None, positional:
     return option if option is not None else positional
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(line.strip() for line in str(e).splitlines() if line.strip())
-
-
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
@@ -187,14 +212,20 @@ def main(argv: list[str] | None = None) -> int:
     output = _pick(p, "output", args.output, args.output_arg)
     if checkpoint is None:
         p.error("a checkpoint is required (--checkpoint PATH)")
-    from convfirstnet.factory import _canonical
-    from convfirstnet.weights import CheckpointError, WeightsNotFoundError
 
-    try:
-        output = output if output is not None else f"{_canonical(args.model)}.safetensors"
-        entry = convert_checkpoint(checkpoint, output, args.model, args.source)
-    except (CheckpointError, WeightsNotFoundError, ValueError, OSError) as e:
-        print(f"convfirstnet convert: error: {_one_line(e)}", file=sys.stderr)
-        return 1
-    print(json.dumps(entry, indent=2))
-    return 0
+    def go() -> int:
+        entry, ckpt = convert(
+            checkpoint, output, args.model, args.source, use_ema=args.ema, overwrite=args.overwrite
+        )
+        how = (
+            "--model" if args.model else ("recorded in the file" if ckpt.architecture else "from its shapes")
+        )
+        print(
+            f"convfirstnet convert: {entry['name']} ({how}), {ckpt.describe()} of {checkpoint} -> "
+            f"{output or entry['file']}",
+            file=sys.stderr,
+        )
+        print(json.dumps(entry, indent=2))
+        return 0
+
+    return run_reporting("convfirstnet convert", go)

@@ -22,27 +22,42 @@ Recipe defaults (paper 6.3, which trained with timm on 8 GPUs x 256 images), fla
 Not stated by the paper, taken from timm's EfficientNet recipe (which the paper says inspired its
 settings): ``--opt-eps 1e-3``, ``--smoothing 0.1`` (timm ``train.py``'s default), ``--warmup-lr 1e-6``.
 
+Mixup / CutMix: timm's ``Mixup`` with ``SoftTargetCrossEntropy``, off by default (the paper's recipe has
+none) [--mixup, --cutmix, --cutmix-minmax, --mixup-prob, --mixup-switch-prob, --mixup-mode,
+--mixup-off-epoch], the flags of timm's ``train.py``.
+
+Fine-tuning: ``--pretrained`` (the model's weights, looked up as ``pretrained=True`` does) or
+``--initial-checkpoint PATH`` (a weight file or timm checkpoint, EMA weights preferred as in timm), with
+``--num-classes`` (default: the training folder's class count); a classifier of another size starts
+from its initialisation.
+
 Data: an ImageFolder tree with ``train/`` and ``val/`` (or ``validation/``) class folders (timm
-``create_dataset``). Several GPUs or nodes: ``torchrun`` (DDP; nccl on CUDA, gloo on CPU).
+``create_dataset``; ``--train-split`` / ``--val-split`` name other folders). Both must exist: a folder
+without them is refused rather than trained and validated on the same images. Several GPUs or nodes:
+``torchrun`` (DDP; nccl on CUDA, gloo on CPU).
 
 Output folder: ``last.pth.tar`` (every epoch), ``checkpoint-<epoch>.pth.tar`` (best few by top-1),
 ``recovery-<epoch>-<step>.pth.tar`` (every ``--recovery-interval`` steps and when ``--max-steps`` stops
-the run; removed at the next epoch checkpoint), ``summary.csv`` (timm, one row per epoch), ``log.jsonl``
-(loss, lr, img/s, top-1), ``args.json``, and at the end ``<model_name>.safetensors``: the EMA weights,
-written by ``convert_checkpoint`` and ready for ``create_model(name, pretrained=True)`` via
-``$CONVFIRSTNET_WEIGHTS_DIR``. A checkpoint holds the model, EMA, optimizer, GradScaler and scheduler
+the run; removed at the next epoch checkpoint), ``summary.csv`` (timm's columns: ``epoch, train_loss,
+eval_loss, eval_top1, eval_top5``, the EMA's ``eval_ema_loss, eval_ema_top1, eval_ema_top5``, ``lr``; one
+row per epoch), ``log.jsonl`` (loss, lr, img/s, validation metrics), ``args.yaml`` (as timm's), and at
+the end ``<model_name>.safetensors``: the EMA weights, written by ``convert_checkpoint`` and ready for
+``create_model(name, pretrained=True)`` via ``$CONVFIRSTNET_WEIGHTS_DIR``. A checkpoint holds the model, EMA, optimizer, GradScaler and scheduler
 states and the position (epoch, step in the epoch, global step); ``--resume auto`` continues from the
-most advanced one, mid-epoch included, with the same sample order.
+most advanced one, mid-epoch included, with the same sample order. Every input is checked before the
+output folder is created; a run that fails before its first checkpoint removes what it created.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import itertools
 import json
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +65,17 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
+from ._cli import CreatedDirs, ToolError, default_workers, run_reporting
 
-class TrainError(Exception):
+
+class TrainError(ToolError):
     """A problem with the command's inputs, reported as one line without a traceback."""
 
 
 LR_BASE, LR_BASE_SIZE = 0.128, 2048  # paper 6.3: lr 0.128 at a global batch of 2048 (8 x 256)
 CHECKPOINT_EXT = ".pth.tar"  # timm CheckpointSaver's extension
+WORKERS = 8  # data-loading processes per training process, at most; fewer on machines with fewer cores
+RUN_FILES = ("args.yaml", "log.jsonl", "summary.csv")  # what a run writes before its first checkpoint
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,17 +84,39 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a ConvFirstNet with the paper's ImageNet recipe (timm components). Several GPUs: "
         "torchrun --nproc_per_node=N scripts/train_imagenet.py ...",
     )
-    p.add_argument("--model", required=True, help="pico, nano, tiny, small (or convfirstnet_<size>)")
+    p.add_argument("-m", "--model", required=True, help="pico, nano, tiny, small (or convfirstnet_<size>)")
     p.add_argument(
-        "--data", required=True, type=Path, help="folder with train/ and val/ (ImageFolder layout)"
+        "--data",
+        "--data-dir",
+        dest="data",
+        required=True,
+        type=Path,
+        help="folder with train/ and val/ (ImageFolder layout)",
     )
-    p.add_argument("--train-split", default="train")
-    p.add_argument("--val-split", default="validation", help="timm also finds val/ for 'validation'")
+    p.add_argument("--train-split", default="train", help="training folder under --data (default: train)")
+    p.add_argument(
+        "--val-split",
+        default="validation",
+        help="validation folder under --data (default: validation, or val/valid/eval as timm finds them)",
+    )
     p.add_argument("--output", type=Path, help="output folder (default: output/train/<model_name>)")
     p.add_argument("--num-classes", type=int, help="default: the number of class folders in the train split")
+    g = p.add_argument_group("fine-tuning")
+    g.add_argument(
+        "--pretrained",
+        action="store_true",
+        help="start from the model's weights (looked up as pretrained=True does)",
+    )
+    g.add_argument(
+        "--initial-checkpoint",
+        type=Path,
+        help="start from this weight file or timm checkpoint (EMA weights preferred, as timm)",
+    )
     g = p.add_argument_group("schedule and optimizer")
     g.add_argument("--epochs", type=int, default=600)
-    g.add_argument("--batch-size", type=int, default=256, help="per process; global = batch x world size")
+    g.add_argument(
+        "-b", "--batch-size", type=int, default=256, help="per process; global = batch x world size"
+    )
     g.add_argument(
         "--lr", type=float, help="absolute learning rate (default: --lr-base scaled to the global batch)"
     )
@@ -102,6 +143,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--aa", default="rand-m9-mstd0.5", help="timm auto-augment string ('' for none)")
     g.add_argument("--reprob", type=float, default=0.2, help="random-erasing probability")
     g.add_argument("--remode", default="pixel", help="random-erasing mode")
+    g.add_argument("--mixup", type=float, default=0.0, help="mixup alpha, on if > 0 (default: 0, off)")
+    g.add_argument("--cutmix", type=float, default=0.0, help="cutmix alpha, on if > 0 (default: 0, off)")
+    g.add_argument(
+        "--cutmix-minmax",
+        type=float,
+        nargs=2,
+        default=None,
+        help="cutmix min/max area ratio (turns cutmix on)",
+    )
+    g.add_argument("--mixup-prob", type=float, default=1.0, help="probability of mixup or cutmix per batch")
+    g.add_argument(
+        "--mixup-switch-prob", type=float, default=0.5, help="probability of cutmix when both are on"
+    )
+    g.add_argument("--mixup-mode", choices=("batch", "pair", "elem"), default="batch")
+    g.add_argument("--mixup-off-epoch", type=int, default=0, help="turn mixup off from this epoch (0: never)")
     g.add_argument("--ema", action=argparse.BooleanOptionalAction, default=True, help="EMA of the weights")
     g.add_argument("--ema-decay", type=float, default=0.9999)
     g.add_argument("--ema-warmup", action="store_true", help="ModelEmaV3 decay warm-up (for short runs)")
@@ -117,7 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="fp16 autocast + GradScaler (default: on with CUDA)",
     )
     g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--workers", type=int, default=8, help="data-loading processes per training process")
+    g.add_argument(
+        "-j",
+        "--workers",
+        type=int,
+        help=f"data-loading processes per training process (default: {WORKERS}, or the cores available "
+        "if fewer)",
+    )
     g.add_argument("--seed", type=int, default=42)
     g = p.add_argument_group("checkpoints, validation, logging")
     g.add_argument("--resume", default="", help="'auto' (the most advanced checkpoint in --output) or a path")
@@ -264,10 +326,12 @@ def validate(
     autocast,
     channels_last: bool,
     distributed: bool,
-) -> float:
-    """Top-1 in percent over the whole split (exact counts, summed over processes)."""
+) -> dict[str, float]:
+    """Loss (cross-entropy, no smoothing, as timm's validation), top-1 and top-5 in percent over the whole
+    split: exact sums over images and processes."""
     model.eval()
-    counts = torch.zeros(2, dtype=torch.int64, device=device)
+    counts = torch.zeros(3, dtype=torch.int64, device=device)  # top-1 hits, top-5 hits, images
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for images, target in loader:
         images = images.to(device, non_blocking=True)
         if channels_last:
@@ -275,12 +339,19 @@ def validate(
         target = target.to(device, non_blocking=True)
         with autocast():
             logits = model(images)
-        counts[0] += (logits.argmax(dim=1) == target).sum()
-        counts[1] += target.numel()
+        logits = logits.float()
+        loss_sum += nn.functional.cross_entropy(logits, target, reduction="sum").double()
+        top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        hit = top == target[:, None]
+        counts[0] += hit[:, 0].sum()
+        counts[1] += hit.any(dim=1).sum()
+        counts[2] += target.numel()
     if distributed:
         torch.distributed.all_reduce(counts)
-    correct, total = counts.tolist()
-    return 100.0 * correct / max(total, 1)
+        torch.distributed.all_reduce(loss_sum)
+    top1, top5, total = counts.tolist()
+    total = max(total, 1)
+    return {"loss": loss_sum.item() / total, "top1": 100.0 * top1 / total, "top5": 100.0 * top5 / total}
 
 
 def _plain(d: dict[str, Any]) -> dict[str, Any]:
@@ -292,85 +363,288 @@ def _log(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def train(args: argparse.Namespace) -> int:
+def summary_columns(ema: bool) -> list[str]:
+    """timm's summary.csv columns (``update_summary``), with the EMA's validation beside the raw model's."""
+    columns = ["epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5"]
+    if ema:
+        columns += ["eval_ema_loss", "eval_ema_top1", "eval_ema_top5"]
+    return columns + ["lr"]
+
+
+def write_summary(path: Path, row: dict[str, Any], columns: list[str]) -> None:
+    """Append one epoch to ``summary.csv``. The columns are fixed (cells of epochs without validation stay
+    empty), unlike timm's ``update_summary``, whose rows shift when an epoch has no eval metrics. A file
+    from an earlier run keeps its header."""
+    if path.is_file() and path.stat().st_size:
+        with open(path, newline="") as f:
+            columns = next(csv.reader(f), columns)
+        header = False
+    else:
+        header = True
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, restval="", extrasaction="ignore")
+        if header:
+            writer.writeheader()
+        writer.writerow(row)
+
+
+def split_folder(data: Path, split: str) -> Path | None:
+    """``data/<split>``, or for timm's synonyms (validation: val, valid, eval, ...) the one that exists;
+    None when there is none (timm would then silently use ``data`` itself)."""
+    from timm.data.dataset_factory import _EVAL_SYNONYM, _TRAIN_SYNONYM
+
+    candidates = [split]
+    for synonyms in (_TRAIN_SYNONYM, _EVAL_SYNONYM):
+        if split in synonyms:
+            candidates += [s for s in synonyms if s != split]
+    return next((data / c for c in candidates if (data / c).is_dir()), None)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Value checks of the command line, before anything is loaded or created."""
+    from convfirstnet.model import MIN_INPUT_SIZE
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise TrainError(message)
+
+    for flag, value in (
+        ("--epochs", args.epochs),
+        ("--batch-size", args.batch_size),
+        ("--val-interval", args.val_interval),
+        ("--log-interval", args.log_interval),
+        ("--checkpoint-hist", args.checkpoint_hist),
+    ):
+        need(value >= 1, f"{flag} must be at least 1, not {value}")
+    for flag, value in (("--max-steps", args.max_steps), ("--num-classes", args.num_classes)):
+        need(value is None or value >= 1, f"{flag} must be at least 1, not {value}")
+    for flag, value in (("--img-size", args.img_size), ("--val-img-size", args.val_img_size)):
+        need(
+            value is None or value >= MIN_INPUT_SIZE,
+            f"{flag} {value}: ConvFirstNet needs at least {MIN_INPUT_SIZE}x{MIN_INPUT_SIZE} inputs",
+        )
+    need(args.workers is None or args.workers >= 0, "--workers must be at least 0")
+    need(args.recovery_interval >= 0, "--recovery-interval must be at least 0")
+    need(args.lr is None or args.lr > 0, "--lr must be positive")
+    need(args.lr_base > 0, "--lr-base must be positive")
+    need(args.warmup_epochs >= 0, "--warmup-epochs must be at least 0")
+    need(args.decay_epochs > 0, "--decay-epochs must be positive")
+    need(0 <= args.ema_decay < 1, "--ema-decay must be in [0, 1)")
+    for flag, value in (
+        ("--drop", args.drop),
+        ("--drop-path", args.drop_path),
+        ("--smoothing", args.smoothing),
+    ):
+        need(value is None or 0 <= value < 1, f"{flag} must be in [0, 1)")
+    for flag, value in (
+        ("--reprob", args.reprob),
+        ("--mixup-prob", args.mixup_prob),
+        ("--mixup-switch-prob", args.mixup_switch_prob),
+    ):
+        need(0 <= value <= 1, f"{flag} must be in [0, 1]")
+    need(args.mixup >= 0 and args.cutmix >= 0, "--mixup and --cutmix must be at least 0")
+    need(args.mixup_off_epoch >= 0, "--mixup-off-epoch must be at least 0")
+    if mixup_active(args):
+        need(args.batch_size % 2 == 0, f"mixup/cutmix need an even --batch-size, not {args.batch_size}")
+    need(
+        not (args.pretrained and args.initial_checkpoint),
+        "give --pretrained or --initial-checkpoint, not both",
+    )
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise TrainError("--device cuda, but no CUDA device is available")
+
+
+def mixup_active(args: argparse.Namespace) -> bool:
+    return args.mixup > 0 or args.cutmix > 0 or args.cutmix_minmax is not None
+
+
+def initial_weights(args: argparse.Namespace, name: str):
+    """The checkpoint to start from (``--pretrained`` / ``--initial-checkpoint``), checked; or None."""
+    from convfirstnet.weights import WeightsNotFoundError, resolve_weights
+
+    from . import checkpoint_io
+
+    if args.pretrained:
+        try:
+            path = resolve_weights(name)
+        except WeightsNotFoundError as e:
+            raise TrainError(f"--pretrained: {e} Or start from a file with --initial-checkpoint PATH.") from e
+    elif args.initial_checkpoint is not None:
+        path = args.initial_checkpoint
+    else:
+        return None
+    ckpt = checkpoint_io.read(path, use_ema=True)  # timm's load_checkpoint prefers EMA weights too
+    checkpoint_io.resolve_architecture(ckpt, name)  # a file recorded as another size is an error
+    return ckpt
+
+
+def check_resume_file(path: Path) -> None:
+    """A ``--resume`` path must be a training checkpoint (one line instead of a pickle error)."""
+    from timm.utils import load_checkpoint_metadata
+
+    from . import checkpoint_io
+
+    if checkpoint_io.file_format(path) != "torch":
+        raise TrainError(f"--resume {str(path)!r} is not a training checkpoint (torch.save file)")
+    try:
+        meta = load_checkpoint_metadata(str(path))
+    except Exception as e:  # pickle, zip and weights_only errors
+        raise TrainError(f"--resume {str(path)!r} cannot be read ({type(e).__name__})") from e
+    if not isinstance(meta, dict) or "state_dict" not in meta or "optimizer" not in meta:
+        raise TrainError(
+            f"--resume {str(path)!r} is not a training checkpoint (no state_dict and optimizer); to start "
+            "from its weights use --initial-checkpoint"
+        )
+
+
+@dataclass
+class Run:
+    """Everything a training run needs, built and checked by :func:`prepare` before the output exists."""
+
+    name: str
+    output: Path
+    resume_path: Path | None
+    device: torch.device
+    rank: int
+    world_size: int
+    distributed: bool
+    use_amp: bool
+    num_classes: int
+    drop: float
+    lr: float
+    model: nn.Module
+    model_ema: nn.Module | None
+    optimizer: Any
+    loss_scaler: Any
+    scheduler: Any
+    num_epochs: int
+    steps_per_epoch: int
+    sampler: ResumableSampler
+    train_loader: DataLoader
+    val_loader: DataLoader
+    num_train_images: int
+    mixup_fn: Any
+    start: str  # where the weights came from: "random init", or the initial checkpoint
+
+    @property
+    def primary(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def global_batch(self) -> int:
+        return self.sampler.num_replicas * self.train_loader.batch_size
+
+
+def prepare(args: argparse.Namespace) -> Run:
+    """Check every input and build the run: data, model (and its initial weights), optimizer, schedule."""
     import timm
-    from timm.data import create_dataset, resolve_data_config
-    from timm.loss import LabelSmoothingCrossEntropy
-    from timm.models import load_checkpoint, resume_checkpoint
+    from timm.data import Mixup, create_dataset, resolve_data_config
     from timm.optim import create_optimizer_v2
     from timm.scheduler import create_scheduler_v2
-    from timm.utils import (
-        AverageMeter,
-        CheckpointSaver,
-        ModelEmaV3,
-        NativeScaler,
-        distribute_bn,
-        random_seed,
-        reduce_tensor,
-        update_summary,
-    )
+    from timm.utils import ModelEmaV3, NativeScaler, random_seed
     from timm.utils.distributed import init_distributed_device_so
-    from tqdm import tqdm
 
     import convfirstnet  # noqa: F401  (registers the models with timm)
     from convfirstnet.factory import _canonical
     from convfirstnet.model import SIZES
 
+    from . import checkpoint_io
+
     name = _canonical(args.model)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise TrainError("--device cuda, but no CUDA device is available")
+    check_args(args)
+    if not args.data.is_dir():
+        raise TrainError(f"--data {str(args.data)!r} is not a directory")
+    train_dir = split_folder(args.data, args.train_split)
+    val_dir = split_folder(args.data, args.val_split)
+    if train_dir is None or val_dir is None:
+        which = args.train_split if train_dir is None else args.val_split
+        raise TrainError(
+            f"--data {str(args.data)!r} has no {which}/ folder: expected DIR/{args.train_split}/<class>/... "
+            f"and DIR/{args.val_split}/<class>/... (or val/), so that training and validation images differ"
+        )
+    if train_dir.resolve() == val_dir.resolve():
+        raise TrainError(f"--train-split and --val-split are the same folder {str(train_dir)!r}")
+    init_ckpt = initial_weights(args, name)
+    output = args.output or Path("output") / "train" / name
+    resume_path = find_resume(args.resume, output)
+    if resume_path is not None and args.resume != "auto":
+        check_resume_file(resume_path)
+
     dist_info = init_distributed_device_so(
         device=args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     )
     device = torch.device(dist_info["device"])
-    rank, world_size, distributed = (
-        dist_info["global_rank"],
-        dist_info["world_size"],
-        dist_info["distributed"],
-    )
-    primary = rank == 0
+    rank, world_size = dist_info["global_rank"], dist_info["world_size"]
     use_amp = device.type == "cuda" if args.amp is None else args.amp
     if use_amp and device.type != "cuda":
         raise TrainError("--amp (fp16 + GradScaler) needs CUDA; use --no-amp on CPU")
-    output = args.output or Path("output") / "train" / name
-    output.mkdir(parents=True, exist_ok=True)
+    workers = args.workers if args.workers is not None else default_workers(WORKERS)
     random_seed(args.seed, rank)
 
-    # data ---------------------------------------------------------------------------------------
-    if not args.data.is_dir():
-        raise TrainError(f"--data {str(args.data)!r} is not a directory")
+    # data: the validation folder is labelled with the training folder's classes
     try:
-        train_set = create_dataset("", root=str(args.data), split=args.train_split, is_training=True)
-        val_set = create_dataset("", root=str(args.data), split=args.val_split)
+        train_set = create_dataset(
+            "", root=str(train_dir), split=args.train_split, search_split=False, is_training=True
+        )
     except RuntimeError as e:  # timm: "Found 0 images in subfolders of ..."
+        raise TrainError(f"no training images in {str(train_dir)!r}: {e}") from e
+    class_to_idx = dict(train_set.reader.class_to_idx)
+    val_classes = sorted(d.name for d in val_dir.iterdir() if d.is_dir() and not d.name.startswith("."))
+    unknown = [c for c in val_classes if c not in class_to_idx]
+    if unknown:
         raise TrainError(
-            f"no {args.train_split}/{args.val_split} images under {str(args.data)!r}: {e}"
-        ) from e
-    num_classes = args.num_classes or len(train_set.reader.class_to_idx)
+            f"{str(val_dir)!r} has class folder(s) {', '.join(unknown[:5])} that {str(train_dir)!r} has not"
+        )
+    try:
+        val_set = create_dataset(
+            "", root=str(val_dir), split=args.val_split, search_split=False, class_map=class_to_idx
+        )
+    except RuntimeError as e:
+        raise TrainError(f"no validation images in {str(val_dir)!r}: {e}") from e
+    num_classes = args.num_classes or len(class_to_idx)
+    if num_classes < len(class_to_idx):
+        raise TrainError(f"--num-classes {num_classes} is less than the {len(class_to_idx)} training classes")
 
-    # model, optimizer, schedule, EMA --------------------------------------------------------------
+    # model and its initial weights
     size = name.removeprefix("convfirstnet_")
     drop = SIZES[size].drop_rate if args.drop is None else args.drop
     model = timm.create_model(name, num_classes=num_classes, drop_rate=drop, drop_path_rate=args.drop_path)
+    start = "random init"
+    if init_ckpt is not None:
+        kept = checkpoint_io.load_into(model, init_ckpt, name, new_classifier_ok=True)
+        start = f"{init_ckpt.path}, {init_ckpt.describe()}"
+        if kept:
+            start += f"; new {num_classes}-class classifier (the checkpoint has {init_ckpt.num_classes})"
     data_cfg = resolve_data_config(model=model)
     if args.val_img_size:
         data_cfg["input_size"] = (3, args.val_img_size, args.val_img_size)
+    try:
+        train_set.transform = train_transforms(args, data_cfg)
+    except (ValueError, AssertionError, KeyError) as e:  # e.g. an --aa string timm cannot parse
+        raise TrainError(f"augmentation settings (--aa {args.aa!r}, --remode {args.remode!r}): {e}") from e
+    val_set.transform = eval_transforms(data_cfg)
     model.to(device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     if args.channels_last:
         model.to(memory_format=torch.channels_last)
 
-    global_batch = args.batch_size * world_size
-    lr = args.lr if args.lr is not None else recipe_lr(global_batch, args.lr_base)
-    optimizer = create_optimizer_v2(
-        model, opt=args.opt, lr=lr, weight_decay=args.weight_decay, momentum=args.momentum, eps=args.opt_eps
-    )
+    # optimizer, schedule, EMA, loaders
+    lr = args.lr if args.lr is not None else recipe_lr(args.batch_size * world_size, args.lr_base)
+    try:
+        optimizer = create_optimizer_v2(
+            model,
+            opt=args.opt,
+            lr=lr,
+            weight_decay=args.weight_decay,
+            momentum=args.momentum,
+            eps=args.opt_eps,
+        )
+    except (ValueError, AssertionError, KeyError) as e:  # unknown optimizer name
+        raise TrainError(f"--opt {args.opt!r}: {e}") from e
     loss_scaler = NativeScaler(device="cuda") if use_amp else None
     model_ema = ModelEmaV3(model, decay=args.ema_decay, use_warmup=args.ema_warmup) if args.ema else None
 
-    train_set.transform = train_transforms(args, data_cfg)
-    val_set.transform = eval_transforms(data_cfg)
     sampler = ResumableSampler(
         train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
     )
@@ -379,9 +653,7 @@ def train(args: argparse.Namespace) -> int:
         raise TrainError(
             f"{len(train_set)} training images per process are fewer than one batch ({args.batch_size})"
         )
-    loader_kw = dict(
-        num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0
-    )
+    loader_kw = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0)
     train_loader = DataLoader(
         train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True, **loader_kw
     )
@@ -391,7 +663,18 @@ def train(args: argparse.Namespace) -> int:
         shuffle=False,
         **loader_kw,
     )
-
+    mixup_fn = None
+    if mixup_active(args):
+        mixup_fn = Mixup(
+            mixup_alpha=args.mixup,
+            cutmix_alpha=args.cutmix,
+            cutmix_minmax=args.cutmix_minmax,
+            prob=args.mixup_prob,
+            switch_prob=args.mixup_switch_prob,
+            mode=args.mixup_mode,
+            label_smoothing=args.smoothing,
+            num_classes=num_classes,
+        )
     scheduler, num_epochs = create_scheduler_v2(
         optimizer,
         sched="step",
@@ -403,16 +686,86 @@ def train(args: argparse.Namespace) -> int:
         step_on_epochs=False,
         updates_per_epoch=steps_per_epoch,
     )
+    return Run(
+        name,
+        output,
+        resume_path,
+        device,
+        rank,
+        world_size,
+        dist_info["distributed"],
+        use_amp,
+        num_classes,
+        drop,
+        lr,
+        model,
+        model_ema,
+        optimizer,
+        loss_scaler,
+        scheduler,
+        num_epochs,
+        steps_per_epoch,
+        sampler,
+        train_loader,
+        val_loader,
+        len(train_set),
+        mixup_fn,
+        start,
+    )
+
+
+def train(args: argparse.Namespace) -> int:
+    """Train; the output folder is created only after every input was checked, and a run that fails
+    before its first checkpoint removes the files and folders it created."""
+    run = prepare(args)
+    dirs, created = CreatedDirs(), set()
+    if run.primary:
+        dirs.make(run.output)
+        created = {f for f in RUN_FILES if not (run.output / f).exists()}
+    try:
+        return run_training(args, run)
+    except BaseException:
+        if run.primary and not any(run.output.glob(f"*{CHECKPOINT_EXT}")):
+            for f in created:  # nothing to resume from: remove what this run wrote, and its folders
+                (run.output / f).unlink(missing_ok=True)
+            dirs.remove_empty()
+        raise
+
+
+def run_training(args: argparse.Namespace, run: Run) -> int:
+    from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+    from timm.models import load_checkpoint, resume_checkpoint
+    from timm.utils import (
+        AverageMeter,
+        CheckpointSaver,
+        distribute_bn,
+        load_checkpoint_metadata,
+        reduce_tensor,
+    )
+    from tqdm import tqdm
+
+    name, output, device, primary, distributed = (
+        run.name,
+        run.output,
+        run.device,
+        run.primary,
+        run.distributed,
+    )
+    model, model_ema, optimizer, scheduler = run.model, run.model_ema, run.optimizer, run.scheduler
+    sampler, steps_per_epoch, num_epochs, world_size = (
+        run.sampler,
+        run.steps_per_epoch,
+        run.num_epochs,
+        run.world_size,
+    )
     state = TrainState(model, model_ema, scheduler)
 
     # resume -------------------------------------------------------------------------------------
-    resume_path = find_resume(args.resume, output)
+    resume_path = run.resume_path
     if resume_path is not None:
-        resume_checkpoint(model, str(resume_path), optimizer, loss_scaler, log_info=False)
+        resume_checkpoint(model, str(resume_path), optimizer, run.loss_scaler, log_info=False)
         if model_ema is not None:
             load_checkpoint(model_ema.module, str(resume_path), use_ema=True)
-        from timm.utils import load_checkpoint_metadata
-
         meta = load_checkpoint_metadata(str(resume_path))
         if "scheduler" in meta:
             scheduler.load_state_dict(meta["scheduler"])
@@ -437,6 +790,7 @@ def train(args: argparse.Namespace) -> int:
     scheduler.step_update(num_updates=state.global_step)
 
     saver = None
+    columns = summary_columns(model_ema is not None)
     if primary:
         # Plain types only in the saved args, so the checkpoints load with torch.load(weights_only=True).
         saved_args = argparse.Namespace(**_plain(vars(args)))
@@ -445,7 +799,7 @@ def train(args: argparse.Namespace) -> int:
             optimizer,
             args=saved_args,
             model_ema=model_ema,
-            amp_scaler=loss_scaler,
+            amp_scaler=run.loss_scaler,
             checkpoint_dir=str(output),
             recovery_dir=str(output),
             max_history=args.checkpoint_hist,
@@ -454,11 +808,15 @@ def train(args: argparse.Namespace) -> int:
         last = output / ("last" + CHECKPOINT_EXT)
         if resume_path is not None and last.is_file():
             saver.load_state_dict_from_checkpoint(str(last))
-        (output / "args.json").write_text(json.dumps(_plain(vars(args)), indent=2) + "\n")
+        import yaml
+
+        (output / "args.yaml").write_text(yaml.safe_dump(_plain(vars(args)), default_flow_style=False))
         print(
-            f"{name}: {num_classes} classes, {len(train_set)} training images, {world_size} process(es) on "
-            f"{device.type}, global batch {global_batch}, lr {lr:g}, {steps_per_epoch} steps/epoch, "
-            f"{num_epochs} epochs, dropout {drop:g}, drop-path {args.drop_path:g}, amp {use_amp}, "
+            f"{name}: {run.num_classes} classes, {run.num_train_images} training images, {world_size} "
+            f"process(es) on {device.type}, global batch {run.global_batch}, lr {run.lr:g}, "
+            f"{steps_per_epoch} "
+            f"steps/epoch, {num_epochs} epochs, dropout {run.drop:g}, drop-path {args.drop_path:g}, "
+            f"amp {run.use_amp}, mixup {'on' if run.mixup_fn else 'off'}, weights from {run.start}, "
             f"output {output}",
             flush=True,
         )
@@ -468,12 +826,15 @@ def train(args: argparse.Namespace) -> int:
         train_model = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
-    train_loss_fn = (
-        LabelSmoothingCrossEntropy(args.smoothing) if args.smoothing > 0 else nn.CrossEntropyLoss()
-    )
+    if run.mixup_fn is not None:  # label smoothing is part of the mixed targets
+        train_loss_fn = SoftTargetCrossEntropy()
+    elif args.smoothing > 0:
+        train_loss_fn = LabelSmoothingCrossEntropy(args.smoothing)
+    else:
+        train_loss_fn = nn.CrossEntropyLoss()
 
     def autocast():
-        return torch.autocast("cuda", dtype=torch.float16) if use_amp else nullcontext()
+        return torch.autocast("cuda", dtype=torch.float16) if run.use_amp else nullcontext()
 
     log_path = output / "log.jsonl"
     show_progress = primary and (sys.stderr.isatty() if args.progress is None else args.progress)
@@ -485,6 +846,8 @@ def train(args: argparse.Namespace) -> int:
         sampler.set_epoch(epoch)
         sampler.skip = first_step * args.batch_size
         state.epoch, state.step_in_epoch = epoch, first_step
+        if run.mixup_fn is not None and args.mixup_off_epoch and epoch >= args.mixup_off_epoch:
+            run.mixup_fn.mixup_enabled = False
         train_model.train()
         loss_meter = AverageMeter()
         window_loss, window_steps, window_start = torch.zeros((), device=device), 0, time.perf_counter()
@@ -495,16 +858,20 @@ def train(args: argparse.Namespace) -> int:
             disable=not show_progress,
             dynamic_ncols=True,
         )
-        for images, target in train_loader:
+        for images, target in run.train_loader:
             images = images.to(device, non_blocking=True)
+            target = target.to(device, non_blocking=True)
+            if run.mixup_fn is not None:
+                images, target = run.mixup_fn(images, target)
             if args.channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
-            target = target.to(device, non_blocking=True)
             with autocast():
                 loss = train_loss_fn(train_model(images), target)
             optimizer.zero_grad(set_to_none=True)
-            if loss_scaler is not None:
-                loss_scaler(loss, optimizer, clip_grad=args.clip_grad or None, parameters=model.parameters())
+            if run.loss_scaler is not None:
+                run.loss_scaler(
+                    loss, optimizer, clip_grad=args.clip_grad or None, parameters=model.parameters()
+                )
             else:
                 loss.backward()
                 if args.clip_grad:
@@ -535,7 +902,7 @@ def train(args: argparse.Namespace) -> int:
                     global_step=state.global_step,
                     loss=mean_loss,
                     lr=lr_now,
-                    img_per_s=window_steps * global_batch / elapsed,
+                    img_per_s=window_steps * run.global_batch / elapsed,
                 )
                 if primary:
                     _log(log_path, record)
@@ -572,16 +939,21 @@ def train(args: argparse.Namespace) -> int:
         # end of epoch: validate, log, checkpoint ------------------------------------------------------
         if distributed:
             distribute_bn(model, world_size, reduce=True)
-        metrics: dict[str, float] = {}
+        evals: dict[str, dict[str, float]] = {}  # "": the model, "ema_": its EMA; each loss, top1, top5
         if (epoch + 1) % args.val_interval == 0 or epoch + 1 == num_epochs or stopped:
-            metrics["top1"] = validate(model, val_loader, device, autocast, args.channels_last, distributed)
+            evals[""] = validate(model, run.val_loader, device, autocast, args.channels_last, distributed)
             if model_ema is not None:
-                metrics["ema_top1"] = validate(
-                    model_ema.module, val_loader, device, autocast, args.channels_last, distributed
+                evals["ema_"] = validate(
+                    model_ema.module, run.val_loader, device, autocast, args.channels_last, distributed
                 )
         state.epoch, state.step_in_epoch = epoch + 1, 0
         if primary:
-            lr_now = optimizer.param_groups[0]["lr"]
+            lr_now = sum(g["lr"] for g in optimizer.param_groups) / len(optimizer.param_groups)
+            logged = {
+                f"{who}{'val_loss' if k == 'loss' else k}": v
+                for who, m in evals.items()
+                for k, v in m.items()
+            }
             _log(
                 log_path,
                 dict(
@@ -590,17 +962,22 @@ def train(args: argparse.Namespace) -> int:
                     global_step=state.global_step,
                     loss=loss_meter.avg,
                     lr=lr_now,
-                    **metrics,
+                    **logged,
                 ),
             )
-            update_summary(epoch, {"loss": loss_meter.avg}, metrics, str(output / "summary.csv"), lr=lr_now)
-            shown = ", ".join(f"{k} {v:.2f}" for k, v in metrics.items())
+            summary = {f"eval_{who}{k}": v for who, m in evals.items() for k, v in m.items()}
+            write_summary(
+                output / "summary.csv",
+                {"epoch": epoch, "train_loss": loss_meter.avg, **summary, "lr": lr_now},
+                columns,
+            )
+            shown = ", ".join(f"{k} {v:.2f}" for k, v in logged.items() if "top" in k)
             print(
                 f"epoch {epoch}: loss {loss_meter.avg:.4f}, lr {lr_now:.3g}"
                 + (f", {shown}" if shown else ""),
                 flush=True,
             )
-            saver.save_checkpoint(epoch, metric=metrics.get("ema_top1", metrics.get("top1")))
+            saver.save_checkpoint(epoch, metric=logged.get("ema_top1", logged.get("top1")))
             for stale in output.glob(f"recovery-*{CHECKPOINT_EXT}"):  # all older than this epoch's checkpoint
                 stale.unlink(missing_ok=True)
         if stopped:
@@ -623,12 +1000,13 @@ def train(args: argparse.Namespace) -> int:
 
 def write_weights(checkpoint: Path, path: Path, name: str, ema: bool = True) -> dict[str, Any]:
     """The checkpoint's EMA weights (the raw weights of a run without EMA) as a verified weight file, by
-    ``convert_checkpoint``; prints and returns the ``weights/manifest.json`` entry."""
+    ``convert_checkpoint`` (replacing the file of an earlier run in the same folder); prints and returns
+    the ``weights/manifest.json`` entry."""
     from convfirstnet.tools.convert_checkpoint import convert_checkpoint
 
     which = "EMA weights" if ema else "weights"
     entry = convert_checkpoint(
-        checkpoint, path, name, source=f"convfirstnet train, {which} of {checkpoint.name}"
+        checkpoint, path, name, source=f"convfirstnet train, {which} of {checkpoint.name}", overwrite=True
     )
     print(
         f'wrote {path}\nmanifest entry (weights/manifest.json, "models"):\n'
@@ -640,11 +1018,7 @@ def write_weights(checkpoint: Path, path: Path, name: str, ema: bool = True) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return train(args)
-    except TrainError as e:
-        print(f"convfirstnet train: error: {e}", file=sys.stderr)
-        return 2
+    return run_reporting("convfirstnet train", lambda: train(args))
 
 
 if __name__ == "__main__":

@@ -448,7 +448,7 @@ _COLORS = {
     "convfirst-fused": "#2ca02c",
     "mbconv-fused": "#d62728",
     "stem-fused": "#8c564b",
-    "head-fused": "#9467bd",
+    "head-fused": "#e377c2",  # not the classifier's colour: both are in the block-fusion panel
 }
 
 
@@ -459,29 +459,36 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise SystemExit("plots need matplotlib: pip install 'convfirstnet[plot]'") from e
+        from ._cli import ToolError
+
+        raise ToolError("plots need matplotlib: pip install 'convfirstnet[plot]'") from e
     return plt
 
 
 def plot_waterline(a: Analysis, path: str | Path) -> Path:
     """Paper Fig. 15 (two waterline panels: layer-wise and block-fusion) plus Fig. 16 (max efficiency
-    vs processor op:byte, waterline and roofline)."""
+    vs processor op:byte, waterline and roofline).
+
+    Each kernel is a bar as wide as its minimum latency and as high as its operational intensity; both
+    panels share the latency axis (so their widths compare), each has its own intensity axis, and the
+    legends sit outside the axes, beside the bars they explain.
+    """
     plt = _pyplot()
     dev = a.device
-    fig = plt.figure(figsize=(12, 9))
-    grid = fig.add_gridspec(3, 1, height_ratios=[1, 1, 0.9], hspace=0.45)
-    ymax = 4 * dev.op_byte
+    fig = plt.figure(figsize=(12, 10.5))
+    grid = fig.add_gridspec(3, 1, height_ratios=[1, 1, 0.9], hspace=0.55)
     t_max = max(sum(k.t_min(dev) for k in ks) for ks in (a.layerwise, a.fused)) * 1e3
+    waterline_color = "#17becf"
     for i, (label, ks) in enumerate((("layer-wise", a.layerwise), ("block-fusion", a.fused))):
         ax = fig.add_subplot(grid[i])
+        ymax = 1.15 * max(dev.op_byte, max(k.intensity for k in ks))
         x = 0.0
         seen = set()
         for k in ks:
             w = k.t_min(dev) * 1e3
-            h = min(k.intensity, ymax)
             ax.bar(
                 x,
-                h,
+                k.intensity,
                 width=w,
                 align="edge",
                 color=_COLORS.get(k.kind, "k"),
@@ -491,14 +498,11 @@ def plot_waterline(a: Analysis, path: str | Path) -> Path:
             )
             seen.add(k.kind)
             x += w
-        ax.axhline(dev.op_byte, color="#17becf", lw=2)
+        ax.axhline(
+            dev.op_byte, color=waterline_color, lw=2, label=f"waterline: {dev.name} op:byte {dev.op_byte:.0f}"
+        )
         ax.text(
-            t_max * 0.99,
-            dev.op_byte * 1.03,
-            f"{dev.name} op:byte {dev.op_byte:.0f}",
-            ha="right",
-            va="bottom",
-            color="#17becf",
+            t_max, dev.op_byte, f"op:byte {dev.op_byte:.0f}", ha="right", va="bottom", color=waterline_color
         )
         s = summarize(ks, dev, a.batch)
         ax.set_title(
@@ -509,18 +513,20 @@ def plot_waterline(a: Analysis, path: str | Path) -> Path:
         ax.set_ylim(0, ymax)
         ax.set_ylabel("operational intensity [OP/B]")
         ax.set_xlabel("minimum attainable latency [ms]")
-        ax.legend(loc="upper left", fontsize=8, ncol=3)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     ax = fig.add_subplot(grid[2])
     ratios = [r for r in range(10, 801, 10)]
     for label, ks, color in (("layer-wise", a.layerwise, "#1f77b4"), ("block-fusion", a.fused, "#2ca02c")):
         w, r = zip(*(c_max_at(ks, q) for q in ratios), strict=True)
         ax.plot(ratios, [100 * v for v in w], color=color, label=f"{label}: waterline")
         ax.plot(ratios, [100 * v for v in r], color=color, ls="--", label=f"{label}: roofline (mediant)")
-    ax.axvline(dev.op_byte, color="#17becf", lw=1.5)
-    ax.set_xlabel("processor op:byte")
+    ax.axvline(dev.op_byte, color=waterline_color, lw=1.5, label=f"{dev.name}: op:byte {dev.op_byte:.0f}")
+    ax.set_title(f"{a.model}: maximum efficiency vs processor op:byte (peak / DRAM bandwidth)")
+    ax.set_xlabel("processor op:byte [OP/B]")
     ax.set_ylabel("max efficiency [%]")
+    ax.set_xlim(0, ratios[-1])
     ax.set_ylim(0, 105)
-    ax.legend(fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
@@ -613,10 +619,13 @@ def plot_efficiency_gap(
             ha="right",
         )
     ax.set_xscale("log")
-    from matplotlib.ticker import FormatStrFormatter, NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+    # ticks at 1, 2, 5 x 10^k: a log axis spanning less than two decades gets several labels, not just "1"
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.margins(x=0.08, y=0.08)
     ax.set_xlabel(f"latency per batch of {analyses[0].batch} [ms] ({dev.name}, {dev.peak_tflops:g} TFLOP/s)")
     ax.set_ylabel("ImageNet top-1 [%] (paper)")
     note = "" if series["measured"] else " - no measured records for this device yet"
@@ -680,16 +689,27 @@ def _analysis_json(a: Analysis) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
-    import convfirstnet  # noqa: F401
+    from ._cli import run_reporting
 
-    try:
-        dev = device_by_key(args.device)
-    except ValueError as e:
-        print(f"convfirstnet waterline: {e}", file=sys.stderr)
-        return 2
+    return run_reporting("convfirstnet waterline", lambda: run(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    import convfirstnet  # noqa: F401
+    from convfirstnet.factory import _canonical
+    from convfirstnet.model import MIN_INPUT_SIZE
+
+    from ._cli import ToolError
+
+    dev = device_by_key(args.device)  # ValueError naming the known devices
     if args.model is None and args.blocks is None and args.gap_plot is None:
-        print("convfirstnet waterline: give a MODEL, --blocks or --gap-plot", file=sys.stderr)
-        return 2
+        raise ToolError("give a MODEL, --blocks or --gap-plot")
+    if args.model is not None:
+        _canonical(args.model)  # the block structure is known for ConvFirstNet only
+    if args.batch < 1 or args.elem_bytes < 1:
+        raise ToolError("--batch and --bytes must be at least 1")
+    if args.resolution < MIN_INPUT_SIZE:
+        raise ToolError(f"--resolution {args.resolution}: ConvFirstNet needs at least {MIN_INPUT_SIZE}")
     out: dict = {}
     text: list[str] = []
     if args.blocks:
@@ -697,11 +717,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         text += [wells_table(rows, dev), ""]
         out["blocks"] = rows
     if args.model:
-        try:
-            a = analyze(args.model, dev, args.batch, args.resolution, args.elem_bytes)
-        except ValueError as e:  # unknown model name, input too small
-            print(f"convfirstnet waterline: {e}", file=sys.stderr)
-            return 2
+        a = analyze(args.model, dev, args.batch, args.resolution, args.elem_bytes)
         text += [summary_table(a), "", stage_table(a)]
         if args.kernels:
             for label, ks in (("layer-wise", a.layerwise), ("block-fusion", a.fused)):

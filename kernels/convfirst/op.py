@@ -48,3 +48,9 @@ def convfirst(
         check_supported(x, c, k)
         return convfirst_triton(x, w_conv, b_conv, w1, b1, w2, b2, stride)
     return convfirst_reference(x, w_conv, b_conv, w1, b1, w2, b2, stride)
+
+
+# Autograd: the backward recomputes the block through its reference (cost in kernels/_autograd.py).
+from .._autograd import register_reference_autograd  # noqa: E402
+
+register_reference_autograd("convfirstnet::convfirst", convfirst_reference)

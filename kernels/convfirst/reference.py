@@ -9,8 +9,8 @@
     stride 2:           y = gconv(x) at full resolution;  u = BlurPool(cat[x, y]);
                         out = W2 ReLU(W1 u + b1) + b2                       (no residual)
 
-Output: (N, K, H', W') in NHWC memory, H' = H (stride 1) or ceil(H/2). Computed in fp32 and returned
-in x's dtype.
+Output: (N, K, H', W') in NHWC memory, H' = H (stride 1) or ceil(H/2). Computed in fp32 (fp64 for fp64
+input) and returned in x's dtype.
 """
 
 import torch
@@ -30,11 +30,12 @@ def convfirst_reference(
     b2: torch.Tensor,
     stride: int,
 ) -> torch.Tensor:
-    xf = x.float()
-    y = F.conv2d(xf, w_conv.float(), b_conv.float(), padding=1, groups=x.shape[1] // GROUP_WIDTH)
+    dt = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(dt)
+    y = F.conv2d(xf, w_conv.to(dt), b_conv.to(dt), padding=1, groups=x.shape[1] // GROUP_WIDTH)
     u = y if stride == 1 else blurpool_reference(torch.cat([xf, y], dim=1))
-    h = F.relu(F.conv2d(u, w1.float()[:, :, None, None], b1.float()))
-    out = F.conv2d(h, w2.float()[:, :, None, None], b2.float())
+    h = F.relu(F.conv2d(u, w1.to(dt)[:, :, None, None], b1.to(dt)))
+    out = F.conv2d(h, w2.to(dt)[:, :, None, None], b2.to(dt))
     if stride == 1:
         out = out + xf
     return out.to(x.dtype).contiguous(memory_format=torch.channels_last)

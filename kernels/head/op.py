@@ -19,3 +19,9 @@ def head(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if use_triton(x):
         return head_triton(x, w, b)
     return head_reference(x, w, b)
+
+
+# Autograd: the backward recomputes the block through its reference (cost in kernels/_autograd.py).
+from .._autograd import register_reference_autograd  # noqa: E402
+
+register_reference_autograd("convfirstnet::head", head_reference)

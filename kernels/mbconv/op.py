@@ -61,3 +61,9 @@ def mbconv(
             x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj, stride
         )
     return mbconv_reference(x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj, stride)
+
+
+# Autograd: the backward recomputes the block through its reference (cost in kernels/_autograd.py).
+from .._autograd import register_reference_autograd  # noqa: E402
+
+register_reference_autograd("convfirstnet::mbconv", mbconv_reference)

@@ -11,8 +11,8 @@
     s = g * sigmoid(W_se2 ReLU(W_se1 mean_hw(g) + b_se1) + b_se2)
     out = W_proj s + b_proj  (+ x when stride 1, K == C)
 
-Output: (N, K, H', W') in NHWC memory, H' = H (stride 1) or ceil(H/2). Computed in fp32 and returned
-in x's dtype.
+Output: (N, K, H', W') in NHWC memory, H' = H (stride 1) or ceil(H/2). Computed in fp32 (fp64 for fp64
+input) and returned in x's dtype.
 """
 
 import torch
@@ -23,7 +23,7 @@ from .._launch import GROUP_WIDTH
 
 
 def _conv1x1(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return F.conv2d(x, w.float()[:, :, None, None], b.float())
+    return F.conv2d(x, w.to(x.dtype)[:, :, None, None], b.to(x.dtype))
 
 
 def mbconv_reference(
@@ -40,9 +40,10 @@ def mbconv_reference(
     b_proj: torch.Tensor,
     stride: int,
 ) -> torch.Tensor:
-    xf = x.float()
+    dt = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(dt)
     h = F.silu(_conv1x1(xf, w_exp, b_exp))
-    g = F.silu(F.conv2d(h, w_conv.float(), b_conv.float(), padding=1, groups=h.shape[1] // GROUP_WIDTH))
+    g = F.silu(F.conv2d(h, w_conv.to(dt), b_conv.to(dt), padding=1, groups=h.shape[1] // GROUP_WIDTH))
     if stride == 2:
         g = blurpool_reference(g)
     squeeze = g.mean(dim=(2, 3), keepdim=True)

@@ -22,3 +22,9 @@ def stem(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         check_launchable(x, c_out)
         return stem_triton(x, w, b)
     return stem_reference(x, w, b)
+
+
+# Autograd: the backward recomputes the block through its reference (cost in kernels/_autograd.py).
+from .._autograd import register_reference_autograd  # noqa: E402
+
+register_reference_autograd("convfirstnet::stem", stem_reference)

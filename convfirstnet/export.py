@@ -1,0 +1,236 @@
+"""Deployment: the fused form as a ``torch.export`` program, the BatchNorm-folded layer-wise form as ONNX.
+
+    convfirstnet export --model pico --checkpoint pico.safetensors --format pt2    # -> convfirstnet_pico.pt2
+    convfirstnet export --model pico --checkpoint pico.safetensors --format onnx   # -> convfirstnet_pico.onnx
+
+* ``pt2`` (:func:`export_pt2`): ``torch.export`` of the fused inference form, saved with
+  ``torch.export.save``. The graph holds one ``torch.ops.convfirstnet`` op per block (the Triton kernels
+  on CUDA, the PyTorch reference on CPU) and the batch dimension is dynamic. Load it with
+  :func:`load_pt2` (``import convfirstnet`` then ``torch.export.load``: the ops must be registered).
+  This is the form to deploy on NVIDIA GPUs through PyTorch; export it on the device and in the dtype
+  it will run in (``--device cuda --dtype float16``).
+* ``onnx`` (:func:`export_onnx`): the layer-by-layer form with every BatchNorm folded into its
+  convolution (:func:`convfirstnet.folding.fold_batchnorm`), exported with ``torch.onnx.export``
+  (standard ONNX operators only: the fused ops have no ONNX equivalent), dynamic batch, fp32. The file
+  is checked with ONNX's checker and run with onnxruntime on CPU against the PyTorch model. ONNX,
+  onnxscript and onnxruntime are the optional extra ``pip install "convfirstnet[onnx]"``.
+
+Errors (a missing weight file, a bad option value, a failed check) print one ``convfirstnet export: error:``
+line and exit with status 1; a malformed command line prints the usage and exits with status 2.
+
+Both exports are verified after writing: the saved file is loaded back and run at a batch size other
+than the one traced, and the maximum relative error against the PyTorch model (``max |a - b| / max |b|``)
+is printed; above ``MAX_REL_ERR`` the export fails. ``torch.jit.script`` is not supported (the models use
+Python control flow and custom ops that TorchScript cannot compile); ``torch.export`` replaces it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+FORMATS = ("pt2", "onnx")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TRACE_BATCH, CHECK_BATCH = 2, 3  # traced with one batch size, checked with another: the batch is dynamic
+# fp32 in both programs: rounding-level differences only (ONNX Runtime's convolutions sum in another
+# order, and the ONNX form folds BatchNorm the way the fused form does); fp16/bf16 pt2 checks compare
+# like with like (the same ops in the same dtype).
+MAX_REL_ERR = 1e-4
+ONNX_HINT = 'ONNX export needs onnx, onnxscript and onnxruntime: pip install "convfirstnet[onnx]"'
+
+
+class ExportError(RuntimeError):
+    """An export that cannot be made, or whose file does not reproduce the model."""
+
+
+def _is_fused(model: nn.Module) -> bool:
+    from .blocks import FusedBlock
+
+    return any(isinstance(m, FusedBlock) for m in model.modules())
+
+
+def _input(model: nn.Module, batch: int, img_size: int, device, dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, model.in_chans, img_size, img_size, generator=g)
+    return x.to(device=device, dtype=dtype)
+
+
+def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max |out - ref| / max |ref|`` in fp64."""
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+# ------------------------------------------------------------------------------------------ pt2
+def export_pt2(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    img_size: int = 256,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> float:
+    """Save ``torch.export`` of the fused form of ``model`` (a training-form or fused ConvFirstNet) to
+    ``path`` with a dynamic batch dimension, load it back, run it and return the max relative error
+    against the eager fused model."""
+    from . import fuse
+
+    fused = (model if _is_fused(model) else fuse(model)).eval().to(device=device, dtype=dtype)
+    x = _input(fused, TRACE_BATCH, img_size, device, dtype)
+    batch = torch.export.Dim("batch")
+    with torch.no_grad():
+        program = torch.export.export(fused, (x,), dynamic_shapes={"x": {0: batch}})
+    targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    ops = {t.split(".")[1] for t in targets if t.startswith("convfirstnet.")}
+    if ops != {"stem", "convfirst", "mbconv", "head"}:
+        raise ExportError(f"the exported graph holds the convfirstnet ops {sorted(ops)}, not every block kind")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.export.save(program, str(path))
+    loaded = load_pt2(path).module()
+    x = _input(fused, CHECK_BATCH, img_size, device, dtype)
+    with torch.no_grad():
+        err = max_rel_err(loaded(x), fused(x))
+    if not err <= MAX_REL_ERR:
+        raise ExportError(f"{path}: the loaded program differs from the model (max relative error {err:.2e})")
+    return err
+
+
+def load_pt2(path: str | os.PathLike) -> torch.export.ExportedProgram:
+    """``torch.export.load`` of a ``.pt2`` written by :func:`export_pt2`; importing this package first
+    registers the ``torch.ops.convfirstnet`` ops the program calls. Run it with ``.module()(x)``."""
+    return torch.export.load(str(path))
+
+
+# ------------------------------------------------------------------------------------------ onnx
+def export_onnx(
+    model: nn.Module, path: str | os.PathLike, *, img_size: int = 256, opset: int | None = None
+) -> float:
+    """Write the BatchNorm-folded layer-wise form of ``model`` (training form) as ONNX with a dynamic
+    batch, check it with ``onnx.checker`` and return the max relative error of onnxruntime (CPU)
+    against the PyTorch model."""
+    from .folding import fold_batchnorm
+
+    try:
+        import onnx
+        import onnxruntime
+        import onnxscript  # noqa: F401  (torch.onnx.export's exporter needs it)
+    except ImportError as e:
+        raise ExportError(f"{ONNX_HINT} ({e})") from e
+    if _is_fused(model):
+        raise ExportError(
+            "ONNX export takes the training form (BatchNorm is folded into standard Conv operators); the "
+            "fused ops have no ONNX equivalent: pass the model before convfirstnet.fuse"
+        )
+    model = model.float().cpu().eval()
+    folded = fold_batchnorm(model)
+    x = _input(model, TRACE_BATCH, img_size, "cpu", torch.float32)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kwargs: dict[str, Any] = dict(
+        input_names=["image"],
+        output_names=["logits"],
+        dynamic_shapes={"x": {0: torch.export.Dim("batch")}},
+        dynamo=True,
+        verbose=False,
+    )
+    if opset is not None:
+        kwargs["opset_version"] = opset
+    with torch.no_grad():
+        torch.onnx.export(folded, (x,), str(path), **kwargs)
+    proto = onnx.load(str(path))
+    onnx.checker.check_model(proto, full_check=True)
+    foreign = sorted({n.domain for n in proto.graph.node if n.domain not in ("", "ai.onnx")})
+    if foreign:
+        raise ExportError(f"{path}: the graph uses non-standard operator domains {foreign}")
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    x = _input(model, CHECK_BATCH, img_size, "cpu", torch.float32)
+    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    with torch.no_grad():
+        err = max_rel_err(torch.from_numpy(out), model(x))
+    if not err <= MAX_REL_ERR:
+        raise ExportError(f"{path}: onnxruntime differs from the PyTorch model (max relative error {err:.1e})")
+    return err
+
+
+# ------------------------------------------------------------------------------------------ command
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="convfirstnet export",
+        description="Export a ConvFirstNet for deployment: pt2 (torch.export of the fused form, the "
+        "convfirstnet ops kept; NVIDIA GPUs through PyTorch) or onnx (BatchNorm-folded layer-wise form, "
+        "standard ONNX operators; other runtimes). The file is loaded back and checked against PyTorch.",
+    )
+    p.add_argument("--model", required=True, help="pico, nano, tiny, small or convfirstnet_<size>")
+    p.add_argument("--format", required=True, choices=FORMATS)
+    p.add_argument("--checkpoint", default=None, help="weight file (default: the pretrained=True lookup)")
+    p.add_argument("--random-weights", action="store_true", help="export randomly initialised weights")
+    p.add_argument("--output", default=None, help="default: ./<model name>.<format>")
+    p.add_argument("--img-size", type=int, default=None, help="input size (default: the pretrained_cfg's, 256)")
+    p.add_argument("--device", default="cpu", help="pt2: device to export on and for (cpu, cuda)")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="pt2: model dtype (onnx: fp32)")
+    p.add_argument("--opset", type=int, default=None, help="onnx: opset version (default: the exporter's)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        print(run(args))
+    except (ExportError, ValueError, TypeError, RuntimeError, FileNotFoundError) as e:
+        message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        print(f"convfirstnet export: error: {message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run(args: argparse.Namespace) -> str:
+    from . import create_model
+    from .blocks import MIN_INPUT_SIZE
+    from .factory import _canonical
+    from .weights import WeightsNotFoundError
+
+    name = _canonical(args.model)
+    if args.checkpoint and args.random_weights:
+        raise ValueError("--checkpoint and --random-weights exclude each other")
+    if args.format == "onnx" and args.dtype != "float32":
+        raise ValueError("--dtype: the ONNX export is float32 (convert it with ONNX tools afterwards)")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}, but no CUDA device is available")
+    if args.random_weights:
+        model = create_model(name)
+    else:
+        try:
+            model = create_model(name, pretrained=True, checkpoint_path=args.checkpoint, fuse=False)
+        except WeightsNotFoundError as e:
+            if args.checkpoint:
+                raise
+            raise ExportError(f"{e} Or pass --checkpoint PATH (--random-weights for random weights).") from e
+    img_size = args.img_size or model.pretrained_cfg["input_size"][-1]
+    if img_size < MIN_INPUT_SIZE:
+        raise ValueError(f"--img-size {img_size}: ConvFirstNet needs at least {MIN_INPUT_SIZE}")
+    output = Path(args.output or f"{name}.{args.format}")
+    weights = "random weights" if args.random_weights else f"weights {args.checkpoint or 'from the lookup'}"
+    if args.format == "pt2":
+        err = export_pt2(model, output, img_size=img_size, device=args.device, dtype=DTYPES[args.dtype])
+        what = f"fused form, torch.export, {args.device} {args.dtype}"
+        check = "torch.export.load"
+    else:
+        err = export_onnx(model, output, img_size=img_size, opset=args.opset)
+        what = "BatchNorm-folded layer-wise form, ONNX, float32"
+        check = "onnxruntime (CPU)"
+    shape = f"(batch, {model.in_chans}, {img_size}, {img_size})"
+    return (
+        f"wrote {output} ({name}, {weights}; {what}; input {shape}, dynamic batch)\n"
+        f"checked with {check} at batch {CHECK_BATCH}: max relative error vs PyTorch {err:.2e}"
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
