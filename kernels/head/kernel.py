@@ -101,7 +101,8 @@ def _tanh(h, FAST: tl.constexpr):
 def _x_tile(x_img, k, poff, p_ok, sxc, C, MASK_K: tl.constexpr):
     """x^T[k, p] of one image: channels k (rows) by pixels (columns), zero past H*W (and past C)."""
     if MASK_K:
-        return tl.load(x_img + k[:, None] * sxc + poff[None, :], mask=(k < C)[:, None] & p_ok[None, :], other=0.0)
+        mask = (k < C)[:, None] & p_ok[None, :]
+        return tl.load(x_img + k[:, None] * sxc + poff[None, :], mask=mask, other=0.0)
     return tl.load(x_img + k[:, None] * sxc + poff[None, :], mask=p_ok[None, :], other=0.0)
 
 
@@ -109,7 +110,8 @@ def _x_tile(x_img, k, poff, p_ok, sxc, C, MASK_K: tl.constexpr):
 def _w_tile(w_ptr, rf, f_ok, k, swf, swc, C, MASK_K: tl.constexpr):
     """W[f, k]: features (rows) by channels (columns), zero past F (and past C)."""
     if MASK_K:
-        return tl.load(w_ptr + rf[:, None] * swf + k[None, :] * swc, mask=f_ok[:, None] & (k < C)[None, :], other=0.0)
+        mask = f_ok[:, None] & (k < C)[None, :]
+        return tl.load(w_ptr + rf[:, None] * swf + k[None, :] * swc, mask=mask, other=0.0)
     return tl.load(w_ptr + rf[:, None] * swf + k[None, :] * swc, mask=f_ok[:, None], other=0.0)
 
 
@@ -122,7 +124,8 @@ def _head_kernel(
     # strides (elements): x as logical (N, C, H, W) with pixel p at p * sxp, w (F, C), out (N, F)
     sxn, sxc, sxp, swf, swc, son,
     # meta-parameters
-    W_RESIDENT: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, MASK_K1: tl.constexpr, MASK_K2: tl.constexpr,
+    W_RESIDENT: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
+    MASK_K1: tl.constexpr, MASK_K2: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_P: tl.constexpr, PREC: tl.constexpr,
     FAST_SILU: tl.constexpr,
 ):
@@ -154,12 +157,14 @@ def _head_kernel(
             if W_RESIDENT:
                 acc = tl.dot(w1, _x_tile(x_img, k1, poff, p_ok, sxc, C, MASK_K1), input_precision=PREC)
                 if K2 > 0:
-                    acc = tl.dot(w2, _x_tile(x_img, k2, poff, p_ok, sxc, C, MASK_K2), acc, input_precision=PREC)
+                    x2 = _x_tile(x_img, k2, poff, p_ok, sxc, C, MASK_K2)
+                    acc = tl.dot(w2, x2, acc, input_precision=PREC)
             else:
                 acc = tl.zeros((BLOCK_F, BLOCK_P), dtype=tl.float32)
                 for k0 in range(0, C, BLOCK_K):
                     wk = _w_tile(w_ptr, rf, f_ok, k0 + kk, swf, swc, C, True)
-                    acc = tl.dot(wk, _x_tile(x_img, k0 + kk, poff, p_ok, sxc, C, True), acc, input_precision=PREC)
+                    xk = _x_tile(x_img, k0 + kk, poff, p_ok, sxc, C, True)
+                    acc = tl.dot(wk, xk, acc, input_precision=PREC)
             h = acc * 0.5 + hb[:, None]
             total += tl.sum(h + h * _tanh(h, FAST_SILU), axis=1)
         mean = (total - n_pad * silu_b) * inv_hw
@@ -232,7 +237,9 @@ def pixel_stride(x: torch.Tensor) -> int | None:
     return x.stride(3) if h == 1 or x.stride(2) == w * x.stride(3) else None
 
 
-def head_cost(n: int, c: int, f: int, hw: int, cfg: HeadConfig, groups: int, elem: int, fp32: bool) -> KernelCost:
+def head_cost(
+    n: int, c: int, f: int, hw: int, cfg: HeadConfig, groups: int, elem: int, fp32: bool
+) -> KernelCost:
     f_blocks = triton.cdiv(f, cfg.block_f)
     p_blocks = triton.cdiv(hw, cfg.block_p)
     passes = 3 if fp32 else 1  # tf32x3: three tensor-core products per dot
@@ -244,7 +251,8 @@ def head_cost(n: int, c: int, f: int, hw: int, cfg: HeadConfig, groups: int, ele
         dram_bytes=elem * (n * c * hw + f * c + f + n * f),
         loops=(Loop("images", triton.cdiv(n, groups), (Loop("pixel blocks", p_blocks, inner),)),),
         note=f"{f_blocks} feature blocks x {groups} image groups; "
-        + (f"weight slice [{cfg.block_f}, {c}] on chip per program" if cfg.w_resident else f"K steps of {cfg.block_k}")
+        + (f"weight slice [{cfg.block_f}, {c}] on chip per program" if cfg.w_resident
+           else f"K steps of {cfg.block_k}")
         + f"; L2 reads ~{(f_blocks * n * c * hw + w_reads * cfg.block_f * c) * elem / 1e6:.0f} MB"
         + (", tf32x3 (3 passes)" if fp32 else ""),
     )

@@ -27,7 +27,9 @@ def record(fn: Callable[[], object]) -> list[Launch]:
     return rec.launches
 
 
-def compile_launches(launches: Sequence[Launch], archs: Sequence[int] = (90, 80)) -> dict[tuple[int, int], Compiled]:
+def compile_launches(
+    launches: Sequence[Launch], archs: Sequence[int] = (90, 80)
+) -> dict[tuple[int, int], Compiled]:
     """{(index of the launch, arch): compiled variant}; identical variants are compiled once."""
     keys, unique = {}, {}
     for i, launch in enumerate(launches):

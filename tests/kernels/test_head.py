@@ -32,9 +32,11 @@ TOL = {
 # On the GPU fp16/bf16 use tanh.approx.f32 (max relative error 2^-10.99): the SiLU of each element is
 # off by at most 2^-11 |h| (h = y / 2), so a mean over pixels by 2^-11 mean|h| <= 4.9e-4 for the
 # unit-variance pre-activations here; atol 1e-3. bf16 rounds the output to 2^-7 relative per ulp.
-# fp32: tf32x3 dots (~2^-21 relative per product) and the exact SiLU formula, as on the interpreter.
+# fp32 runs tf32x3: three tensor-core products per K step, whose fp32 accumulation truncates (measured
+# on V100 ... A100: Fasi et al., "Numerical behavior of NVIDIA tensor cores", 2021), up to one ulp per
+# 8-product step: 3 x 32 steps x 2^-23 at C = 256, ~1.1e-5 |y| with |y| <= ~5; atol 1e-4.
 GPU_TOL = {
-    torch.float32: (2e-5, 2e-5),
+    torch.float32: (1e-4, 2e-5),
     torch.float16: (1e-3, 2**-10),
     torch.bfloat16: (1e-3, 2**-7),
 }
@@ -108,7 +110,8 @@ def test_nchw_input_and_no_reads_outside_the_view(interpreter_backend):
 def test_strided_weight_and_bias(interpreter_backend):
     x, weight, bias = make_head(1, 192, 5, 7, 256)
     # every other element of a NaN-interleaved buffer: unit strides would read the NaNs
-    weight, bias = (torch.stack([t, torch.full_like(t, float("nan"))], dim=-1)[..., 0] for t in (weight, bias))
+    nan = float("nan")
+    weight, bias = (torch.stack([t, torch.full_like(t, nan)], dim=-1)[..., 0] for t in (weight, bias))
     assert torch.isfinite(check(x, weight, bias)).all()
 
 
@@ -141,9 +144,11 @@ def test_channels_past_the_resident_slice(interpreter_backend, few_sms, dtype):
 def test_grid_does_not_grow_with_the_batch():
     """The batch is walked inside the programs (images g, g + G, ...): any batch is one launch of at
     most 2 programs per SM, all in grid.x (the old grid put the batch in grid.y, limit 65535)."""
-    w, b = torch.empty(1280, 256, device="meta", dtype=torch.half), torch.empty(1280, device="meta", dtype=torch.half)
+    w = torch.empty(1280, 256, device="meta", dtype=torch.half)
+    b = torch.empty(1280, device="meta", dtype=torch.half)
     for n in (1, 7, 128, 100_000):
-        x = torch.empty(n, 256, 8, 8, device="meta", dtype=torch.half).contiguous(memory_format=torch.channels_last)
+        x = torch.empty(n, 256, 8, 8, device="meta", dtype=torch.half)
+        x = x.contiguous(memory_format=torch.channels_last)
         (launch,) = record(lambda: torch.ops.convfirstnet.head(x, w, b))
         groups = K.image_groups(n, 10, K.DEFAULT_SMS)
         assert launch.grid == (10 * groups,) and groups == min(n, 2 * K.DEFAULT_SMS // 10)
@@ -187,7 +192,8 @@ def compiled_head():
     launches = []
     for _, c, side, dtype in SHIPPED:
         dt = DTYPES[dtype]
-        x = torch.empty(128, c, side, side, device="meta", dtype=dt).contiguous(memory_format=torch.channels_last)
+        x = torch.empty(128, c, side, side, device="meta", dtype=dt)
+        x = x.contiguous(memory_format=torch.channels_last)
         w, b = torch.empty(1280, c, device="meta", dtype=dt), torch.empty(1280, device="meta", dtype=dt)
         (launch,) = record(lambda: torch.ops.convfirstnet.head(x, w, b))
         launches.append(launch)
