@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._cost import KernelCost, Loop
 from .._launch import launch
 
 FP32_PRECISION = "tf32x3"  # dot precision for fp32 operands (the interpreter computes exact fp32)
@@ -122,9 +123,19 @@ def head_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tens
     cfg = head_config(c, f, h, wd)
     prec = FP32_PRECISION if x.dtype == torch.float32 else "tf32"  # only fp32 operands use it
     grid = (triton.cdiv(f, cfg.block_f), n)
+
+    def cost() -> KernelCost:  # see kernels/_cost.py
+        p_trips, c_trips = triton.cdiv(h * wd, cfg.block_p), triton.cdiv(c, cfg.block_c)
+        return KernelCost(
+            useful_macs=n * h * wd * c * f,
+            mma_macs=grid[0] * grid[1] * p_trips * c_trips * cfg.block_p * cfg.block_c * cfg.block_f,
+            dram_bytes=(x.numel() + out.numel() + w.numel() + b.numel()) * x.element_size(),
+            loops=(Loop("pixel blocks", p_trips, body=(Loop("K steps over C", c_trips),)),),
+        )
+
     launch(
         _head_kernel, grid,
         x, w, b.contiguous(), out, c, f, wd, h * wd, *x.stride(), *w.stride(), out.stride(0),
-        PREC=prec, num_warps=cfg.num_warps, **cfg.constexprs(),
+        PREC=prec, num_warps=cfg.num_warps, cost=cost, **cfg.constexprs(),
     )
     return out

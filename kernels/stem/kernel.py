@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._cost import KernelCost
 from .._launch import launch
 
 
@@ -121,9 +122,18 @@ def stem_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tens
     if m == 0:
         return out
     cfg = stem_config(c_in, c0)
+
+    def cost() -> KernelCost:  # see kernels/_cost.py; no runtime loops (taps and channels are unrolled)
+        return KernelCost(
+            useful_macs=m * c0 * c_in * 9,
+            mma_macs=0,  # rank-1 fp32 updates on CUDA cores
+            dram_bytes=(x.numel() + out.numel() + w.numel() + b.numel()) * x.element_size(),
+            note="27 rank-1 fp32 updates per output tile, no tensor cores",
+        )
+
     launch(
         _stem_kernel, (triton.cdiv(m, cfg.block_m),),
         x, w, b.contiguous(), out, m, h, wd, ho, wo, c0, *x.stride(), *w.stride(),
-        C_IN=c_in, C_PAD=cfg.c_pad, BLOCK_M=cfg.block_m, num_warps=cfg.num_warps,
+        C_IN=c_in, C_PAD=cfg.c_pad, BLOCK_M=cfg.block_m, num_warps=cfg.num_warps, cost=cost,
     )
     return out
