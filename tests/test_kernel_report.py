@@ -375,9 +375,14 @@ def _hand_count(listing: str, trips: int) -> tuple[int, int, int]:
 
 
 @pytest.fixture(scope="module")
-def dot_loop_estimate():
+def compiled_cache():
+    return {}  # variant key -> compiled result, shared by the tests of this module (one compile each)
+
+
+@pytest.fixture(scope="module")
+def dot_loop_estimate(compiled_cache):
     launches = _record_dot_loop(80, (Loop("K steps", 5),))
-    return report.estimate_launches(launches, "sm_90")
+    return report.estimate_launches(launches, "sm_90", compiled=compiled_cache)
 
 
 def test_real_kernel_issue_count_by_hand(dot_loop_estimate):
@@ -392,7 +397,7 @@ def test_real_kernel_issue_count_by_hand(dot_loop_estimate):
     assert e.waves == 33 and e.t_issue == pytest.approx(33 * 4 * 4 * weighted / (4 * 132 * H100.clock_hz))
 
 
-def test_real_kernel_errors():
+def test_real_kernel_errors(dot_loop_estimate, compiled_cache):
     with pytest.raises(
         ValueError, match=r"no cost declaration for tests\.test_kernel_report\._dot_loop_kernel"
     ):
@@ -402,7 +407,7 @@ def test_real_kernel_errors():
         match=r"_dot_loop_kernel .*block blk.* has loops \(\(\)\) but the launcher "
         r"declares \(\) \(no loops\).*KernelCost\.loops",
     ):
-        report.estimate_launches(_record_dot_loop(80, ()), "sm_90")
+        report.estimate_launches(_record_dot_loop(80, ()), "sm_90", compiled=compiled_cache)
 
 
 # --------------------------------------------------------------------- end to end: a stem + ConvFirst stack
@@ -485,11 +490,18 @@ def test_cli_refuses_bad_arguments_before_compiling(capsys):
         assert err.startswith("convfirstnet kernels: error: ") and msg in err and err.count("\n") == 1
 
 
-def test_gap_plot_draws_the_static_estimate(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def pico_analysis():
+    from convfirstnet.tools import waterline
+
+    return waterline.analyze("pico", "h100", batch=8, resolution=64)
+
+
+def test_gap_plot_draws_the_static_estimate(tmp_path, monkeypatch, pico_analysis):
     pytest.importorskip("matplotlib")
     from convfirstnet.tools import waterline
 
-    a = waterline.analyze("pico", "h100", batch=8, resolution=64)
+    a = pico_analysis
     figures = []
     real = waterline._pyplot
 
@@ -508,3 +520,49 @@ def test_gap_plot_draws_the_static_estimate(tmp_path, monkeypatch):
     line = next(ln for ln in fig.axes[0].get_lines() if ln.get_label() == label)
     assert list(line.get_xdata()) == [3.0]
     figures[0].close(fig)
+
+
+def test_waterline_gap_plot_reads_saved_reports(tmp_path, capsys, monkeypatch, pico_analysis):
+    pytest.importorskip("matplotlib")
+    from convfirstnet.tools import waterline
+
+    monkeypatch.setattr(
+        waterline, "analyze", lambda *args, **kwargs: pico_analysis
+    )  # the plot, not the sizes
+
+    def saved(name, model, created, ms, device_key="h100"):
+        target = dict(arch=90, device_key=device_key)
+        rep = dict(
+            format=report.FORMAT,
+            model=model,
+            created=created,
+            batch=8,
+            img_size=256,
+            elem_bytes=2,
+            target=target,
+            predicted_ms=ms,
+            layerwise_ms=2 * ms,
+        )
+        (tmp_path / name).write_text(json.dumps(rep))
+
+    saved("old.json", "convfirstnet_pico", "2026-01-01T00:00:00+00:00", 9.0)
+    saved("new.json", "convfirstnet_pico", "2026-02-01T00:00:00+00:00", 4.0)
+    saved("a100.json", "convfirstnet_nano", "2026-02-01T00:00:00+00:00", 5.0, device_key="a100")
+    (tmp_path / "other.json").write_text(json.dumps({"mode": "network"}))
+    png = tmp_path / "gap.png"
+    args = [
+        "--device",
+        "h100",
+        "--batch",
+        "8",
+        "--gap-plot",
+        str(png),
+        "--records",
+        str(tmp_path / "none"),
+        "--static-records",
+        str(tmp_path),
+    ]
+    assert waterline.main(args) == 0
+    out = capsys.readouterr().out
+    assert "static estimates used: {'convfirstnet_pico': '4.000 ms (" in out and "nano" not in out
+    assert png.read_bytes()[:4] == b"\x89PNG"

@@ -133,9 +133,13 @@ def estimate_launches(
     *,
     jobs: int | None = None,
     progress: Callable[[str], None] | None = None,
+    compiled: dict[str, cc.Compiled] | None = None,
 ) -> Estimates:
     """Bind every launch for the target, compile each distinct variant once, weight its SASS by the loops
-    each launch declares and compute the launch's bounds (steps 2 and 3 of the module docstring)."""
+    each launch declares and compute the launch's bounds (steps 2 and 3 of the module docstring).
+
+    ``compiled`` (variant key -> result) lends results of earlier calls in this process: variants found
+    there are not compiled again, and the ones compiled here are added to it."""
     say = progress or (lambda line: None)
     check_declarations(launches)
     tgt = get_target(arch)
@@ -157,7 +161,11 @@ def estimate_launches(
             f"{c.stack} B stack, {c.mma_kind} ({c.compile_s:.1f} s)"
         )
 
-    comps = cc.compile_variants(variants, jobs=jobs, progress=on_done)
+    known = {} if compiled is None else compiled
+    todo = [v for v in variants if v.key not in known]
+    for v, c in zip(todo, cc.compile_variants(todo, jobs=jobs, progress=on_done)):
+        known[v.key] = c
+    comps = [known[v.key] for v in variants]
     compile_s = time.perf_counter() - t0
     listings = [c.listing() for c in comps]
     occupancy = []

@@ -734,7 +734,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from convfirstnet.analysis.report import static_latencies
 
         reports = static_latencies(args.static_records, dev.key, args.batch, 256, args.elem_bytes)
-        print(f"static estimates used: {reports or 'none (no matching static cost reports)'}")
+        used = {m: f"{r['predicted_ms']:.3f} ms ({r['file']})" for m, r in reports.items()}
+        print(f"static estimates used: {used or 'none (no matching static cost reports)'}")
         static = {m: r["predicted_ms"] for m, r in reports.items()}
         print(f"plot: {plot_efficiency_gap(analyses, args.gap_plot, measured, static=static)}")
     if args.json:
