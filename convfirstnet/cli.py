@@ -17,7 +17,7 @@ import importlib
 import sys
 import time
 
-# subcommand -> module in convfirstnet.tools with main(argv) -> int
+# subcommand -> module with main(argv) -> int: in convfirstnet.tools, or a full module path
 TOOLS = {
     "eval": ("eval_imagenet", "evaluate a model on an ImageNet-style folder"),
     "convert": ("convert_checkpoint", "turn a training checkpoint into a weight file"),
@@ -27,6 +27,7 @@ TOOLS = {
     "waterline": ("waterline", "waterline / efficiency-gap analysis of a model"),
     "results": ("bench_report", "README results table from benchmarks/results"),
     "export": ("export", "export for deployment: pt2 (fused, torch.export) or onnx (BN-folded)"),
+    "kernels": ("convfirstnet.analysis.report", "static cost report of the fused kernels compiled for a GPU"),
 }
 
 # Timing of the main command: at least this many iterations and this many seconds (after warm-up).
@@ -235,7 +236,8 @@ def _unknown_command(word: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in TOOLS:
-        module = importlib.import_module(f"convfirstnet.tools.{TOOLS[argv[0]][0]}")
+        name = TOOLS[argv[0]][0]
+        module = importlib.import_module(name if "." in name else f"convfirstnet.tools.{name}")
         return module.main(argv[1:])
     if argv and argv[0] == "info":
         argv = argv[1:]

@@ -18,20 +18,25 @@ returns per variant:
 it, matching the SASS loop tree against the loops the launcher declared (``KernelCost.loops``): the
 per-warp dynamic instruction count that the issue-time estimate uses. Every instruction of the
 listing counts once per trip of its enclosing loops, both sides of a runtime branch included, so the
-count is an estimate of the issued instructions, not a measurement.
+count is an estimate of the issued instructions, not a measurement. A small runtime loop that ptxas
+unrolled (a main loop doing k source iterations per trip, then a remainder loop) is recognised from
+its counter and weighted trips // k and trips % k.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
 import sys
+import tempfile
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from convfirstnet.kernels._cost import Launch, Loop
 
@@ -144,12 +149,16 @@ def parse_sass(text: str) -> tuple[list[Instruction], list[SassLoop]]:
     """Instructions of an ``nvdisasm -c`` listing and its loop forest (outermost first, in order).
 
     A loop is the range from a label to the last backward branch that targets it. The trailing
-    ``BRA`` to itself after the last ``EXIT`` (a trap, never executed) is left out of the listing.
+    ``BRA`` to itself after the last ``EXIT`` (a trap, never executed) and the ``NOP`` padding after
+    it are left out of the listing.
     """
     insns: list[Instruction] = []
     labels: dict[str, int] = {}
     branches: list[tuple[int, str]] = []
+    padding = False  # after the trap: alignment NOPs up to the end of the function
     for line in text.splitlines():
+        if line.lstrip().startswith(".section"):
+            padding = False
         m = _LABEL.match(line)
         if m:
             labels[m.group(1)] = len(insns)
@@ -158,8 +167,11 @@ def parse_sass(text: str) -> tuple[list[Instruction], list[SassLoop]]:
         if not m:
             continue
         opcode = m.group(3)
+        if padding and opcode == "NOP":
+            continue
         t = _TARGET.search(line) if opcode.split(".")[0] == "BRA" else None
         if t and not m.group(2) and labels.get(t.group(1)) == len(insns):
+            padding = True
             continue  # the trap after the last EXIT (an unconditional branch to itself): never executed
         insns.append(Instruction(int(m.group(1), 16), opcode, line.strip(), bool(m.group(2))))
         if t:
@@ -188,59 +200,231 @@ def _shape_text(loops) -> str:
     return "(" + ", ".join(_shape_text(lp.children if isinstance(lp, SassLoop) else lp.body) for lp in loops) + ")"
 
 
-def match_loops(sass: Sequence[SassLoop], declared: Sequence[Loop]) -> list[tuple[SassLoop, Loop, list]] | None:
-    """Pair SASS loops with declared loops: same nesting, same order. A declared loop with one trip may be
-    missing from the SASS (a bound the binder specialised to 1 lets the compiler drop the loop); its
-    body then stands in its place. Returns nested ``(sass loop, declared loop, children pairs)`` or None."""
-    if not sass and not declared:
-        return []
-    if not declared:
-        return None
-    first, rest = declared[0], list(declared[1:])
-    if sass:
-        inner = match_loops(sass[0].children, first.body)
-        if inner is not None:
-            tail = match_loops(sass[1:], rest)
-            if tail is not None:
-                return [(sass[0], first, inner)] + tail
-    if first.trips == 1:  # elided: its body loops take its place
-        return match_loops(sass, list(first.body) + rest)
+# ptxas unrolls a small runtime loop into a main loop that runs k source iterations per trip and a
+# remainder loop after it (two sibling SASS loops for one source loop). The main loop counts the
+# remaining source iterations down by k and repeats while more than k - 1 are left:
+#     IADD3 R8, P1, R8, -0x4, RZ   ...   ISETP.GT.U32.AND P1, PT, R8, 0x3, PT   ...   @P1 BRA
+_DECREMENT = re.compile(r"\bU?IADD3 (U?R\d+), (?:U?P\d+, )?\1, -0x([0-9a-f]+)\b")
+_COMPARE = re.compile(r"\bU?ISETP\.(GT|GE)\.U32\.AND U?P\d+, U?PT, (U?R\d+), 0x([0-9a-f]+)\b")
+
+
+def unroll_factor(insns: Sequence[Instruction], loop: SassLoop) -> int | None:
+    """Source iterations per trip of a ptxas-unrolled main loop: the k by which it counts a register
+    down and against which it compares that register (``> k - 1`` or ``>= k``), or None if the
+    loop has no such counter."""
+    body = [insns[i].text for i in range(loop.start, loop.end + 1)]
+    decrements = {(m.group(1), int(m.group(2), 16)) for t in body for m in _DECREMENT.finditer(t)}
+    for t in body:
+        for m in _COMPARE.finditer(t):
+            reg, k = m.group(2), int(m.group(3), 16) + (1 if m.group(1) == "GT" else 0)
+            if k > 1 and (reg, k) in decrements:
+                return k
     return None
 
 
-def weighted_counts(
-    insns: Sequence[Instruction], sass_loops: Sequence[SassLoop], declared: Sequence[Loop], what: str = "kernel"
-) -> tuple[Counter, list[dict]]:
-    """Per-warp dynamic count of each opcode: every instruction times the trips of its enclosing loops.
+@dataclass
+class LoopMatch:
+    """A declared loop and the SASS loop(s) compiled from it: one loop, or (``unroll`` > 1) the main
+    loop ptxas unrolled ``unroll`` times followed by its remainder loop."""
 
-    The SASS loop tree must have the shape of the declared one (same nesting, same order; see
-    :func:`match_loops`), else the declaration no longer describes the compiled code and this raises
-    ``ValueError``. Returns the counts and one row per loop (name, trips, instructions in its body,
-    nesting depth, executions of the body per program).
+    declared: Loop
+    sass: tuple[SassLoop, ...]
+    unroll: int = 1
+    children: list["LoopMatch"] = field(default_factory=list)
+
+    def trips(self) -> tuple[int, ...]:
+        """Trips of each SASS loop: the declared trips, or (unrolled) trips // k and trips % k."""
+        if self.unroll == 1:
+            return (self.declared.trips,)
+        return (self.declared.trips // self.unroll, self.declared.trips % self.unroll)
+
+
+MAX_CANDIDATES = 256  # matchings of one listing considered (real loop trees have a handful)
+
+
+def match_candidates(
+    sass: Sequence[SassLoop], declared: Sequence[Loop], insns: Sequence[Instruction] | None = None
+) -> list[tuple[list[LoopMatch], int]]:
+    """Every way to pair the SASS loops with the declared loops (same nesting, same order), each with the
+    number of declared loops of more than one trip it assumes the compiler unrolled away.
+
+    * A declared loop may be missing from the SASS: one trip (a bound the binder specialised to 1), or
+      a constant trip count the compiler unrolled completely; its body, repeated ``trips`` times,
+      takes its place (straight-line code counts once per enclosing trip, as it should).
+    * A declared innermost loop may match two sibling innermost SASS loops when the first is a main
+      loop that ptxas unrolled k times (:func:`unroll_factor`, needs ``insns``) and the second is its
+      remainder loop.
     """
-    pairs = match_loops(sass_loops, declared)
-    if pairs is None:
-        raise ValueError(
-            f"{what}: the compiled SASS has loops {_shape_text(sass_loops)} but the launcher declares "
-            f"{_shape_text(declared)} ({', '.join(lp.name for lp in declared) or 'none'}); update the "
-            "declaration (KernelCost.loops) beside the launcher"
-        )
+    def rec(sass: Sequence[SassLoop], declared: Sequence[Loop]) -> list[tuple[list[LoopMatch], int]]:
+        if not declared:
+            return [([], 0)] if not sass else []
+        first, rest = declared[0], list(declared[1:])
+        found: list[tuple[list[LoopMatch], int]] = []
+        if sass:
+            for inner, pen_in in rec(sass[0].children, first.body):
+                for tail, pen_tail in rec(sass[1:], rest):
+                    found.append(([LoopMatch(first, (sass[0],), 1, inner)] + tail, pen_in + pen_tail))
+            if (insns is not None and not first.body and len(sass) >= 2 and not sass[0].children
+                    and not sass[1].children):
+                k = unroll_factor(insns, sass[0])
+                if k is not None and unroll_factor(insns, sass[1]) is None:
+                    for tail, pen_tail in rec(sass[2:], rest):
+                        found.append(([LoopMatch(first, (sass[0], sass[1]), k)] + tail, pen_tail))
+        if first.trips >= 1 and len(first.body) * first.trips <= 64:  # elided: unrolled by the compiler
+            for m, pen in rec(sass, list(first.body) * first.trips + rest):
+                found.append((m, pen + (first.trips > 1)))
+        if len(found) > MAX_CANDIDATES:
+            raise ValueError(f"more than {MAX_CANDIDATES} ways to match the SASS loops to the declared ones")
+        return found
+
+    return rec(sass, declared)
+
+
+def match_loops(
+    sass: Sequence[SassLoop], declared: Sequence[Loop], insns: Sequence[Instruction] | None = None
+) -> list[LoopMatch] | None:
+    """The structurally simplest pairing of SASS loops with declared loops (fewest declared loops assumed
+    unrolled away; see :func:`match_candidates`), or None if there is none."""
+    cands = match_candidates(sass, declared, insns)
+    return min(cands, key=lambda c: c[1])[0] if cands else None
+
+
+# Tensor-core instructions and the MACs each one performs: HGMMA (wgmma) per warpgroup of 4 warps,
+# HMMA (mma.sync) per warp. Shapes from the mnemonic: HGMMA.64x128x16.F32, HMMA.16816.F32 (m16n8k16).
+_HGMMA = re.compile(r"^HGMMA\.(\d+)x(\d+)x(\d+)\b")
+_HMMA = re.compile(r"^HMMA\.16(8)(4|8|16|32)\b")
+TENSOR_FAMILIES = ("HGMMA", "HMMA", "IMMA", "QMMA", "OMMA", "UTCMMA", "UTCHMMA")
+
+
+def tensor_macs_per_program(counts: Counter, num_warps: int) -> int | None:
+    """Tensor-core MACs one program issues, from per-warp dynamic counts of its SASS instructions (every
+    warp runs the same listing; a warpgroup of 4 executes each HGMMA once). None when a tensor-core
+    instruction has a shape this does not know."""
+    total = 0
+    for opcode, n in counts.items():
+        if not n:
+            continue
+        if m := _HGMMA.match(opcode):
+            total += n * int(m.group(1)) * int(m.group(2)) * int(m.group(3)) * max(1, num_warps // 4)
+        elif m := _HMMA.match(opcode):
+            total += n * 16 * int(m.group(1)) * int(m.group(2)) * num_warps
+        elif opcode.split(".")[0] in TENSOR_FAMILIES:
+            return None
+    return total
+
+
+@dataclass
+class Weighted:
+    """The declared loops applied to one listing (:func:`weigh`)."""
+
+    counts: Counter  # per-warp dynamic count of each opcode
+    rows: list[dict]  # one per SASS loop: name, trips, instructions, depth, executions, unroll
+    tensor_macs: int | None  # per program, from the weighted tensor-core instructions (None: unknown shape)
+    candidates: int  # structurally valid matchings considered
+    unrolled_away: list[str]  # declared loops of more than one trip taken as fully unrolled by the compiler
+
+    @property
+    def per_warp(self) -> int:
+        return sum(self.counts.values())
+
+
+def _apply(insns: Sequence[Instruction], matches: list[LoopMatch]) -> tuple[Counter, list[dict]]:
     weight = [1] * len(insns)
     rows: list[dict] = []
 
-    def walk(level, outer: int, depth: int):
-        for s, d, children in level:
-            for i in range(s.start, s.end + 1):
-                weight[i] *= d.trips
-            rows.append(dict(name=d.name, trips=d.trips, instructions=s.size, depth=depth,
-                             executions=outer * d.trips))
-            walk(children, outer * d.trips, depth + 1)
+    def walk(level: list[LoopMatch], outer: int, depth: int):
+        for m in level:
+            for part, (s, trips) in enumerate(zip(m.sass, m.trips())):
+                for i in range(s.start, s.end + 1):
+                    weight[i] *= trips
+                name = m.declared.name
+                if m.unroll > 1:
+                    name += f" (unrolled x{m.unroll} by ptxas)" if part == 0 else " (remainder)"
+                rows.append(dict(name=name, trips=trips, instructions=s.size, depth=depth,
+                                 executions=outer * trips, unroll=m.unroll if part == 0 else 1))
+            walk(m.children, outer * m.declared.trips, depth + 1)
 
-    walk(pairs, 1, 0)
+    walk(matches, 1, 0)
     counts: Counter = Counter()
     for ins, w in zip(insns, weight):
         counts[ins.opcode] += w
     return counts, rows
+
+
+def _unrolled_away(declared: Sequence[Loop], matches: list[LoopMatch]) -> list[str]:
+    kept: set[int] = set()
+
+    def mark(level: list[LoopMatch]):
+        for m in level:
+            kept.add(id(m.declared))
+            mark(m.children)
+
+    mark(matches)
+    gone: list[str] = []
+
+    def scan(loops: Sequence[Loop]):
+        for lp in loops:
+            if id(lp) not in kept and lp.trips > 1 and lp.name not in gone:
+                gone.append(lp.name)
+            scan(lp.body)
+
+    scan(declared)
+    return gone
+
+
+def weigh(
+    insns: Sequence[Instruction], sass_loops: Sequence[SassLoop], declared: Sequence[Loop], *, num_warps: int,
+    mma_macs_per_program: float | None = None, what: str = "kernel",
+) -> Weighted:
+    """Weight every SASS instruction by the trips of the loops around it, the loops matched to the
+    launcher's declaration (:func:`match_candidates`).
+
+    When several matchings fit the loop structure (a constant-trip loop the compiler may or may not have
+    unrolled), the one whose weighted tensor-core instructions issue the declared ``mma_macs`` per
+    program is taken, then the one assuming the fewest loops unrolled away; two that remain and weigh
+    the listing differently are an error, as is no matching at all (``ValueError`` naming ``what`` and
+    what to fix).
+    """
+    cands = match_candidates(sass_loops, declared, insns)
+    if not cands:
+        raise ValueError(
+            f"{what}: the compiled SASS has loops {_shape_text(sass_loops)} but the launcher declares "
+            f"{_shape_text(declared)} ({_names(declared)}); update the declaration (KernelCost.loops) "
+            "beside the launcher: one Loop per runtime loop (range/tl.range whose bound is not a "
+            "constexpr), outermost first, in program order, nested as in the source"
+        )
+    scored = []
+    for matches, penalty in cands:
+        counts, rows = _apply(insns, matches)
+        macs = tensor_macs_per_program(counts, num_warps)
+        consistent = (mma_macs_per_program is not None and macs is not None
+                      and math.isclose(macs, mma_macs_per_program, rel_tol=1e-9, abs_tol=0.5))
+        scored.append(((not consistent, penalty), matches, counts, rows, macs))
+    best_key = min(s[0] for s in scored)
+    best = [s for s in scored if s[0] == best_key]
+    if len({sum(b[2].values()) for b in best}) > 1:
+        raise ValueError(
+            f"{what}: the declared loops ({_names(declared)}) fit the compiled SASS loops "
+            f"{_shape_text(sass_loops)} in {len(best)} ways that weigh it differently; give the loops "
+            "distinct trip counts or check which of them the compiler unrolled"
+        )
+    _, matches, counts, rows, macs = best[0]
+    return Weighted(counts, rows, macs, len(cands), _unrolled_away(declared, matches))
+
+
+def weighted_counts(
+    insns: Sequence[Instruction], sass_loops: Sequence[SassLoop], declared: Sequence[Loop],
+    what: str = "kernel",
+) -> tuple[Counter, list[dict]]:
+    """Per-warp dynamic count of each opcode and one row per SASS loop (:func:`weigh` without the
+    tensor-core check: the structurally simplest matching)."""
+    w = weigh(insns, sass_loops, declared, num_warps=4, what=what)
+    return w.counts, w.rows
+
+
+def _names(loops: Sequence[Loop]) -> str:
+    parts = [lp.name + (f" [{_names(lp.body)}]" if lp.body else "") for lp in loops]
+    return ", ".join(parts) or "no loops"
 
 
 # Opcode families for the instruction mix (SASS base mnemonics).
@@ -310,7 +494,6 @@ def _tool(name: str) -> str:
 def compile_one(variant: Variant) -> dict:
     """Compile ``variant`` in this process (which must not run the Triton interpreter)."""
     import importlib
-    import tempfile
     import time
 
     import triton
@@ -339,45 +522,101 @@ def compile_one(variant: Variant) -> dict:
                 ptx_mma_sync=len(re.findall(r"\bmma\.sync", ptx)), sass=sass, compile_s=seconds)
 
 
-def _worker_main() -> None:  # python -m convfirstnet.analysis.compiled < variants.json > results.json
-    out = []
-    for v in json.load(sys.stdin):
-        variant = Variant(v["module"], v["name"], tuple(map(tuple, v["signature"])),
-                          tuple((tuple(p), x) for p, x in v["constexprs"]),
-                          tuple((tuple(p), x) for p, x in v["attrs"]), tuple(map(tuple, v["options"])), v["arch"])
+def _variant_from_json(v: dict) -> Variant:
+    return Variant(v["module"], v["name"], tuple(map(tuple, v["signature"])),
+                   tuple((tuple(p), x) for p, x in v["constexprs"]),
+                   tuple((tuple(p), x) for p, x in v["attrs"]), tuple(map(tuple, v["options"])), v["arch"])
+
+
+def _worker_main() -> None:
+    """``python -m convfirstnet.analysis.compiled``: one JSON variant per stdin line in, one JSON result
+    per stdout line out. Anything else written to stdout (by the compiler, say) goes to stderr."""
+    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    for line in sys.stdin:
         try:
-            out.append(dict(ok=True, **compile_one(variant)))
+            result = dict(ok=True, **compile_one(_variant_from_json(json.loads(line))))
         except Exception as e:  # reported per variant by the parent
-            out.append(dict(ok=False, error=f"{type(e).__name__}: {e}"))
-    json.dump(out, sys.stdout)
+            result = dict(ok=False, error=f"{type(e).__name__}: {e}")
+        protocol.write(json.dumps(result) + "\n")
+        protocol.flush()
 
 
-def compile_variants(variants: Sequence[Variant], jobs: int | None = None) -> list[Compiled]:
-    """Compile each variant (in ``jobs`` worker processes without the Triton interpreter), in order.
+def _worker_env() -> dict:
+    """The parent's environment without the interpreter, and its module search path, so that a worker
+    imports every kernel module the parent can (a test's own kernels included)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated to silence its warning
+    paths = [os.path.abspath(p or os.curdir) for p in sys.path]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if os.path.isdir(p)))
+    return env
+
+
+def compile_variants(
+    variants: Sequence[Variant], jobs: int | None = None,
+    progress: Callable[[int, int, Compiled], None] | None = None,
+) -> list[Compiled]:
+    """Compile each variant in ``jobs`` worker processes without the Triton interpreter (default: 2, or
+    fewer CPUs); results in the order given. Each worker takes the next variant when it is done with
+    one, and ``progress(done, total, compiled)`` is called as each finishes.
 
     Raises ``RuntimeError`` naming the variant if one fails to compile.
     """
     if not variants:
         return []
     jobs = max(1, min(jobs or min(2, os.cpu_count() or 1), len(variants)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated to silence its warning
-    chunks = [list(range(i, len(variants), jobs)) for i in range(jobs)]
-    procs = []
-    for idx in chunks:
-        p = subprocess.Popen([sys.executable, "-m", "convfirstnet.analysis.compiled"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        procs.append((idx, p, json.dumps([variants[i].to_json() for i in idx])))
+    env = _worker_env()
+    pending = list(range(len(variants)))
     results: list[Compiled | None] = [None] * len(variants)
-    for idx, p, payload in procs:
-        stdout, stderr = p.communicate(payload)
-        if p.returncode:
-            raise RuntimeError(f"kernel compile worker failed (exit {p.returncode}):\n{stderr[-4000:]}")
-        for i, r in zip(idx, json.loads(stdout)):
-            if not r.pop("ok"):
-                raise RuntimeError(f"{variants[i].name} {variants[i].meta} does not compile for "
-                                   f"sm_{variants[i].arch}: {r['error']}")
-            results[i] = Compiled(variant=variants[i], **r)
+    errors: list[tuple[int, str]] = []
+    done = [0]
+    lock = threading.Lock()
+
+    def describe(i: int) -> str:
+        return f"{variants[i].name} {variants[i].meta} for sm_{variants[i].arch}"
+
+    def work() -> None:
+        with tempfile.TemporaryFile("w+") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "convfirstnet.analysis.compiled"],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                                    env=env)
+            try:
+                while True:
+                    with lock:
+                        if errors or not pending:
+                            return
+                        i = pending.pop(0)
+                    proc.stdin.write(json.dumps(variants[i].to_json()) + "\n")
+                    proc.stdin.flush()
+                    line = proc.stdout.readline()
+                    if not line:
+                        proc.wait()
+                        log.seek(0)
+                        with lock:
+                            errors.append((i, f"kernel compile worker failed (exit {proc.returncode}) "
+                                              f"compiling {describe(i)}:\n{log.read()[-4000:]}"))
+                        return
+                    r = json.loads(line)
+                    if not r.pop("ok"):
+                        with lock:
+                            errors.append((i, f"{describe(i)} does not compile: {r['error']}"))
+                        return
+                    results[i] = Compiled(variant=variants[i], **r)
+                    with lock:
+                        done[0] += 1
+                        if progress is not None:
+                            progress(done[0], len(variants), results[i])
+            finally:
+                proc.stdin.close()
+                proc.wait()
+
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(min(errors)[1])
     return results  # type: ignore[return-value]
 
 

@@ -566,7 +566,8 @@ def measured_latencies(records_dir: str | Path, dev: DeviceSpec, batch: int) -> 
 
 
 def plot_efficiency_gap(
-    analyses: Sequence[Analysis], path: str | Path, measured: dict[str, dict] | None = None
+    analyses: Sequence[Analysis], path: str | Path, measured: dict[str, dict] | None = None,
+    static: dict[str, float] | None = None,
 ) -> Path:
     """Paper Fig. 1(d)/17(d): accuracy vs ideal latency, waterline minimum latencies and (when
     benchmark records exist) measured latency, log latency axis; gaps labelled with efficiency."""
@@ -603,6 +604,11 @@ def plot_efficiency_gap(
         if pts:
             mk, col = styles[label]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=mk, color=col, label=label)
+    # predicted ms per model from `convfirstnet kernels` reports (analysis.report.static_latencies)
+    static_pts = [(static[a.model], TABLE4[a.model].top1) for a in analyses if a.model in (static or {})]
+    if static_pts:
+        ax.plot(*zip(*static_pts, strict=True), marker="x", color="#8c564b", ls="--",
+                label="fused kernels as compiled (static estimate)")
     if dev.key.startswith("a5000") and analyses[0].batch == PAPER_BATCH:
         # the paper's own measurement (Table 4), on the paper's device
         pts = [(PAPER_BATCH / TABLE4[a.model].img_per_s * 1e3, TABLE4[a.model].top1) for a in analyses]
@@ -667,6 +673,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--records",
         default="benchmarks/results",
         help="benchmark records for measured latency in --gap-plot (default benchmarks/results)",
+    )
+    p.add_argument(
+        "--static-records",
+        default="benchmarks/static",
+        help="static cost reports (`convfirstnet kernels --json`) for --gap-plot: a folder of them or one "
+        "file (default benchmarks/static); the newest report per model for this device, batch and bytes "
+        "is drawn",
     )
     p.add_argument("--json", default=None, help="write the numbers as JSON here")
     p.add_argument("--markdown", default=None, help="also write the printed tables to this file")
@@ -734,7 +747,13 @@ def run(args: argparse.Namespace) -> int:
         ]
         measured = measured_latencies(args.records, dev, args.batch) if Path(args.records).is_dir() else {}
         print(f"\nmeasured latencies used: {measured or 'none (no matching benchmark records)'}")
-        print(f"plot: {plot_efficiency_gap(analyses, args.gap_plot, measured)}")
+        from convfirstnet.analysis.report import static_latencies
+
+        reports = static_latencies(args.static_records, dev.key, args.batch, 256, args.elem_bytes)
+        used = {m: f"{r['predicted_ms']:.3f} ms ({r['file']})" for m, r in reports.items()}
+        print(f"static estimates used: {used or 'none (no matching static cost reports)'}")
+        static = {m: r["predicted_ms"] for m, r in reports.items()}
+        print(f"plot: {plot_efficiency_gap(analyses, args.gap_plot, measured, static=static)}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0

@@ -125,6 +125,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._cost import KernelCost, Loop
 from .._launch import launch
 
 GROUP = 8  # channels per group of the 3x3 conv (paper 5.3: matches mma.m16n8k8)
@@ -423,15 +424,34 @@ def convfirst_triton(
     common = (*x.stride(), *w_conv.stride(), *w1.stride(), *w2.stride())
     meta = dict(BLOCK_M=cfg.block_m, BLOCK_H=cfg.block_h, PRECISION=cfg.precision,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def cost() -> KernelCost:  # see kernels/_cost.py
+        chunks = triton.cdiv(r, cfg.block_h)
+        bm, cp, kp, bh = cfg.block_m, cfg.c_pad, cfg.k_pad, cfg.block_h
+        blur = 0 if stride == 1 else n * ho * wo * 2 * c * 9  # BlurPool of the 2C-wide concat
+        if stride == 1:  # 9 block-diagonal tap dots, then W1 and W2 per hidden chunk
+            per_program = 9 * bm * cp * cp + chunks * (bm * cp * bh + bm * bh * cp)
+            loops = (Loop("conv taps", 9), Loop("hidden chunks", chunks))
+        else:  # 9 tap dots on blurred windows, then two W1 dots (x and y halves) and W2 per chunk
+            per_program = 9 * bm * cp * cp + chunks * (2 * bm * cp * bh + bm * bh * kp)
+            loops = (Loop("conv taps", 9, body=(Loop("blur taps", 9),)), Loop("hidden chunks", chunks))
+        weights = sum(t.numel() for t in (w_conv, b_conv, w1, b1, w2, b2))
+        return KernelCost(
+            useful_macs=useful_macs(n, c, h, w, r, k, stride) + blur,
+            mma_macs=grid[0] * per_program,
+            dram_bytes=(x.numel() + out.numel() + weights) * x.element_size(),
+            loops=loops,
+        )
+
     if stride == 1:
         launch(
             _convfirst_s1_kernel, grid,
-            x, w_conv, b_conv, w1, b1, w2, b2, out, m, h, w, c, r, *common, C_PAD=cfg.c_pad, **meta
+            x, w_conv, b_conv, w1, b1, w2, b2, out, m, h, w, c, r, *common, C_PAD=cfg.c_pad, cost=cost, **meta
         )
     else:
         launch(
             _convfirst_s2_kernel, grid,
             x, w_conv, b_conv, w1, b1, w2, b2, out, m, h, w, ho, wo, c, r, k, *common,
-            C_PAD=cfg.c_pad, K_PAD=cfg.k_pad, **meta,
+            C_PAD=cfg.c_pad, K_PAD=cfg.k_pad, cost=cost, **meta,
         )
     return out

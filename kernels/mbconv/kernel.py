@@ -93,6 +93,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._cost import KernelCost, Loop
 from .._launch import GROUP_WIDTH, launch
 
 # ----------------------------------------------------------------------------------------------
@@ -450,9 +451,43 @@ def mbconv_triton(
         h, w, oh, ow, c, r, k, tiles_w,
         *x.stride(), *out.stride(), *w_exp.stride(), *w_proj.stride(),
     )
-    launch(_mbconv_kernel, grid, *args, PREC=prec, **pass_constexprs(cfg, 1))
+
+    def nbytes(*tensors: torch.Tensor) -> int:
+        return sum(t.numel() for t in tensors) * x.element_size()
+
+    def cost_pass(pass_: int) -> KernelCost:  # see kernels/_cost.py
+        r_chunks, c_steps = triton.cdiv(r, cfg.block_r), triton.cdiv(c, cfg.block_c)
+        # per program and hidden chunk: expand on the h window, nine block-diagonal conv taps on the g window
+        per_chunk = c_steps * cfg.block_h * cfg.block_c * cfg.block_r + 9 * cfg.block_g * cfg.block_r ** 2
+        loops = (Loop("hidden chunks", r_chunks, body=(Loop("expand K steps", c_steps),)),)
+        if pass_ == 1:  # expand, grouped conv (and BlurPool) of the block, counted once here
+            useful = n * h * w * r * (c + 9 * GROUP_WIDTH) + (n * oh * ow * r * 9 if stride == 2 else 0)
+            return KernelCost(
+                useful_macs=useful, mma_macs=tiles * n * r_chunks * per_chunk,
+                dram_bytes=nbytes(x, w_exp, b_exp, w_conv, b_conv) + partial.numel() * 4, loops=loops,
+                note="writes per-tile fp32 channel sums (partial), read back by the SE kernel",
+            )
+        per_chunk += cfg.block_o * cfg.block_r * cfg.block_k  # the projection
+        return KernelCost(
+            useful_macs=n * oh * ow * r * k, mma_macs=tiles * n * r_chunks * per_chunk,
+            dram_bytes=nbytes(x, out, w_exp, b_exp, w_conv, b_conv, w_proj, b_proj) + gate.numel() * 4,
+            loops=loops, note="recomputes pass 1's expand and conv",
+        )
+
+    def cost_se() -> KernelCost:
+        se_chunks = triton.cdiv(r, SE_BLOCK_R)
+        return KernelCost(
+            useful_macs=n * 2 * r * s,
+            mma_macs=0,
+            dram_bytes=nbytes(w_se1, b_se1, w_se2, b_se2) + (partial.numel() + gate.numel()) * 4,
+            loops=(Loop("R chunks (squeeze)", se_chunks, body=(Loop("tiles", tiles),)),
+                   Loop("R chunks (excite)", se_chunks)),
+        )
+
+    launch(_mbconv_kernel, grid, *args, PREC=prec, cost=lambda: cost_pass(1), **pass_constexprs(cfg, 1))
     launch(
-        _se_kernel, (n,), partial, gate, w_se1, b_se1, w_se2, b_se2, r, s, tiles, oh * ow, **se_config(s)
+        _se_kernel, (n,), partial, gate, w_se1, b_se1, w_se2, b_se2, r, s, tiles, oh * ow, cost=cost_se,
+        **se_config(s),
     )
-    launch(_mbconv_kernel, grid, *args, PREC=prec, **pass_constexprs(cfg, 2))
+    launch(_mbconv_kernel, grid, *args, PREC=prec, cost=lambda: cost_pass(2), **pass_constexprs(cfg, 2))
     return out
