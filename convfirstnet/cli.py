@@ -6,7 +6,7 @@ current device (median over enough timed iterations, with its spread). Other sub
 in ``convfirstnet/tools`` (the same code as ``scripts/*.py``).
 
 Errors in the inputs end with one ``convfirstnet[ <command>]: error: ...`` line and exit status 1; a
-malformed command line (unknown option or subcommand) prints the usage and exits with status 2.
+malformed command line (unknown option or subcommand) prints the usage before that line.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import difflib
 import importlib
 import sys
 import time
+
+from convfirstnet.tools._cli import ArgumentParser
 
 # subcommand -> module with main(argv) -> int: in convfirstnet.tools, or a full module path
 TOOLS = {
@@ -68,7 +70,7 @@ class _Version(argparse.Action):
 
 
 def _info_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="convfirstnet",
         usage="convfirstnet [command] [options]",
         description="ConvFirstNet models: size, cost, fused-form check and throughput on this machine.",
@@ -230,7 +232,7 @@ def _unknown_command(word: str) -> int:
         f"convfirstnet: error: unknown command {word!r}{hint}; commands: {', '.join(names)}",
         file=sys.stderr,
     )
-    return 2
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:

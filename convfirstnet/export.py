@@ -16,7 +16,7 @@
   onnxscript and onnxruntime are the optional extra ``pip install "convfirstnet[onnx]"``.
 
 Errors (a missing weight file, a bad option value, a failed check) print one ``convfirstnet export: error:``
-line and exit with status 1; a malformed command line prints the usage and exits with status 2.
+line and exit with status 1 (a malformed command line prints the usage line before it).
 
 Both exports are verified after writing: the saved file is loaded back and run at a batch size other
 than the one traced, and the maximum relative error against the PyTorch model (``max |a - b| / max |b|``)
@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+
+from convfirstnet.tools._cli import ArgumentParser
 
 FORMATS = ("pt2", "onnx")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -161,7 +163,7 @@ def export_onnx(
 
 # ------------------------------------------------------------------------------------------ command
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="convfirstnet export",
         description="Export a ConvFirstNet for deployment: pt2 (torch.export of the fused form, the "
         "convfirstnet ops kept; NVIDIA GPUs through PyTorch) or onnx (BatchNorm-folded layer-wise form, "

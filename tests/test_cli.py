@@ -78,7 +78,7 @@ def test_help_lists_the_commands(capsys):
 
 
 def test_unknown_command_lists_the_commands(capsys):
-    assert cli.main(["trian", "--model", "pico"]) == 2
+    assert cli.main(["trian", "--model", "pico"]) == 1
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == (
         "convfirstnet: error: unknown command 'trian' (did you mean 'train'?); commands: "
@@ -116,6 +116,15 @@ def test_info_errors_are_one_line(argv, message, capsys):
     assert cli.main(argv) == 1
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and message in err
+
+
+@pytest.mark.parametrize("command", sorted(set(cli.TOOLS) - {"timm-script"}))
+def test_malformed_command_line_is_one_line_and_status_1(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--no-such-option"])
+    assert e.value.code == 1
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith(f"convfirstnet {command}: error: ")  # the first problem argparse finds
 
 
 @pytest.mark.parametrize("command", sorted(cli.TOOLS))

@@ -233,10 +233,10 @@ def test_cli_prints_manifest_entry(tmp_path, timm_checkpoint, capsys, monkeypatc
 def test_cli_usage_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--model", "pico"])
-    assert e.value.code == 2 and "a checkpoint is required" in capsys.readouterr().err
+    assert e.value.code == 1 and "a checkpoint is required" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["a.pth", "--checkpoint", "b.pth", "--model", "pico"])
-    assert e.value.code == 2 and "checkpoint given twice" in capsys.readouterr().err
+    assert e.value.code == 1 and "checkpoint given twice" in capsys.readouterr().err
 
 
 def _error_cases(tmp_path: Path, ckpt: Path) -> dict[str, tuple[list[str], str]]:

@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 
 from convfirstnet.kernels._cost import Launch, Loop, recording
+from convfirstnet.tools._cli import ArgumentParser
 
 from . import compiled as cc
 from .estimate import LaunchEstimate, aggregate, estimate_launch
@@ -645,7 +646,7 @@ def static_latencies(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="convfirstnet kernels",
         description="Static cost report of the fused Triton kernels: record the launches the fused model "
         "makes, compile each distinct variant for a GPU target (no GPU needed) and estimate per variant, "

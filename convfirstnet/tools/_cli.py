@@ -1,17 +1,26 @@
 """Helpers shared by the ``convfirstnet`` commands: one-line errors, worker counts, output files and folders.
 
 Error convention of every command: a problem with the user's inputs (a path, a name, a value, a file that
-is not what it should be) ends with one ``convfirstnet <command>: error: ...`` line on stderr and exit
-status 1; a malformed command line (unknown option, missing or badly typed argument) is argparse's usage
-message and exit status 2. Tracebacks are left for bugs.
+is not what it should be, and a malformed command line: an unknown option, a missing or badly typed
+argument) ends with one ``convfirstnet <command>: error: ...`` line on stderr and exit status 1 (a
+malformed command line prints the usage line before it). Tracebacks are left for bugs.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with command-line errors ending like every other user error: usage, one line, status 1."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(1, f"{self.prog}: error: {message}\n")
 
 
 class ToolError(Exception):

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from ._cli import ArgumentParser
 from .benchmark import NETWORK_BACKENDS
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -184,7 +185,7 @@ def write_between_markers(path: str | Path, text: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="convfirstnet results", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="convfirstnet results", description=__doc__.splitlines()[0])
     p.add_argument("--records", default="benchmarks/results", help="folder of JSON records")
     p.add_argument("--write", default=None, metavar="README.md", help="replace the text between the markers")
     p.add_argument("--include-cpu", action="store_true", help="also list CPU records")

@@ -45,7 +45,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
-from ._cli import ToolError, run_reporting
+from ._cli import ArgumentParser, ToolError, run_reporting
 from .bench_devices import lookup_device
 from .bench_paper import PAPER_BATCH, PAPER_DEVICE, PAPER_STAGE_DEPTH, BlockRow, block_rows
 from .bench_timing import (
@@ -91,7 +91,7 @@ def _backend_list(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="convfirstnet bench",
         description="Inference benchmark: fused Triton kernels vs eager PyTorch vs torch.compile/Inductor.",
     )

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from . import checkpoint_io
-from ._cli import CreatedDirs, ToolError, publish, run_reporting
+from ._cli import ArgumentParser, CreatedDirs, ToolError, publish, run_reporting
 
 VERIFY_BATCH, VERIFY_SIZE = 2, 64  # small and fast; above the 32x32 minimum input
 
@@ -169,7 +169,7 @@ def convert(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="convfirstnet convert",
         description="Convert a training checkpoint into a verified ConvFirstNet safetensors weight file; "
         "print its weights/manifest.json entry. Paths go as options or as positionals: "

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._cli import ToolError, default_workers, run_reporting
+from ._cli import ArgumentParser, ToolError, default_workers, run_reporting
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest", "lanczos", "box", "hamming")
@@ -56,7 +56,7 @@ class EvalError(ToolError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="convfirstnet eval",
         description="ImageNet top-1/top-5, loss and throughput of ConvFirstNets (several GPUs: torchrun "
         "--nproc_per_node=N scripts/eval_imagenet.py ...).",

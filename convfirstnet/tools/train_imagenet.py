@@ -65,7 +65,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from ._cli import CreatedDirs, ToolError, default_workers, run_reporting
+from ._cli import ArgumentParser, CreatedDirs, ToolError, default_workers, run_reporting
 
 
 class TrainError(ToolError):
@@ -79,7 +79,7 @@ RUN_FILES = ("args.yaml", "log.jsonl", "summary.csv")  # what a run writes befor
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="convfirstnet train",
         description="Train a ConvFirstNet with the paper's ImageNet recipe (timm components). Several GPUs: "
         "torchrun --nproc_per_node=N scripts/train_imagenet.py ...",

@@ -42,6 +42,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.nn as nn
 
+from ._cli import ArgumentParser
 from .bench_devices import DEVICE_KEYS, DeviceSpec, device_by_key
 from .bench_paper import PAPER_BATCH, TABLE4, block_rows
 
@@ -646,7 +647,7 @@ def plot_efficiency_gap(
 
 # --------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="convfirstnet waterline",
         description="Waterline analysis (paper Sections 4-5): minimum latency and maximum efficiency of "
         "layer-wise vs block-fusion execution on a device.",
