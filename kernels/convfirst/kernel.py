@@ -1,6 +1,141 @@
 """Block-fusion Triton kernels for the ConvFirst block (paper Section 5.3.1, Fig. 7b), NHWC.
 
-HEADER_PLACEHOLDER
+What is computed (reference.py is the specification; weights are BatchNorm-folded):
+
+    stride 1, C -> C:  y = gconv3x3(x) + b_conv;  out = x + b2 + W2 ReLU(W1 y + b1)
+    stride 2, C -> K:  y = gconv3x3(x) + b_conv at full resolution;  u = BlurPool(cat[x, y]);
+                       out = b2 + W2 ReLU(W1 u + b1)                               (no residual)
+
+gconv3x3 has group width 8 (groups = C / 8), padding 1. BlurPool is [1,2,1] (x) [1,2,1] / 16,
+stride 2, reflect padding 1, output ceil(H/2) x ceil(W/2).
+
+Tiling and grid
+---------------
+A program owns a TH x TW tile of output pixels of one image and all output channels; the grid is
+1-D with N x ceil(H'/TH) x ceil(W'/TW) programs (no grid.y limit on the batch). The tile position
+costs one scalar division per program and the pixel coordinates inside it are shifts and masks (TW
+is a power of two): a flat N*H*W tiling needs integer divisions by H*W and W per element, which the
+compiler rematerialises in every layout that uses them (8% of the instructions of a C = 64
+prototype). After
+the conv every layer of the block is per pixel, so output tiles are independent; input tiles overlap
+by the halo, which the loads read through L1. Pixels outside the map are masked.
+
+x is read through its strides when its channel stride is 1 and the others are multiples of 8
+elements (any channels-last tensor or crop): 8 channels are one 16-byte vector. Other layouts (NCHW,
+odd views) are copied to channels-last once by the launcher. The output is NHWC.
+
+Channel parts instead of power-of-two padding. tl.dot tiles are powers of two >= 16, so a width is
+rounded up to a multiple of 16 and split into at most two power-of-two parts, each its own dot:
+96 = 64 + 32 and 48 = 32 + 16 (no padding); 24 -> 32 and 72 -> 64 + 16 are padded and masked.
+
+Stride 1: the grouped conv as batched two-tap dots
+--------------------------------------------------
+A group has 8 input channels but tl.dot needs K >= 16. Step s (of 5) multiplies, for all groups g of
+a channel part at once (a batched 3-D dot over the G groups):
+
+    [x(tap 2s)[:, g] | x(tap 2s + 1)[:, g]]   [G, M, 16]   @   [W_g(tap 2s); W_g(tap 2s + 1)]   [G, 16, 8]
+
+The tenth tap slot is masked to zero, so the issued conv MACs are 10/9 of the useful ones. The
+batched dot compiles to mma.sync (m16n8k16); its [G, M, 8] result is permuted to [M, C] once. The
+tap loads carry cache_modifier=".ca": the software pipeliner then emits cp.async.ca (L1-allocating)
+instead of the L1-bypassing cp.async.cg, so the halo re-reads of a tile hit L1 (pinned by the
+compile test). The weights are read through their strides; FusedConvFirst stores w_conv tap-major
+(blocks.tap_major: memory order kh, kw, ci, co), where each tap's [16, 8] group block is two
+16-byte vectors.
+
+FFN over hidden chunks (both kernels)
+-------------------------------------
+acc starts at residual + b2 (stride 1) or b2 (stride 2); for each chunk of BLOCK_H hidden channels
+
+    hid = ReLU(y @ W1[chunk]^T + b1[chunk]);   acc += hid @ W2[:, chunk]^T
+
+both on wgmma (the weight chunks staged in shared memory by cp.async, two stages). The hidden tile
+never leaves the chip. Per hidden value the epilogue is what bounds the t = 6 blocks (SiLU is not
+used here, ReLU is): the bias add and ReLU + fp16 pack are two FADDs and one cvt.rn.relu.f16x2.f32
+per pair (inline asm, ASM=True on a GPU; the interpreter runs tl.maximum then the cast, the same
+values). A chunk costs 190-240 SASS instructions per warp, of which 100-180 are per-chunk overhead
+(wgmma descriptors, barriers, the b1 load) that larger tiles amortise.
+
+Stride 2: blur first, the 5x5 window read once
+----------------------------------------------
+BlurPool and the conv are linear, so blur(y) = sum_tap Xb_tap @ Wbd_tap + b_conv (the blur weights
+sum to 1) and blur(x) = Xb_centre, where Xb_tap = sum_b f_b x(2o + b + tap - 2) is the blurred input
+of conv tap `tap`. All nine come from the 5x5 window of x around (2oh, 2ow), loaded once (25
+vector loads per 8 channels instead of the 81 of blurring per tap). BlurPool's reflect padding is
+folded into per-row and per-column blur weights: [1, 2, 1]/4 inside, [0, 2, 2]/4 for the first
+row/column (-1 reflects to 1), [2, 2, 0]/4 for the last one of an odd size (H reflects to H - 2);
+all are powers of two, exact in fp16. The conv's zero padding (applied after the reflection, as in
+the reference) is the load mask. The blur is separable: each window row is blurred along w for the
+three tap columns, and the nine tap inputs are vertical blurs of three rows: 72 multiply-adds per
+pair of channels, as HFMA2 in fp16 (only the additions round) and in fp32 for bf16/fp32 inputs.
+Each tap input then feeds one block-diagonal dot [M, P] @ [P, P] (wgmma) per channel part of P
+channels (P = the padded width up to 32, else 16: with 64 channels, four parts keep the window's
+registers below the spill point). Issued conv MACs: 9 P per channel per output pixel, against the
+288 the paper counts for the full-resolution conv: blurring first does a quarter of the work.
+The FFN's expand takes [blur(x) | blur(y)] as two K parts; the concat is never built.
+
+Accumulation and precision
+--------------------------
+Dots accumulate in fp32. y (stride 2: each blurred tap input and blur(y)) and the hidden tile are
+rounded to the activation dtype before the next dot, where a layer-wise network stores them; the
+residual and the biases are added in fp32; the output is rounded once. fp32 inputs use
+input_precision="tf32x3" (3xTF32, ~fp32 accuracy) with smaller tiles; the interpreter computes
+every dot in fp32. bf16 runs only on a GPU (the interpreter's bf16 dot is wrong).
+
+Waterline as compiled (sm_90, ConvFirstNet-Small, batch 128, 256 x 256, fp16)
+------------------------------------------------------------------------------
+From the static cost report's model: t_tensor = issued MACs at 989.4 TFLOP/s (times the wave
+quantisation), t_dram = minimal bytes (x read once, out written once, weights once) at 3.35 TB/s,
+t_issue = SASS instructions per warp weighted by the declared loop trips, x warps x programs, at 4
+warp-instructions per clock per SM (132 SMs, 1.83 GHz); predicted = the largest. Layer-wise = the
+waterline's bound for the same block run as separate layers. Before = the previous kernels
+(block-diagonal conv padded to C_PAD, flat 64/128-pixel tiles, 81 loads per stride-2 tile).
+
+    block (C, R, K, s, map)        issued/useful   t_tensor  t_dram  t_issue  predicted | layer-wise  before
+    32,  96, 32, 1, 128^2  (x2)         1.03         37.5     80.1     77.8     80.1   |    440.7     206.7
+    32, 192, 64, 2, 128^2               0.98         36.4     60.1     72.7     72.7   |    500.8     439.8
+    64, 384, 64, 1,  64^2  (x4)         1.01         59.3     40.1     51.3     59.3   |    340.6     170.2
+    64, 384, 96, 2,  64^2               0.90         26.0     27.6     39.4     39.4   |    248.0     250.1
+    96, 576, 96, 1,  32^2  (x5)         1.01         32.3     15.1     28.2     32.3   |    127.8     143.0
+                                                                                     (microseconds)
+    stage 1 / 2 / 3 predicted: 0.160 / 0.310 / 0.201 ms   (before 0.413 / 1.121 / 0.965)
+    layer-wise bound:          0.881 / 1.863 / 0.887 ms;  block-fusion bound: 0.160 / 0.288 / 0.184
+
+Compiled variants (registers, stack, shared memory, weighted SASS instructions per warp per program):
+s1 C=32 16x16 tile, 4 warps: 226 regs, no stack, 33 KB, 2261; s2 32->64 8x8, 4 warps: 166, 0, 37 KB,
+2113; s1 C=64 16x16, 8 warps: 250, 0, 66 KB, 2931; s2 64->96 8x16, 8 warps: 194, 0, 72 KB, 4504;
+s1 C=96 16x16, 8 warps, BLOCK_H 32: 253, 0, 72 KB, 6448. Stage 1 sits on its DRAM bound, the t = 6
+blocks on their tensor bound; the stride-2 blocks are issue bound (the 72 HFMA2 per channel pair of
+the blur and the window's masked loads).
+
+Not in the model: the weights are re-read from L2 by every program (W1 + W2 are 98 KB at C = 64 and
+221 KB at C = 96 in fp16, per 256-pixel tile: 0.4 and 0.9 KB per pixel); the small-N dots (the conv's
+m16n8k16, stride 2's N = 16) run below the tensor-core peak when their operands come from shared
+memory. A GPU measurement decides whether persistent programs that keep the weights on chip pay off.
+
+Tile constants (convfirst_config)
+---------------------------------
+Chosen by compiling for sm_90 and reading the issue estimate and register use (no GPU timings yet);
+every shipped configuration is compiled for sm_90 and sm_80 in tests/kernels/test_convfirst.py.
+  * stride 1: 16 x 16 tiles (256 pixels amortise the per-chunk and per-tap overheads and halve the L2
+    weight traffic of 128); 4 warps up to 32 channels, 8 warps above (the accumulators, the hidden
+    tile and the conv output then fit in 255 registers without spilling). BLOCK_H = 64 unless that
+    pads R by more than 1/8 (R = 96 -> 32, 48 and 72 -> 16), and 32 for C > 64, where a 64-wide
+    hidden tile next to two accumulator parts would spill.
+  * stride 2: 8 x 8 output tiles with 4 warps for inputs up to 32 channels; 8 x 16 with 8 warps and
+    16-channel blur parts for 48-64 (a 64-pixel tile on 8 warps spends most of its FFN in per-chunk
+    overhead; 32-channel parts on 128 pixels spill).
+  * fp32 (the checking path): 8 x 8 or 8 x 16 tiles and BLOCK_H <= 32 (3xTF32 operands triple the
+    registers; a 16 x 16 tile at C = 96 needed 237 KB of shared memory). bf16 stride 2 blurs in fp32
+    in 16-channel parts on 8 x 8 tiles.
+  * num_stages = 2: the hidden loop's weight chunks are double-buffered; the conv loop has 5 trips.
+  * The stride-2 window is unrolled for fp16 (one block of straight-line code per channel part); the
+    other dtypes run a runtime loop over the three tap rows (ROW_LOOP), which compiles 2-3x faster
+    (CI compiles every configuration) but issues ~35% more instructions (register rotation,
+    recomputed addresses): 99.8 instead of 72.7 us for the 32 -> 64 block.
+Under the interpreter the same single config is used (no autotuning), so launches are deterministic
+under torch.compile and CUDA-graph capture. Widths above 128 (stride 1) or 64 input channels
+(stride 2) are rejected before launch; ConvFirstNet uses at most 96 and 64.
 """
 
 from __future__ import annotations
@@ -12,7 +147,7 @@ import triton
 import triton.language as tl
 
 from .._cost import KernelCost, Loop
-from .._launch import interpreter_enabled, launch
+from .._launch import launch
 
 GROUP = 8  # channels per group of the 3x3 conv (SPEC 1)
 MAX_CHANNELS = 128  # widest block the on-chip tiles are laid out for (ConvFirstNet uses <= 96)
@@ -35,12 +170,14 @@ def _bias_relu(acc, bias, dt: tl.constexpr, ASM: tl.constexpr):
     """
     if ASM and dt == tl.float16:
         return tl.inline_asm_elementwise(
-            "{ .reg .f32 t0, t1; add.f32 t0, $1, $3; add.f32 t1, $2, $4; cvt.rn.relu.f16x2.f32 $0, t1, t0; }",
+            "{ .reg .f32 t0, t1; add.f32 t0, $1, $3; add.f32 t1, $2, $4; "
+            "cvt.rn.relu.f16x2.f32 $0, t1, t0; }",
             "=r,r,r,r,r", [acc, bias], dtype=tl.float16, is_pure=True, pack=2,
         )
     elif ASM and dt == tl.bfloat16:
         return tl.inline_asm_elementwise(
-            "{ .reg .f32 t0, t1; add.f32 t0, $1, $3; add.f32 t1, $2, $4; cvt.rn.relu.bf16x2.f32 $0, t1, t0; }",
+            "{ .reg .f32 t0, t1; add.f32 t0, $1, $3; add.f32 t1, $2, $4; "
+            "cvt.rn.relu.bf16x2.f32 $0, t1, t0; }",
             "=r,r,r,r,r", [acc, bias], dtype=tl.bfloat16, is_pure=True, pack=2,
         )
     else:
@@ -89,7 +226,8 @@ def _ffn(
         m = h_ok[:, None]
         if K0 > K:
             m = m & (k0 < K)[None, :]
-        acc0 = tl.dot(hid, tl.load(w2p + k0[None, :] * sw2_k, mask=m, other=0.0), acc0, input_precision=PRECISION)
+        acc0 = tl.dot(hid, tl.load(w2p + k0[None, :] * sw2_k, mask=m, other=0.0), acc0,
+                      input_precision=PRECISION)
         if K1 > 0:
             k1 = K0 + tl.arange(0, K1)
             m = h_ok[:, None]
@@ -277,7 +415,7 @@ def _blur_conv(
     xc, oh2, ow2, m_ok, H, W, sxh, sxw, ah0, ah1, ah2, aw0, aw1, aw2,
     wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr,
     C: tl.constexpr, CB: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr, BT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, ROW_LOOP: tl.constexpr,
 ):
     """(blur(y), blur(x)) for channels [CB, CB + P) of a tile, both [BLOCK_M, P] in x's dtype.
 
@@ -286,8 +424,9 @@ def _blur_conv(
     consecutive rows. Rows are consumed in order, so at most four rows of z are live.
     """
     dt = xc.dtype.element_ty
-    offs = CB + tl.arange(0, P)
-    c_ok = (offs < C)[None, :]
+    c_ok = tl.full((1, P), 1, tl.int1)
+    if CB + P > C:
+        c_ok = ((CB + tl.arange(0, P)) < C)[None, :]
     ci = tl.arange(0, P)[:, None]
     co = (CB + tl.arange(0, P))[None, :]
     w_ok = ci // 8 == (co - CB) // 8
@@ -295,20 +434,36 @@ def _blur_conv(
         w_ok = w_ok & (co < C)
     w_base = wc_ptr + co * swc_o + (ci % 8) * swc_i
     acc = tl.zeros((BLOCK_M, P), tl.float32)
-    z00, z01, z02 = _hblur(xc - 2 * sxh, ow2, m_ok & (oh2 >= 2), c_ok, W, sxw, aw0, aw1, aw2, BT)
-    z10, z11, z12 = _hblur(xc - sxh, ow2, m_ok & (oh2 >= 1), c_ok, W, sxw, aw0, aw1, aw2, BT)
-    z20, z21, z22 = _hblur(xc, ow2, m_ok, c_ok, W, sxw, aw0, aw1, aw2, BT)
-    acc, _ = _vtap(acc, z00, z10, z20, ah0, ah1, ah2, w_base, 0, 0, w_ok, swc_h, swc_w, dt, PRECISION)
-    acc, _ = _vtap(acc, z01, z11, z21, ah0, ah1, ah2, w_base, 0, 1, w_ok, swc_h, swc_w, dt, PRECISION)
-    acc, _ = _vtap(acc, z02, z12, z22, ah0, ah1, ah2, w_base, 0, 2, w_ok, swc_h, swc_w, dt, PRECISION)
-    z30, z31, z32 = _hblur(xc + sxh, ow2, m_ok & (oh2 + 1 < H), c_ok, W, sxw, aw0, aw1, aw2, BT)
-    acc, _ = _vtap(acc, z10, z20, z30, ah0, ah1, ah2, w_base, 1, 0, w_ok, swc_h, swc_w, dt, PRECISION)
-    acc, ux = _vtap(acc, z11, z21, z31, ah0, ah1, ah2, w_base, 1, 1, w_ok, swc_h, swc_w, dt, PRECISION)
-    acc, _ = _vtap(acc, z12, z22, z32, ah0, ah1, ah2, w_base, 1, 2, w_ok, swc_h, swc_w, dt, PRECISION)
-    z40, z41, z42 = _hblur(xc + 2 * sxh, ow2, m_ok & (oh2 + 2 < H), c_ok, W, sxw, aw0, aw1, aw2, BT)
-    acc, _ = _vtap(acc, z20, z30, z40, ah0, ah1, ah2, w_base, 2, 0, w_ok, swc_h, swc_w, dt, PRECISION)
-    acc, _ = _vtap(acc, z21, z31, z41, ah0, ah1, ah2, w_base, 2, 1, w_ok, swc_h, swc_w, dt, PRECISION)
-    acc, _ = _vtap(acc, z22, z32, z42, ah0, ah1, ah2, w_base, 2, 2, w_ok, swc_h, swc_w, dt, PRECISION)
+    if ROW_LOOP:
+        # the same computation with a runtime loop over the three tap rows (tap row th needs window
+        # rows th-2..th): a third of the code, ~35% more instructions (register rotation, addresses)
+        za0, za1, za2 = _hblur(xc - 2 * sxh, ow2, m_ok & (oh2 >= 2), c_ok, W, sxw, aw0, aw1, aw2, BT)
+        zb0, zb1, zb2 = _hblur(xc - sxh, ow2, m_ok & (oh2 >= 1), c_ok, W, sxw, aw0, aw1, aw2, BT)
+        ux = tl.zeros((BLOCK_M, P), dt)
+        for th in range(3):
+            zc0, zc1, zc2 = _hblur(xc + th * sxh, ow2, m_ok & (oh2 + th < H), c_ok, W, sxw, aw0, aw1, aw2, BT)
+            w_row = w_base + th * swc_h
+            acc, _ = _vtap(acc, za0, zb0, zc0, ah0, ah1, ah2, w_row, 0, 0, w_ok, swc_h, swc_w, dt, PRECISION)
+            acc, xb = _vtap(acc, za1, zb1, zc1, ah0, ah1, ah2, w_row, 0, 1, w_ok, swc_h, swc_w, dt, PRECISION)
+            ux = tl.where(th == 1, xb, ux)  # blur(x) is the blurred input of the centre tap
+            acc, _ = _vtap(acc, za2, zb2, zc2, ah0, ah1, ah2, w_row, 0, 2, w_ok, swc_h, swc_w, dt, PRECISION)
+            za0, za1, za2 = zb0, zb1, zb2
+            zb0, zb1, zb2 = zc0, zc1, zc2
+    else:
+        z00, z01, z02 = _hblur(xc - 2 * sxh, ow2, m_ok & (oh2 >= 2), c_ok, W, sxw, aw0, aw1, aw2, BT)
+        z10, z11, z12 = _hblur(xc - sxh, ow2, m_ok & (oh2 >= 1), c_ok, W, sxw, aw0, aw1, aw2, BT)
+        z20, z21, z22 = _hblur(xc, ow2, m_ok, c_ok, W, sxw, aw0, aw1, aw2, BT)
+        acc, _ = _vtap(acc, z00, z10, z20, ah0, ah1, ah2, w_base, 0, 0, w_ok, swc_h, swc_w, dt, PRECISION)
+        acc, _ = _vtap(acc, z01, z11, z21, ah0, ah1, ah2, w_base, 0, 1, w_ok, swc_h, swc_w, dt, PRECISION)
+        acc, _ = _vtap(acc, z02, z12, z22, ah0, ah1, ah2, w_base, 0, 2, w_ok, swc_h, swc_w, dt, PRECISION)
+        z30, z31, z32 = _hblur(xc + sxh, ow2, m_ok & (oh2 + 1 < H), c_ok, W, sxw, aw0, aw1, aw2, BT)
+        acc, _ = _vtap(acc, z10, z20, z30, ah0, ah1, ah2, w_base, 1, 0, w_ok, swc_h, swc_w, dt, PRECISION)
+        acc, ux = _vtap(acc, z11, z21, z31, ah0, ah1, ah2, w_base, 1, 1, w_ok, swc_h, swc_w, dt, PRECISION)
+        acc, _ = _vtap(acc, z12, z22, z32, ah0, ah1, ah2, w_base, 1, 2, w_ok, swc_h, swc_w, dt, PRECISION)
+        z40, z41, z42 = _hblur(xc + 2 * sxh, ow2, m_ok & (oh2 + 2 < H), c_ok, W, sxw, aw0, aw1, aw2, BT)
+        acc, _ = _vtap(acc, z20, z30, z40, ah0, ah1, ah2, w_base, 2, 0, w_ok, swc_h, swc_w, dt, PRECISION)
+        acc, _ = _vtap(acc, z21, z31, z41, ah0, ah1, ah2, w_base, 2, 1, w_ok, swc_h, swc_w, dt, PRECISION)
+        acc, _ = _vtap(acc, z22, z32, z42, ah0, ah1, ah2, w_base, 2, 2, w_ok, swc_h, swc_w, dt, PRECISION)
     # blur(y) = sum_tap Xb_tap @ Wbd_tap + b_conv (the blur weights sum to 1); blur(x) = Xb of the centre tap
     uy = (acc + _load_vec(bc_ptr, CB, P, C)[None, :]).to(dt)
     return uy, ux
@@ -328,12 +483,11 @@ def _convfirst_s2_kernel(
     # meta-parameters
     C: tl.constexpr, CP: tl.constexpr, CP2: tl.constexpr, K: tl.constexpr, K0: tl.constexpr,
     K1: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_R: tl.constexpr,
-    PRECISION: tl.constexpr, ASM: tl.constexpr, BLUR_F16: tl.constexpr,
+    PRECISION: tl.constexpr, ASM: tl.constexpr, BLUR_F16: tl.constexpr, ROW_LOOP: tl.constexpr,
 ):
     tl.static_assert(CP >= 16 and CP >= C, "CP: channels padded to a power of two >= 16")
     tl.static_assert(K0 >= 16 and K0 + K1 >= K, "output parts must cover K")
     BLOCK_M: tl.constexpr = TH * TW
-    dt = x_ptr.dtype.element_ty
     if BLUR_F16:
         bt: tl.constexpr = tl.float16
     else:
@@ -370,19 +524,23 @@ def _convfirst_s2_kernel(
     xc = xc[:, None] + tl.arange(0, CP2)[None, :]
     # channel parts of CP2 (the grouped conv never mixes them): 1, 2 or 4 parts, concatenated
     uy, ux = _blur_conv(xc, oh2, ow2, m_ok, H, W, sxh, sxw, ah0, ah1, ah2, aw0, aw1, aw2,
-                        wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr, C, 0, CP2, BLOCK_M, bt, PRECISION)
+                        wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr, C, 0, CP2, BLOCK_M, bt, PRECISION,
+                        ROW_LOOP)
     if CP >= 2 * CP2:
         uy1, ux1 = _blur_conv(xc + CP2, oh2, ow2, m_ok, H, W, sxh, sxw, ah0, ah1, ah2, aw0, aw1, aw2,
-                              wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr, C, CP2, CP2, BLOCK_M, bt, PRECISION)
+                              wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr, C, CP2, CP2, BLOCK_M, bt, PRECISION,
+                              ROW_LOOP)
         if CP == 4 * CP2:
             uy2, ux2 = _blur_conv(xc + 2 * CP2, oh2, ow2, m_ok, H, W, sxh, sxw, ah0, ah1, ah2, aw0, aw1, aw2,
                                   wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr, C, 2 * CP2, CP2, BLOCK_M, bt,
-                                  PRECISION)
+                                  PRECISION, ROW_LOOP)
             uy3, ux3 = _blur_conv(xc + 3 * CP2, oh2, ow2, m_ok, H, W, sxh, sxw, ah0, ah1, ah2, aw0, aw1, aw2,
                                   wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr, C, 3 * CP2, CP2, BLOCK_M, bt,
-                                  PRECISION)
-            uy = _cat_cols(_cat_cols(uy, uy1, BLOCK_M, CP2), _cat_cols(uy2, uy3, BLOCK_M, CP2), BLOCK_M, 2 * CP2)
-            ux = _cat_cols(_cat_cols(ux, ux1, BLOCK_M, CP2), _cat_cols(ux2, ux3, BLOCK_M, CP2), BLOCK_M, 2 * CP2)
+                                  PRECISION, ROW_LOOP)
+            uy = _cat_cols(_cat_cols(uy, uy1, BLOCK_M, CP2), _cat_cols(uy2, uy3, BLOCK_M, CP2),
+                           BLOCK_M, 2 * CP2)
+            ux = _cat_cols(_cat_cols(ux, ux1, BLOCK_M, CP2), _cat_cols(ux2, ux3, BLOCK_M, CP2),
+                           BLOCK_M, 2 * CP2)
         else:
             uy = _cat_cols(uy, uy1, BLOCK_M, CP2)
             ux = _cat_cols(ux, ux1, BLOCK_M, CP2)
@@ -417,6 +575,7 @@ class ConvFirstConfig:
     tile_h: int
     tile_w: int
     block_h: int
+    row_loop: bool  # stride 2: runtime loop over the three tap rows (faster to compile, more instructions)
     num_warps: int
     num_stages: int
     precision: str  # tl.dot input_precision
@@ -460,23 +619,33 @@ def convfirst_config(
     r = 6 * c if r is None else r
     k_parts = channel_parts(k)
     bh = hidden_block(r)
+    fp32 = dtype == torch.float32
     if stride == 1:
         c_parts = k_parts
         width = sum(c_parts)
-        if width <= 32:
+        if fp32:  # 3xTF32 dots triple the operand registers: smaller tiles and hidden chunks
+            (th, tw, warps), bh = ((8, 8, 4) if width <= 32 else (8, 16, 8)), min(bh, 32)
+        elif width <= 32:
             th, tw, warps = 16, 16, 4
-        elif width <= 64:
-            th, tw, warps = 16, 16, 8
         else:
             th, tw, warps = 16, 16, 8
-            bh = min(bh, 32)
+            if width > 64:
+                bh = min(bh, 32)
     else:
         cp = max(16, triton.next_power_of_2(c))
-        if cp <= 32:
+        if dtype == torch.float16 and cp <= 32:
             c_parts, (th, tw, warps) = (cp, cp), (8, 8, 4)
-        else:
+        elif dtype == torch.float16:
             c_parts, (th, tw, warps) = (cp, S2_PART), (8, 16, 8)
-    return ConvFirstConfig(stride, c, k, c_parts, k_parts, th, tw, bh, warps, 2, precision_for(dtype))
+        else:  # the blur runs in fp32: parts of 16 channels
+            c_parts, (th, tw, warps) = (cp, S2_PART), (8, 8, 4)
+            if fp32:
+                bh = min(bh, 32)
+    # the unrolled stride-2 window is the fast path (fp16); the other dtypes loop over the tap rows,
+    # which compiles ~3x faster
+    row_loop = stride == 2 and dtype != torch.float16
+    return ConvFirstConfig(stride, c, k, c_parts, k_parts, th, tw, bh, row_loop, warps, 2,
+                           precision_for(dtype))
 
 
 # The ConvFirst blocks of Pico..Small (SPEC Table 3) as (C, R, K, stride): stride-1 blocks with
@@ -572,14 +741,14 @@ def convfirst_triton(
     strides = (x.stride(0), x.stride(2), x.stride(3), *w_conv.stride(), *w1.stride(), *w2.stride())
     meta = dict(TH=cfg.tile_h, TW=cfg.tile_w, BLOCK_H=cfg.block_h, EVEN_R=r % cfg.block_h == 0,
                 PRECISION=cfg.precision, ASM=asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    cost = lambda: launch_cost(cfg, n, h, w, r)  # noqa: E731
+    cost = lambda: launch_cost(cfg, n, h, w, r)
     if stride == 1:
         launch(_convfirst_s1_kernel, grid, x, w_conv, b_conv, w1, b1, w2, b2, out, h, w, r, *strides,
                C=c, C0=cfg.c_parts[0], C1=cfg.c_parts[1], cost=cost, **meta)
     else:
         launch(_convfirst_s2_kernel, grid, x, w_conv, b_conv, w1, b1, w2, b2, out, h, w, ho, wo, r, *strides,
                C=c, CP=cfg.c_parts[0], CP2=cfg.c_parts[1], K=k, K0=cfg.k_parts[0], K1=cfg.k_parts[1],
-               BLUR_F16=x.dtype == torch.float16, cost=cost, **meta)
+               BLUR_F16=x.dtype == torch.float16, ROW_LOOP=cfg.row_loop, cost=cost, **meta)
     return out
 
 
@@ -599,9 +768,10 @@ def launch_cost(cfg: ConvFirstConfig, n: int, h: int, w: int, r: int) -> KernelC
         cp, cp2 = cfg.c_parts
         conv = 9 * cp2 * cp * bm  # nine block-diagonal [CP2, CP2] tap dots per channel part
         ffn = chunks * bh * (2 * cp + kw) * bm
-        loops = [Loop("hidden", chunks)]
+        loops = [Loop("taprow", 3) for _ in range(cp // cp2) if cfg.row_loop] + [Loop("hidden", chunks)]
     eb = 2 if cfg.precision == "tf32" else 4
-    weights = 9 * GROUP * cfg.c + cfg.c + r * (cfg.c if cfg.stride == 1 else 2 * cfg.c) + r + cfg.k * r + cfg.k
+    c1 = cfg.c if cfg.stride == 1 else 2 * cfg.c
+    weights = 9 * GROUP * cfg.c + cfg.c + r * c1 + r + cfg.k * r + cfg.k
     return KernelCost(
         useful_macs=useful_macs(n, cfg.c, h, w, r, cfg.k, cfg.stride),
         mma_macs=programs * (conv + ffn),

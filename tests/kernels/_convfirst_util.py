@@ -1,6 +1,8 @@
 """Shared helpers of the stem / ConvFirst kernel tests.
 
-Strided NaN-banded inputs, and compiling the shipped kernel configurations for GPU targets.
+Strided NaN-banded inputs (both), and compiling the stem's shipped kernel configurations for GPU
+targets (the ConvFirst test compiles the launches its launcher records, through
+convfirstnet.analysis.compiled).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def compile_for_gpu(kernel, dtype: torch.dtype, constexprs: dict, arch: int, num
 
 
 def shipped_variants(block: str) -> list[dict]:
-    """Every (kernel, constexprs, launch options) the launcher of `block` can pick for model shapes."""
+    """Every (kernel, constexprs, launch options) the stem launcher can pick for model shapes."""
     if block == "stem":
         from convfirstnet.kernels.stem import kernel as S
 
@@ -74,21 +76,8 @@ def shipped_variants(block: str) -> list[dict]:
                  dtypes=[torch.float16, torch.bfloat16, torch.float32])
             for cfg in S.shipped_configs()
         ]
-    from convfirstnet.kernels.convfirst import kernel as K
-
-    out = []
-    for dtype in K.DTYPES:
-        for cfg in K.shipped_configs(dtype):
-            ce = dict(C_PAD=cfg.c_pad, BLOCK_M=cfg.block_m, BLOCK_H=cfg.block_h, PRECISION=cfg.precision)
-            if cfg.stride == 2:
-                ce["K_PAD"] = cfg.k_pad
-            out.append(dict(
-                name=(f"s{cfg.stride}_c{cfg.c_pad}_k{cfg.k_pad}_m{cfg.block_m}"
-                      f"_w{cfg.num_warps}_st{cfg.num_stages}"),
-                kernel=K._convfirst_s1_kernel if cfg.stride == 1 else K._convfirst_s2_kernel,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, constexprs=ce, dtype=dtype,
-            ))
-    return out
+    raise ValueError(f"no hand-listed variants for {block!r}: the ConvFirst compile test records the launcher's "
+                     "own launches (tests/kernels/test_convfirst.py)")
 
 
 def _compile_all(block: str, archs: list[int]) -> list[dict]:
