@@ -168,13 +168,22 @@ class ConvFirst(nn.Module):
         return _trainable_like(self, fused)
 
 
+def tap_major(w_conv: torch.Tensor) -> torch.Tensor:
+    """The grouped-conv weight with the same logical (C, 8, 3, 3) shape, stored tap-major: memory order
+    (kh, kw, ci, co), strides (1, C, 24C, 8C). The fused ConvFirst kernel reads weights through their
+    strides; in this layout each tap's per-group 8 x 8 blocks load as 16-byte vectors of output
+    channels. Any other layout gives the same results (slower weight loads)."""
+    return w_conv.permute(2, 3, 1, 0).contiguous().permute(3, 2, 0, 1)
+
+
 class FusedConvFirst(FusedBlock):
     weight_names = ("w_conv", "b_conv", "w1", "b1", "w2", "b2")
 
     def __init__(self, w_conv, b_conv, w1, b1, w2, b2, stride: int):
         super().__init__()
         self.stride = stride
-        self._register(w_conv=w_conv, b_conv=b_conv, w1=w1, b1=b1, w2=w2, b2=b2)
+        # clone() and Module.to()/.half() preserve this (dense) layout
+        self._register(w_conv=tap_major(w_conv), b_conv=b_conv, w1=w1, b1=b1, w2=w2, b2=b2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, weights = self._cast(x)

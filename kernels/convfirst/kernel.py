@@ -11,110 +11,131 @@ stride 2, reflect padding 1, output ceil(H/2) x ceil(W/2).
 
 Tiling and grid
 ---------------
-Both kernels tile the *output* pixels of the whole batch, flattened in NHW order: program `pid`
-owns the BLOCK_M output pixels `pid * BLOCK_M + [0, BLOCK_M)` and ALL output channels, so the grid
-is `cdiv(N * H_out * W_out, BLOCK_M)` programs and there is no inter-program communication (the
-paper's point: after the conv, every layer of the block is per-pixel, so output tiles are
-independent; only input tiles overlap). A flat pixel tile rather than a 2-D TH x TW tile keeps the
-masks to one comparison (`m < M`) and keeps programs full for small maps (7x7, 8x8) and odd sizes;
-a tile covers about BLOCK_M / W image rows, and the 3x3 halo rows above and below it are the rows
-the neighbouring programs read, which are resident in L2 when programs are scheduled in order.
+A program owns a TH x TW tile of output pixels of one image and all output channels; the grid is
+1-D with N x ceil(H'/TH) x ceil(W'/TW) programs (no grid.y limit on the batch). The tile position
+costs one scalar division per program and the pixel coordinates inside it are shifts and masks (TW
+is a power of two): a flat N*H*W tiling needs integer divisions by H*W and W per element, which the
+compiler rematerialises in every layout that uses them (8% of the instructions of a C = 64
+prototype). After
+the conv every layer of the block is per pixel, so output tiles are independent; input tiles overlap
+by the halo, which the loads read through L1. Pixels outside the map are masked.
 
-Channels are padded to powers of two (C_PAD, K_PAD >= 16, the smallest `tl.dot` operand the GPU
-compiler accepts); padded channels are masked to zero on load and never stored. Hidden channels
-are never padded: the R loop walks BLOCK_H chunks and masks the last one (R = 6C is not a multiple
-of 64 for C = 24, 72).
+x is read through its strides when its channel stride is 1 and the others are multiples of 8
+elements (any channels-last tensor or crop): 8 channels are one 16-byte vector. Other layouts (NCHW,
+odd views) are copied to channels-last once by the launcher. The output is NHWC.
 
-Input halo. Triton has no addressable shared memory, so "load the input tile with a 1-pixel halo
-once" is realised the way the paper describes its own kernel ("the overlap is handled by the
-memory cache, so each input value is loaded from DRAM at most once"): the 9 shifted [BLOCK_M,
-C_PAD] views of a tile are 9 masked loads of the same ~(BLOCK_M/W + 2) rows, which hit L1/L2
-after the first. DRAM traffic per block is therefore ~ one read of x plus one write of out.
+Channel parts instead of power-of-two padding. tl.dot tiles are powers of two >= 16, so a width is
+rounded up to a multiple of 16 and split into at most two power-of-two parts, each its own dot:
+96 = 64 + 32 and 48 = 32 + 16 (no padding); 24 -> 32 and 72 -> 64 + 16 are padded and masked.
 
-Grouped conv (group width 8) as a block-diagonal dense tap
-----------------------------------------------------------
-`tl.dot` needs K >= 16 on sm_80/sm_90 (KERNEL-NOTES), so a group's 8x8 weight cannot be its own
-dot. Each of the 9 taps is one dense dot `x_tap[BLOCK_M, C_PAD] @ Wbd_tap[C_PAD, C_PAD]` where
-`Wbd_tap[ci, co] = w_conv[co, ci % 8, tap]` if ci // 8 == co // 8 else 0, built on the fly with a
-masked load from the (C, 8, 3, 3) weight (L2-resident). Of the three formulations in KERNEL-NOTES
-this one is the simplest, runs on tensor cores (wgmma on Hopper) and accumulates in fp32 in the dot;
-its cost is C_PAD / 8 times the useful conv MACs (2x at C = 16 up to 16x at C = 72/96).
+Stride 1: the grouped conv as batched two-tap dots
+--------------------------------------------------
+A group has 8 input channels but tl.dot needs K >= 16. Step s (of 5) multiplies, for all groups g of
+a channel part at once (a batched 3-D dot over the G groups):
 
-Waterline (paper 5.3.2). Per output pixel in fp16 the block reads C and writes K values, and the
-useful work is 72C (conv, per full-res pixel) + C1*R + R*K MACs. Useful operational intensity,
-with the tensor-core work the kernel actually issues (block-diagonal conv, C and K padded to powers
-of two, R rounded up to BLOCK_H) relative to the useful work:
+    [x(tap 2s)[:, g] | x(tap 2s + 1)[:, g]]   [G, M, 16]   @   [W_g(tap 2s); W_g(tap 2s + 1)]   [G, 16, 8]
 
-    block (C, R, K, stride)   FLOP/byte   issued/useful    block (C, R, K, s)   FLOP/byte   issued/useful
-    16,  48, 16, 1                 84         1.62          16,  96, 32, 2            112         0.98
-    24,  72, 24, 1                108         3.36          24, 144, 48, 2            144         1.63
-    32,  96, 32, 1                132         2.06          32, 192, 64, 2            176         1.00
-    32, 192, 32, 1                228         1.47          32, 192, 48, 2            175         1.10
-    48, 288, 48, 1                324         2.50          48, 288, 64, 2            234         1.64
-    64, 384, 64, 1                420         1.60          48, 288, 72, 2            236         1.91
-    72, 432, 72, 1                468         3.89          64, 384, 96, 2            297         1.29
-    96, 576, 96, 1                612         2.51
+The tenth tap slot is masked to zero, so the issued conv MACs are 10/9 of the useful ones. The
+batched dot compiles to mma.sync (m16n8k16); its [G, M, 8] result is permuted to [M, C] once. The
+tap loads carry cache_modifier=".ca": the software pipeliner then emits cp.async.ca (L1-allocating)
+instead of the L1-bypassing cp.async.cg, so the halo re-reads of a tile hit L1 (pinned by the
+compile test). The weights are read through their strides; FusedConvFirst stores w_conv tap-major
+(blocks.tap_major: memory order kh, kw, ci, co), where each tap's [16, 8] group block is two
+16-byte vectors.
 
-(stride 2: the conv counted once per full-res pixel, 4 per output pixel; issued work = 9 dots per
-output pixel.) The waterline is ~100 FLOP/byte on the paper's A5000 and ~295 on H100 (fp16 dense
-990 TFLOP/s over 3.35 TB/s). Blocks under it are memory bound and the extra issued work is hidden;
-the compute-bound ones (stride 1 with C >= 48 on H100) pay it in full, most at C = 24 and 72 where
-power-of-two padding adds to the block-diagonal waste. Removing it (per-16-channel batched dots
-for the conv, non-power-of-two channel splits) is the first optimisation to time on a GPU.
+FFN over hidden chunks (both kernels)
+-------------------------------------
+acc starts at residual + b2 (stride 1) or b2 (stride 2); for each chunk of BLOCK_H hidden channels
+
+    hid = ReLU(y @ W1[chunk]^T + b1[chunk]);   acc += hid @ W2[:, chunk]^T
+
+both on wgmma (the weight chunks staged in shared memory by cp.async, two stages). The hidden tile
+never leaves the chip. Per hidden value the epilogue is what bounds the t = 6 blocks (SiLU is not
+used here, ReLU is): the bias add and ReLU + fp16 pack are two FADDs and one cvt.rn.relu.f16x2.f32
+per pair (inline asm, ASM=True on a GPU; the interpreter runs tl.maximum then the cast, the same
+values). A chunk costs 190-240 SASS instructions per warp, of which 100-180 are per-chunk overhead
+(wgmma descriptors, barriers, the b1 load) that larger tiles amortise.
+
+Stride 2: blur first, the 5x5 window read once
+----------------------------------------------
+BlurPool and the conv are linear, so blur(y) = sum_tap Xb_tap @ Wbd_tap + b_conv (the blur weights
+sum to 1) and blur(x) = Xb_centre, where Xb_tap = sum_b f_b x(2o + b + tap - 2) is the blurred input
+of conv tap `tap`. All nine come from the 5x5 window of x around (2oh, 2ow), loaded once (25
+vector loads per 8 channels instead of the 81 of blurring per tap). BlurPool's reflect padding is
+folded into per-row and per-column blur weights: [1, 2, 1]/4 inside, [0, 2, 2]/4 for the first
+row/column (-1 reflects to 1), [2, 2, 0]/4 for the last one of an odd size (H reflects to H - 2);
+all are powers of two, exact in fp16. The conv's zero padding (applied after the reflection, as in
+the reference) is the load mask. The blur is separable: each window row is blurred along w for the
+three tap columns, and the nine tap inputs are vertical blurs of three rows: 72 multiply-adds per
+pair of channels, as HFMA2 in fp16 (only the additions round) and in fp32 for bf16/fp32 inputs.
+Each tap input then feeds one block-diagonal dot [M, P] @ [P, P] (wgmma) per channel part of P
+channels (P = the padded width up to 32, else 16: with 64 channels, four parts keep the window's
+registers below the spill point). Issued conv MACs: 9 P per channel per output pixel, against the
+288 the paper counts for the full-resolution conv: blurring first does a quarter of the work.
+The FFN's expand takes [blur(x) | blur(y)] as two K parts; the concat is never built.
 
 Accumulation and precision
 --------------------------
-y accumulates in fp32 (dot accumulator), gets its bias, and is rounded once to the activation dtype
-to feed the W1 dot (as a layer-wise fp16 network would store it). For each hidden chunk
-`h = ReLU(y @ W1[:, chunk] + b1[chunk])` is an fp32 [BLOCK_M, BLOCK_H] tile, rounded to the
-activation dtype and accumulated into `acc` (fp32, [BLOCK_M, K_PAD]) by `tl.dot(h, W2[chunk, :], acc)`.
-`acc` starts as residual + b2 (stride 1) or b2 (stride 2). The hidden activation lives only in
-registers/shared memory. fp32 inputs use `input_precision="tf32x3"` (3xTF32 split products on tensor
-cores, ~fp32 accuracy; "ieee" FMA dots took minutes to compile at C_PAD = 128). fp32 is the checking
-path, fp16/bf16 are the fast ones. (The interpreter computes every dot in exact fp32.)
+Dots accumulate in fp32. y (stride 2: each blurred tap input and blur(y)) and the hidden tile are
+rounded to the activation dtype before the next dot, where a layer-wise network stores them; the
+residual and the biases are added in fp32; the output is rounded once. fp32 inputs use
+input_precision="tf32x3" (3xTF32, ~fp32 accuracy) with smaller tiles; the interpreter computes
+every dot in fp32. bf16 runs only on a GPU (the interpreter's bf16 dot is wrong).
 
-Stride 2: one kernel
---------------------
-Output pixel (oh, ow) needs the concat map at full-res rows/cols 2o-1, 2o, 2o+1 (reflected at the
-border: -1 -> 1, H -> H-2), and y at those 9 positions needs x at offsets -1..+1 around each, i.e.
-a 5x5 x-window (plus reflection). BlurPool and the conv are both linear, so with
-`Xb_tap = sum_{b in 3x3} f_b * x(refl(2o + b - 1) + tap - 1)` (zero outside the image, which is the
-conv's zero padding applied after the blur's reflection, exactly as the reference does):
+Waterline as compiled (sm_90, ConvFirstNet-Small, batch 128, 256 x 256, fp16)
+------------------------------------------------------------------------------
+From the static cost report's model: t_tensor = issued MACs at 989.4 TFLOP/s (times the wave
+quantisation), t_dram = minimal bytes (x read once, out written once, weights once) at 3.35 TB/s,
+t_issue = SASS instructions per warp weighted by the declared loop trips, x warps x programs, at 4
+warp-instructions per clock per SM (132 SMs, 1.83 GHz); predicted = the largest. Layer-wise = the
+waterline's bound for the same block run as separate layers. Before = the previous kernels
+(block-diagonal conv padded to C_PAD, flat 64/128-pixel tiles, 81 loads per stride-2 tile).
 
-    blur(y) = sum_tap Xb_tap @ Wbd_tap + b_conv      (sum f_b = 1 carries the bias through)
-    blur(x) = Xb_center
+    block (C, R, K, s, map)        issued/useful   t_tensor  t_dram  t_issue  predicted | layer-wise  before
+    32,  96, 32, 1, 128^2  (x2)         1.03         37.5     80.1     77.8     80.1   |    440.7     206.7
+    32, 192, 64, 2, 128^2               0.98         36.4     60.1     72.7     72.7   |    500.8     439.8
+    64, 384, 64, 1,  64^2  (x4)         1.01         59.3     40.1     51.3     59.3   |    340.6     170.2
+    64, 384, 96, 2,  64^2               0.90         26.0     27.6     39.4     39.4   |    248.0     250.1
+    96, 576, 96, 1,  32^2  (x5)         1.01         32.3     15.1     28.2     32.3   |    127.8     143.0
+                                                                                     (microseconds)
+    stage 1 / 2 / 3 predicted: 0.160 / 0.310 / 0.201 ms   (before 0.413 / 1.121 / 0.965)
+    layer-wise bound:          0.881 / 1.863 / 0.887 ms;  block-fusion bound: 0.160 / 0.288 / 0.184
 
-So per tap the kernel forms the blurred input tile on chip (9 masked loads, fp32 FMA with the
-exact power-of-two filter weights), runs ONE block-diagonal dot, and the x half of the concat is the
-centre tap's Xb (selected with a `tl.where` on the tap index). Xb is rounded to the activation dtype
-for the dot (one extra rounding of a convex combination of inputs, |err| <= 2^-11 relative in fp16).
-The FFN then never materialises the concat: `W1 u = W1[:, :C] blur(x) + W1[:, C:] blur(y)` is two
-dots per hidden chunk. Conv MACs stay at 9 dots per output pixel (= 2.25 dots per
-full-res pixel, vs 1 in a layer-wise conv) but nothing but x is read and nothing but out is written:
-a two-kernel split (conv+blur kernel writing u, then an FFN kernel) would add a 2C-channel
-quarter-resolution round trip and a launch for no saved work. Cost of this choice: 81 masked
-L1-hitting loads of [BLOCK_M, C_PAD] per program (CUDA-core FMA work 81*C per output pixel, small
-next to the 2*2C*6C + 6C*K tensor-core FFN MACs).
+Compiled variants (registers, stack, shared memory, weighted SASS instructions per warp per program):
+s1 C=32 16x16 tile, 4 warps: 226 regs, no stack, 33 KB, 2261; s2 32->64 8x8, 4 warps: 166, 0, 37 KB,
+2113; s1 C=64 16x16, 8 warps: 250, 0, 66 KB, 2931; s2 64->96 8x16, 8 warps: 194, 0, 72 KB, 4504;
+s1 C=96 16x16, 8 warps, BLOCK_H 32: 253, 0, 72 KB, 6448. Stage 1 sits on its DRAM bound, the t = 6
+blocks on their tensor bound; the stride-2 blocks are issue bound (the 72 HFMA2 per channel pair of
+the blur and the window's masked loads).
 
-Tile constants (CONFIG table below)
------------------------------------
-No GPU was available when this was written, so the table is derived, not swept; every entry is
-compiled for sm_90 and sm_80 in tests/kernels/test_convfirst.py (shared memory must fit A100's
-163 KB). Rules:
-  * BLOCK_H = 64: the hidden chunk; a [BLOCK_M, 64] fp32 tile plus a 64-wide W1/W2 slice keeps the
-    per-chunk shared memory at 16-33 KB (KERNEL-NOTES) and 64 divides R for most shapes.
-  * BLOCK_M = 128 for C_PAD <= 32 (arithmetic per pixel is small, so bigger tiles amortise the
-    per-program weight reads; y + acc are 2 x 128 x 32 fp32 = 64 regs/thread at 4 warps), 64 for
-    C_PAD >= 64 (y, acc and the fp32 hidden tile at C_PAD = 128 are 3 x 64 x 128 fp32 = 96
-    regs/thread at 8 warps; BLOCK_M = 128 there would spill).
-  * num_warps = 4 up to BLOCK_M x max(C_PAD, K_PAD) = 4096 fp32 elements per live tile, else 8.
-  * num_stages = 2 for fp16/bf16: the tap and R loops have at most 9 iterations; deeper pipelining
-    only adds shared memory. 1 for fp32: double-buffered fp32 operands at C_PAD = 128 needed 229 KB.
-  * The tap loops are runtime loops (`range(9)`), not unrolled: unrolling the stride-2 kernel's
-    9 x 9 loads, or fp32 dots at C_PAD = 128, made one compile take 20 s to > 2 min on CPU.
-Under the interpreter the same single config is used (multi-config autotune needs a GPU), and the
-table never autotunes, so launches are deterministic under torch.compile and CUDA-graph capture.
-Channel counts above 128 (not in ConvFirstNet) are rejected before launch.
+Not in the model: the weights are re-read from L2 by every program (W1 + W2 are 98 KB at C = 64 and
+221 KB at C = 96 in fp16, per 256-pixel tile: 0.4 and 0.9 KB per pixel); the small-N dots (the conv's
+m16n8k16, stride 2's N = 16) run below the tensor-core peak when their operands come from shared
+memory. A GPU measurement decides whether persistent programs that keep the weights on chip pay off.
+
+Tile constants (convfirst_config)
+---------------------------------
+Chosen by compiling for sm_90 and reading the issue estimate and register use (no GPU timings yet);
+every shipped configuration is compiled for sm_90 and sm_80 in tests/kernels/test_convfirst.py.
+  * stride 1: 16 x 16 tiles (256 pixels amortise the per-chunk and per-tap overheads and halve the L2
+    weight traffic of 128); 4 warps up to 32 channels, 8 warps above (the accumulators, the hidden
+    tile and the conv output then fit in 255 registers without spilling). BLOCK_H = 64 unless that
+    pads R by more than 1/8 (R = 96 -> 32, 48 and 72 -> 16), and 32 for C > 64, where a 64-wide
+    hidden tile next to two accumulator parts would spill.
+  * stride 2: 8 x 8 output tiles with 4 warps for inputs up to 32 channels; 8 x 16 with 8 warps and
+    16-channel blur parts for 48-64 (a 64-pixel tile on 8 warps spends most of its FFN in per-chunk
+    overhead; 32-channel parts on 128 pixels spill).
+  * fp32 (the checking path): 8 x 8 or 8 x 16 tiles and BLOCK_H <= 32 (3xTF32 operands triple the
+    registers; a 16 x 16 tile at C = 96 needed 237 KB of shared memory). bf16 stride 2 blurs in fp32
+    in 16-channel parts on 8 x 8 tiles.
+  * num_stages = 2: the hidden loop's weight chunks are double-buffered; the conv loop has 5 trips.
+  * The stride-2 window is unrolled for fp16 (one block of straight-line code per channel part); the
+    other dtypes run a runtime loop over the three tap rows (ROW_LOOP), which compiles 2-3x faster
+    (CI compiles every configuration) but issues ~35% more instructions (register rotation,
+    recomputed addresses): 99.8 instead of 72.7 us for the 32 -> 64 block.
+Under the interpreter the same single config is used (no autotuning), so launches are deterministic
+under torch.compile and CUDA-graph capture. Widths above 128 (stride 1) or 64 input channels
+(stride 2) are rejected before launch; ConvFirstNet uses at most 96 and 64.
 """
 
 from __future__ import annotations
@@ -128,178 +149,412 @@ import triton.language as tl
 from .._cost import KernelCost, Loop
 from .._launch import launch
 
-GROUP = 8  # channels per group of the 3x3 conv (paper 5.3: matches mma.m16n8k8)
-MAX_CHANNELS = 128  # C_PAD / K_PAD limit of the register-resident tiles
+GROUP = 8  # channels per group of the 3x3 conv (SPEC 1)
+MAX_CHANNELS = 128  # widest block the on-chip tiles are laid out for (ConvFirstNet uses <= 96)
+MAX_CHANNELS_S2 = 64  # input channels of a stride-2 block (at most four blur/conv parts; ConvFirstNet: <= 64)
+S2_PART = 16  # channels per blur/conv part of the stride-2 kernel when the input is wider than 32
 
 
 # ------------------------------------------------------------------------------------------------
-# Kernels
+# Shared pieces
 # ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bias_relu(acc, bias, dt: tl.constexpr, ASM: tl.constexpr):
+    """ReLU(acc + bias) rounded once to `dt` (fp32 acc and bias).
+
+    ASM (16-bit dt, compiled for a GPU): two fp32 adds and one `cvt.rn.relu.{f16,bf16}x2.f32`, which
+    applies the ReLU and packs two results per instruction (sm_80+). The plain path computes the same
+    values (max then round == round then max) and is what the interpreter runs.
+    """
+    if ASM and dt == tl.float16:
+        return tl.inline_asm_elementwise(
+            "{ .reg .f32 t0, t1; add.f32 t0, $1, $3; add.f32 t1, $2, $4; "
+            "cvt.rn.relu.f16x2.f32 $0, t1, t0; }",
+            "=r,r,r,r,r", [acc, bias], dtype=tl.float16, is_pure=True, pack=2,
+        )
+    elif ASM and dt == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            "{ .reg .f32 t0, t1; add.f32 t0, $1, $3; add.f32 t1, $2, $4; "
+            "cvt.rn.relu.bf16x2.f32 $0, t1, t0; }",
+            "=r,r,r,r,r", [acc, bias], dtype=tl.bfloat16, is_pure=True, pack=2,
+        )
+    else:
+        return tl.maximum(acc + bias, 0.0).to(dt)
+
+
+@triton.jit
+def _ffn(
+    a0, a1, acc0, acc1,
+    w1_ptr, b1_ptr, w2_ptr, R, sw1_r, sw1_c, sw2_k, sw2_r,
+    A0: tl.constexpr, A0_END: tl.constexpr, A1: tl.constexpr, A1_BASE: tl.constexpr, A1_END: tl.constexpr,
+    K0: tl.constexpr, K1: tl.constexpr, K: tl.constexpr,
+    BLOCK_H: tl.constexpr, EVEN_R: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr,
+):
+    """acc += ReLU([a0 | a1] @ W1^T + b1) @ W2^T over hidden chunks of BLOCK_H (the hidden tile never
+    leaves the chip).
+
+    a0: [M, A0] holds W1 columns [0, A0) (valid below A0_END); a1: [M, A1] holds columns
+    [A1_BASE, A1_BASE + A1) (valid below A1_END), absent when A1 == 0. The output is split into
+    power-of-two parts acc0 [M, K0] (channels [0, K0)) and acc1 [M, K1] ([K0, K0 + K1)), valid below K.
+    """
+    dt = a0.dtype
+    offs_h = tl.arange(0, BLOCK_H)
+    c0 = tl.arange(0, A0)
+    k0 = tl.arange(0, K0)
+    for h0 in range(0, R, BLOCK_H):
+        hh = h0 + offs_h
+        h_ok = hh < R
+        if EVEN_R:
+            h_ok = tl.full((BLOCK_H,), 1, tl.int1)
+        w1p = w1_ptr + hh[None, :] * sw1_r
+        m = h_ok[None, :]
+        if A0 > A0_END:
+            m = m & (c0 < A0_END)[:, None]
+        hid = tl.dot(a0, tl.load(w1p + c0[:, None] * sw1_c, mask=m, other=0.0), input_precision=PRECISION)
+        if A1 > 0:
+            c1 = A1_BASE + tl.arange(0, A1)
+            m = h_ok[None, :]
+            if A1_BASE + A1 > A1_END:
+                m = m & (c1 < A1_END)[:, None]
+            hid = tl.dot(a1, tl.load(w1p + c1[:, None] * sw1_c, mask=m, other=0.0), hid,
+                         input_precision=PRECISION)
+        b1 = tl.load(b1_ptr + hh, mask=h_ok, other=0.0).to(tl.float32)
+        hid = _bias_relu(hid, b1[None, :], dt, ASM)
+        w2p = w2_ptr + hh[:, None] * sw2_r
+        m = h_ok[:, None]
+        if K0 > K:
+            m = m & (k0 < K)[None, :]
+        acc0 = tl.dot(hid, tl.load(w2p + k0[None, :] * sw2_k, mask=m, other=0.0), acc0,
+                      input_precision=PRECISION)
+        if K1 > 0:
+            k1 = K0 + tl.arange(0, K1)
+            m = h_ok[:, None]
+            if K0 + K1 > K:
+                m = m & (k1 < K)[None, :]
+            acc1 = tl.dot(hid, tl.load(w2p + k1[None, :] * sw2_k, mask=m, other=0.0), acc1,
+                          input_precision=PRECISION)
+    return acc0, acc1
+
+
+@triton.jit
+def _store_part(out_pix, acc, m_ok, KB: tl.constexpr, P: tl.constexpr, K: tl.constexpr):
+    """Store channels [KB, KB + P) (valid below K) of an NHWC tile; out_pix points at channel 0."""
+    k = KB + tl.arange(0, P)
+    m = m_ok[:, None]
+    if KB + P > K:
+        m = m & (k < K)[None, :]
+    tl.store(out_pix[:, None] + k[None, :], acc.to(out_pix.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _load_part(pix, m_ok, KB: tl.constexpr, P: tl.constexpr, K: tl.constexpr):
+    """Load channels [KB, KB + P) (zero at and above K) of an NHWC tile as fp32."""
+    k = KB + tl.arange(0, P)
+    m = m_ok[:, None]
+    if KB + P > K:
+        m = m & (k < K)[None, :]
+    return tl.load(pix[:, None] + k[None, :], mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_vec(ptr, KB: tl.constexpr, P: tl.constexpr, K: tl.constexpr):
+    k = KB + tl.arange(0, P)
+    if KB + P > K:
+        return tl.load(ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    else:
+        return tl.load(ptr + k).to(tl.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Stride 1
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gconv_pairs(
+    x_pix, oh, ow, m_ok, H, W, sxh, sxw,
+    wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr,
+    C: tl.constexpr, CB: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Grouped 3x3 conv (padding 1) of channels [CB, CB + P) for a tile: [BLOCK_M, P] in x's dtype.
+
+    Two taps per K = 16: step s multiplies, for every group g of 8 channels at once (a batched dot),
+    [x(tap 2s) | x(tap 2s+1)] ([P/8, BLOCK_M, 16]) by [W(tap 2s); W(tap 2s+1)] ([P/8, 16, 8]).
+    Five steps cover the nine taps and one zero tap (masked): 10/9 of the useful MACs.
+    """
+    G: tl.constexpr = P // 8
+    g = tl.arange(0, G)[:, None, None]
+    j = tl.arange(0, 16)[None, None, :]  # K index: tap half (j // 8), channel in group (j % 8)
+    ok3 = m_ok[None, :, None]
+    if CB + P > C:
+        ok3 = ok3 & (CB + 8 * g + j % 8 < C)
+    x_base = x_pix[None, :, None] + (CB + 8 * g + j % 8)  # [G, M, 16], 8 contiguous channels per tap
+    oh3 = oh[None, :, None]
+    ow3 = ow[None, :, None]
+    wj = tl.arange(0, 16)[None, :, None]
+    wco = CB + 8 * g + tl.arange(0, 8)[None, None, :]  # [G, 1, 8] output channel
+    w_base = wc_ptr + wco * swc_o + (wj % 8) * swc_i  # [G, 16, 8]
+    acc = tl.zeros((G, BLOCK_M, 8), tl.float32)
+    for step in range(5):
+        tap = 2 * step + j // 8
+        dh = tap // 3 - 1
+        dw = tap % 3 - 1
+        ih = oh3 + dh
+        iw = ow3 + dw
+        ok = ok3 & (tap < 9) & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        # ".ca": the nine shifted windows of a tile overlap, keep them in L1 (not cp.async.cg)
+        xv = tl.load(x_base + dh * sxh + dw * sxw, mask=ok, other=0.0, cache_modifier=".ca")
+        wtap = 2 * step + wj // 8
+        w_ok = wtap < 9
+        if CB + P > C:
+            w_ok = w_ok & (wco < C)
+        wv = tl.load(w_base + (wtap // 3) * swc_h + (wtap % 3) * swc_w, mask=w_ok, other=0.0)
+        acc = tl.dot(xv, wv, acc, input_precision=PRECISION)
+    if CB + P > C:
+        acc += tl.load(bc_ptr + wco, mask=wco < C, other=0.0).to(tl.float32)
+    else:
+        acc += tl.load(bc_ptr + wco).to(tl.float32)
+    # [G, M, 8] -> [M, P]: channel 8g + n of pixel m
+    return tl.reshape(tl.permute(acc.to(x_pix.dtype.element_ty), (1, 0, 2)), (BLOCK_M, P))
 
 
 @triton.jit
 def _convfirst_s1_kernel(
     # pointers
     x_ptr, wc_ptr, bc_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr,
-    # sizes: M = N * H * W output pixels, C channels, R hidden channels
-    M, H, W, C, R,
-    # strides (elements): x as logical (N, C, H, W) in any memory format, weights as given
-    sxn, sxc, sxh, sxw,
+    # sizes: H x W map, R hidden channels (C is a constexpr)
+    H, W, R,
+    # strides (elements): x as logical (N, C, H, W) with unit channel stride, weights as given
+    sxn, sxh, sxw,
     swc_o, swc_i, swc_h, swc_w,  # w_conv (C, 8, 3, 3)
     sw1_r, sw1_c,  # w1 (R, C)
     sw2_k, sw2_r,  # w2 (C, R)
     # meta-parameters
-    C_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr,
+    C: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+    BLOCK_H: tl.constexpr, EVEN_R: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr,
 ):
-    tl.static_assert(C_PAD >= 16, "tl.dot operands need >= 16 channels")
+    tl.static_assert(C0 >= 16 and C1 >= 0 and C0 + C1 >= C, "channel parts must cover C")
     tl.static_assert(BLOCK_H >= 16, "tl.dot operands need >= 16 hidden channels")
-    dt = x_ptr.dtype.element_ty
+    BLOCK_M: tl.constexpr = TH * TW
+    # the launcher guarantees strides that are multiples of 8 elements (16-byte vectors of 8 channels)
+    sxn = tl.multiple_of(sxn, 8)
+    sxh = tl.multiple_of(sxh, 8)
+    sxw = tl.multiple_of(sxw, 8)
     pid = tl.program_id(0)
-    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # flat output pixel (n, h, w)
-    m_ok = offs_m < M
-    hw = H * W
-    n = offs_m // hw
-    oh = (offs_m % hw) // W
-    ow = offs_m % W
-    x_img = x_ptr + n.to(tl.int64) * sxn  # [BLOCK_M] image base pointers (int64: batch x image > 2^31)
-    offs_c = tl.arange(0, C_PAD)
-    c_ok = offs_c < C
+    tiles_w = tl.cdiv(W, TW)
+    tiles = tl.cdiv(H, TH) * tiles_w
+    n = pid // tiles
+    t = pid % tiles
+    r = tl.arange(0, BLOCK_M)
+    oh = (t // tiles_w) * TH + r // TW
+    ow = (t % tiles_w) * TW + r % TW
+    m_ok = (oh < H) & (ow < W)
+    x_pix = x_ptr + n.to(tl.int64) * sxn + oh * sxh + ow * sxw
+    out_pix = out_ptr + (n.to(tl.int64) * H * W + oh * W + ow) * C
 
-    # Block-diagonal tap weight Wbd[ci, co] (see header): offsets and mask shared by all 9 taps.
-    ci = offs_c[:, None]
-    co = offs_c[None, :]
-    wbd_mask = (ci // 8 == co // 8) & (ci < C) & (co < C)
-    wbd_off = co * swc_o + (ci % 8) * swc_i
+    y0 = _gconv_pairs(x_pix, oh, ow, m_ok, H, W, sxh, sxw, wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr,
+                      C, 0, C0, BLOCK_M, PRECISION)
+    acc0 = _load_part(x_pix, m_ok, 0, C0, C) + _load_vec(b2_ptr, 0, C0, C)[None, :]
+    y1 = y0
+    acc1 = acc0
+    if C1 > 0:
+        y1 = _gconv_pairs(x_pix, oh, ow, m_ok, H, W, sxh, sxw, wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr,
+                          C, C0, C1, BLOCK_M, PRECISION)
+        acc1 = _load_part(x_pix, m_ok, C0, C1, C) + _load_vec(b2_ptr, C0, C1, C)[None, :]
+    acc0, acc1 = _ffn(y0, y1, acc0, acc1, w1_ptr, b1_ptr, w2_ptr, R, sw1_r, sw1_c, sw2_k, sw2_r,
+                      C0, C, C1, C0, C, C0, C1, C, BLOCK_H, EVEN_R, PRECISION, ASM)
+    _store_part(out_pix, acc0, m_ok, 0, C0, C)
+    if C1 > 0:
+        _store_part(out_pix, acc1, m_ok, C0, C1, C)
 
-    # ---- grouped 3x3 conv, padding 1: 9 shifted loads of the tile (halo rows hit L1/L2) ----
-    y = tl.zeros((BLOCK_M, C_PAD), dtype=tl.float32)
-    for tap in range(9):
-        ih = oh + (tap // 3 - 1)
-        iw = ow + (tap % 3 - 1)
-        ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        xt = tl.load(
-            x_img[:, None] + ih[:, None] * sxh + iw[:, None] * sxw + offs_c[None, :] * sxc,
-            mask=ok[:, None] & c_ok[None, :], other=0.0,
-        )
-        wt = tl.load(wc_ptr + wbd_off + (tap // 3) * swc_h + (tap % 3) * swc_w, mask=wbd_mask, other=0.0)
-        y = tl.dot(xt, wt, y, input_precision=PRECISION)
-    y += tl.load(bc_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-    y = y.to(dt)
 
-    # ---- accumulator = residual + output bias (the centre tap, re-read from L1) ----
-    io_mask = m_ok[:, None] & c_ok[None, :]
-    resid = tl.load(
-        x_img[:, None] + oh[:, None] * sxh + ow[:, None] * sxw + offs_c[None, :] * sxc,
-        mask=io_mask, other=0.0,
-    )
-    acc = resid.to(tl.float32) + tl.load(b2_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+# ------------------------------------------------------------------------------------------------
+# Stride 2
+# ------------------------------------------------------------------------------------------------
 
-    # ---- FFN over hidden chunks: acc += ReLU(y @ W1[:, chunk] + b1) @ W2[chunk, :] ----
-    offs_h = tl.arange(0, BLOCK_H)
-    for h0 in range(0, R, BLOCK_H):
-        hh = h0 + offs_h
-        h_ok = hh < R
-        w1t = tl.load(w1_ptr + hh[None, :] * sw1_r + offs_c[:, None] * sw1_c,
-                      mask=c_ok[:, None] & h_ok[None, :], other=0.0)  # [C_PAD, BLOCK_H]
-        b1c = tl.load(b1_ptr + hh, mask=h_ok, other=0.0).to(tl.float32)
-        hid = tl.maximum(tl.dot(y, w1t, input_precision=PRECISION) + b1c[None, :], 0.0)
-        w2t = tl.load(w2_ptr + offs_c[None, :] * sw2_k + hh[:, None] * sw2_r,
-                      mask=h_ok[:, None] & c_ok[None, :], other=0.0)  # [BLOCK_H, C_PAD]
-        acc = tl.dot(hid.to(dt), w2t, acc, input_precision=PRECISION)
 
-    # ---- store the NHWC tile: out[m, c] at m * C + c ----
-    out_off = offs_m.to(tl.int64)[:, None] * C + offs_c[None, :]
-    tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=io_mask)
+@triton.jit
+def _hblur(p, ow2, row_ok, c_ok, W, sxw, a0, a1, a2, BT: tl.constexpr):
+    """One window row (p: [M, P] pointers at column 2ow), blurred along w for the three conv column
+    taps: z_tw = a0 x(2ow + tw - 2) + a1 x(2ow + tw - 1) + a2 x(2ow + tw), zero outside the map, in BT."""
+    ok = row_ok[:, None] & c_ok
+    c = ow2[:, None]
+    xm2 = tl.load(p - 2 * sxw, mask=ok & (c >= 2), other=0.0).to(BT)
+    xm1 = tl.load(p - sxw, mask=ok & (c >= 1), other=0.0).to(BT)
+    x0 = tl.load(p, mask=ok, other=0.0).to(BT)
+    xp1 = tl.load(p + sxw, mask=ok & (c + 1 < W), other=0.0).to(BT)
+    xp2 = tl.load(p + 2 * sxw, mask=ok & (c + 2 < W), other=0.0).to(BT)
+    z0 = xm2 * a0 + xm1 * a1 + x0 * a2
+    z1 = xm1 * a0 + x0 * a1 + xp1 * a2
+    z2 = x0 * a0 + xp1 * a1 + xp2 * a2
+    return z0, z1, z2
+
+
+@triton.jit
+def _vtap(acc, za, zb, zc, ah0, ah1, ah2, w_base, TAP_H: tl.constexpr, TAP_W: tl.constexpr, w_ok,
+          swc_h, swc_w, dt: tl.constexpr, PRECISION: tl.constexpr):
+    """acc += Xb @ Wbd for conv tap (TAP_H, TAP_W), where Xb = ah0 za + ah1 zb + ah2 zc is the tap's
+    blurred input and Wbd[ci, co] = w_conv[co, ci % 8, tap] within a group (block diagonal).
+    Returns (acc, Xb)."""
+    xb = (za * ah0 + zb * ah1 + zc * ah2).to(dt)
+    wt = tl.load(w_base + TAP_H * swc_h + TAP_W * swc_w, mask=w_ok, other=0.0)
+    return tl.dot(xb, wt, acc, input_precision=PRECISION), xb
+
+
+@triton.jit
+def _cat_cols(a, b, BLOCK_M: tl.constexpr, P: tl.constexpr):
+    """[M, P] | [M, P] -> [M, 2P] (columns of a, then of b)."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (BLOCK_M, 2 * P))
+
+
+@triton.jit
+def _blur_conv(
+    xc, oh2, ow2, m_ok, H, W, sxh, sxw, ah0, ah1, ah2, aw0, aw1, aw2,
+    wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr,
+    C: tl.constexpr, CB: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr, BT: tl.constexpr,
+    PRECISION: tl.constexpr, ROW_LOOP: tl.constexpr,
+):
+    """(blur(y), blur(x)) for channels [CB, CB + P) of a tile, both [BLOCK_M, P] in x's dtype.
+
+    xc: [BLOCK_M, P] pointers at x(2oh, 2ow, CB + j). Window rows -2..2 are each blurred along w for
+    the three conv column taps (z[row][tw]); the nine conv-tap inputs are the vertical blurs of three
+    consecutive rows. Rows are consumed in order, so at most four rows of z are live.
+    """
+    dt = xc.dtype.element_ty
+    c_ok = tl.full((1, P), 1, tl.int1)
+    if CB + P > C:
+        c_ok = ((CB + tl.arange(0, P)) < C)[None, :]
+    ci = tl.arange(0, P)[:, None]
+    co = (CB + tl.arange(0, P))[None, :]
+    w_ok = ci // 8 == (co - CB) // 8
+    if CB + P > C:
+        w_ok = w_ok & (co < C)
+    w_base = wc_ptr + co * swc_o + (ci % 8) * swc_i
+    acc = tl.zeros((BLOCK_M, P), tl.float32)
+    if ROW_LOOP:
+        # the same computation with a runtime loop over the three tap rows (tap row th needs window
+        # rows th-2..th): a third of the code, ~35% more instructions (register rotation, addresses)
+        za0, za1, za2 = _hblur(xc - 2 * sxh, ow2, m_ok & (oh2 >= 2), c_ok, W, sxw, aw0, aw1, aw2, BT)
+        zb0, zb1, zb2 = _hblur(xc - sxh, ow2, m_ok & (oh2 >= 1), c_ok, W, sxw, aw0, aw1, aw2, BT)
+        ux = tl.zeros((BLOCK_M, P), dt)
+        for th in range(3):
+            zc0, zc1, zc2 = _hblur(xc + th * sxh, ow2, m_ok & (oh2 + th < H), c_ok, W, sxw, aw0, aw1, aw2, BT)
+            w_row = w_base + th * swc_h
+            acc, _ = _vtap(acc, za0, zb0, zc0, ah0, ah1, ah2, w_row, 0, 0, w_ok, swc_h, swc_w, dt, PRECISION)
+            acc, xb = _vtap(acc, za1, zb1, zc1, ah0, ah1, ah2, w_row, 0, 1, w_ok, swc_h, swc_w, dt, PRECISION)
+            ux = tl.where(th == 1, xb, ux)  # blur(x) is the blurred input of the centre tap
+            acc, _ = _vtap(acc, za2, zb2, zc2, ah0, ah1, ah2, w_row, 0, 2, w_ok, swc_h, swc_w, dt, PRECISION)
+            za0, za1, za2 = zb0, zb1, zb2
+            zb0, zb1, zb2 = zc0, zc1, zc2
+    else:
+        z00, z01, z02 = _hblur(xc - 2 * sxh, ow2, m_ok & (oh2 >= 2), c_ok, W, sxw, aw0, aw1, aw2, BT)
+        z10, z11, z12 = _hblur(xc - sxh, ow2, m_ok & (oh2 >= 1), c_ok, W, sxw, aw0, aw1, aw2, BT)
+        z20, z21, z22 = _hblur(xc, ow2, m_ok, c_ok, W, sxw, aw0, aw1, aw2, BT)
+        acc, _ = _vtap(acc, z00, z10, z20, ah0, ah1, ah2, w_base, 0, 0, w_ok, swc_h, swc_w, dt, PRECISION)
+        acc, _ = _vtap(acc, z01, z11, z21, ah0, ah1, ah2, w_base, 0, 1, w_ok, swc_h, swc_w, dt, PRECISION)
+        acc, _ = _vtap(acc, z02, z12, z22, ah0, ah1, ah2, w_base, 0, 2, w_ok, swc_h, swc_w, dt, PRECISION)
+        z30, z31, z32 = _hblur(xc + sxh, ow2, m_ok & (oh2 + 1 < H), c_ok, W, sxw, aw0, aw1, aw2, BT)
+        acc, _ = _vtap(acc, z10, z20, z30, ah0, ah1, ah2, w_base, 1, 0, w_ok, swc_h, swc_w, dt, PRECISION)
+        acc, ux = _vtap(acc, z11, z21, z31, ah0, ah1, ah2, w_base, 1, 1, w_ok, swc_h, swc_w, dt, PRECISION)
+        acc, _ = _vtap(acc, z12, z22, z32, ah0, ah1, ah2, w_base, 1, 2, w_ok, swc_h, swc_w, dt, PRECISION)
+        z40, z41, z42 = _hblur(xc + 2 * sxh, ow2, m_ok & (oh2 + 2 < H), c_ok, W, sxw, aw0, aw1, aw2, BT)
+        acc, _ = _vtap(acc, z20, z30, z40, ah0, ah1, ah2, w_base, 2, 0, w_ok, swc_h, swc_w, dt, PRECISION)
+        acc, _ = _vtap(acc, z21, z31, z41, ah0, ah1, ah2, w_base, 2, 1, w_ok, swc_h, swc_w, dt, PRECISION)
+        acc, _ = _vtap(acc, z22, z32, z42, ah0, ah1, ah2, w_base, 2, 2, w_ok, swc_h, swc_w, dt, PRECISION)
+    # blur(y) = sum_tap Xb_tap @ Wbd_tap + b_conv (the blur weights sum to 1); blur(x) = Xb of the centre tap
+    uy = (acc + _load_vec(bc_ptr, CB, P, C)[None, :]).to(dt)
+    return uy, ux
 
 
 @triton.jit
 def _convfirst_s2_kernel(
     # pointers
     x_ptr, wc_ptr, bc_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr,
-    # sizes: M = N * HO * WO output pixels; H, W input; C in, R hidden, K out channels
-    M, H, W, HO, WO, C, R, K,
+    # sizes: H x W input, HO x WO output, R hidden channels (C, K are constexprs)
+    H, W, HO, WO, R,
     # strides (elements)
-    sxn, sxc, sxh, sxw,
+    sxn, sxh, sxw,
     swc_o, swc_i, swc_h, swc_w,  # w_conv (C, 8, 3, 3)
     sw1_r, sw1_c,  # w1 (R, 2C): columns [0, C) act on blur(x), [C, 2C) on blur(y)
     sw2_k, sw2_r,  # w2 (K, R)
     # meta-parameters
-    C_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-    PRECISION: tl.constexpr,
+    C: tl.constexpr, CP: tl.constexpr, CP2: tl.constexpr, K: tl.constexpr, K0: tl.constexpr,
+    K1: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_R: tl.constexpr,
+    PRECISION: tl.constexpr, ASM: tl.constexpr, BLUR_F16: tl.constexpr, ROW_LOOP: tl.constexpr,
 ):
-    tl.static_assert(C_PAD >= 16, "tl.dot operands need >= 16 channels")
-    tl.static_assert(K_PAD >= 16, "tl.dot operands need >= 16 output channels")
-    tl.static_assert(BLOCK_H >= 16, "tl.dot operands need >= 16 hidden channels")
-    dt = x_ptr.dtype.element_ty
+    tl.static_assert(CP >= 16 and CP >= C, "CP: channels padded to a power of two >= 16")
+    tl.static_assert(K0 >= 16 and K0 + K1 >= K, "output parts must cover K")
+    BLOCK_M: tl.constexpr = TH * TW
+    if BLUR_F16:
+        bt: tl.constexpr = tl.float16
+    else:
+        bt: tl.constexpr = tl.float32
+    sxn = tl.multiple_of(sxn, 8)
+    sxh = tl.multiple_of(sxh, 8)
+    sxw = tl.multiple_of(sxw, 8)
     pid = tl.program_id(0)
-    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # flat half-resolution output pixel
-    m_ok = offs_m < M
-    hwo = HO * WO
-    n = offs_m // hwo
-    oh = (offs_m % hwo) // WO
-    ow = offs_m % WO
-    x_img = x_ptr + n.to(tl.int64) * sxn
-    offs_c = tl.arange(0, C_PAD)
-    c_ok = offs_c < C
+    tiles_w = tl.cdiv(WO, TW)
+    tiles = tl.cdiv(HO, TH) * tiles_w
+    n = pid // tiles
+    t = pid % tiles
+    r = tl.arange(0, BLOCK_M)
+    oh = (t // tiles_w) * TH + r // TW
+    ow = (t % tiles_w) * TW + r % TW
+    m_ok = (oh < HO) & (ow < WO)
+    # BlurPool's reflect padding folded into per-row / per-column blur weights (exact powers of two):
+    # [1/4, 1/2, 1/4] inside; first row/column (reflects -1 -> 1): [0, 1/2, 1/2]; last one of an odd
+    # size (reflects H -> H - 2): [1/2, 1/2, 0].
+    top = oh == 0
+    bot = 2 * oh + 1 == H
+    ah0 = tl.where(top, 0.0, tl.where(bot, 0.5, 0.25)).to(bt)[:, None]
+    ah1 = tl.full((BLOCK_M, 1), 0.5, bt)
+    ah2 = tl.where(top, 0.5, tl.where(bot, 0.0, 0.25)).to(bt)[:, None]
+    left = ow == 0
+    right = 2 * ow + 1 == W
+    aw0 = tl.where(left, 0.0, tl.where(right, 0.5, 0.25)).to(bt)[:, None]
+    aw1 = tl.full((BLOCK_M, 1), 0.5, bt)
+    aw2 = tl.where(left, 0.5, tl.where(right, 0.0, 0.25)).to(bt)[:, None]
+    oh2 = 2 * oh
+    ow2 = 2 * ow
+    xc = x_ptr + n.to(tl.int64) * sxn + oh2 * sxh + ow2 * sxw  # window centre (2oh, 2ow)
 
-    ci = offs_c[:, None]
-    co = offs_c[None, :]
-    wbd_mask = (ci // 8 == co // 8) & (ci < C) & (co < C)
-    wbd_off = co * swc_o + (ci % 8) * swc_i
+    xc = xc[:, None] + tl.arange(0, CP2)[None, :]
+    # channel parts of CP2 (the grouped conv never mixes them): 1, 2 or 4 parts, concatenated
+    uy, ux = _blur_conv(xc, oh2, ow2, m_ok, H, W, sxh, sxw, ah0, ah1, ah2, aw0, aw1, aw2,
+                        wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr, C, 0, CP2, BLOCK_M, bt, PRECISION,
+                        ROW_LOOP)
+    if CP >= 2 * CP2:
+        uy1, ux1 = _blur_conv(xc + CP2, oh2, ow2, m_ok, H, W, sxh, sxw, ah0, ah1, ah2, aw0, aw1, aw2,
+                              wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr, C, CP2, CP2, BLOCK_M, bt, PRECISION,
+                              ROW_LOOP)
+        if CP == 4 * CP2:
+            uy2, ux2 = _blur_conv(xc + 2 * CP2, oh2, ow2, m_ok, H, W, sxh, sxw, ah0, ah1, ah2, aw0, aw1, aw2,
+                                  wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr, C, 2 * CP2, CP2, BLOCK_M, bt,
+                                  PRECISION, ROW_LOOP)
+            uy3, ux3 = _blur_conv(xc + 3 * CP2, oh2, ow2, m_ok, H, W, sxh, sxw, ah0, ah1, ah2, aw0, aw1, aw2,
+                                  wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr, C, 3 * CP2, CP2, BLOCK_M, bt,
+                                  PRECISION, ROW_LOOP)
+            uy = _cat_cols(_cat_cols(uy, uy1, BLOCK_M, CP2), _cat_cols(uy2, uy3, BLOCK_M, CP2),
+                           BLOCK_M, 2 * CP2)
+            ux = _cat_cols(_cat_cols(ux, ux1, BLOCK_M, CP2), _cat_cols(ux2, ux3, BLOCK_M, CP2),
+                           BLOCK_M, 2 * CP2)
+        else:
+            uy = _cat_cols(uy, uy1, BLOCK_M, CP2)
+            ux = _cat_cols(ux, ux1, BLOCK_M, CP2)
 
-    # ---- blur(y) = sum_tap Xb_tap @ Wbd_tap;  blur(x) = Xb_centre (header) ----
-    uy = tl.zeros((BLOCK_M, C_PAD), dtype=tl.float32)
-    ux = tl.zeros((BLOCK_M, C_PAD), dtype=tl.float32)
-    for tap in range(9):
-        xb = tl.zeros((BLOCK_M, C_PAD), dtype=tl.float32)
-        for b in range(9):  # a runtime loop: unrolling 9 x 9 loads made compiles take ~20-60 s
-            # blur tap b at full resolution, reflected into [0, H) x [0, W) (H, W >= 2) ...
-            rh = 2 * oh + (b // 3 - 1)
-            rh = tl.where(rh < 0, -rh, rh)
-            rh = tl.where(rh >= H, 2 * H - 2 - rh, rh)
-            rw = 2 * ow + (b % 3 - 1)
-            rw = tl.where(rw < 0, -rw, rw)
-            rw = tl.where(rw >= W, 2 * W - 2 - rw, rw)
-            # ... then conv tap, zero-padded
-            ih = rh + (tap // 3 - 1)
-            iw = rw + (tap % 3 - 1)
-            ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            xv = tl.load(
-                x_img[:, None] + ih[:, None] * sxh + iw[:, None] * sxw + offs_c[None, :] * sxc,
-                mask=ok[:, None] & c_ok[None, :], other=0.0,
-            )
-            fb = (1 + (b // 3) % 2) * (1 + (b % 3) % 2) * 0.0625  # [1,2,1] (x) [1,2,1] / 16
-            xb += xv.to(tl.float32) * fb
-        ux = tl.where(tap == 4, xb, ux)  # the centre conv tap's blurred tile is blur(x)
-        wt = tl.load(wc_ptr + wbd_off + (tap // 3) * swc_h + (tap % 3) * swc_w, mask=wbd_mask, other=0.0)
-        uy = tl.dot(xb.to(dt), wt, uy, input_precision=PRECISION)
-    uy += tl.load(bc_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-    ux_q = ux.to(dt)
-    uy_q = uy.to(dt)
-
-    # ---- FFN on the (never materialised) concat: W1 u = W1[:, :C] blur(x) + W1[:, C:] blur(y) ----
-    offs_k = tl.arange(0, K_PAD)
-    k_ok = offs_k < K
-    acc = tl.zeros((BLOCK_M, K_PAD), dtype=tl.float32)
-    acc += tl.load(b2_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    offs_h = tl.arange(0, BLOCK_H)
-    for h0 in range(0, R, BLOCK_H):
-        hh = h0 + offs_h
-        h_ok = hh < R
-        w1_mask = c_ok[:, None] & h_ok[None, :]
-        w1_base = w1_ptr + hh[None, :] * sw1_r + offs_c[:, None] * sw1_c
-        w1x = tl.load(w1_base, mask=w1_mask, other=0.0)  # [C_PAD, BLOCK_H]
-        w1y = tl.load(w1_base + C * sw1_c, mask=w1_mask, other=0.0)
-        b1c = tl.load(b1_ptr + hh, mask=h_ok, other=0.0).to(tl.float32)
-        hid = tl.dot(ux_q, w1x, input_precision=PRECISION)
-        hid = tl.dot(uy_q, w1y, hid, input_precision=PRECISION)
-        hid = tl.maximum(hid + b1c[None, :], 0.0)
-        w2t = tl.load(w2_ptr + offs_k[None, :] * sw2_k + hh[:, None] * sw2_r,
-                      mask=h_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_H, K_PAD]
-        acc = tl.dot(hid.to(dt), w2t, acc, input_precision=PRECISION)
-
-    out_off = offs_m.to(tl.int64)[:, None] * K + offs_k[None, :]
-    tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & k_ok[None, :])
+    acc0 = tl.zeros((BLOCK_M, K0), tl.float32) + _load_vec(b2_ptr, 0, K0, K)[None, :]
+    acc1 = acc0
+    if K1 > 0:
+        acc1 = tl.zeros((BLOCK_M, K1), tl.float32) + _load_vec(b2_ptr, K0, K1, K)[None, :]
+    acc0, acc1 = _ffn(ux, uy, acc0, acc1, w1_ptr, b1_ptr, w2_ptr, R, sw1_r, sw1_c, sw2_k, sw2_r,
+                      CP, C, CP, C, 2 * C, K0, K1, K, BLOCK_H, EVEN_R, PRECISION, ASM)
+    out_pix = out_ptr + (n.to(tl.int64) * HO * WO + oh * WO + ow) * K
+    _store_part(out_pix, acc0, m_ok, 0, K0, K)
+    if K1 > 0:
+        _store_part(out_pix, acc1, m_ok, K0, K1, K)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -312,40 +567,85 @@ class ConvFirstConfig:
     """One compiled variant: the constexprs and launch options of a kernel."""
 
     stride: int
-    c_pad: int
-    k_pad: int  # == c_pad for stride 1
-    block_m: int
+    c: int  # block input channels
+    k: int  # output channels (== c for stride 1)
+    c_parts: tuple[int, int]  # stride 1: power-of-two channel parts (second 0 if none);
+    # stride 2: (CP, CP2): channels padded to a power of two, blurred and convolved in parts of CP2
+    k_parts: tuple[int, int]  # output channel parts
+    tile_h: int
+    tile_w: int
     block_h: int
+    row_loop: bool  # stride 2: runtime loop over the three tap rows (faster to compile, more instructions)
     num_warps: int
     num_stages: int
     precision: str  # tl.dot input_precision
 
+    @property
+    def block_m(self) -> int:
+        return self.tile_h * self.tile_w
 
-BLOCK_H = 64
+
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _pad(c: int) -> int:
-    return max(16, triton.next_power_of_2(c))
+def channel_parts(c: int) -> tuple[int, int]:
+    """c rounded up to a multiple of 16 (the smallest tl.dot K) as two powers of two, e.g. 96 -> (64, 32),
+    48 -> (32, 16), 72 -> (64, 16): no padding to the next power of two."""
+    c16 = -(-c // 16) * 16
+    p0 = 1 << (c16.bit_length() - 1)
+    p1 = c16 - p0
+    if p1 & (p1 - 1):  # 112 = 64 + 48: not two powers of two; pad the second part
+        p1 = triton.next_power_of_2(p1)
+    return p0, p1
+
+
+def hidden_block(r: int) -> int:
+    """Hidden chunk: 64 unless its masked tail would waste more than 1/8 of R, then 32, then 16."""
+    for bh in (64, 32):
+        if -(-r // bh) * bh - r <= r // 8:
+            return bh
+    return 16
 
 
 def precision_for(dtype: torch.dtype) -> str:
-    # fp32: 3xTF32 (three tensor-core passes, ~fp32 accuracy); "ieee" expands every dot into
-    # unrolled FMAs (> 2 minutes of compile time at C_PAD = 128). Ignored for 16-bit inputs.
+    # fp32: 3xTF32 (three tensor-core passes, ~fp32 accuracy); ignored for 16-bit inputs.
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
-def convfirst_config(c: int, k: int, stride: int, dtype: torch.dtype = torch.float16) -> ConvFirstConfig:
-    """The tile config used for a C -> K block in `dtype` (R does not change the compiled kernel)."""
-    c_pad, k_pad = _pad(c), _pad(k)
-    block_m = 128 if max(c_pad, k_pad) <= 32 else 64
-    num_warps = 4 if block_m * max(c_pad, k_pad) <= 4096 else 8
-    # fp32 operands are twice as large: a double-buffered fp32 [128, 128] tap weight plus the
-    # [64, 128] input tile needed 229 KB at C_PAD = 128 (over Hopper's 227 KB), so no pipelining.
-    num_stages = 1 if dtype == torch.float32 else 2
-    return ConvFirstConfig(
-        stride, c_pad, k_pad, block_m, BLOCK_H, num_warps, num_stages, precision_for(dtype)
-    )
+def convfirst_config(
+    c: int, k: int, stride: int, dtype: torch.dtype = torch.float16, r: int | None = None
+) -> ConvFirstConfig:
+    """The tile config for a C -> K block with R hidden channels (default 6C) in `dtype`."""
+    r = 6 * c if r is None else r
+    k_parts = channel_parts(k)
+    bh = hidden_block(r)
+    fp32 = dtype == torch.float32
+    if stride == 1:
+        c_parts = k_parts
+        width = sum(c_parts)
+        if fp32:  # 3xTF32 dots triple the operand registers: smaller tiles and hidden chunks
+            (th, tw, warps), bh = ((8, 8, 4) if width <= 32 else (8, 16, 8)), min(bh, 32)
+        elif width <= 32:
+            th, tw, warps = 16, 16, 4
+        else:
+            th, tw, warps = 16, 16, 8
+            if width > 64:
+                bh = min(bh, 32)
+    else:
+        cp = max(16, triton.next_power_of_2(c))
+        if dtype == torch.float16 and cp <= 32:
+            c_parts, (th, tw, warps) = (cp, cp), (8, 8, 4)
+        elif dtype == torch.float16:
+            c_parts, (th, tw, warps) = (cp, S2_PART), (8, 16, 8)
+        else:  # the blur runs in fp32: parts of 16 channels
+            c_parts, (th, tw, warps) = (cp, S2_PART), (8, 8, 4)
+            if fp32:
+                bh = min(bh, 32)
+    # the unrolled stride-2 window is the fast path (fp16); the other dtypes loop over the tap rows,
+    # which compiles ~3x faster
+    row_loop = stride == 2 and dtype != torch.float16
+    return ConvFirstConfig(stride, c, k, c_parts, k_parts, th, tw, bh, row_loop, warps, 2,
+                           precision_for(dtype))
 
 
 # The ConvFirst blocks of Pico..Small (SPEC Table 3) as (C, R, K, stride): stride-1 blocks with
@@ -363,18 +663,19 @@ MODEL_SHAPES: tuple[tuple[int, int, int, int], ...] = (
 
 def shipped_configs(dtype: torch.dtype = torch.float16) -> list[ConvFirstConfig]:
     """Every distinct compiled config the model shapes use in `dtype` (what the GPU compile test builds)."""
-    cfgs = {convfirst_config(c, k, s, dtype) for c, _, k, s in MODEL_SHAPES}
-    return sorted(cfgs, key=lambda cfg: (cfg.stride, cfg.c_pad, cfg.k_pad))
+    cfgs = {convfirst_config(c, k, s, dtype, r) for c, r, k, s in MODEL_SHAPES}
+    return sorted(cfgs, key=lambda cfg: (cfg.stride, cfg.c, cfg.k, cfg.block_h))
 
 
 def useful_macs(n: int, c: int, h: int, w: int, r: int, k: int, stride: int) -> int:
-    """Multiply-accumulates of the block as the paper counts them (for % of peak in benchmarks):
-    grouped conv at full resolution (72 C per pixel) plus the two 1x1 layers at output resolution.
-    The block-diagonal conv (C_PAD / 8 x) and the stride-2 blur recompute are not counted."""
+    """Multiply-accumulates of the block as the paper counts them (``profile.count_macs``): grouped
+    conv at full resolution (72 C per pixel), BlurPool (9 per output element of the 2C-channel concat)
+    for stride 2, and the two 1x1 layers at output resolution."""
     conv = n * h * w * 9 * GROUP * c
-    ho, wo = (h, w) if stride == 1 else ((h + 1) // 2, (w + 1) // 2)
-    c1 = c if stride == 1 else 2 * c
-    return conv + n * ho * wo * (c1 * r + r * k)
+    if stride == 1:
+        return conv + n * h * w * (c * r + r * k)
+    ho, wo = (h + 1) // 2, (w + 1) // 2
+    return conv + n * ho * wo * (9 * 2 * c + 2 * c * r + r * k)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -382,9 +683,9 @@ def useful_macs(n: int, c: int, h: int, w: int, r: int, k: int, stride: int) -> 
 # ------------------------------------------------------------------------------------------------
 
 
-def check_supported(x: torch.Tensor, c: int, k: int) -> None:
+def check_supported(x: torch.Tensor, c: int, k: int, stride: int = 1) -> None:
     """Kernel limits beyond the op's checks (raised before any allocation or launch)."""
-    if x.dtype == torch.bfloat16 and x.device.type != "cuda":
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
         # Triton's interpreter computes bf16 tl.dot wrongly (garbage of 1e10 magnitude, triton 3.9)
         raise NotImplementedError(
             "convfirstnet.convfirst: bfloat16 through the Triton interpreter gives wrong tl.dot results; "
@@ -397,6 +698,20 @@ def check_supported(x: torch.Tensor, c: int, k: int) -> None:
             f"convfirstnet.convfirst: the fused kernel keeps all channels on chip and supports at most "
             f"{MAX_CHANNELS}, got C={c}, K={k}"
         )
+    if stride == 2 and c > MAX_CHANNELS_S2:
+        raise ValueError(
+            f"convfirstnet.convfirst: the fused stride-2 kernel supports at most {MAX_CHANNELS_S2} input "
+            f"channels, got C={c}"
+        )
+
+
+def _vector_strides(x: torch.Tensor) -> torch.Tensor:
+    """x with unit channel stride and the other strides multiples of 8 elements (what the kernels'
+    16-byte channel vectors assume); any other layout is copied to channels-last once."""
+    s = x.stride()
+    if s[1] == 1 and s[0] % 8 == 0 and s[2] % 8 == 0 and s[3] % 8 == 0 and x.storage_offset() % 8 == 0:
+        return x
+    return x.contiguous(memory_format=torch.channels_last)
 
 
 def convfirst_triton(
@@ -412,46 +727,55 @@ def convfirst_triton(
     """Launch the fused block. Inputs are validated by the op; x may be in any memory format."""
     n, c, h, w = x.shape
     r, k = w1.shape[0], w2.shape[0]
-    check_supported(x, c, k)
+    check_supported(x, c, k, stride)
     ho, wo = (h, w) if stride == 1 else ((h + 1) // 2, (w + 1) // 2)
     out = torch.empty((n, k, ho, wo), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
-    m = n * ho * wo
-    if m == 0:
+    if out.numel() == 0:
         return out
+    x = _vector_strides(x)
     b_conv, b1, b2 = b_conv.contiguous(), b1.contiguous(), b2.contiguous()
-    cfg = convfirst_config(c, k, stride, x.dtype)
-    grid = (triton.cdiv(m, cfg.block_m),)
-    common = (*x.stride(), *w_conv.stride(), *w1.stride(), *w2.stride())
-    meta = dict(BLOCK_M=cfg.block_m, BLOCK_H=cfg.block_h, PRECISION=cfg.precision,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-    def cost() -> KernelCost:  # see kernels/_cost.py
-        chunks = triton.cdiv(r, cfg.block_h)
-        bm, cp, kp, bh = cfg.block_m, cfg.c_pad, cfg.k_pad, cfg.block_h
-        blur = 0 if stride == 1 else n * ho * wo * 2 * c * 9  # BlurPool of the 2C-wide concat
-        if stride == 1:  # 9 block-diagonal tap dots, then W1 and W2 per hidden chunk
-            per_program = 9 * bm * cp * cp + chunks * (bm * cp * bh + bm * bh * cp)
-            loops = (Loop("conv taps", 9), Loop("hidden chunks", chunks))
-        else:  # 9 tap dots on blurred windows, then two W1 dots (x and y halves) and W2 per chunk
-            per_program = 9 * bm * cp * cp + chunks * (2 * bm * cp * bh + bm * bh * kp)
-            loops = (Loop("conv taps", 9, body=(Loop("blur taps", 9),)), Loop("hidden chunks", chunks))
-        weights = sum(t.numel() for t in (w_conv, b_conv, w1, b1, w2, b2))
-        return KernelCost(
-            useful_macs=useful_macs(n, c, h, w, r, k, stride) + blur,
-            mma_macs=grid[0] * per_program,
-            dram_bytes=(x.numel() + out.numel() + weights) * x.element_size(),
-            loops=loops,
-        )
-
+    cfg = convfirst_config(c, k, stride, x.dtype, r)
+    grid = (n * triton.cdiv(ho, cfg.tile_h) * triton.cdiv(wo, cfg.tile_w),)
+    # inline asm does not run in the interpreter (CPU tensors); GPU and recorded launches use it
+    asm = x.device.type != "cpu" and x.dtype != torch.float32
+    strides = (x.stride(0), x.stride(2), x.stride(3), *w_conv.stride(), *w1.stride(), *w2.stride())
+    meta = dict(TH=cfg.tile_h, TW=cfg.tile_w, BLOCK_H=cfg.block_h, EVEN_R=r % cfg.block_h == 0,
+                PRECISION=cfg.precision, ASM=asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    cost = lambda: launch_cost(cfg, n, h, w, r)
     if stride == 1:
-        launch(
-            _convfirst_s1_kernel, grid,
-            x, w_conv, b_conv, w1, b1, w2, b2, out, m, h, w, c, r, *common, C_PAD=cfg.c_pad, cost=cost, **meta
-        )
+        launch(_convfirst_s1_kernel, grid, x, w_conv, b_conv, w1, b1, w2, b2, out, h, w, r, *strides,
+               C=c, C0=cfg.c_parts[0], C1=cfg.c_parts[1], cost=cost, **meta)
     else:
-        launch(
-            _convfirst_s2_kernel, grid,
-            x, w_conv, b_conv, w1, b1, w2, b2, out, m, h, w, ho, wo, c, r, k, *common,
-            C_PAD=cfg.c_pad, K_PAD=cfg.k_pad, cost=cost, **meta,
-        )
+        launch(_convfirst_s2_kernel, grid, x, w_conv, b_conv, w1, b1, w2, b2, out, h, w, ho, wo, r, *strides,
+               C=c, CP=cfg.c_parts[0], CP2=cfg.c_parts[1], K=k, K0=cfg.k_parts[0], K1=cfg.k_parts[1],
+               BLUR_F16=x.dtype == torch.float16, ROW_LOOP=cfg.row_loop, cost=cost, **meta)
     return out
+
+
+def launch_cost(cfg: ConvFirstConfig, n: int, h: int, w: int, r: int) -> KernelCost:
+    """What one launch of `cfg` on an N x C x H x W input issues (see ``kernels/_cost.py``)."""
+    ho, wo = (h, w) if cfg.stride == 1 else ((h + 1) // 2, (w + 1) // 2)
+    programs = n * triton.cdiv(ho, cfg.tile_h) * triton.cdiv(wo, cfg.tile_w)
+    bm, bh = cfg.block_m, cfg.block_h
+    chunks = triton.cdiv(r, bh)
+    kw = sum(cfg.k_parts)
+    if cfg.stride == 1:
+        cw = sum(cfg.c_parts)
+        conv = 5 * 16 * cw * bm  # five two-tap steps, K = 16, N = 8 per group
+        ffn = chunks * bh * (cw + kw) * bm
+        loops = [Loop("conv", 5) for p in cfg.c_parts if p] + [Loop("hidden", chunks)]
+    else:
+        cp, cp2 = cfg.c_parts
+        conv = 9 * cp2 * cp * bm  # nine block-diagonal [CP2, CP2] tap dots per channel part
+        ffn = chunks * bh * (2 * cp + kw) * bm
+        loops = [Loop("taprow", 3) for _ in range(cp // cp2) if cfg.row_loop] + [Loop("hidden", chunks)]
+    eb = 2 if cfg.precision == "tf32" else 4
+    c1 = cfg.c if cfg.stride == 1 else 2 * cfg.c
+    weights = 9 * GROUP * cfg.c + cfg.c + r * c1 + r + cfg.k * r + cfg.k
+    return KernelCost(
+        useful_macs=useful_macs(n, cfg.c, h, w, r, cfg.k, cfg.stride),
+        mma_macs=programs * (conv + ffn),
+        dram_bytes=eb * (n * cfg.c * h * w + n * cfg.k * ho * wo + weights),
+        loops=tuple(loops),
+        note=f"C={cfg.c} K={cfg.k} R={r} tile {cfg.tile_h}x{cfg.tile_w}",
+    )

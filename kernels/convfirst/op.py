@@ -45,7 +45,7 @@ def convfirst(
         raise ValueError(f"convfirstnet.convfirst: a stride-1 block is C -> C with a residual, got {c} -> {k}")
     check_weights("convfirst", x, dict(w_conv=w_conv, b_conv=b_conv, w1=w1, b1=b1, w2=w2, b2=b2))
     if use_triton(x):
-        check_supported(x, c, k)
+        check_supported(x, c, k, stride)
         return convfirst_triton(x, w_conv, b_conv, w1, b1, w2, b2, stride)
     return convfirst_reference(x, w_conv, b_conv, w1, b1, w2, b2, stride)
 
