@@ -171,10 +171,18 @@ class MBConv(nn.Module):
         w_proj, b_proj = fold_conv_bn(self.conv_project, self.bn_project)
         se = self.se
         return FusedMBConv(
-            w_exp.flatten(1), b_exp, w_conv, b_conv,
+            w_exp.flatten(1), b_exp, tap_major(w_conv), b_conv,
             se.fc1.weight.flatten(1), se.fc1.bias, se.fc2.weight.flatten(1), se.fc2.bias,
             w_proj.flatten(1), b_proj, self.stride,
         )
+
+
+def tap_major(w_conv: torch.Tensor) -> torch.Tensor:
+    """The grouped-conv weight (R, 8, 3, 3) stored tap-major: same logical shape and values, memory
+    ordered (ky, kx, input channel, output channel), so output channels are unit-stride. The MBConv
+    kernel loads each tap's weights for 8 consecutive output channels as one vector (any strides work;
+    this layout only makes the loads wide). Parameter copies (``clone``, ``.half()``, ``.to()``) keep it."""
+    return w_conv.permute(2, 3, 1, 0).contiguous().permute(3, 2, 0, 1)
 
 
 class FusedMBConv(FusedBlock):

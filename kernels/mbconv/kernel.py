@@ -1,367 +1,270 @@
-"""Triton kernels for the MBConv + Squeeze-Excite block (paper Section 5.4, Fig. 11), NHWC, folded BN.
-
-What is computed (reference.py is the specification)::
-
-    h = SiLU(W_exp x + b_exp)                      R = 4C hidden channels
-    g = SiLU(gconv3x3(h) + b_conv)                 group width 8, zero padding 1
-    g = BlurPool(g)                                stride 2 only (reflect pad 1, [1,2,1]^2/16)
-    gate = sigmoid(W_se2 ReLU(W_se1 mean_hw(g) + b_se1) + b_se2)        (N, R)
-    out = W_proj (g * gate) + b_proj (+ x)         residual for stride 1
-
-Design: two passes that recompute the hidden activation instead of storing it
------------------------------------------------------------------------------
-The SE gate depends on the mean of ``g`` over the whole image, and every output pixel needs the gate.
-The paper's kernel (Fig. 11) gives each processor a chunk of hidden channels over the whole map and
-meets at a grid-wide barrier after the pooled squeeze vector is reduced in global memory. Triton has
-no grid barrier that is safe without a cooperative launch (a spin-wait deadlocks when not every
-program is resident, e.g. batch 256 at 16x16), so this file splits the block at that barrier:
-
-1. ``_mbconv_kernel[PASS=1]`` (grid: spatial tiles x images): per hidden chunk, expand + SiLU +
-   grouped conv + SiLU (+ BlurPool) on chip, then the tile's column sums are stored into
-   ``partial`` (N, tiles, R) fp32. Nothing of width R per pixel is written. Per-tile partials
-   rather than ``tl.atomic_add`` into (N, R): the sum order is fixed (bit-reproducible output,
-   no zero-filled buffer), for 4 x R x 4 B = 8 KB per image at 16x16 (4 tiles).
-2. ``_se_kernel`` (grid: images): sums the partials, the tiny SE MLP, ``gate`` (N, R) fp32.
-3. ``_mbconv_kernel[PASS=2]``: recompute the same hidden chunks, multiply by the gate, accumulate
-   the projection over hidden chunks in registers (no atomics on the output), add bias and residual,
-   store the (N, K, H', W') output once.
-
-Waterline arithmetic (one image, fp16; H100 SXM: 990 TFLOP/s dense fp16, 3.35 TB/s, op:byte =
-295 FLOP/B). FLOP counts include the waste of the shipped tiles (next section): the expand runs on
-an h window padded to a power of two (2x the pixels it serves), the grouped conv is a
-block-diagonal ``tl.dot`` with K = BLOCK_R = 32 (4x the useful MACs: the price of tensor cores at
-group width 8), and passes 1 and 2 both compute expand + conv. Shared-memory traffic of the gathers
-is not counted.
-
-* Stride 1, C = K = 128, R = 512, 16x16 (paper Table 5, MBConv s1): useful work is expand
-  2*256*128*512 = 33.6 MFLOP + grouped conv 2*256*512*72 = 18.9 + project 33.6 = 86 MFLOP.
-  Layer-wise kernels move x (64 KB), the 256 KB hidden tensor five times (expand writes h, conv
-  reads h and writes g, pool reads g, gate*project reads g), the residual and the output
-  (128 KB): ~1.47 MB, 58 FLOP/B, memory bound at >= 0.44 us per image.
-  These kernels move x twice and the output once (~0.2 MB; partials and gate are 5 x R x 4 B) and
-  execute 2 * (67 expand + 76 conv) + 34 project = 320 MFLOP: ~1600 FLOP/B, compute bound at
-  >= 0.32 us per image (27 % of peak as useful work at best).
-* Stride 2, C = K = 128, R = 512, 16x16 -> 8x8 (Table 5, MBConv s2): useful 33.6 + 18.9 + 8.4 =
-  61 MFLOP; layer-wise ~1.3 MB (h written and read, full-resolution g written and read by the blur,
-  the blurred g read by pool and project): 47 FLOP/B, >= 0.39 us. Here the g window is also
-  padded 2x (81 -> 128 rows for 64 full-resolution pixels), so the conv costs 8x its useful MACs:
-  2 * (67 + 151) + 8 = 444 MFLOP on ~0.15 MB, >= 0.45 us: on paper no faster than layer-wise.
-
-So the two-pass design wins where the bytes it saves exceed the recompute, and the waste factors
-decide by how much. The first levers, to be timed on a GPU: BLOCK_R = 16 (conv waste 2x instead of
-4x: stride 1 -> 244 MFLOP, 0.25 us; stride 2 -> 293 MFLOP, 0.30 us), stride-2 tiles whose g window
-fills its power of two (3x8 outputs: g 7x17 = 119 of 128 rows), and the two-taps-per-K batched dot
-of KERNEL-NOTES (conv waste 10/9). A waste-free two-pass block is 2 * 52 + 34 = 138 MFLOP (0.14 us)
-at stride 1.
-
-Tiling and grid
----------------
-One program owns an output tile of TILE_H x TILE_W pixels of one image and loops over the hidden
-channels in chunks of BLOCK_R (a multiple of 8, so every group of the grouped conv lies in one
-chunk and the conv needs no communication between chunks). For that tile it needs:
-
-* the ``g`` window: the output tile itself (stride 1), or the (2*TILE_H+1) x (2*TILE_W+1) full
-  resolution pixels under the blur filter (stride 2), flattened row-major into BLOCK_G rows;
-  neighbouring stride-2 tiles share one row/column of that window (computed twice);
-* the ``h`` window: the ``g`` window grown by one pixel each side (the 3x3 conv), flattened into
-  BLOCK_H rows. Triton tensors have power-of-two sizes, so BLOCK_H / BLOCK_G / BLOCK_O are the next
-  powers of two (>= 16 for ``tl.dot``); the extra rows are masked.
-
-Per chunk: ``h`` = ``tl.dot`` over C in steps of BLOCK_C (x window rows loaded with masks that zero
-pixels outside the image: that *is* the conv's zero padding of h, enforced again after the SiLU).
-The grouped conv is nine taps; tap (dy, dx) gathers its shifted ``h`` rows with ``tl.gather``
-(an on-chip shuffle through shared memory on the GPU) and multiplies by a block-diagonal
-BLOCK_R x BLOCK_R weight tile built by a masked load (``j // 8 == r // 8``). The blur (stride 2) is
-nine more gathers with the fixed weights; reflect padding is folded into the gather indices. All
-accumulation is fp32; ``h`` and the gated ``g`` are rounded to the input dtype before their
-``tl.dot`` (fp16/bf16 tensor cores). fp32 inputs use ``input_precision="tf32x3"`` (three TF32
-tensor-core products with split operands, ~fp32 accuracy; the same choice as kernels/convfirst).
-"ieee" was tried first: its FMA-lowered dots took 1 to more than 5 minutes per variant in ptxas
-and 80 KB of shared memory. The interpreter computes every dot in exact fp32.
-
-Configurations come from ``mbconv_config`` (a table by stride and map size, documented there) so
-that a benchmark can report them and tests can compile every one of them for sm_90 and sm_80.
-The interpreter (CPU tests) runs the same single configuration per shape; there is no autotuning
-(KERNEL-NOTES: autotune under torch.compile/CUDA graphs and without a GPU).
-"""
+"""Triton kernels for the MBConv + Squeeze-Excite block (header to be written)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from .._cost import KernelCost, Loop
 from .._launch import GROUP_WIDTH, launch
 
-# ----------------------------------------------------------------------------------------------
-# Configuration table
-# ----------------------------------------------------------------------------------------------
+FP32_PRECISION = "tf32x3"
 
 
 @dataclass(frozen=True)
-class MBConvConfig:
-    """Tile choice for one (stride, map size, channels) shape; all fields become constexprs."""
-
+class HiddenConfig:
     stride: int
-    tile_h: int  # output tile height (pixels of the output map)
-    tile_w: int  # output tile width
-    block_r: int  # hidden channels per chunk (multiple of 8: whole conv groups)
-    block_c: int  # input channels per expand K step
-    block_k: int  # output channels (next power of two of K, all in one accumulator)
+    rb: int  # hidden channels per work item
+    cp: int  # input channels padded to a power of two (one expand K tile)
+    mask_c: bool
+    mask_r: bool
+    exact: bool  # tiles cover the map exactly (W == tw, H multiple of bm // tw, dense pixel rows)
+    tw: int  # tile width (pixels of an image row per tile)
+    bm: int  # pixels per tile
+    two: int  # blur output tile width
+    bmo: int  # blur output pixels per tile
     num_warps: int
 
-    # windows (see the module docstring): g window = pixels under the blur (stride 2) or the tile
-    @property
-    def g_h(self) -> int:
-        return self.tile_h if self.stride == 1 else 2 * self.tile_h + 1
+    def constexprs(self) -> dict:
+        return dict(STRIDE=self.stride, RB=self.rb, CP=self.cp, MASK_C=self.mask_c, MASK_R=self.mask_r,
+                    TW=self.tw, BM=self.bm, TWO=self.two, BMO=self.bmo, EXACT=self.exact, ZB=1024, num_warps=self.num_warps)
 
-    @property
-    def g_w(self) -> int:
-        return self.tile_w if self.stride == 1 else 2 * self.tile_w + 1
 
-    @property
-    def block_o(self) -> int:
-        return max(16, triton.next_power_of_2(self.tile_h * self.tile_w))
-
-    @property
-    def block_g(self) -> int:
-        return self.block_o if self.stride == 1 else max(16, triton.next_power_of_2(self.g_h * self.g_w))
-
-    @property
-    def block_h(self) -> int:
-        return max(16, triton.next_power_of_2((self.g_h + 2) * (self.g_w + 2)))
+@dataclass(frozen=True)
+class ProjectConfig:
+    bm: int
+    bn: int
+    br: int
+    num_warps: int
+    num_stages: int
 
     def constexprs(self) -> dict:
-        return dict(
-            STRIDE=self.stride, TILE_H=self.tile_h, TILE_W=self.tile_w, G_H=self.g_h, G_W=self.g_w,
-            BLOCK_O=self.block_o, BLOCK_G=self.block_g, BLOCK_H=self.block_h,
-            BLOCK_R=self.block_r, BLOCK_C=self.block_c, BLOCK_K=self.block_k,
-        )
+        return dict(BM=self.bm, BN=self.bn, BR=self.br, num_warps=self.num_warps, num_stages=self.num_stages)
 
 
-# BLOCK_R = 32: 4 conv groups per chunk; the block-diagonal conv dot wastes BLOCK_R / 8 = 4x, and
-# a K = 32 step keeps mma.sync/wgmma fed. 16 would halve the waste at twice the loop trips
-# (to be measured on a GPU). 32 divides every R = 4C of the paper (192 ... 1024).
-BLOCK_R = 32
-# BLOCK_C = 64: the expand K step; every block input C (48 ... 256) is one to four steps.
-BLOCK_C = 64
-# dot precision for fp32 operands (module docstring); fp16/bf16 operands ignore it
-FP32_PRECISION = "tf32x3"
-# SE kernel chunk over R (broadcast-multiply + tl.sum on [BLOCK_S, SE_BLOCK_R], fp32).
-SE_BLOCK_R = 128
+def hidden_config(c, r, h, w, stride, dtype, dense=True) -> HiddenConfig:
+    rb, bm, bmo = 64, 64, 64
+    cp = max(16, triton.next_power_of_2(c))
+    tw = min(bm, max(8, triton.next_power_of_2(w)))
+    two = min(bmo, max(8, triton.next_power_of_2((w + 1) // 2))) if stride == 2 else 8
+    exact = dense and w == tw and h % (bm // tw) == 0
+    if stride == 2:
+        exact = exact and w % 2 == 0 and h % 2 == 0 and w // 2 == two and (h // 2) % (bmo // two) == 0
+    return HiddenConfig(stride, rb, cp, c != cp, r % rb != 0, exact, tw, bm, two, bmo, 4)
 
 
-def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int) -> MBConvConfig:
-    """Per-shape tiles (not tuned on a GPU yet). One tile per stride keeps the set of compiled
-    variants small (each is compiled for sm_90 and sm_80 in the tests):
-
-    * stride 1: 8x8 output tile; h window 10x10 = 100 -> 128 rows, so the expand runs on 2x the
-      output pixels. The paper's maps are 16x16 (4 tiles per image) and 8x8 (one tile); smaller
-      maps (down to 1x1) are masked rows of the same tile.
-    * stride 2: 4x4 output tile; g window 9x9 = 81 -> 128 rows (2x the 64 full-resolution pixels
-      under the tile), h window 11x11 = 121 -> 128 rows: the same FLOP waste as a 4x8 tile (g 9x17
-      -> 256, h 11x19 -> 256), which compiled 3x slower (30-40 s per variant for sm_80 in ptxas,
-      over 90 s in fp32) and needed 147 KB of shared memory in fp32 against 80 KB here.
-    * BLOCK_K = K rounded up to a power of two (64, 128 or 256 for the paper's 48 ... 256): the
-      whole output row of a pixel stays in one fp32 accumulator, so hidden chunks never meet in
-      DRAM (no atomics on the output).
-    * num_warps 8 once a program holds 256-row windows or a 64 x 256 fp32 accumulator (64 KB of
-      registers: 64 per thread at 8 warps), else 4.
-    """
-    tile = (8, 8) if stride == 1 else (4, 4)
-    block_k = max(16, triton.next_power_of_2(k))
-    block_c = min(BLOCK_C, max(16, triton.next_power_of_2(c)))
-    cfg = MBConvConfig(stride, tile[0], tile[1], BLOCK_R, block_c, block_k, 4)
-    if cfg.block_h >= 256 or cfg.block_o * block_k >= 64 * 256:
-        cfg = MBConvConfig(stride, tile[0], tile[1], BLOCK_R, block_c, block_k, 8)
-    return cfg
-
-
-def pass_constexprs(cfg: MBConvConfig, pass_: int) -> dict:
-    """Meta-parameters of one pass, ``num_warps`` included. Pass 1 has no output accumulator, so
-    BLOCK_K is pinned to 16 and the warps follow the window size only: all output widths share one
-    compiled pass-1 variant."""
-    meta = dict(cfg.constexprs(), PASS=pass_, num_warps=cfg.num_warps)
-    if pass_ == 1:
-        meta["BLOCK_K"] = 16
-        meta["num_warps"] = 8 if cfg.block_h >= 256 else 4
-    return meta
-
-
-# The shapes the package supports (SPEC 1): block inputs C, stride-2 block outputs K.
-SUPPORTED_C = (48, 64, 72, 96, 128, 160, 192, 256)
-SUPPORTED_K_STRIDE2 = (128, 160, 192, 256)
-
-
-def shipped_variants() -> list[dict]:
-    """Every distinct set of meta-parameters (``num_warps`` included) the launcher picks for the
-    supported shapes; the tests compile each for sm_90 and sm_80 (dtype and PREC added there)."""
-    seen = {}
-    for c in SUPPORTED_C:
-        for stride, ks in ((1, (c,)), (2, SUPPORTED_K_STRIDE2)):
-            for k in ks:
-                for hw in (1, 2, 4, 8, 16, 32, 64):
-                    if stride == 2 and hw < 2:
-                        continue
-                    cfg = mbconv_config(c, 4 * c, k, hw, hw, stride)
-                    for p in (1, 2):
-                        meta = pass_constexprs(cfg, p)
-                        seen[tuple(sorted(meta.items()))] = meta
-    return list(seen.values())
-
-
-# ----------------------------------------------------------------------------------------------
-# Kernels
-# ----------------------------------------------------------------------------------------------
+def project_config(k, r, ohw, dtype) -> ProjectConfig:
+    bm = 128 if ohw > 64 else 64
+    bn = min(256, max(16, triton.next_power_of_2(k)))
+    return ProjectConfig(bm, bn, 64, 8 if bm == 128 else 4, 3)
 
 
 @triton.jit
-def _mbconv_kernel(
-    # pointers
-    x_ptr, out_ptr, part_ptr, gate_ptr,
-    wexp_ptr, bexp_ptr, wconv_ptr, bconv_ptr, wproj_ptr, bproj_ptr,
-    # sizes
-    H, W, OH, OW, C, R, K, TILES_W,
-    # strides (elements): x and out in any layout, 2-D weights (out, in)
-    sxn, sxc, sxh, sxw, son, sok, soh, sow,
-    swe_r, swe_c, swp_k, swp_r,
-    # meta-parameters (see MBConvConfig)
-    PASS: tl.constexpr, STRIDE: tl.constexpr,
-    TILE_H: tl.constexpr, TILE_W: tl.constexpr, G_H: tl.constexpr, G_W: tl.constexpr,
-    BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-):
-    tl.static_assert(BLOCK_R % 8 == 0, "hidden chunks must hold whole conv groups")
-    tl.static_assert(BLOCK_H >= (G_H + 2) * (G_W + 2))
-    tl.static_assert(BLOCK_G >= G_H * G_W)
-    tl.static_assert(BLOCK_O >= TILE_H * TILE_W)
-    HALO_W: tl.constexpr = G_W + 2
-    dtype = x_ptr.dtype.element_ty
-
-    pid_t = tl.program_id(0)
-    n = tl.program_id(1).to(tl.int64)
-    oy0 = (pid_t // TILES_W) * TILE_H
-    ox0 = (pid_t % TILES_W) * TILE_W
-    # origin of the g window in full-resolution coordinates
-    if STRIDE == 1:
-        gy0 = oy0
-        gx0 = ox0
+def _silu(acc, half_bias, MODE: tl.constexpr):
+    """SiLU(acc + 2 * half_bias) in fp32. MODE 0: x / (1 + exp(-x)) (interpreter, fp32 data);
+    MODE 1: with u = x / 2, SiLU(x) = u + u * tanh(u) through tanh.approx.f32 (three instructions)."""
+    if MODE == 0:
+        v = acc + 2.0 * half_bias
+        return v / (1.0 + tl.exp(-v))
     else:
-        gy0 = 2 * oy0 - 1
-        gx0 = 2 * ox0 - 1
-    x_img = x_ptr + n * sxn
-
-    # h window rows: image pixel of each row, and whether it is a real (in-image) pixel
-    ph = tl.arange(0, BLOCK_H)
-    hy = gy0 - 1 + ph // HALO_W
-    hx = gx0 - 1 + ph % HALO_W
-    h_ok = (ph < (G_H + 2) * HALO_W) & (hy >= 0) & (hy < H) & (hx >= 0) & (hx < W)
-    x_rows = x_img + hy * sxh + hx * sxw
-
-    # g window rows, and the h row each conv tap reads (padding rows point at row 0, unused)
-    pg = tl.arange(0, BLOCK_G)
-    g_in = pg < G_H * G_W
-    gyl = tl.where(g_in, pg // G_W, 0)
-    gxl = tl.where(g_in, pg % G_W, 0)
-
-    # output tile rows
-    po = tl.arange(0, BLOCK_O)
-    oy = oy0 + po // TILE_W
-    ox = ox0 + po % TILE_W
-    o_ok = (po < TILE_H * TILE_W) & (oy < OH) & (ox < OW)
-
-    rr = tl.arange(0, BLOCK_R)
-    rc = tl.arange(0, BLOCK_C)
-    rk = tl.arange(0, BLOCK_K)
-    # block-diagonal conv tile: row j (input channel in chunk), column r (output channel in chunk)
-    bd_in_group = (rr[:, None] // 8) == (rr[None, :] // 8)
-    bd_offs = rr[None, :] * (8 * 9) + (rr[:, None] % 8) * 9
-
-    acc_o = tl.zeros((BLOCK_O, BLOCK_K), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        r_ok = (r0 + rr) < R
-        # ---- expand: h[BLOCK_H, BLOCK_R] = SiLU(x_window @ W_exp[chunk]^T + b), zero off-image
-        acc_h = tl.zeros((BLOCK_H, BLOCK_R), dtype=tl.float32)
-        for c0 in range(0, C, BLOCK_C):
-            c_ok = (c0 + rc) < C
-            xt = tl.load(
-                x_rows[:, None] + (c0 + rc)[None, :] * sxc, mask=h_ok[:, None] & c_ok[None, :], other=0.0
-            )
-            wt = tl.load(
-                wexp_ptr + (r0 + rr)[None, :] * swe_r + (c0 + rc)[:, None] * swe_c,
-                mask=c_ok[:, None] & r_ok[None, :], other=0.0,
-            )
-            acc_h = tl.dot(xt, wt, acc_h, input_precision=PREC)
-        b_e = tl.load(bexp_ptr + r0 + rr, mask=r_ok, other=0.0).to(tl.float32)
-        hid = acc_h + b_e[None, :]
-        hid = hid / (1.0 + tl.exp(-hid))  # SiLU (inlined: one self-contained kernel compiles from CPU too)
-        hid = tl.where(h_ok[:, None], hid, 0.0).to(dtype)
-
-        # ---- grouped 3x3 conv: nine gathered taps x block-diagonal weights
-        acc_g = tl.zeros((BLOCK_G, BLOCK_R), dtype=tl.float32)
-        for t in tl.static_range(9):
-            src = (gyl + t // 3) * HALO_W + (gxl + t % 3)
-            tap = tl.gather(hid, tl.broadcast_to(src[:, None], (BLOCK_G, BLOCK_R)), 0)
-            wbd = tl.load(wconv_ptr + r0 * (8 * 9) + bd_offs + t, mask=bd_in_group & r_ok[None, :], other=0.0)
-            acc_g = tl.dot(tap, wbd, acc_g, input_precision=PREC)
-        b_c = tl.load(bconv_ptr + r0 + rr, mask=r_ok, other=0.0).to(tl.float32)
-        g = acc_g + b_c[None, :]
-        g = g / (1.0 + tl.exp(-g))
-
-        # ---- BlurPool (stride 2): nine gathers with reflect-padded indices and weights [1,2,1]^2/16
-        if STRIDE == 2:
-            acc_b = tl.zeros((BLOCK_O, BLOCK_R), dtype=tl.float32)
-            for t in tl.static_range(9):
-                yy = 2 * oy - 1 + t // 3
-                xx = 2 * ox - 1 + t % 3
-                yy = tl.where(yy < 0, -yy, yy)
-                yy = tl.where(yy >= H, 2 * H - 2 - yy, yy)
-                xx = tl.where(xx < 0, -xx, xx)
-                xx = tl.where(xx >= W, 2 * W - 2 - xx, xx)
-                src = tl.where(o_ok, (yy - gy0) * G_W + (xx - gx0), 0)
-                tap = tl.gather(g, tl.broadcast_to(src[:, None], (BLOCK_O, BLOCK_R)), 0)
-                acc_b += tap * ((1 + (t // 3) % 2) * (1 + (t % 3) % 2) * 0.0625)
-            g = acc_b
-
-        if PASS == 1:
-            # ---- pooled partial sums of this tile for this chunk: partial[n, tile, r]
-            part = tl.sum(tl.where(o_ok[:, None], g, 0.0), axis=0)
-            tl.store(part_ptr + (n * tl.num_programs(0) + pid_t) * R + r0 + rr, part, mask=r_ok)
-        else:
-            # ---- gate, then project this chunk into the output accumulator
-            gate = tl.load(gate_ptr + n * R + r0 + rr, mask=r_ok, other=0.0)
-            s = (g * gate[None, :]).to(dtype)
-            wp = tl.load(
-                wproj_ptr + rk[None, :] * swp_k + (r0 + rr)[:, None] * swp_r,
-                mask=r_ok[:, None] & (rk < K)[None, :], other=0.0,
-            )
-            acc_o = tl.dot(s, wp, acc_o, input_precision=PREC)
-
-    if PASS == 2:
-        k_ok = rk < K
-        m = o_ok[:, None] & k_ok[None, :]
-        acc_o += tl.load(bproj_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        if STRIDE == 1:  # residual: K == C, same pixels
-            res = tl.load(x_img + rk[None, :] * sxc + (oy * sxh + ox * sxw)[:, None], mask=m, other=0.0)
-            acc_o += res.to(tl.float32)
-        o_ptrs = out_ptr + n * son + rk[None, :] * sok + (oy * soh + ox * sow)[:, None]
-        tl.store(o_ptrs, acc_o.to(dtype), mask=m)
+        u = acc * 0.5 + half_bias
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+        return u + u * t
 
 
 @triton.jit
-def _se_kernel(
-    part_ptr, gate_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
-    R, S, TILES, HW_OUT,
+def _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, J: tl.constexpr, G: tl.constexpr):
+    g = tl.arange(0, G)[:, None, None]
+    k = tl.arange(0, 16)[None, :, None]
+    co = tl.arange(0, 8)[None, None, :]
+    tap = 2 * J + k // 8
+    r = r0 + g * 8 + co
+    return tl.load(wconv_ptr + r * swc_r + (k % 8) * swc_i + (tap // 3) * swc_y + (tap % 3) * swc_x,
+                   mask=(tap < 9) & (r < R), other=0.0)
+
+
+@triton.jit
+def _conv_pair_h(hs, q, PW, PHW, J: tl.constexpr, G: tl.constexpr):
+    g = tl.arange(0, G)[:, None, None]
+    k = tl.arange(0, 16)[None, None, :]
+    tap = tl.minimum(2 * J + k // 8, 8)
+    off = (tap // 3 - 1) * PW + (tap % 3 - 1)
+    return tl.load(hs + g * (PHW * 8) + (q[None, :, None] + off) * 8 + k % 8)
+
+
+@triton.jit
+def _tile(t, ncol, H, W, m, TW: tl.constexpr, TH: tl.constexpr, EXACT: tl.constexpr):
+    """Pixel rows of tile ``t``: image row y, column x, clamped copies (always inside the image) and
+    whether the row is a real pixel. EXACT: tiles cover the image exactly (W == TW, TH divides H)."""
+    if EXACT:
+        y = t * TH + m // TW
+        x = m % TW
+        return y, x, y, x, m < TW * TH
+    else:
+        y = (t // ncol) * TH + m // TW
+        x = (t % ncol) * TW + m % TW
+        return y, x, tl.minimum(y, H - 1), tl.minimum(x, W - 1), (y < H) & (x < W)
+
+
+@triton.jit
+def _mbconv_hidden_kernel(
+    x_ptr, wexp_ptr, bexp_ptr, wconv_ptr, bconv_ptr, g_ptr, mean_ptr, scr_ptr,
+    N, H, W_RT, OH, OW, C, R, NCHUNK, ITEMS, IB, SLOT,
+    sxn, sxc, sxh, sxw, swe_r, swe_c, swc_r, swc_i, swc_y, swc_x,
+    STRIDE: tl.constexpr, RB: tl.constexpr, CP: tl.constexpr, MASK_C: tl.constexpr, MASK_R: tl.constexpr,
+    TW: tl.constexpr, BM: tl.constexpr, TWO: tl.constexpr, BMO: tl.constexpr, EXACT: tl.constexpr,
+    ZB: tl.constexpr, SILU: tl.constexpr, PREC: tl.constexpr,
+):
+    G: tl.constexpr = RB // 8
+    TH: tl.constexpr = BM // TW
+    THO: tl.constexpr = BMO // TWO
+    dtype = x_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if EXACT:
+        W: tl.constexpr = TW
+    else:
+        W = W_RT
+    PW = W + 2
+    PHW = (H + 2) * PW
+    OHW = OH * OW
+    hs = scr_ptr + pid.to(tl.int64) * SLOT
+    gs = hs + RB * PHW
+
+    zr = tl.arange(0, ZB)
+    for z0 in range(0, RB * PHW, ZB):
+        tl.store(hs + z0 + zr, tl.zeros([ZB], dtype), mask=z0 + zr < RB * PHW)
+
+    rr = tl.arange(0, RB)
+    rc = tl.arange(0, CP)
+    c_ok = rc < C
+    m = tl.arange(0, BM)
+    g3 = tl.arange(0, G)[:, None, None]
+    c3 = tl.arange(0, 8)[None, None, :]
+    ncol = tl.cdiv(W, TW)
+    ntile = tl.cdiv(H, TH) * ncol
+    ncol_o = tl.cdiv(OW, TWO)
+    ntile_o = tl.cdiv(OH, THO) * ncol_o
+    mo = tl.arange(0, BMO)
+
+    for item in range(pid, ITEMS, nprog):
+        r0 = (item % NCHUNK) * RB
+        n0 = (item // NCHUNK) * IB
+        r_ok = (r0 + rr) < R
+        r3 = r0 + g3 * 8 + c3
+        # weights of this hidden chunk, loaded once for IB images
+        if MASK_C or MASK_R:
+            we = tl.load(wexp_ptr + (r0 + rr)[None, :] * swe_r + rc[:, None] * swe_c,
+                         mask=c_ok[:, None] & r_ok[None, :], other=0.0)
+        else:
+            we = tl.load(wexp_ptr + (r0 + rr)[None, :] * swe_r + rc[:, None] * swe_c)
+        hb_e = 0.5 * tl.load(bexp_ptr + r0 + rr, mask=r_ok, other=0.0).to(tl.float32)[None, :]
+        hb_c = 0.5 * tl.load(bconv_ptr + r3, mask=r3 < R, other=0.0).to(tl.float32)
+        w0 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 0, G)
+        w1 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 1, G)
+        w2 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 2, G)
+        w3 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 3, G)
+        w4 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 4, G)
+        for n in range(n0, tl.minimum(n0 + IB, N)):
+            x_img = x_ptr + tl.cast(n, tl.int64) * sxn
+            tl.debug_barrier()
+            # ---- expand: h = SiLU(x W_exp^T + b) into the padded scratch
+            for t in range(0, ntile):
+                y, xx, yc, xc, ok = _tile(t, ncol, H, W, m, TW, TH, EXACT)
+                if EXACT:
+                    xp = (x_img + (t * BM + m) * sxw)[:, None] + rc[None, :] * sxc
+                else:
+                    xp = (x_img + yc * sxh + xc * sxw)[:, None] + rc[None, :] * sxc
+                if MASK_C:
+                    xt = tl.load(xp, mask=c_ok[None, :], other=0.0)
+                else:
+                    xt = tl.load(xp)
+                hv = _silu(tl.dot(xt, we, input_precision=PREC), hb_e, SILU).to(dtype)
+                hp = hs + (rr // 8)[None, :] * (PHW * 8) + ((y + 1) * PW + xx + 1)[:, None] * 8 + (rr % 8)[None, :]
+                if EXACT:
+                    tl.store(hp, hv)
+                else:
+                    tl.store(hp, hv, mask=ok[:, None])
+            tl.debug_barrier()
+            # ---- grouped conv (+ SiLU)
+            if STRIDE == 1:
+                pool = tl.zeros((G, BM, 8), dtype=tl.float32)
+            else:
+                pool = tl.zeros((BMO, RB), dtype=tl.float32)
+            for t in tl.range(0, ntile, num_stages=1):
+                y, xx, yc, xc, ok = _tile(t, ncol, H, W, m, TW, TH, EXACT)
+                q = (yc + 1) * PW + xc + 1
+                acc = tl.dot(_conv_pair_h(hs, q, PW, PHW, 0, G), w0, input_precision=PREC)
+                acc = tl.dot(_conv_pair_h(hs, q, PW, PHW, 1, G), w1, acc, input_precision=PREC)
+                acc = tl.dot(_conv_pair_h(hs, q, PW, PHW, 2, G), w2, acc, input_precision=PREC)
+                acc = tl.dot(_conv_pair_h(hs, q, PW, PHW, 3, G), w3, acc, input_precision=PREC)
+                acc = tl.dot(_conv_pair_h(hs, q, PW, PHW, 4, G), w4, acc, input_precision=PREC)
+                v = _silu(acc, hb_c, SILU)
+                pix = (y * W + xx)[None, :, None]
+                ok3 = ok[None, :, None]
+                if STRIDE == 1:
+                    gp = g_ptr + (n * OHW + pix).to(tl.int64) * R + r3
+                    if EXACT:
+                        pool += v
+                        if MASK_R:
+                            tl.store(gp, v.to(dtype), mask=r3 < R)
+                        else:
+                            tl.store(gp, v.to(dtype))
+                    else:
+                        pool += tl.where(ok3, v, 0.0)
+                        tl.store(gp, v.to(dtype), mask=ok3 & (r3 < R))
+                else:
+                    if EXACT:
+                        tl.store(gs + pix * RB + g3 * 8 + c3, v.to(dtype))
+                    else:
+                        tl.store(gs + pix * RB + g3 * 8 + c3, v.to(dtype), mask=ok3)
+            if STRIDE == 1:
+                m2 = tl.sum(pool, axis=1) / OHW
+                r2 = r0 + tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]
+                tl.store(mean_ptr + tl.cast(n, tl.int64) * R + r2, m2, mask=r2 < R)
+            else:
+                # ---- BlurPool: [1, 2, 1]^2 / 16, stride 2, reflect padding folded into the indices
+                tl.debug_barrier()
+                for t in range(0, ntile_o):
+                    oy, ox, oyc, oxc, ok = _tile(t, ncol_o, OH, OW, mo, TWO, THO, EXACT)
+                    accb = tl.zeros((BMO, RB), dtype=tl.float32)
+                    for a in tl.static_range(3):
+                        sy = 2 * oyc - 1 + a
+                        sy = tl.where(sy < 0, -sy, sy)
+                        if not EXACT:  # EXACT: H even, so 2 * oy + 1 <= H - 1
+                            sy = tl.where(sy >= H, 2 * H - 2 - sy, sy)
+                        for b in tl.static_range(3):
+                            sx = 2 * oxc - 1 + b
+                            sx = tl.where(sx < 0, -sx, sx)
+                            if not EXACT:
+                                sx = tl.where(sx >= W, 2 * W - 2 - sx, sx)
+                            tap = tl.load(gs + ((sy * W + sx) * RB)[:, None] + rr[None, :])
+                            accb += tap.to(tl.float32) * ((1 + a % 2) * (1 + b % 2) * 0.0625)
+                    opix = (n * OHW + oy * OW + ox).to(tl.int64)
+                    op = g_ptr + opix[:, None] * R + (r0 + rr)[None, :]
+                    if EXACT:
+                        pool += accb
+                        if MASK_R:
+                            tl.store(op, accb.to(dtype), mask=r_ok[None, :])
+                        else:
+                            tl.store(op, accb.to(dtype))
+                    else:
+                        pool += tl.where(ok[:, None], accb, 0.0)
+                        tl.store(op, accb.to(dtype), mask=ok[:, None] & r_ok[None, :])
+                tl.store(mean_ptr + tl.cast(n, tl.int64) * R + r0 + rr, tl.sum(pool, axis=0) / OHW, mask=r_ok)
+
+
+@triton.jit
+def _mbconv_se_kernel(
+    mean_ptr, gate_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
+    R, S, sw1_s, sw1_r, sw2_r, sw2_s,
     BLOCK_S: tl.constexpr, BLOCK_RS: tl.constexpr,
 ):
-    """gate[n] = sigmoid(W2 ReLU(W1 mean[n] + b1) + b2) with mean[n] = sum_t partial[n, t] / HW_OUT,
-    fp32; one program per image, tiles summed in a fixed order.
-
-    Broadcast-multiply + ``tl.sum`` rather than ``tl.dot``: the matrix-vector products are
-    S x R <= 64 x 1024 per image, too small for tensor cores to matter.
-    """
     n = tl.program_id(0).to(tl.int64)
     rs = tl.arange(0, BLOCK_S)
     s_ok = rs < S
@@ -369,90 +272,164 @@ def _se_kernel(
     for r0 in range(0, R, BLOCK_RS):
         rr = r0 + tl.arange(0, BLOCK_RS)
         r_ok = rr < R
-        p = tl.zeros((BLOCK_RS,), dtype=tl.float32)
-        for t in range(0, TILES):
-            p += tl.load(part_ptr + (n * TILES + t) * R + rr, mask=r_ok, other=0.0)
-        p = p / HW_OUT
-        w1 = tl.load(w1_ptr + rs[:, None] * R + rr[None, :], mask=s_ok[:, None] & r_ok[None, :], other=0.0)
-        z += tl.sum(w1.to(tl.float32) * p[None, :], axis=1)
+        m = tl.load(mean_ptr + n * R + rr, mask=r_ok, other=0.0)
+        w1 = tl.load(w1_ptr + rs[:, None] * sw1_s + rr[None, :] * sw1_r, mask=s_ok[:, None] & r_ok[None, :],
+                     other=0.0)
+        z += tl.sum(w1.to(tl.float32) * m[None, :], axis=1)
     z = tl.maximum(z + tl.load(b1_ptr + rs, mask=s_ok, other=0.0).to(tl.float32), 0.0)
     for r0 in range(0, R, BLOCK_RS):
         rr = r0 + tl.arange(0, BLOCK_RS)
         r_ok = rr < R
-        w2 = tl.load(w2_ptr + rr[:, None] * S + rs[None, :], mask=r_ok[:, None] & s_ok[None, :], other=0.0)
+        w2 = tl.load(w2_ptr + rr[:, None] * sw2_r + rs[None, :] * sw2_s, mask=r_ok[:, None] & s_ok[None, :],
+                     other=0.0)
         e = tl.sum(w2.to(tl.float32) * z[None, :], axis=1)
         e += tl.load(b2_ptr + rr, mask=r_ok, other=0.0).to(tl.float32)
         tl.store(gate_ptr + n * R + rr, tl.sigmoid(e), mask=r_ok)
 
 
-# ----------------------------------------------------------------------------------------------
-# Launcher
-# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _mbconv_project_kernel(
+    g_ptr, gate_ptr, wproj_ptr, bproj_ptr, x_ptr, out_ptr,
+    OHW, OW, R, K, TPI,
+    sxn, sxc, sxh, sxw, son, sok, soh, sow, swp_k, swp_r,
+    RESIDUAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr,
+):
+    dtype = g_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    n = (pid // TPI).to(tl.int64)
+    p = (pid % TPI) * BM + tl.arange(0, BM)
+    pv = p < OHW
+    k = tl.program_id(1) * BN + tl.arange(0, BN)
+    kv = k < K
+    rows = g_ptr + (n * OHW + p) * R
+    oy = p // OW
+    ox = p % OW
+    m = pv[:, None] & kv[None, :]
+    # the accumulator starts at bias (+ residual): nothing but the accumulator is live after the loop
+    acc = tl.zeros((BM, BN), dtype=tl.float32) + tl.load(bproj_ptr + k, mask=kv, other=0.0).to(tl.float32)[None, :]
+    if RESIDUAL:
+        res = tl.load(x_ptr + n * sxn + k[None, :] * sxc + (oy * sxh + ox * sxw)[:, None], mask=m, other=0.0)
+        acc += res.to(tl.float32)
+    rb = tl.arange(0, BR)
+    for r0 in range(0, R, BR):
+        rr = r0 + rb
+        rv = rr < R
+        a = tl.load(rows[:, None] + rr[None, :], mask=pv[:, None] & rv[None, :], other=0.0)
+        gt = tl.load(gate_ptr + n * R + rr, mask=rv, other=0.0)
+        a = (a.to(tl.float32) * gt[None, :]).to(dtype)
+        b = tl.load(wproj_ptr + k[None, :] * swp_k + rr[:, None] * swp_r, mask=rv[:, None] & kv[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+    tl.store(out_ptr + n * son + k[None, :] * sok + (oy * soh + ox * sow)[:, None], acc.to(dtype), mask=m)
 
 
-MAX_K = 256  # widest output kept in one fp32 accumulator (BLOCK_K); the paper's stages stop at 256
+MAX_GRID = 2**31 - 1
+DEFAULT_SMS = 132
+INTERPRETER_PROGRAMS = 3
+PROGRAMS_PER_SM = 2
 
 
 def check_supported(r: int, k: int) -> None:
-    """Shapes the Triton path handles (called by op.py before any launch)."""
-    if k > MAX_K:
-        raise ValueError(
-            f"convfirstnet.mbconv: the Triton kernel supports up to {MAX_K} output channels, got {k}; "
-            "use CONVFIRSTNET_KERNELS=reference for wider blocks"
-        )
     if r % GROUP_WIDTH:
         raise ValueError(
             f"convfirstnet.mbconv: hidden width {r} is not a multiple of the group width {GROUP_WIDTH}"
         )
 
 
+def _programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count * PROGRAMS_PER_SM
+    if device.type == "cpu":
+        return INTERPRETER_PROGRAMS
+    return DEFAULT_SMS * PROGRAMS_PER_SM
+
+
+ITEM_OVERHEAD = 0.5  # cost of a work item's weight loads, in units of one image's work (to be measured)
+
+
+def image_block(n: int, nchunk: int, hw: int, programs: int) -> int:
+    """Images per work item: amortizes the per-item weight loads, keeps the programs balanced."""
+    best, best_t = 1, None
+    for ib in range(1, max(1, min(n, 1024 // max(hw, 1))) + 1):
+        items = nchunk * triton.cdiv(n, ib)
+        t = triton.cdiv(items, programs) * (ib + ITEM_OVERHEAD)
+        if best_t is None or t < best_t:
+            best, best_t = ib, t
+    return best
+
+
 def se_config(s: int) -> dict:
-    return dict(BLOCK_S=max(16, triton.next_power_of_2(s)), BLOCK_RS=SE_BLOCK_R)
+    return dict(BLOCK_S=max(16, triton.next_power_of_2(s)), BLOCK_RS=128)
 
 
-def mbconv_triton(
-    x: torch.Tensor,
-    w_exp: torch.Tensor,
-    b_exp: torch.Tensor,
-    w_conv: torch.Tensor,
-    b_conv: torch.Tensor,
-    w_se1: torch.Tensor,
-    b_se1: torch.Tensor,
-    w_se2: torch.Tensor,
-    b_se2: torch.Tensor,
-    w_proj: torch.Tensor,
-    b_proj: torch.Tensor,
-    stride: int,
-) -> torch.Tensor:
-    """Launch pass 1, the SE kernel and pass 2. Inputs are validated by op.py before this call."""
+def mbconv_triton(x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj, stride):
     n, c, h, w = x.shape
     r, k, s = w_exp.shape[0], w_proj.shape[0], w_se1.shape[0]
     oh, ow = (h, w) if stride == 1 else ((h + 1) // 2, (w + 1) // 2)
     out = torch.empty((n, k, oh, ow), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
     if n == 0:
         return out
-    cfg = mbconv_config(c, r, k, h, w, stride)
-    w_conv = w_conv.contiguous()  # (R, 8, 3, 3) addressed as r * 72 + j * 9 + tap
-    w_se1, w_se2 = w_se1.contiguous(), w_se2.contiguous()
-    # 1-D biases are addressed as base + index (unit stride)
+    hc = hidden_config(c, r, h, w, stride, x.dtype, dense=x.stride(2) == w * x.stride(3))
+    pc = project_config(k, r, oh * ow, x.dtype)
     b_exp, b_conv, b_proj = b_exp.contiguous(), b_conv.contiguous(), b_proj.contiguous()
     b_se1, b_se2 = b_se1.contiguous(), b_se2.contiguous()
-    tiles_w = triton.cdiv(ow, cfg.tile_w)
-    tiles = triton.cdiv(oh, cfg.tile_h) * tiles_w
-    grid = (tiles, n)
-    # scratch, allocated here so the op stays functional and CUDA-graph safe; pass 1 writes every
-    # element of ``partial`` and the SE kernel every element of ``gate``, so no zero fill
-    partial = torch.empty((n, tiles, r), device=x.device, dtype=torch.float32)
+    nchunk = triton.cdiv(r, hc.rb)
+    programs = _programs(x.device)
+    ib = image_block(n, nchunk, h * w, programs)
+    items = nchunk * triton.cdiv(n, ib)
+    nprog = min(items, programs)
+    slot = hc.rb * (h + 2) * (w + 2) + (hc.rb * h * w if stride == 2 else 0)
+    scratch = torch.empty((nprog * slot,), device=x.device, dtype=x.dtype)
+    g = torch.empty((n, oh * ow, r), device=x.device, dtype=x.dtype)
+    mean = torch.empty((n, r), device=x.device, dtype=torch.float32)
     gate = torch.empty((n, r), device=x.device, dtype=torch.float32)
-    prec = FP32_PRECISION if x.dtype == torch.float32 else "tf32"  # only fp32 operands use it
-    args = (
-        x, out, partial, gate, w_exp, b_exp, w_conv, b_conv, w_proj, b_proj,
-        h, w, oh, ow, c, r, k, tiles_w,
-        *x.stride(), *out.stride(), *w_exp.stride(), *w_proj.stride(),
-    )
-    launch(_mbconv_kernel, grid, *args, PREC=prec, **pass_constexprs(cfg, 1))
-    launch(
-        _se_kernel, (n,), partial, gate, w_se1, b_se1, w_se2, b_se2, r, s, tiles, oh * ow, **se_config(s)
-    )
-    launch(_mbconv_kernel, grid, *args, PREC=prec, **pass_constexprs(cfg, 2))
+    prec = FP32_PRECISION if x.dtype == torch.float32 else "tf32"
+    silu = 0 if x.dtype == torch.float32 or x.device.type == "cpu" else 1
+    eb = x.element_size()
+    hw, ohw = h * w, oh * ow
+    g_ = hc.rb // 8
+
+    def hidden_cost():
+        phw = (h + 2) * (w + 2)
+        th, tho = hc.bm // hc.tw, hc.bmo // hc.two
+        n_t = triton.cdiv(h, th) * triton.cdiv(w, hc.tw)
+        n_o = triton.cdiv(oh, tho) * triton.cdiv(ow, hc.two)
+        per_img = n_t * hc.bm * hc.rb * hc.cp + n_t * hc.bm * g_ * 8 * 16 * 5
+        mma = nchunk * n * per_img
+        useful = n * (hw * c * r + hw * r * 72 + (ohw * r * 9 if stride == 2 else 0))
+        dram = (n * c * hw + r * c + r + r * 72 + r + n * ohw * r) * eb + n * r * 4
+        scr_img = hw * hc.rb + n_t * 5 * g_ * hc.bm * 16
+        if stride == 2:
+            scr_img += hw * hc.rb + n_o * 9 * hc.bmo * hc.rb
+        scr = nprog * hc.rb * phw + nchunk * n * scr_img
+        body = [Loop("expand tiles", n_t), Loop("conv tiles", n_t)]
+        if stride == 2:
+            body.append(Loop("blur tiles", n_o))
+        loops = (Loop("zero scratch", triton.cdiv(hc.rb * phw, 1024)),
+                 Loop("work items", triton.cdiv(items, nprog), (Loop("images", ib, tuple(body)),)))
+        return KernelCost(useful, mma, dram, loops, l2_bytes=scr * eb, scratch_bytes_per_program=slot * eb)
+
+    launch(_mbconv_hidden_kernel, (nprog,), x, w_exp, b_exp, w_conv, b_conv, g, mean, scratch,
+           n, h, w, oh, ow, c, r, nchunk, items, ib, slot, *x.stride(), *w_exp.stride(), *w_conv.stride(),
+           SILU=silu, PREC=prec, cost=hidden_cost, **hc.constexprs())
+    sec = se_config(s)
+
+    def se_cost():
+        nr = triton.cdiv(r, sec["BLOCK_RS"])
+        return KernelCost(n * 2 * s * r, 0, n * r * 8 + (2 * s * r + s + r) * eb,
+                          (Loop("squeeze R chunks", nr), Loop("excite R chunks", nr)))
+
+    launch(_mbconv_se_kernel, (n,), mean, gate, w_se1, b_se1, w_se2, b_se2, r, s, *w_se1.stride(),
+           *w_se2.stride(), cost=se_cost, **sec)
+    tpi = triton.cdiv(ohw, pc.bm)
+    grid = (n * tpi, triton.cdiv(k, pc.bn))
+
+    def project_cost():
+        steps = triton.cdiv(r, pc.br)
+        dram = (n * ohw * r + k * r + k + n * ohw * k * (2 if stride == 1 else 1)) * eb + n * r * 4
+        return KernelCost(n * ohw * r * k, grid[0] * grid[1] * pc.bm * pc.bn * steps * pc.br, dram,
+                          (Loop("R steps", steps),))
+
+    launch(_mbconv_project_kernel, grid, g, gate, w_proj, b_proj, x, out,
+           ohw, ow, r, k, tpi, *x.stride(), *out.stride(), *w_proj.stride(), RESIDUAL=stride == 1,
+           PREC=prec, cost=project_cost, **pc.constexprs())
     return out
