@@ -37,13 +37,19 @@ class HiddenConfig:
 @dataclass(frozen=True)
 class ProjectConfig:
     bm: int
-    bn: int
+    bh: int  # output channels per accumulator
+    halves: int  # accumulators per program (1 or 2)
     br: int
     num_warps: int
     num_stages: int
 
+    @property
+    def bn(self) -> int:
+        return self.bh * self.halves
+
     def constexprs(self) -> dict:
-        return dict(BM=self.bm, BN=self.bn, BR=self.br, num_warps=self.num_warps, num_stages=self.num_stages)
+        return dict(BM=self.bm, BH=self.bh, HALVES=self.halves, BR=self.br, num_warps=self.num_warps,
+                    num_stages=self.num_stages)
 
 
 def hidden_config(c, r, h, w, stride, dtype, dense=True) -> HiddenConfig:
@@ -60,7 +66,8 @@ def hidden_config(c, r, h, w, stride, dtype, dense=True) -> HiddenConfig:
 def project_config(k, r, ohw, dtype) -> ProjectConfig:
     bm = 128 if ohw > 64 else 64
     bn = min(256, max(16, triton.next_power_of_2(k)))
-    return ProjectConfig(bm, bn, 64, 8 if bm == 128 else 4, 3)
+    halves = 2 if bn > 128 else 1
+    return ProjectConfig(bm, bn // halves, halves, 64, 8, 3)
 
 
 @triton.jit
@@ -89,12 +96,15 @@ def _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, J: tl.constexpr, 
 
 
 @triton.jit
-def _conv_pair_h(hs, q, PW, PHW, J: tl.constexpr, G: tl.constexpr):
+def _conv_pair_h(hs, q, PW, J: tl.constexpr, G: tl.constexpr):
+    """Taps 2J and 2J + 1 (the tenth tap re-reads tap 8; its weights are zero) of the pixels at padded
+    positions q, as the [G, BM, 16] operand: k < 8 input channels of tap 2J, k >= 8 of tap 2J + 1.
+    Scratch layout [padded row][group][padded column][8]."""
     g = tl.arange(0, G)[:, None, None]
     k = tl.arange(0, 16)[None, None, :]
     tap = tl.minimum(2 * J + k // 8, 8)
-    off = (tap // 3 - 1) * PW + (tap % 3 - 1)
-    return tl.load(hs + g * (PHW * 8) + (q[None, :, None] + off) * 8 + k % 8)
+    off = (tap // 3 - 1) * (G * PW * 8) + (tap % 3 - 1) * 8
+    return tl.load(hs + g * (PW * 8) + q[None, :, None] + off + k % 8)
 
 
 @triton.jit
@@ -113,10 +123,11 @@ def _tile(t, ncol, H, W, m, TW: tl.constexpr, TH: tl.constexpr, EXACT: tl.conste
 
 @triton.jit
 def _mbconv_hidden_kernel(
-    x_ptr, wexp_ptr, bexp_ptr, wconv_ptr, bconv_ptr, g_ptr, mean_ptr, scr_ptr,
-    N, H, W_RT, OH, OW, C, R, NCHUNK, ITEMS, IB, SLOT,
-    sxn, sxc, sxh, sxw, swe_r, swe_c, swc_r, swc_i, swc_y, swc_x,
-    STRIDE: tl.constexpr, RB: tl.constexpr, CP: tl.constexpr, MASK_C: tl.constexpr, MASK_R: tl.constexpr,
+    x_ptr, wexp_ptr, bexp_ptr, wconv_ptr, bconv_ptr, w1_ptr, g_ptr, z_ptr, scr_ptr, ms_ptr,
+    N, H, W_RT, OH, OW, C, R, S, NCHUNK, ITEMS, IB, SLOT,
+    sxn, sxc, sxh, sxw, swe_r, swe_c, swc_r, swc_i, swc_y, swc_x, sw1_s, sw1_r,
+    STRIDE: tl.constexpr, RB: tl.constexpr, CP: tl.constexpr, SP: tl.constexpr,
+    MASK_C: tl.constexpr, MASK_R: tl.constexpr,
     TW: tl.constexpr, BM: tl.constexpr, TWO: tl.constexpr, BMO: tl.constexpr, EXACT: tl.constexpr,
     ZB: tl.constexpr, SILU: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -135,6 +146,7 @@ def _mbconv_hidden_kernel(
     OHW = OH * OW
     hs = scr_ptr + pid.to(tl.int64) * SLOT
     gs = hs + RB * PHW
+    ms = ms_ptr + pid * RB
 
     zr = tl.arange(0, ZB)
     for z0 in range(0, RB * PHW, ZB):
@@ -151,6 +163,7 @@ def _mbconv_hidden_kernel(
     ncol_o = tl.cdiv(OW, TWO)
     ntile_o = tl.cdiv(OH, THO) * ncol_o
     mo = tl.arange(0, BMO)
+    sv = tl.arange(0, SP)
 
     for item in range(pid, ITEMS, nprog):
         r0 = (item % NCHUNK) * RB
@@ -174,7 +187,7 @@ def _mbconv_hidden_kernel(
             x_img = x_ptr + tl.cast(n, tl.int64) * sxn
             tl.debug_barrier()
             # ---- expand: h = SiLU(x W_exp^T + b) into the padded scratch
-            for t in range(0, ntile):
+            for t in tl.range(0, ntile, num_stages=1):
                 y, xx, yc, xc, ok = _tile(t, ncol, H, W, m, TW, TH, EXACT)
                 if EXACT:
                     xp = (x_img + (t * BM + m) * sxw)[:, None] + rc[None, :] * sxc
@@ -185,7 +198,7 @@ def _mbconv_hidden_kernel(
                 else:
                     xt = tl.load(xp)
                 hv = _silu(tl.dot(xt, we, input_precision=PREC), hb_e, SILU).to(dtype)
-                hp = hs + (rr // 8)[None, :] * (PHW * 8) + ((y + 1) * PW + xx + 1)[:, None] * 8 + (rr % 8)[None, :]
+                hp = hs + ((y + 1) * (G * PW * 8) + (xx + 1) * 8)[:, None] + ((rr // 8) * (PW * 8) + rr % 8)[None, :]
                 if EXACT:
                     tl.store(hp, hv)
                 else:
@@ -198,12 +211,12 @@ def _mbconv_hidden_kernel(
                 pool = tl.zeros((BMO, RB), dtype=tl.float32)
             for t in tl.range(0, ntile, num_stages=1):
                 y, xx, yc, xc, ok = _tile(t, ncol, H, W, m, TW, TH, EXACT)
-                q = (yc + 1) * PW + xc + 1
-                acc = tl.dot(_conv_pair_h(hs, q, PW, PHW, 0, G), w0, input_precision=PREC)
-                acc = tl.dot(_conv_pair_h(hs, q, PW, PHW, 1, G), w1, acc, input_precision=PREC)
-                acc = tl.dot(_conv_pair_h(hs, q, PW, PHW, 2, G), w2, acc, input_precision=PREC)
-                acc = tl.dot(_conv_pair_h(hs, q, PW, PHW, 3, G), w3, acc, input_precision=PREC)
-                acc = tl.dot(_conv_pair_h(hs, q, PW, PHW, 4, G), w4, acc, input_precision=PREC)
+                q = (yc + 1) * (G * PW * 8) + (xc + 1) * 8
+                acc = tl.dot(_conv_pair_h(hs, q, PW, 0, G), w0, input_precision=PREC)
+                acc = tl.dot(_conv_pair_h(hs, q, PW, 1, G), w1, acc, input_precision=PREC)
+                acc = tl.dot(_conv_pair_h(hs, q, PW, 2, G), w2, acc, input_precision=PREC)
+                acc = tl.dot(_conv_pair_h(hs, q, PW, 3, G), w3, acc, input_precision=PREC)
+                acc = tl.dot(_conv_pair_h(hs, q, PW, 4, G), w4, acc, input_precision=PREC)
                 v = _silu(acc, hb_c, SILU)
                 pix = (y * W + xx)[None, :, None]
                 ok3 = ok[None, :, None]
@@ -224,9 +237,8 @@ def _mbconv_hidden_kernel(
                     else:
                         tl.store(gs + pix * RB + g3 * 8 + c3, v.to(dtype), mask=ok3)
             if STRIDE == 1:
-                m2 = tl.sum(pool, axis=1) / OHW
-                r2 = r0 + tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]
-                tl.store(mean_ptr + tl.cast(n, tl.int64) * R + r2, m2, mask=r2 < R)
+                r2 = tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]
+                tl.store(ms + r2, tl.sum(pool, axis=1) / OHW)
             else:
                 # ---- BlurPool: [1, 2, 1]^2 / 16, stride 2, reflect padding folded into the indices
                 tl.debug_barrier()
@@ -256,70 +268,86 @@ def _mbconv_hidden_kernel(
                     else:
                         pool += tl.where(ok[:, None], accb, 0.0)
                         tl.store(op, accb.to(dtype), mask=ok[:, None] & r_ok[None, :])
-                tl.store(mean_ptr + tl.cast(n, tl.int64) * R + r0 + rr, tl.sum(pool, axis=0) / OHW, mask=r_ok)
+                tl.store(ms + rr, tl.sum(pool, axis=0) / OHW)
+            # ---- SE reduce, this chunk's share: z[n] = sum over chunks of W_se1[:, chunk] mean[n, chunk].
+            # The chunk's mean goes through the per-program slot ``ms``: reducing it straight from the
+            # pool's layout pushed the registers past 255 (spills).
+            tl.debug_barrier()
+            mc = tl.load(ms + rr)
+            zrow = z_ptr + (tl.cast(n, tl.int64) * NCHUNK + item % NCHUNK) * SP
+            for s0 in tl.static_range(0, SP, 16):
+                s2 = s0 + tl.arange(0, 16)
+                w1c = tl.load(w1_ptr + s2[:, None] * sw1_s + (r0 + rr)[None, :] * sw1_r,
+                              mask=(s2[:, None] < S) & r_ok[None, :], other=0.0)
+                tl.store(zrow + s2, tl.sum(w1c.to(tl.float32) * mc[None, :], axis=1))
 
 
 @triton.jit
-def _mbconv_se_kernel(
-    mean_ptr, gate_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
-    R, S, sw1_s, sw1_r, sw2_r, sw2_s,
-    BLOCK_S: tl.constexpr, BLOCK_RS: tl.constexpr,
-):
-    n = tl.program_id(0).to(tl.int64)
-    rs = tl.arange(0, BLOCK_S)
-    s_ok = rs < S
-    z = tl.zeros((BLOCK_S,), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_RS):
-        rr = r0 + tl.arange(0, BLOCK_RS)
-        r_ok = rr < R
-        m = tl.load(mean_ptr + n * R + rr, mask=r_ok, other=0.0)
-        w1 = tl.load(w1_ptr + rs[:, None] * sw1_s + rr[None, :] * sw1_r, mask=s_ok[:, None] & r_ok[None, :],
-                     other=0.0)
-        z += tl.sum(w1.to(tl.float32) * m[None, :], axis=1)
-    z = tl.maximum(z + tl.load(b1_ptr + rs, mask=s_ok, other=0.0).to(tl.float32), 0.0)
-    for r0 in range(0, R, BLOCK_RS):
-        rr = r0 + tl.arange(0, BLOCK_RS)
-        r_ok = rr < R
-        w2 = tl.load(w2_ptr + rr[:, None] * sw2_r + rs[None, :] * sw2_s, mask=r_ok[:, None] & s_ok[None, :],
-                     other=0.0)
-        e = tl.sum(w2.to(tl.float32) * z[None, :], axis=1)
-        e += tl.load(b2_ptr + rr, mask=r_ok, other=0.0).to(tl.float32)
-        tl.store(gate_ptr + n * R + rr, tl.sigmoid(e), mask=r_ok)
+def _acc_init(bproj_ptr, x_ptr, n, k, kv, oy, ox, m_ok, sxn, sxc, sxh, sxw, BM: tl.constexpr, BH: tl.constexpr,
+              RESIDUAL: tl.constexpr):
+    acc = tl.zeros((BM, BH), dtype=tl.float32) + tl.load(bproj_ptr + k, mask=kv, other=0.0).to(tl.float32)[None, :]
+    if RESIDUAL:
+        res = tl.load(x_ptr + n * sxn + k[None, :] * sxc + (oy * sxh + ox * sxw)[:, None],
+                      mask=m_ok[:, None] & kv[None, :], other=0.0)
+        acc += res.to(tl.float32)
+    return acc
 
 
 @triton.jit
 def _mbconv_project_kernel(
-    g_ptr, gate_ptr, wproj_ptr, bproj_ptr, x_ptr, out_ptr,
-    OHW, OW, R, K, TPI,
-    sxn, sxc, sxh, sxw, son, sok, soh, sow, swp_k, swp_r,
-    RESIDUAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr,
+    g_ptr, z_ptr, b1_ptr, w2_ptr, b2_ptr, wproj_ptr, bproj_ptr, x_ptr, out_ptr, gate_ptr,
+    OHW, OW, R, K, S, NCHUNK, TPI,
+    sxn, sxc, sxh, sxw, son, sok, soh, sow, sw2_r, sw2_s, swp_k, swp_r,
+    RESIDUAL: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, HALVES: tl.constexpr, BR: tl.constexpr,
+    SP: tl.constexpr, NCP: tl.constexpr, PREC: tl.constexpr,
 ):
     dtype = g_ptr.dtype.element_ty
     pid = tl.program_id(0)
     n = (pid // TPI).to(tl.int64)
     p = (pid % TPI) * BM + tl.arange(0, BM)
     pv = p < OHW
-    k = tl.program_id(1) * BN + tl.arange(0, BN)
-    kv = k < K
+    k0 = tl.program_id(1) * (BH * HALVES) + tl.arange(0, BH)
+    k1 = k0 + BH
     rows = g_ptr + (n * OHW + p) * R
     oy = p // OW
     ox = p % OW
-    m = pv[:, None] & kv[None, :]
-    # the accumulator starts at bias (+ residual): nothing but the accumulator is live after the loop
-    acc = tl.zeros((BM, BN), dtype=tl.float32) + tl.load(bproj_ptr + k, mask=kv, other=0.0).to(tl.float32)[None, :]
-    if RESIDUAL:
-        res = tl.load(x_ptr + n * sxn + k[None, :] * sxc + (oy * sxh + ox * sxw)[:, None], mask=m, other=0.0)
-        acc += res.to(tl.float32)
+    # SE: z = ReLU(sum of the per-chunk partials + b1); gate = sigmoid(W_se2 z + b2) into this program's slot
+    sv = tl.arange(0, SP)
+    ch = tl.arange(0, NCP)
+    zz = tl.load(z_ptr + (n * NCHUNK + ch[:, None]) * SP + sv[None, :], mask=ch[:, None] < NCHUNK, other=0.0)
+    z = tl.maximum(tl.sum(zz, axis=0) + tl.load(b1_ptr + sv, mask=sv < S, other=0.0).to(tl.float32), 0.0)
+    gate = gate_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * R
     rb = tl.arange(0, BR)
     for r0 in range(0, R, BR):
         rr = r0 + rb
         rv = rr < R
+        w2 = tl.load(w2_ptr + rr[:, None] * sw2_r + sv[None, :] * sw2_s, mask=rv[:, None] & (sv < S)[None, :],
+                     other=0.0)
+        e = tl.sum(w2.to(tl.float32) * z[None, :], axis=1) + tl.load(b2_ptr + rr, mask=rv, other=0.0).to(tl.float32)
+        tl.store(gate + rr, tl.sigmoid(e), mask=rv)
+    tl.debug_barrier()
+    # accumulators start at bias (+ residual); with HALVES = 2 the output width is split in two
+    # accumulators so that the epilogue converts half of it at a time
+    acc0 = _acc_init(bproj_ptr, x_ptr, n, k0, k0 < K, oy, ox, pv, sxn, sxc, sxh, sxw, BM, BH, RESIDUAL)
+    if HALVES == 2:
+        acc1 = _acc_init(bproj_ptr, x_ptr, n, k1, k1 < K, oy, ox, pv, sxn, sxc, sxh, sxw, BM, BH, RESIDUAL)
+    for r0 in range(0, R, BR):
+        rr = r0 + rb
+        rv = rr < R
         a = tl.load(rows[:, None] + rr[None, :], mask=pv[:, None] & rv[None, :], other=0.0)
-        gt = tl.load(gate_ptr + n * R + rr, mask=rv, other=0.0)
+        gt = tl.load(gate + rr, mask=rv, other=0.0)
         a = (a.to(tl.float32) * gt[None, :]).to(dtype)
-        b = tl.load(wproj_ptr + k[None, :] * swp_k + rr[:, None] * swp_r, mask=rv[:, None] & kv[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PREC)
-    tl.store(out_ptr + n * son + k[None, :] * sok + (oy * soh + ox * sow)[:, None], acc.to(dtype), mask=m)
+        b0 = tl.load(wproj_ptr + k0[None, :] * swp_k + rr[:, None] * swp_r, mask=rv[:, None] & (k0 < K)[None, :],
+                     other=0.0)
+        acc0 = tl.dot(a, b0, acc0, input_precision=PREC)
+        if HALVES == 2:
+            b1 = tl.load(wproj_ptr + k1[None, :] * swp_k + rr[:, None] * swp_r,
+                         mask=rv[:, None] & (k1 < K)[None, :], other=0.0)
+            acc1 = tl.dot(a, b1, acc1, input_precision=PREC)
+    o_rows = out_ptr + n * son + (oy * soh + ox * sow)[:, None]
+    tl.store(o_rows + k0[None, :] * sok, acc0.to(dtype), mask=pv[:, None] & (k0 < K)[None, :])
+    if HALVES == 2:
+        tl.store(o_rows + k1[None, :] * sok, acc1.to(dtype), mask=pv[:, None] & (k1 < K)[None, :])
 
 
 MAX_GRID = 2**31 - 1
@@ -357,10 +385,6 @@ def image_block(n: int, nchunk: int, hw: int, programs: int) -> int:
     return best
 
 
-def se_config(s: int) -> dict:
-    return dict(BLOCK_S=max(16, triton.next_power_of_2(s)), BLOCK_RS=128)
-
-
 def mbconv_triton(x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj, stride):
     n, c, h, w = x.shape
     r, k, s = w_exp.shape[0], w_proj.shape[0], w_se1.shape[0]
@@ -368,24 +392,24 @@ def mbconv_triton(x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w
     out = torch.empty((n, k, oh, ow), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
     if n == 0:
         return out
+    hw, ohw = h * w, oh * ow
     hc = hidden_config(c, r, h, w, stride, x.dtype, dense=x.stride(2) == w * x.stride(3))
-    pc = project_config(k, r, oh * ow, x.dtype)
+    pc = project_config(k, r, ohw, x.dtype)
+    sp = max(16, triton.next_power_of_2(s))
     b_exp, b_conv, b_proj = b_exp.contiguous(), b_conv.contiguous(), b_proj.contiguous()
     b_se1, b_se2 = b_se1.contiguous(), b_se2.contiguous()
     nchunk = triton.cdiv(r, hc.rb)
     programs = _programs(x.device)
-    ib = image_block(n, nchunk, h * w, programs)
+    ib = image_block(n, nchunk, hw, programs)
     items = nchunk * triton.cdiv(n, ib)
     nprog = min(items, programs)
-    slot = hc.rb * (h + 2) * (w + 2) + (hc.rb * h * w if stride == 2 else 0)
+    slot = hc.rb * (h + 2) * (w + 2) + (hc.rb * hw if stride == 2 else 0)
     scratch = torch.empty((nprog * slot,), device=x.device, dtype=x.dtype)
-    g = torch.empty((n, oh * ow, r), device=x.device, dtype=x.dtype)
-    mean = torch.empty((n, r), device=x.device, dtype=torch.float32)
-    gate = torch.empty((n, r), device=x.device, dtype=torch.float32)
+    g = torch.empty((n, ohw, r), device=x.device, dtype=x.dtype)
+    zpart = torch.empty((n, nchunk, sp), device=x.device, dtype=torch.float32)
     prec = FP32_PRECISION if x.dtype == torch.float32 else "tf32"
     silu = 0 if x.dtype == torch.float32 or x.device.type == "cpu" else 1
     eb = x.element_size()
-    hw, ohw = h * w, oh * ow
     g_ = hc.rb // 8
 
     def hidden_cost():
@@ -395,8 +419,8 @@ def mbconv_triton(x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w
         n_o = triton.cdiv(oh, tho) * triton.cdiv(ow, hc.two)
         per_img = n_t * hc.bm * hc.rb * hc.cp + n_t * hc.bm * g_ * 8 * 16 * 5
         mma = nchunk * n * per_img
-        useful = n * (hw * c * r + hw * r * 72 + (ohw * r * 9 if stride == 2 else 0))
-        dram = (n * c * hw + r * c + r + r * 72 + r + n * ohw * r) * eb + n * r * 4
+        useful = n * (hw * c * r + hw * r * 72 + (ohw * r * 9 if stride == 2 else 0) + r * s)
+        dram = (n * c * hw + r * c + r + r * 72 + r + r * s + n * ohw * r) * eb + n * nchunk * sp * 4
         scr_img = hw * hc.rb + n_t * 5 * g_ * hc.bm * 16
         if stride == 2:
             scr_img += hw * hc.rb + n_o * 9 * hc.bmo * hc.rb
@@ -408,28 +432,25 @@ def mbconv_triton(x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w
                  Loop("work items", triton.cdiv(items, nprog), (Loop("images", ib, tuple(body)),)))
         return KernelCost(useful, mma, dram, loops, l2_bytes=scr * eb, scratch_bytes_per_program=slot * eb)
 
-    launch(_mbconv_hidden_kernel, (nprog,), x, w_exp, b_exp, w_conv, b_conv, g, mean, scratch,
-           n, h, w, oh, ow, c, r, nchunk, items, ib, slot, *x.stride(), *w_exp.stride(), *w_conv.stride(),
-           SILU=silu, PREC=prec, cost=hidden_cost, **hc.constexprs())
-    sec = se_config(s)
-
-    def se_cost():
-        nr = triton.cdiv(r, sec["BLOCK_RS"])
-        return KernelCost(n * 2 * s * r, 0, n * r * 8 + (2 * s * r + s + r) * eb,
-                          (Loop("squeeze R chunks", nr), Loop("excite R chunks", nr)))
-
-    launch(_mbconv_se_kernel, (n,), mean, gate, w_se1, b_se1, w_se2, b_se2, r, s, *w_se1.stride(),
-           *w_se2.stride(), cost=se_cost, **sec)
+    mslot = torch.empty((nprog, hc.rb), device=x.device, dtype=torch.float32)
+    launch(_mbconv_hidden_kernel, (nprog,), x, w_exp, b_exp, w_conv, b_conv, w_se1, g, zpart, scratch, mslot,
+           n, h, w, oh, ow, c, r, s, nchunk, items, ib, slot,
+           *x.stride(), *w_exp.stride(), *w_conv.stride(), *w_se1.stride(),
+           SILU=silu, PREC=prec, SP=sp, cost=hidden_cost, **hc.constexprs())
     tpi = triton.cdiv(ohw, pc.bm)
     grid = (n * tpi, triton.cdiv(k, pc.bn))
 
     def project_cost():
         steps = triton.cdiv(r, pc.br)
-        dram = (n * ohw * r + k * r + k + n * ohw * k * (2 if stride == 1 else 1)) * eb + n * r * 4
-        return KernelCost(n * ohw * r * k, grid[0] * grid[1] * pc.bm * pc.bn * steps * pc.br, dram,
-                          (Loop("R steps", steps),))
+        dram = (n * ohw * r + k * r + k + r * s + s + r + n * ohw * k * (2 if stride == 1 else 1)) * eb
+        dram += n * nchunk * sp * 4
+        return KernelCost(n * ohw * r * k + n * r * s, grid[0] * grid[1] * pc.bm * pc.bn * steps * pc.br, dram,
+                          (Loop("gate slices", steps), Loop("R steps", steps)),
+                          l2_bytes=grid[0] * grid[1] * r * 8, scratch_bytes_per_program=r * 4)
 
-    launch(_mbconv_project_kernel, grid, g, gate, w_proj, b_proj, x, out,
-           ohw, ow, r, k, tpi, *x.stride(), *out.stride(), *w_proj.stride(), RESIDUAL=stride == 1,
-           PREC=prec, cost=project_cost, **pc.constexprs())
+    gate = torch.empty((grid[0] * grid[1], r), device=x.device, dtype=torch.float32)
+    launch(_mbconv_project_kernel, grid, g, zpart, b_se1, w_se2, b_se2, w_proj, b_proj, x, out, gate,
+           ohw, ow, r, k, s, nchunk, tpi, *x.stride(), *out.stride(), *w_se2.stride(), *w_proj.stride(),
+           RESIDUAL=stride == 1, SP=sp, NCP=triton.next_power_of_2(nchunk), PREC=prec, cost=project_cost,
+           **pc.constexprs())
     return out
