@@ -299,7 +299,7 @@ def _mbconv_project_kernel(
     OHW, OW, R, K, S, NCHUNK, TPI,
     sxn, sxc, sxh, sxw, son, sok, soh, sow, sw2_r, sw2_s, swp_k, swp_r,
     RESIDUAL: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, HALVES: tl.constexpr, BR: tl.constexpr,
-    SP: tl.constexpr, NCP: tl.constexpr, PREC: tl.constexpr,
+    SP: tl.constexpr, NCP: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
 ):
     dtype = g_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -324,7 +324,7 @@ def _mbconv_project_kernel(
         w2 = tl.load(w2_ptr + rr[:, None] * sw2_r + sv[None, :] * sw2_s, mask=rv[:, None] & (sv < S)[None, :],
                      other=0.0)
         e = tl.sum(w2.to(tl.float32) * z[None, :], axis=1) + tl.load(b2_ptr + rr, mask=rv, other=0.0).to(tl.float32)
-        tl.store(gate + rr, tl.sigmoid(e), mask=rv)
+        tl.store(gate + rr, tl.sigmoid(e).to(gate_ptr.dtype.element_ty), mask=rv)
     tl.debug_barrier()
     # accumulators start at bias (+ residual); with HALVES = 2 the output width is split in two
     # accumulators so that the epilogue converts half of it at a time
@@ -333,21 +333,32 @@ def _mbconv_project_kernel(
         acc1 = _acc_init(bproj_ptr, x_ptr, n, k1, k1 < K, oy, ox, pv, sxn, sxc, sxh, sxw, BM, BH, RESIDUAL)
     for r0 in range(0, R, BR):
         rr = r0 + rb
-        rv = rr < R
-        a = tl.load(rows[:, None] + rr[None, :], mask=pv[:, None] & rv[None, :], other=0.0)
-        gt = tl.load(gate + rr, mask=rv, other=0.0)
-        a = (a.to(tl.float32) * gt[None, :]).to(dtype)
-        b0 = tl.load(wproj_ptr + k0[None, :] * swp_k + rr[:, None] * swp_r, mask=rv[:, None] & (k0 < K)[None, :],
-                     other=0.0)
+        if EVEN:  # R a multiple of BR, OHW of BM and K of BH * HALVES: no masks
+            a = tl.load(rows[:, None] + rr[None, :]) * tl.load(gate + rr)[None, :]
+            b0 = tl.load(wproj_ptr + k0[None, :] * swp_k + rr[:, None] * swp_r)
+        else:
+            rv = rr < R
+            a = tl.load(rows[:, None] + rr[None, :], mask=pv[:, None] & rv[None, :], other=0.0)
+            a = a * tl.load(gate + rr, mask=rv, other=0.0)[None, :]
+            b0 = tl.load(wproj_ptr + k0[None, :] * swp_k + rr[:, None] * swp_r,
+                         mask=rv[:, None] & (k0 < K)[None, :], other=0.0)
         acc0 = tl.dot(a, b0, acc0, input_precision=PREC)
         if HALVES == 2:
-            b1 = tl.load(wproj_ptr + k1[None, :] * swp_k + rr[:, None] * swp_r,
-                         mask=rv[:, None] & (k1 < K)[None, :], other=0.0)
+            if EVEN:
+                b1 = tl.load(wproj_ptr + k1[None, :] * swp_k + rr[:, None] * swp_r)
+            else:
+                b1 = tl.load(wproj_ptr + k1[None, :] * swp_k + rr[:, None] * swp_r,
+                             mask=rv[:, None] & (k1 < K)[None, :], other=0.0)
             acc1 = tl.dot(a, b1, acc1, input_precision=PREC)
     o_rows = out_ptr + n * son + (oy * soh + ox * sow)[:, None]
-    tl.store(o_rows + k0[None, :] * sok, acc0.to(dtype), mask=pv[:, None] & (k0 < K)[None, :])
-    if HALVES == 2:
-        tl.store(o_rows + k1[None, :] * sok, acc1.to(dtype), mask=pv[:, None] & (k1 < K)[None, :])
+    if EVEN:
+        tl.store(o_rows + k0[None, :] * sok, acc0.to(dtype))
+        if HALVES == 2:
+            tl.store(o_rows + k1[None, :] * sok, acc1.to(dtype))
+    else:
+        tl.store(o_rows + k0[None, :] * sok, acc0.to(dtype), mask=pv[:, None] & (k0 < K)[None, :])
+        if HALVES == 2:
+            tl.store(o_rows + k1[None, :] * sok, acc1.to(dtype), mask=pv[:, None] & (k1 < K)[None, :])
 
 
 MAX_GRID = 2**31 - 1
@@ -446,11 +457,12 @@ def mbconv_triton(x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w
         dram += n * nchunk * sp * 4
         return KernelCost(n * ohw * r * k + n * r * s, grid[0] * grid[1] * pc.bm * pc.bn * steps * pc.br, dram,
                           (Loop("gate slices", steps), Loop("R steps", steps)),
-                          l2_bytes=grid[0] * grid[1] * r * 8, scratch_bytes_per_program=r * 4)
+                          l2_bytes=grid[0] * grid[1] * r * 2 * eb, scratch_bytes_per_program=r * eb)
 
-    gate = torch.empty((grid[0] * grid[1], r), device=x.device, dtype=torch.float32)
+    gate = torch.empty((grid[0] * grid[1], r), device=x.device, dtype=x.dtype)
     launch(_mbconv_project_kernel, grid, g, zpart, b_se1, w_se2, b_se2, w_proj, b_proj, x, out, gate,
            ohw, ow, r, k, s, nchunk, tpi, *x.stride(), *out.stride(), *w_se2.stride(), *w_proj.stride(),
            RESIDUAL=stride == 1, SP=sp, NCP=triton.next_power_of_2(nchunk), PREC=prec, cost=project_cost,
+           EVEN=r % pc.br == 0 and ohw % pc.bm == 0 and k % pc.bn == 0,
            **pc.constexprs())
     return out
