@@ -1,8 +1,108 @@
-"""Triton kernels for the MBConv + Squeeze-Excite block (header to be written)."""
+"""Triton kernels for the MBConv + Squeeze-Excite block (paper Section 5.4, Fig. 11), NHWC, folded BN.
+
+What is computed (reference.py is the specification)::
+
+    h = SiLU(W_exp x + b_exp)                      R = 4C hidden channels
+    g = SiLU(gconv3x3(h) + b_conv)                 group width 8, zero padding 1
+    g = BlurPool(g)                                stride 2 only (reflect pad 1, [1,2,1]^2/16)
+    gate = sigmoid(W_se2 ReLU(W_se1 mean_hw(g) + b_se1) + b_se2)        (N, R)
+    out = W_proj (g * gate) + b_proj (+ x)         residual for stride 1
+
+Design: the hidden tensor is computed once, stored once, and read once by a gated GEMM
+--------------------------------------------------------------------------------------
+Every output pixel needs the SE gate, and the gate needs the mean of ``g`` over the whole image. A
+design that recomputes expand + conv after the pool pays (C R + 72 R) / (2 C R + 72 R) = 56 % more
+tensor-core work at C = 256 than the block's useful MACs, so ``g`` is computed once, written to
+DRAM once in the input dtype (``gbuf``, (N, H'W', R)) and read back once. Two launches per block:
+
+1. ``_mbconv_hidden_kernel`` (persistent, one program per SM slot): a work item is (hidden chunk of
+   RB = 64 channels, block of IB images). The program loads the chunk's weights once per item and,
+   per image, runs over the WHOLE image in tiles of BM = 64 pixels:
+   expand (one wgmma K tile over all C <= 256 input channels) + bias + SiLU -> ``h`` in a
+   per-program scratch slot (zero-padded borders: the conv's zero padding), barrier, grouped conv
+   from the scratch (nine taps as five two-tap K = 16 steps of a batched [8 groups, 64, 16] x
+   [8, 16, 8] ``tl.dot``: mma.sync, 10/9 of the useful conv MACs) + bias + SiLU, then
+   stride 1: ``g`` to ``gbuf`` and the pooled sum in registers; stride 2: ``g`` to a second
+   scratch slot, barrier, BlurPool from it with the reflect padding folded into the indices, the
+   blurred ``g`` to ``gbuf`` and the pool. The image's mean of this chunk is complete inside the
+   program (whole image), so the first SE layer's share is computed right there:
+   ``zpart[n, chunk] = W_se1[:, chunk] @ mean[n, chunk]`` (fp32, (N, chunks, S)). No atomics.
+2. ``_mbconv_project_kernel`` (grid: 64-pixel tiles of one image x output-channel blocks): the rest
+   of the SE, ``gate = sigmoid(W_se2 ReLU(sum_chunk zpart + b_se1) + b_se2)`` for its image (chunk
+   partials summed in a fixed order), written to the program's gate slot; barrier; then
+   ``acc = bias (+ x)`` and ``acc += (gbuf tile * gate) @ W_proj^T`` over R in steps of 64
+   (wgmma, A gated in registers), stored once.
+
+Every reduction runs in a fixed order, so the output is bit-reproducible. The grid of the hidden
+kernel is the number of resident programs (``PROGRAMS_PER_SM`` x SMs): each program reuses its
+scratch slot for every item, so the scratch (2 x 41 KB per program at 16x16) stays in L2 instead
+of being written back to DRAM; the projection grid is (N x tiles per image) in grid.x (up to
+2^31 - 1) and output-channel blocks in grid.y.
+
+Tiling of the hidden kernel
+---------------------------
+Pixels are tiled as TH x TW image rows x columns, TW = the map width rounded up to a power of two
+(8 ... 64), TH = 64 / TW. When the tiles cover the map exactly (the paper's 32x32, 16x16, 8x8:
+``EXACT``, with dense pixel rows) the width is a constexpr: pixel addresses are linear, every
+conv tap is a constant offset in the scratch, and no row needs a mask. Other sizes (any map >=
+1x1: 14x14 and 7x7 at 224x224, odd maps) take the general path: clamped addresses for loads,
+masks on stores and on the pool.
+
+Scratch layout (per program, x dtype): ``h`` as [H + 2 padded rows][8 groups][W + 2 padded
+columns][8 channels], so the three taps of a row are contiguous 16-byte vectors and a warp's tap
+load covers consecutive pixels of one group; the borders are zeroed once per program and never
+written again. Stride 2 adds the full-resolution ``g`` as [H W pixels][64 channels].
+
+Scratch ordering: stores, then ``tl.debug_barrier()`` (bar.sync), then loads by other threads of
+the same program. That is safe because the scratch loads are plain ``ld.global``: the tile loops
+run with ``num_stages=1``, so Triton's pipeliner does not turn them into ``cp.async`` issued
+ahead of the barrier (a test checks the compiled PTX). The projection's gate-slot loads are
+pipelined (``cp.async``), but only inside the R loop, which starts after the barrier (also checked).
+
+Numerics: all dots accumulate in fp32; ``h``, ``g`` and the gated ``g`` are rounded to the input
+dtype before they feed a tensor-core dot (as the two-pass kernel did); the pool, the SE MLP and the
+blur run in fp32; the gate is rounded to the input dtype before it scales ``g`` (one fp16 multiply).
+fp32 inputs use ``input_precision="tf32x3"`` (~fp32 accuracy; "ieee" took minutes per variant in
+ptxas). SiLU on the GPU is ``u + u tanh(u)``, u = x/2, through ``tanh.approx.f32`` (three
+instructions; max relative error ~2^-11, below fp16's rounding) for fp16/bf16; fp32 data and the
+interpreter (which cannot run inline asm) use x / (1 + exp(-x)).
+
+Waterline, as compiled (Small, batch 128, fp16, sm_90 = H100 SXM 989 TFLOP/s, 3.35 TB/s, 132 SMs;
+``t_issue`` = warp-instructions from the SASS, weighted by the declared loop trips, / (4 per clock
+per SM x 132 x 1.83 GHz); the layer-wise bound is the waterline of Inductor-style kernels):
+    block (Small)            launch   regs  smem    MMA kind        t_tensor  t_dram  t_issue  bound
+    stage 4, s2 32x32 96->256  hidden  186   42 KB  wgmma+mma.sync    21.2     15.1    47.5    47.5 us
+                             project  153  112 KB  wgmma              6.7     12.6    15.0    15.0
+    stage 4, s1 16x16 256      hidden  255   74 KB  wgmma+mma.sync    22.8     25.4    27.5    27.5
+                             project  162  112 KB  wgmma             17.9     30.4    24.2    30.4
+    stage 5, s2 16x16 256      hidden  186   74 KB  wgmma+mma.sync    22.8     10.4    36.3    36.3
+                             project  159  112 KB  wgmma              4.5      6.6     5.9     6.6
+    stage 5, s1 8x8 256        hidden  255   74 KB  wgmma+mma.sync     5.9      6.7     9.2     9.2
+                             project  161  112 KB  wgmma              4.5      7.9     6.0     7.9
+
+    block                    predicted  layer-wise  ratio  issued/useful MACs
+    stage 4, s2 32x32            62.5      170.5     0.37     1.16 (C = 96 padded to 128 in the expand)
+    stage 4, s1 16x16 (x17)      57.9      156.0     0.37     1.01
+    stage 5, s2 16x16            42.9      112.2     0.38     1.01
+    stage 5, s1 8x8 (x17)        17.0       39.6     0.43     1.01
+    stage 4                    1048        2823      0.37
+    stage 5                     333         785      0.42
+
+No variant spills (stack 0 on sm_90 and sm_80). The two-pass kernels these replace: issued/useful
+3.2 (stride 1) to 7.4 (stride 2), 255 registers everywhere with up to 2.5 KB of spills, and the
+same estimate gave 10.2 ms for stage 4 and 3.8 ms for stage 5 (3.6x and 4.9x the layer-wise bound).
+
+Per block, the two launches are bounded by the hidden kernel's instruction issue and the
+projection's DRAM traffic (it reads the 4x-wide ``g``). Not counted by the model: L2 traffic
+(``x`` is re-read by each of the R/64 chunk items of an image, ``W_proj`` by each 64-row tile:
+about 0.6 + 2 MB per 16x16 image) and latency. Useful work per stride-1 block at 16x16 is 19.6
+GMAC = 39.6 us at peak; the DRAM floor of any design that stores ``g`` is 56 us there, which this
+one reaches. Keeping ``g`` in L2 (a persistent kernel that projects an image's tiles right after
+its hidden chunks are done, with inter-program flags) would lift that floor; it is not built.
+"""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -12,62 +112,120 @@ import triton.language as tl
 from .._cost import KernelCost, Loop
 from .._launch import GROUP_WIDTH, launch
 
+# ----------------------------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------------------------
+
+# dot precision for fp32 operands (module docstring); fp16/bf16 operands ignore it
 FP32_PRECISION = "tf32x3"
+# Hidden channels per work item: 8 conv groups. The [64 px, 64] expand tile is one wgmma
+# (M = N = 64) and the conv accumulator [8, 64, 8] is 32 fp32 registers per thread at 4 warps;
+# the compiled kernel sits at 255 registers with this width, so 128 would spill.
+RB = 64
+RB_FP32 = 32
+# Pixels per tile: wgmma needs M = 64 per warpgroup (4 warps).
+BM = 64
+# BlurPool output pixels per tile (stride 2).
+BMO = 64
+# Elements per store of the one-time zero fill of a scratch slot.
+ZERO_BLOCK = 1024
+# The expand loads all input channels as one K tile ([64, CP] x [CP, 64]); 256 is the widest
+# block input of the paper (Table 3). Wider inputs take CONVFIRSTNET_KERNELS=reference.
+MAX_C = 256
+# Projection tiles: 64 pixel rows (one wgmma M) x 128 output channels per accumulator, two
+# accumulators for outputs wider than 128 (one [64, 256] fp32 accumulator plus the residual
+# epilogue spilled), K steps of 64 hidden channels, 8 warps, 3 pipeline stages (115 KB of shared
+# memory on sm_90, 82 KB on sm_80). 128-row tiles spilled on sm_80.
+P_BM, P_BH, P_BR, P_WARPS, P_STAGES = 64, 128, 64, 8, 3
+P_BH_FP32 = 64
+# Resident hidden-kernel programs per SM (255 registers x 128 threads, 75 KB of shared memory:
+# two fit on sm_90 and sm_80). The grid is this times the SM count (persistent programs).
+PROGRAMS_PER_SM = 2
+# SM count assumed when the launch is recorded on meta tensors (the sm_90 report: H100 SXM).
+RECORD_SMS = 132
+# Programs under the interpreter (CPU): it runs programs one after another, so few programs
+# with several items each cost the same and exercise the item loop.
+INTERPRETER_PROGRAMS = 3
+# Per-warp instruction estimates from the sm_90 SASS (expand + conv tile; the weight loads of a
+# work item), used only to choose the images per item (``image_block``).
+TILE_COST, ITEM_COST = 700, 400
 
 
 @dataclass(frozen=True)
 class HiddenConfig:
+    """Meta-parameters of one hidden-kernel launch (all become constexprs)."""
+
     stride: int
-    rb: int  # hidden channels per work item
-    cp: int  # input channels padded to a power of two (one expand K tile)
-    mask_c: bool
-    mask_r: bool
-    exact: bool  # tiles cover the map exactly (W == tw, H multiple of bm // tw, dense pixel rows)
+    cp: int  # input channels rounded up to a power of two (one expand K tile)
+    sp: int  # SE width rounded up to a power of two (>= 16)
+    mask_c: bool  # C < CP
+    mask_r: bool  # R not a multiple of RB
+    exact: bool  # tiles cover the map exactly (W == TW, TH | H, dense pixel rows; stride 2: also the output)
     tw: int  # tile width (pixels of an image row per tile)
-    bm: int  # pixels per tile
     two: int  # blur output tile width
-    bmo: int  # blur output pixels per tile
-    num_warps: int
+    rb: int = RB  # hidden channels per work item
+    num_warps: int = 4
 
     def constexprs(self) -> dict:
-        return dict(STRIDE=self.stride, RB=self.rb, CP=self.cp, MASK_C=self.mask_c, MASK_R=self.mask_r,
-                    TW=self.tw, BM=self.bm, TWO=self.two, BMO=self.bmo, EXACT=self.exact, ZB=1024, num_warps=self.num_warps)
+        return dict(STRIDE=self.stride, RB=self.rb, CP=self.cp, SP=self.sp, MASK_C=self.mask_c, MASK_R=self.mask_r,
+                    TW=self.tw, BM=BM, TWO=self.two, BMO=BMO, EXACT=self.exact, ZB=ZERO_BLOCK,
+                    num_warps=self.num_warps)
 
 
-@dataclass(frozen=True)
-class ProjectConfig:
-    bm: int
-    bh: int  # output channels per accumulator
-    halves: int  # accumulators per program (1 or 2)
-    br: int
-    num_warps: int
-    num_stages: int
-
-    @property
-    def bn(self) -> int:
-        return self.bh * self.halves
-
-    def constexprs(self) -> dict:
-        return dict(BM=self.bm, BH=self.bh, HALVES=self.halves, BR=self.br, num_warps=self.num_warps,
-                    num_stages=self.num_stages)
-
-
-def hidden_config(c, r, h, w, stride, dtype, dense=True) -> HiddenConfig:
-    rb, bm, bmo = 64, 64, 64
+def hidden_config(
+    c: int, r: int, s: int, h: int, w: int, stride: int, dense: bool = True, dtype: torch.dtype = torch.float16
+) -> HiddenConfig:
+    """Tiles for one shape (module docstring, "Tiling"). ``dense``: x's pixel rows are contiguous
+    (stride(H) == W * stride(W)), which the exact path's linear pixel addresses need. fp32 takes
+    chunks of RB_FP32 channels: its 3xTF32 dots hold each operand twice (hi and lo parts), and at
+    RB = 64 the C = 256 expand needed 232 KB of shared memory on sm_90 (over the 227 KB limit)."""
     cp = max(16, triton.next_power_of_2(c))
-    tw = min(bm, max(8, triton.next_power_of_2(w)))
-    two = min(bmo, max(8, triton.next_power_of_2((w + 1) // 2))) if stride == 2 else 8
-    exact = dense and w == tw and h % (bm // tw) == 0
+    tw = min(BM, max(8, triton.next_power_of_2(w)))
+    exact = dense and w == tw and h % (BM // tw) == 0
+    two = 8
     if stride == 2:
-        exact = exact and w % 2 == 0 and h % 2 == 0 and w // 2 == two and (h // 2) % (bmo // two) == 0
-    return HiddenConfig(stride, rb, cp, c != cp, r % rb != 0, exact, tw, bm, two, bmo, 4)
+        ow = (w + 1) // 2
+        two = min(BMO, max(8, triton.next_power_of_2(ow)))
+        exact = exact and h % 2 == 0 and w % 2 == 0 and ow == two and (h // 2) % (BMO // two) == 0
+    rb, warps = (RB_FP32, 4) if dtype == torch.float32 else (RB, 4)
+    return HiddenConfig(stride, cp, max(16, triton.next_power_of_2(s)), c != cp, r % rb != 0, exact, tw, two, rb,
+                        warps)
 
 
-def project_config(k, r, ohw, dtype) -> ProjectConfig:
-    bm = 128 if ohw > 64 else 64
-    bn = min(256, max(16, triton.next_power_of_2(k)))
-    halves = 2 if bn > 128 else 1
-    return ProjectConfig(bm, bn // halves, halves, 64, 8, 3)
+def project_config(k: int, r: int, ohw: int, dtype: torch.dtype = torch.float16) -> dict:
+    """Meta-parameters of the projection launch (see P_* above; fp32: one accumulator of at most
+    P_BH_FP32 outputs, as the 3xTF32 operands spill at 128)."""
+    bn = min(P_BH_FP32 if dtype == torch.float32 else 2 * P_BH, max(16, triton.next_power_of_2(k)))
+    halves = 2 if bn > P_BH else 1
+    return dict(BM=P_BM, BH=bn // halves, HALVES=halves, BR=P_BR, num_warps=P_WARPS, num_stages=P_STAGES,
+                EVEN=r % P_BR == 0 and ohw % P_BM == 0 and k % bn == 0)
+
+
+def image_block(n: int, nchunk: int, tiles: int, programs: int) -> int:
+    """Images per work item. More images per item amortize the item's weight loads (ITEM_COST)
+    over more tiles; fewer keep enough items to balance the programs. Picks the IB with the
+    smallest estimated critical path, ceil(items / programs) x (IB x tiles x TILE_COST + ITEM_COST),
+    up to ~1024 pixels per item."""
+    best, best_t = 1, None
+    for ib in range(1, max(1, min(n, 16 // tiles)) + 1):
+        t = triton.cdiv(nchunk * triton.cdiv(n, ib), programs) * (ib * tiles * TILE_COST + ITEM_COST)
+        if best_t is None or t < best_t:
+            best, best_t = ib, t
+    return best
+
+
+def persistent_programs(device: torch.device) -> int:
+    """Grid size of the hidden kernel: resident programs on the device (see PROGRAMS_PER_SM)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count * PROGRAMS_PER_SM
+    if device.type == "cpu":
+        return INTERPRETER_PROGRAMS
+    return RECORD_SMS * PROGRAMS_PER_SM
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -361,42 +519,52 @@ def _mbconv_project_kernel(
             tl.store(o_rows + k1[None, :] * sok, acc1.to(dtype), mask=pv[:, None] & (k1 < K)[None, :])
 
 
-MAX_GRID = 2**31 - 1
-DEFAULT_SMS = 132
-INTERPRETER_PROGRAMS = 3
-PROGRAMS_PER_SM = 2
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+
+MAX_GRID_X = 2**31 - 1  # CUDA grid.x limit (grid.y/z: 65535)
+MAX_GRID_YZ = 65535
 
 
-def check_supported(r: int, k: int) -> None:
+def check_supported(x: torch.Tensor, c: int, r: int, k: int) -> None:
+    """Kernel limits beyond the op's checks (raised before any allocation or launch)."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        # Triton's interpreter computes bf16 tl.dot wrongly (triton 3.9)
+        raise NotImplementedError(
+            "convfirstnet.mbconv: bfloat16 through the Triton interpreter gives wrong tl.dot results; "
+            "use float16/float32, or CONVFIRSTNET_KERNELS=reference on CPU"
+        )
     if r % GROUP_WIDTH:
         raise ValueError(
             f"convfirstnet.mbconv: hidden width {r} is not a multiple of the group width {GROUP_WIDTH}"
         )
+    if c > MAX_C:
+        raise ValueError(
+            f"convfirstnet.mbconv: the Triton kernel supports up to {MAX_C} input channels, got {c}; "
+            "use CONVFIRSTNET_KERNELS=reference for wider blocks"
+        )
+    tiles = triton.cdiv(x.shape[2] * x.shape[3], P_BM) if x.dim() == 4 else 1
+    if x.shape[0] * tiles > MAX_GRID_X or triton.cdiv(k, 2 * P_BH) > MAX_GRID_YZ:
+        raise ValueError(f"convfirstnet.mbconv: batch {x.shape[0]} x {tiles} tiles exceeds the grid limit")
 
 
-def _programs(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count * PROGRAMS_PER_SM
-    if device.type == "cpu":
-        return INTERPRETER_PROGRAMS
-    return DEFAULT_SMS * PROGRAMS_PER_SM
-
-
-ITEM_OVERHEAD = 0.5  # cost of a work item's weight loads, in units of one image's work (to be measured)
-
-
-def image_block(n: int, nchunk: int, hw: int, programs: int) -> int:
-    """Images per work item: amortizes the per-item weight loads, keeps the programs balanced."""
-    best, best_t = 1, None
-    for ib in range(1, max(1, min(n, 1024 // max(hw, 1))) + 1):
-        items = nchunk * triton.cdiv(n, ib)
-        t = triton.cdiv(items, programs) * (ib + ITEM_OVERHEAD)
-        if best_t is None or t < best_t:
-            best, best_t = ib, t
-    return best
-
-
-def mbconv_triton(x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj, stride):
+def mbconv_triton(
+    x: torch.Tensor,
+    w_exp: torch.Tensor,
+    b_exp: torch.Tensor,
+    w_conv: torch.Tensor,
+    b_conv: torch.Tensor,
+    w_se1: torch.Tensor,
+    b_se1: torch.Tensor,
+    w_se2: torch.Tensor,
+    b_se2: torch.Tensor,
+    w_proj: torch.Tensor,
+    b_proj: torch.Tensor,
+    stride: int,
+) -> torch.Tensor:
+    """Launch the hidden kernel and the projection. Inputs are validated by op.py before this call;
+    every buffer is allocated here (the op stays functional and CUDA-graph safe)."""
     n, c, h, w = x.shape
     r, k, s = w_exp.shape[0], w_proj.shape[0], w_se1.shape[0]
     oh, ow = (h, w) if stride == 1 else ((h + 1) // 2, (w + 1) // 2)
@@ -404,65 +572,67 @@ def mbconv_triton(x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w
     if n == 0:
         return out
     hw, ohw = h * w, oh * ow
-    hc = hidden_config(c, r, h, w, stride, x.dtype, dense=x.stride(2) == w * x.stride(3))
+    hc = hidden_config(c, r, s, h, w, stride, dense=x.stride(2) == w * x.stride(3), dtype=x.dtype)
     pc = project_config(k, r, ohw, x.dtype)
-    sp = max(16, triton.next_power_of_2(s))
+    rb = hc.rb
+    # 1-D biases are addressed as base + index (unit stride)
     b_exp, b_conv, b_proj = b_exp.contiguous(), b_conv.contiguous(), b_proj.contiguous()
     b_se1, b_se2 = b_se1.contiguous(), b_se2.contiguous()
-    nchunk = triton.cdiv(r, hc.rb)
-    programs = _programs(x.device)
-    ib = image_block(n, nchunk, hw, programs)
+    nchunk = triton.cdiv(r, rb)
+    th, tho = BM // hc.tw, BMO // hc.two
+    tiles = triton.cdiv(h, th) * triton.cdiv(w, hc.tw)
+    tiles_o = triton.cdiv(oh, tho) * triton.cdiv(ow, hc.two)
+    programs = persistent_programs(x.device)
+    ib = image_block(n, nchunk, tiles, programs)
     items = nchunk * triton.cdiv(n, ib)
     nprog = min(items, programs)
-    slot = hc.rb * (h + 2) * (w + 2) + (hc.rb * hw if stride == 2 else 0)
+    phw = (h + 2) * (w + 2)
+    slot = rb * phw + (rb * hw if stride == 2 else 0)  # elements of one program's scratch slot
+    # Scratch: every element a program reads it has written (or zeroed) first, so no zero fill here.
     scratch = torch.empty((nprog * slot,), device=x.device, dtype=x.dtype)
-    g = torch.empty((n, ohw, r), device=x.device, dtype=x.dtype)
-    zpart = torch.empty((n, nchunk, sp), device=x.device, dtype=torch.float32)
-    prec = FP32_PRECISION if x.dtype == torch.float32 else "tf32"
+    mslot = torch.empty((nprog, rb), device=x.device, dtype=torch.float32)
+    gbuf = torch.empty((n, ohw, r), device=x.device, dtype=x.dtype)
+    zpart = torch.empty((n, nchunk, hc.sp), device=x.device, dtype=torch.float32)
+    prec = FP32_PRECISION if x.dtype == torch.float32 else "tf32"  # only fp32 operands use it
     silu = 0 if x.dtype == torch.float32 or x.device.type == "cpu" else 1
     eb = x.element_size()
-    g_ = hc.rb // 8
 
-    def hidden_cost():
-        phw = (h + 2) * (w + 2)
-        th, tho = hc.bm // hc.tw, hc.bmo // hc.two
-        n_t = triton.cdiv(h, th) * triton.cdiv(w, hc.tw)
-        n_o = triton.cdiv(oh, tho) * triton.cdiv(ow, hc.two)
-        per_img = n_t * hc.bm * hc.rb * hc.cp + n_t * hc.bm * g_ * 8 * 16 * 5
-        mma = nchunk * n * per_img
+    def hidden_cost() -> KernelCost:
+        g8 = rb // 8
         useful = n * (hw * c * r + hw * r * 72 + (ohw * r * 9 if stride == 2 else 0) + r * s)
-        dram = (n * c * hw + r * c + r + r * 72 + r + r * s + n * ohw * r) * eb + n * nchunk * sp * 4
-        scr_img = hw * hc.rb + n_t * 5 * g_ * hc.bm * 16
+        mma = nchunk * n * tiles * (BM * rb * hc.cp + g8 * BM * 16 * 8 * 5)
+        dram = (n * c * hw + r * c + r * 72 + 2 * r + s * r + n * ohw * r) * eb + n * nchunk * hc.sp * 4
+        scr_img = hw * rb + tiles * 5 * g8 * BM * 16  # h written, then five two-tap reads per tile
         if stride == 2:
-            scr_img += hw * hc.rb + n_o * 9 * hc.bmo * hc.rb
-        scr = nprog * hc.rb * phw + nchunk * n * scr_img
-        body = [Loop("expand tiles", n_t), Loop("conv tiles", n_t)]
+            scr_img += hw * rb + tiles_o * 9 * BMO * rb  # g written, then nine blur taps
+        l2 = (nprog * rb * phw + nchunk * n * scr_img) * eb + nchunk * n * rb * 8
+        body = [Loop("expand tiles", tiles), Loop("conv tiles", tiles)]
         if stride == 2:
-            body.append(Loop("blur tiles", n_o))
-        loops = (Loop("zero scratch", triton.cdiv(hc.rb * phw, 1024)),
+            body.append(Loop("blur tiles", tiles_o))
+        loops = (Loop("zero scratch", triton.cdiv(rb * phw, ZERO_BLOCK)),
                  Loop("work items", triton.cdiv(items, nprog), (Loop("images", ib, tuple(body)),)))
-        return KernelCost(useful, mma, dram, loops, l2_bytes=scr * eb, scratch_bytes_per_program=slot * eb)
+        return KernelCost(useful, mma, dram, loops, l2_bytes=l2, scratch_bytes_per_program=slot * eb + rb * 4,
+                          note=f"{nprog} persistent programs, {items} items of {ib} image(s) x {rb} channels")
 
-    mslot = torch.empty((nprog, hc.rb), device=x.device, dtype=torch.float32)
-    launch(_mbconv_hidden_kernel, (nprog,), x, w_exp, b_exp, w_conv, b_conv, w_se1, g, zpart, scratch, mslot,
+    launch(_mbconv_hidden_kernel, (nprog,), x, w_exp, b_exp, w_conv, b_conv, w_se1, gbuf, zpart, scratch, mslot,
            n, h, w, oh, ow, c, r, s, nchunk, items, ib, slot,
            *x.stride(), *w_exp.stride(), *w_conv.stride(), *w_se1.stride(),
-           SILU=silu, PREC=prec, SP=sp, cost=hidden_cost, **hc.constexprs())
-    tpi = triton.cdiv(ohw, pc.bm)
-    grid = (n * tpi, triton.cdiv(k, pc.bn))
+           SILU=silu, PREC=prec, cost=hidden_cost, **hc.constexprs())
 
-    def project_cost():
-        steps = triton.cdiv(r, pc.br)
+    tpi = triton.cdiv(ohw, pc["BM"])
+    bn = pc["BH"] * pc["HALVES"]
+    grid = (n * tpi, triton.cdiv(k, bn))
+    gate = torch.empty((grid[0] * grid[1], r), device=x.device, dtype=x.dtype)  # per-program gate slots
+
+    def project_cost() -> KernelCost:
+        steps = triton.cdiv(r, pc["BR"])
         dram = (n * ohw * r + k * r + k + r * s + s + r + n * ohw * k * (2 if stride == 1 else 1)) * eb
-        dram += n * nchunk * sp * 4
-        return KernelCost(n * ohw * r * k + n * r * s, grid[0] * grid[1] * pc.bm * pc.bn * steps * pc.br, dram,
-                          (Loop("gate slices", steps), Loop("R steps", steps)),
+        dram += n * nchunk * hc.sp * 4
+        mma = grid[0] * grid[1] * pc["BM"] * bn * steps * pc["BR"]
+        return KernelCost(n * ohw * r * k + n * r * s, mma, dram, (Loop("gate", steps), Loop("R steps", steps)),
                           l2_bytes=grid[0] * grid[1] * r * 2 * eb, scratch_bytes_per_program=r * eb)
 
-    gate = torch.empty((grid[0] * grid[1], r), device=x.device, dtype=x.dtype)
-    launch(_mbconv_project_kernel, grid, g, zpart, b_se1, w_se2, b_se2, w_proj, b_proj, x, out, gate,
+    launch(_mbconv_project_kernel, grid, gbuf, zpart, b_se1, w_se2, b_se2, w_proj, b_proj, x, out, gate,
            ohw, ow, r, k, s, nchunk, tpi, *x.stride(), *out.stride(), *w_se2.stride(), *w_proj.stride(),
-           RESIDUAL=stride == 1, SP=sp, NCP=triton.next_power_of_2(nchunk), PREC=prec, cost=project_cost,
-           EVEN=r % pc.br == 0 and ohw % pc.bm == 0 and k % pc.bn == 0,
-           **pc.constexprs())
+           RESIDUAL=stride == 1, SP=hc.sp, NCP=triton.next_power_of_2(nchunk), PREC=prec, cost=project_cost, **pc)
     return out
