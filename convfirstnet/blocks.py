@@ -170,9 +170,10 @@ class ConvFirst(nn.Module):
 
 def tap_major(w_conv: torch.Tensor) -> torch.Tensor:
     """The grouped-conv weight with the same logical (C, 8, 3, 3) shape, stored tap-major: memory order
-    (kh, kw, ci, co), strides (1, C, 24C, 8C). The fused ConvFirst kernel reads weights through their
-    strides; in this layout each tap's per-group 8 x 8 blocks load as 16-byte vectors of output
-    channels. Any other layout gives the same results (slower weight loads)."""
+    (kh, kw, ci, co), strides (1, C, 24C, 8C). The fused ConvFirst and MBConv kernels read weights
+    through their strides; in this layout each tap's per-group 8 x 8 blocks load as 16-byte vectors of
+    output channels. Any other layout gives the same results (slower weight loads). Parameter copies
+    (``clone``, ``.half()``, ``.to()``) keep it."""
     return w_conv.permute(2, 3, 1, 0).contiguous().permute(3, 2, 0, 1)
 
 
@@ -233,7 +234,7 @@ class MBConv(nn.Module):
         w_proj, b_proj = fold_conv_bn(self.conv_project, self.bn_project)
         se = self.se
         fused = FusedMBConv(
-            w_exp.flatten(1), b_exp, w_conv, b_conv,
+            w_exp.flatten(1), b_exp, tap_major(w_conv), b_conv,
             se.fc1.weight.flatten(1), se.fc1.bias, se.fc2.weight.flatten(1), se.fc2.bias,
             w_proj.flatten(1), b_proj, self.stride,
         )

@@ -8,81 +8,97 @@ What is computed (reference.py is the specification)::
     gate = sigmoid(W_se2 ReLU(W_se1 mean_hw(g) + b_se1) + b_se2)        (N, R)
     out = W_proj (g * gate) + b_proj (+ x)         residual for stride 1
 
-Design: two passes that recompute the hidden activation instead of storing it
------------------------------------------------------------------------------
-The SE gate depends on the mean of ``g`` over the whole image, and every output pixel needs the gate.
-The paper's kernel (Fig. 11) gives each processor a chunk of hidden channels over the whole map and
-meets at a grid-wide barrier after the pooled squeeze vector is reduced in global memory. Triton has
-no grid barrier that is safe without a cooperative launch (a spin-wait deadlocks when not every
-program is resident, e.g. batch 256 at 16x16), so this file splits the block at that barrier:
+Design: the hidden tensor is computed once, stored once, and read once by a gated GEMM
+--------------------------------------------------------------------------------------
+Every output pixel needs the SE gate, and the gate needs the mean of ``g`` over the whole image. A
+design that recomputes expand + conv after the pool pays (C R + 72 R) / (2 C R + 72 R) = 56 % more
+tensor-core work at C = 256 than the block's useful MACs, so ``g`` is computed once, written to
+DRAM once in the input dtype (``gbuf``, (N, H'W', R)) and read back once. Two launches per block:
 
-1. ``_mbconv_kernel[PASS=1]`` (grid: spatial tiles x images): per hidden chunk, expand + SiLU +
-   grouped conv + SiLU (+ BlurPool) on chip, then the tile's column sums are stored into
-   ``partial`` (N, tiles, R) fp32. Nothing of width R per pixel is written. Per-tile partials
-   rather than ``tl.atomic_add`` into (N, R): the sum order is fixed (bit-reproducible output,
-   no zero-filled buffer), for 4 x R x 4 B = 8 KB per image at 16x16 (4 tiles).
-2. ``_se_kernel`` (grid: images): sums the partials, the tiny SE MLP, ``gate`` (N, R) fp32.
-3. ``_mbconv_kernel[PASS=2]``: recompute the same hidden chunks, multiply by the gate, accumulate
-   the projection over hidden chunks in registers (no atomics on the output), add bias and residual,
-   store the (N, K, H', W') output once.
+1. ``_mbconv_hidden_kernel`` (persistent, one program per SM slot): a work item is (hidden chunk of
+   RB = 64 channels, block of IB images). The program loads the chunk's weights once per item and,
+   per image, runs over the WHOLE image in tiles of BM = 64 pixels:
+   expand (one wgmma K tile over all C <= 256 input channels) + bias + SiLU -> ``h`` in a
+   per-program scratch slot (zero-padded borders: the conv's zero padding), barrier, grouped conv
+   from the scratch (nine taps as five two-tap K = 16 steps of a batched [8 groups, 64, 16] x
+   [8, 16, 8] ``tl.dot``: mma.sync, 10/9 of the useful conv MACs) + bias + SiLU, then
+   stride 1: ``g`` to ``gbuf`` and the pooled sum in registers; stride 2: ``g`` to a second
+   scratch slot, barrier, BlurPool from it with the reflect padding folded into the indices, the
+   blurred ``g`` to ``gbuf`` and the pool. The image's mean of this chunk is complete inside the
+   program (whole image), so the first SE layer's share is computed right there:
+   ``zpart[n, chunk] = W_se1[:, chunk] @ mean[n, chunk]`` (fp32, (N, chunks, S)). No atomics.
+2. ``_mbconv_project_kernel`` (grid: 64-pixel tiles of one image x output-channel blocks): the rest
+   of the SE, ``gate = sigmoid(W_se2 ReLU(sum_chunk zpart + b_se1) + b_se2)`` for its image (chunk
+   partials summed in a fixed order), written to the program's gate slot; barrier; then
+   ``acc = bias (+ x)`` and ``acc += (gbuf tile * gate) @ W_proj^T`` over R in steps of 64
+   (wgmma, A gated in registers), stored once.
 
-Waterline arithmetic (one image, fp16; H100 SXM: 990 TFLOP/s dense fp16, 3.35 TB/s, op:byte =
-295 FLOP/B). FLOP counts include the waste of the shipped tiles (next section): the expand runs on
-an h window padded to a power of two (2x the pixels it serves), the grouped conv is a
-block-diagonal ``tl.dot`` with K = BLOCK_R = 32 (4x the useful MACs: the price of tensor cores at
-group width 8), and passes 1 and 2 both compute expand + conv. Shared-memory traffic of the gathers
-is not counted.
+Every reduction runs in a fixed order, so the output is bit-reproducible. The grid of the hidden
+kernel is the number of resident programs (``PROGRAMS_PER_SM`` x SMs): each program reuses its
+scratch slot for every item, so the scratch (2 x 41 KB per program at 16x16) stays in L2 instead
+of being written back to DRAM; the projection grid is (N x tiles per image) in grid.x (up to
+2^31 - 1) and output-channel blocks in grid.y.
 
-* Stride 1, C = K = 128, R = 512, 16x16 (paper Table 5, MBConv s1): useful work is expand
-  2*256*128*512 = 33.6 MFLOP + grouped conv 2*256*512*72 = 18.9 + project 33.6 = 86 MFLOP.
-  Layer-wise kernels move x (64 KB), the 256 KB hidden tensor five times (expand writes h, conv
-  reads h and writes g, pool reads g, gate*project reads g), the residual and the output
-  (128 KB): ~1.47 MB, 58 FLOP/B, memory bound at >= 0.44 us per image.
-  These kernels move x twice and the output once (~0.2 MB; partials and gate are 5 x R x 4 B) and
-  execute 2 * (67 expand + 76 conv) + 34 project = 320 MFLOP: ~1600 FLOP/B, compute bound at
-  >= 0.32 us per image (27 % of peak as useful work at best).
-* Stride 2, C = K = 128, R = 512, 16x16 -> 8x8 (Table 5, MBConv s2): useful 33.6 + 18.9 + 8.4 =
-  61 MFLOP; layer-wise ~1.3 MB (h written and read, full-resolution g written and read by the blur,
-  the blurred g read by pool and project): 47 FLOP/B, >= 0.39 us. Here the g window is also
-  padded 2x (81 -> 128 rows for 64 full-resolution pixels), so the conv costs 8x its useful MACs:
-  2 * (67 + 151) + 8 = 444 MFLOP on ~0.15 MB, >= 0.45 us: on paper no faster than layer-wise.
+Tiling of the hidden kernel
+---------------------------
+Pixels are tiled as TH x TW image rows x columns, TW = the map width rounded up to a power of two
+(8 ... 64), TH = 64 / TW. When the tiles cover the map exactly (the paper's 32x32, 16x16, 8x8:
+``EXACT``, with dense pixel rows) the width is a constexpr: pixel addresses are linear, every
+conv tap is a constant offset in the scratch, and no row needs a mask. Other sizes (any map >=
+1x1: 14x14 and 7x7 at 224x224, odd maps) take the general path: clamped addresses for loads,
+masks on stores and on the pool.
 
-So the two-pass design wins where the bytes it saves exceed the recompute, and the waste factors
-decide by how much. The first levers, to be timed on a GPU: BLOCK_R = 16 (conv waste 2x instead of
-4x: stride 1 -> 244 MFLOP, 0.25 us; stride 2 -> 293 MFLOP, 0.30 us), stride-2 tiles whose g window
-fills its power of two (3x8 outputs: g 7x17 = 119 of 128 rows), and the two-taps-per-K batched dot
-of KERNEL-NOTES (conv waste 10/9). A waste-free two-pass block is 2 * 52 + 34 = 138 MFLOP (0.14 us)
-at stride 1.
+Scratch layout (per program, x dtype): ``h`` as [H + 2 padded rows][8 groups][W + 2 padded
+columns][8 channels], so the three taps of a row are contiguous 16-byte vectors and a warp's tap
+load covers consecutive pixels of one group; the borders are zeroed once per program and never
+written again. Stride 2 adds the full-resolution ``g`` as [H W pixels][64 channels].
 
-Tiling and grid
----------------
-One program owns an output tile of TILE_H x TILE_W pixels of one image and loops over the hidden
-channels in chunks of BLOCK_R (a multiple of 8, so every group of the grouped conv lies in one
-chunk and the conv needs no communication between chunks). For that tile it needs:
+Scratch ordering: stores, then ``tl.debug_barrier()`` (bar.sync), then loads by other threads of
+the same program. That is safe because the scratch loads are plain ``ld.global``: the tile loops
+run with ``num_stages=1``, so Triton's pipeliner does not turn them into ``cp.async`` issued
+ahead of the barrier (a test checks the compiled PTX). The projection's gate-slot loads are
+pipelined (``cp.async``), but only inside the R loop, which starts after the barrier (also checked).
 
-* the ``g`` window: the output tile itself (stride 1), or the (2*TILE_H+1) x (2*TILE_W+1) full
-  resolution pixels under the blur filter (stride 2), flattened row-major into BLOCK_G rows;
-  neighbouring stride-2 tiles share one row/column of that window (computed twice);
-* the ``h`` window: the ``g`` window grown by one pixel each side (the 3x3 conv), flattened into
-  BLOCK_H rows. Triton tensors have power-of-two sizes, so BLOCK_H / BLOCK_G / BLOCK_O are the next
-  powers of two (>= 16 for ``tl.dot``); the extra rows are masked.
+Numerics: all dots accumulate in fp32; ``h``, ``g`` and the gated ``g`` are rounded to the input
+dtype before they feed a tensor-core dot (as the two-pass kernel did); the pool, the SE MLP and the
+blur run in fp32; the gate is rounded to the input dtype before it scales ``g`` (one fp16 multiply).
+fp32 inputs use ``input_precision="tf32x3"`` (~fp32 accuracy; "ieee" took minutes per variant in
+ptxas). SiLU on the GPU is ``u + u tanh(u)``, u = x/2, through ``tanh.approx.f32`` (three
+instructions; max relative error ~2^-11, below fp16's rounding) for fp16/bf16; fp32 data and the
+interpreter (which cannot run inline asm) use x / (1 + exp(-x)).
 
-Per chunk: ``h`` = ``tl.dot`` over C in steps of BLOCK_C (x window rows loaded with masks that zero
-pixels outside the image: that *is* the conv's zero padding of h, enforced again after the SiLU).
-The grouped conv is nine taps; tap (dy, dx) gathers its shifted ``h`` rows with ``tl.gather``
-(an on-chip shuffle through shared memory on the GPU) and multiplies by a block-diagonal
-BLOCK_R x BLOCK_R weight tile built by a masked load (``j // 8 == r // 8``). The blur (stride 2) is
-nine more gathers with the fixed weights; reflect padding is folded into the gather indices. All
-accumulation is fp32; ``h`` and the gated ``g`` are rounded to the input dtype before their
-``tl.dot`` (fp16/bf16 tensor cores). fp32 inputs use ``input_precision="tf32x3"`` (three TF32
-tensor-core products with split operands, ~fp32 accuracy; the same choice as kernels/convfirst).
-"ieee" was tried first: its FMA-lowered dots took 1 to more than 5 minutes per variant in ptxas
-and 80 KB of shared memory. The interpreter computes every dot in exact fp32.
+Waterline, as compiled (Small, batch 128, fp16, sm_90 = H100 SXM 989 TFLOP/s, 3.35 TB/s, 132 SMs;
+``t_issue`` = warp-instructions from the SASS, weighted by the declared loop trips, / (4 per clock
+per SM x 132 x 1.83 GHz); the layer-wise bound is the waterline of Inductor-style kernels):
+    block (Small)            launch   regs  smem    MMA kind        t_tensor  t_dram  t_issue  bound
+    stage 4, s2 32x32 96->256  hidden  186   42 KB  wgmma+mma.sync    21.2     15.1    47.5    47.5 us
+                             project  153  112 KB  wgmma              6.7     12.6    15.0    15.0
+    stage 4, s1 16x16 256      hidden  255   74 KB  wgmma+mma.sync    22.8     25.4    27.5    27.5
+                             project  162  112 KB  wgmma             17.9     30.4    24.2    30.4
+    stage 5, s2 16x16 256      hidden  186   74 KB  wgmma+mma.sync    22.8     10.4    36.3    36.3
+                             project  159  112 KB  wgmma              4.5      6.6     5.9     6.6
+    stage 5, s1 8x8 256        hidden  255   74 KB  wgmma+mma.sync     5.9      6.7     9.2     9.2
+                             project  161  112 KB  wgmma              4.5      7.9     6.0     7.9
 
-Configurations come from ``mbconv_config`` (a table by stride and map size, documented there) so
-that a benchmark can report them and tests can compile every one of them for sm_90 and sm_80.
-The interpreter (CPU tests) runs the same single configuration per shape; there is no autotuning
-(KERNEL-NOTES: autotune under torch.compile/CUDA graphs and without a GPU).
+    block                    predicted  layer-wise  ratio  issued/useful MACs
+    stage 4, s2 32x32            62.5      170.5     0.37     1.16 (C = 96 padded to 128 in the expand)
+    stage 4, s1 16x16 (x17)      57.9      156.0     0.37     1.01
+    stage 5, s2 16x16            42.9      112.2     0.38     1.01
+    stage 5, s1 8x8 (x17)        17.0       39.6     0.43     1.01
+    stage 4                    1048        2823      0.37
+    stage 5                     333         785      0.42
+
+No variant spills (stack 0 on sm_90 and sm_80). The two-pass kernels these replace: issued/useful
+3.2 (stride 1) to 7.4 (stride 2), 255 registers everywhere with up to 2.5 KB of spills, and the
+same estimate gave 10.2 ms for stage 4 and 3.8 ms for stage 5 (3.6x and 4.9x the layer-wise bound).
+
+Per block, the two launches are bounded by the hidden kernel's instruction issue and the
+projection's DRAM traffic (it reads the 4x-wide ``g``). Not counted by the model: L2 traffic
+(``x`` is re-read by each of the R/64 chunk items of an image, ``W_proj`` by each 64-row tile:
+about 0.6 + 2 MB per 16x16 image) and latency. Useful work per stride-1 block at 16x16 is 19.6
+GMAC = 39.6 us at peak; the DRAM floor of any design that stores ``g`` is 56 us there, which this
+one reaches. Keeping ``g`` in L2 (a persistent kernel that projects an image's tiles right after
+its hidden chunks are done, with inter-program flags) would lift that floor; it is not built.
 """
 
 from __future__ import annotations
@@ -97,120 +113,114 @@ from .._cost import KernelCost, Loop
 from .._launch import GROUP_WIDTH, launch
 
 # ----------------------------------------------------------------------------------------------
-# Configuration table
+# Configuration
 # ----------------------------------------------------------------------------------------------
+
+# dot precision for fp32 operands (module docstring); fp16/bf16 operands ignore it
+FP32_PRECISION = "tf32x3"
+# Hidden channels per work item: 8 conv groups. The [64 px, 64] expand tile is one wgmma
+# (M = N = 64) and the conv accumulator [8, 64, 8] is 32 fp32 registers per thread at 4 warps;
+# the compiled kernel sits at 255 registers with this width, so 128 would spill.
+RB = 64
+RB_FP32 = 32
+# Pixels per tile: wgmma needs M = 64 per warpgroup (4 warps).
+BM = 64
+# BlurPool output pixels per tile (stride 2).
+BMO = 64
+# Elements per store of the one-time zero fill of a scratch slot.
+ZERO_BLOCK = 1024
+# The expand loads all input channels as one K tile ([64, CP] x [CP, 64]); 256 is the widest
+# block input of the paper (Table 3). Wider inputs take CONVFIRSTNET_KERNELS=reference.
+MAX_C = 256
+# Projection tiles: 64 pixel rows (one wgmma M) x 128 output channels per accumulator, two
+# accumulators for outputs wider than 128 (one [64, 256] fp32 accumulator plus the residual
+# epilogue spilled), K steps of 64 hidden channels, 8 warps, 3 pipeline stages (115 KB of shared
+# memory on sm_90, 82 KB on sm_80). 128-row tiles spilled on sm_80.
+P_BM, P_BH, P_BR, P_WARPS, P_STAGES = 64, 128, 64, 8, 3
+P_BH_FP32 = 64
+# Resident hidden-kernel programs per SM (255 registers x 128 threads, 75 KB of shared memory:
+# two fit on sm_90 and sm_80). The grid is this times the SM count (persistent programs).
+PROGRAMS_PER_SM = 2
+# SM count assumed when the launch is recorded on meta tensors (the sm_90 report: H100 SXM).
+RECORD_SMS = 132
+# Programs under the interpreter (CPU): it runs programs one after another, so few programs
+# with several items each cost the same and exercise the item loop.
+INTERPRETER_PROGRAMS = 3
+# Per-warp instruction estimates from the sm_90 SASS (expand + conv tile; the weight loads of a
+# work item), used only to choose the images per item (``image_block``).
+TILE_COST, ITEM_COST = 700, 400
 
 
 @dataclass(frozen=True)
-class MBConvConfig:
-    """Tile choice for one (stride, map size, channels) shape; all fields become constexprs."""
+class HiddenConfig:
+    """Meta-parameters of one hidden-kernel launch (all become constexprs)."""
 
     stride: int
-    tile_h: int  # output tile height (pixels of the output map)
-    tile_w: int  # output tile width
-    block_r: int  # hidden channels per chunk (multiple of 8: whole conv groups)
-    block_c: int  # input channels per expand K step
-    block_k: int  # output channels (next power of two of K, all in one accumulator)
-    num_warps: int
-
-    # windows (see the module docstring): g window = pixels under the blur (stride 2) or the tile
-    @property
-    def g_h(self) -> int:
-        return self.tile_h if self.stride == 1 else 2 * self.tile_h + 1
-
-    @property
-    def g_w(self) -> int:
-        return self.tile_w if self.stride == 1 else 2 * self.tile_w + 1
-
-    @property
-    def block_o(self) -> int:
-        return max(16, triton.next_power_of_2(self.tile_h * self.tile_w))
-
-    @property
-    def block_g(self) -> int:
-        return self.block_o if self.stride == 1 else max(16, triton.next_power_of_2(self.g_h * self.g_w))
-
-    @property
-    def block_h(self) -> int:
-        return max(16, triton.next_power_of_2((self.g_h + 2) * (self.g_w + 2)))
+    cp: int  # input channels rounded up to a power of two (one expand K tile)
+    sp: int  # SE width rounded up to a power of two (>= 16)
+    mask_c: bool  # C < CP
+    mask_r: bool  # R not a multiple of RB
+    exact: bool  # tiles cover the map exactly (W == TW, TH | H, dense pixel rows; stride 2: also the output)
+    tw: int  # tile width (pixels of an image row per tile)
+    two: int  # blur output tile width
+    rb: int = RB  # hidden channels per work item
+    num_warps: int = 4
 
     def constexprs(self) -> dict:
-        return dict(
-            STRIDE=self.stride, TILE_H=self.tile_h, TILE_W=self.tile_w, G_H=self.g_h, G_W=self.g_w,
-            BLOCK_O=self.block_o, BLOCK_G=self.block_g, BLOCK_H=self.block_h,
-            BLOCK_R=self.block_r, BLOCK_C=self.block_c, BLOCK_K=self.block_k,
-        )
+        return dict(STRIDE=self.stride, RB=self.rb, CP=self.cp, SP=self.sp, MASK_C=self.mask_c, MASK_R=self.mask_r,
+                    TW=self.tw, BM=BM, TWO=self.two, BMO=BMO, EXACT=self.exact, ZB=ZERO_BLOCK,
+                    num_warps=self.num_warps)
 
 
-# BLOCK_R = 32: 4 conv groups per chunk; the block-diagonal conv dot wastes BLOCK_R / 8 = 4x, and
-# a K = 32 step keeps mma.sync/wgmma fed. 16 would halve the waste at twice the loop trips
-# (to be measured on a GPU). 32 divides every R = 4C of the paper (192 ... 1024).
-BLOCK_R = 32
-# BLOCK_C = 64: the expand K step; every block input C (48 ... 256) is one to four steps.
-BLOCK_C = 64
-# dot precision for fp32 operands (module docstring); fp16/bf16 operands ignore it
-FP32_PRECISION = "tf32x3"
-# SE kernel chunk over R (broadcast-multiply + tl.sum on [BLOCK_S, SE_BLOCK_R], fp32).
-SE_BLOCK_R = 128
+def hidden_config(
+    c: int, r: int, s: int, h: int, w: int, stride: int, dense: bool = True, dtype: torch.dtype = torch.float16
+) -> HiddenConfig:
+    """Tiles for one shape (module docstring, "Tiling"). ``dense``: x's pixel rows are contiguous
+    (stride(H) == W * stride(W)), which the exact path's linear pixel addresses need. fp32 takes
+    chunks of RB_FP32 channels: its 3xTF32 dots hold each operand twice (hi and lo parts), and at
+    RB = 64 the C = 256 expand needed 232 KB of shared memory on sm_90 (over the 227 KB limit)."""
+    cp = max(16, triton.next_power_of_2(c))
+    tw = min(BM, max(8, triton.next_power_of_2(w)))
+    exact = dense and w == tw and h % (BM // tw) == 0
+    two = 8
+    if stride == 2:
+        ow = (w + 1) // 2
+        two = min(BMO, max(8, triton.next_power_of_2(ow)))
+        exact = exact and h % 2 == 0 and w % 2 == 0 and ow == two and (h // 2) % (BMO // two) == 0
+    rb, warps = (RB_FP32, 4) if dtype == torch.float32 else (RB, 4)
+    return HiddenConfig(stride, cp, max(16, triton.next_power_of_2(s)), c != cp, r % rb != 0, exact, tw, two, rb,
+                        warps)
 
 
-def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int) -> MBConvConfig:
-    """Per-shape tiles (not tuned on a GPU yet). One tile per stride keeps the set of compiled
-    variants small (each is compiled for sm_90 and sm_80 in the tests):
-
-    * stride 1: 8x8 output tile; h window 10x10 = 100 -> 128 rows, so the expand runs on 2x the
-      output pixels. The paper's maps are 16x16 (4 tiles per image) and 8x8 (one tile); smaller
-      maps (down to 1x1) are masked rows of the same tile.
-    * stride 2: 4x4 output tile; g window 9x9 = 81 -> 128 rows (2x the 64 full-resolution pixels
-      under the tile), h window 11x11 = 121 -> 128 rows: the same FLOP waste as a 4x8 tile (g 9x17
-      -> 256, h 11x19 -> 256), which compiled 3x slower (30-40 s per variant for sm_80 in ptxas,
-      over 90 s in fp32) and needed 147 KB of shared memory in fp32 against 80 KB here.
-    * BLOCK_K = K rounded up to a power of two (64, 128 or 256 for the paper's 48 ... 256): the
-      whole output row of a pixel stays in one fp32 accumulator, so hidden chunks never meet in
-      DRAM (no atomics on the output).
-    * num_warps 8 once a program holds 256-row windows or a 64 x 256 fp32 accumulator (64 KB of
-      registers: 64 per thread at 8 warps), else 4.
-    """
-    tile = (8, 8) if stride == 1 else (4, 4)
-    block_k = max(16, triton.next_power_of_2(k))
-    block_c = min(BLOCK_C, max(16, triton.next_power_of_2(c)))
-    cfg = MBConvConfig(stride, tile[0], tile[1], BLOCK_R, block_c, block_k, 4)
-    if cfg.block_h >= 256 or cfg.block_o * block_k >= 64 * 256:
-        cfg = MBConvConfig(stride, tile[0], tile[1], BLOCK_R, block_c, block_k, 8)
-    return cfg
+def project_config(k: int, r: int, ohw: int, dtype: torch.dtype = torch.float16) -> dict:
+    """Meta-parameters of the projection launch (see P_* above; fp32: one accumulator of at most
+    P_BH_FP32 outputs, as the 3xTF32 operands spill at 128)."""
+    bn = min(P_BH_FP32 if dtype == torch.float32 else 2 * P_BH, max(16, triton.next_power_of_2(k)))
+    halves = 2 if bn > P_BH else 1
+    return dict(BM=P_BM, BH=bn // halves, HALVES=halves, BR=P_BR, num_warps=P_WARPS, num_stages=P_STAGES,
+                EVEN=r % P_BR == 0 and ohw % P_BM == 0 and k % bn == 0)
 
 
-def pass_constexprs(cfg: MBConvConfig, pass_: int) -> dict:
-    """Meta-parameters of one pass, ``num_warps`` included. Pass 1 has no output accumulator, so
-    BLOCK_K is pinned to 16 and the warps follow the window size only: all output widths share one
-    compiled pass-1 variant."""
-    meta = dict(cfg.constexprs(), PASS=pass_, num_warps=cfg.num_warps)
-    if pass_ == 1:
-        meta["BLOCK_K"] = 16
-        meta["num_warps"] = 8 if cfg.block_h >= 256 else 4
-    return meta
+def image_block(n: int, nchunk: int, tiles: int, programs: int) -> int:
+    """Images per work item. More images per item amortize the item's weight loads (ITEM_COST)
+    over more tiles; fewer keep enough items to balance the programs. Picks the IB with the
+    smallest estimated critical path, ceil(items / programs) x (IB x tiles x TILE_COST + ITEM_COST),
+    up to ~1024 pixels per item."""
+    best, best_t = 1, None
+    for ib in range(1, max(1, min(n, 16 // tiles)) + 1):
+        t = triton.cdiv(nchunk * triton.cdiv(n, ib), programs) * (ib * tiles * TILE_COST + ITEM_COST)
+        if best_t is None or t < best_t:
+            best, best_t = ib, t
+    return best
 
 
-# The shapes the package supports (SPEC 1): block inputs C, stride-2 block outputs K.
-SUPPORTED_C = (48, 64, 72, 96, 128, 160, 192, 256)
-SUPPORTED_K_STRIDE2 = (128, 160, 192, 256)
-
-
-def shipped_variants() -> list[dict]:
-    """Every distinct set of meta-parameters (``num_warps`` included) the launcher picks for the
-    supported shapes; the tests compile each for sm_90 and sm_80 (dtype and PREC added there)."""
-    seen = {}
-    for c in SUPPORTED_C:
-        for stride, ks in ((1, (c,)), (2, SUPPORTED_K_STRIDE2)):
-            for k in ks:
-                for hw in (1, 2, 4, 8, 16, 32, 64):
-                    if stride == 2 and hw < 2:
-                        continue
-                    cfg = mbconv_config(c, 4 * c, k, hw, hw, stride)
-                    for p in (1, 2):
-                        meta = pass_constexprs(cfg, p)
-                        seen[tuple(sorted(meta.items()))] = meta
-    return list(seen.values())
+def persistent_programs(device: torch.device) -> int:
+    """Grid size of the hidden kernel: resident programs on the device (see PROGRAMS_PER_SM)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count * PROGRAMS_PER_SM
+    if device.type == "cpu":
+        return INTERPRETER_PROGRAMS
+    return RECORD_SMS * PROGRAMS_PER_SM
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,196 +229,324 @@ def shipped_variants() -> list[dict]:
 
 
 @triton.jit
-def _mbconv_kernel(
-    # pointers
-    x_ptr, out_ptr, part_ptr, gate_ptr,
-    wexp_ptr, bexp_ptr, wconv_ptr, bconv_ptr, wproj_ptr, bproj_ptr,
-    # sizes
-    H, W, OH, OW, C, R, K, TILES_W,
-    # strides (elements): x and out in any layout, 2-D weights (out, in)
-    sxn, sxc, sxh, sxw, son, sok, soh, sow,
-    swe_r, swe_c, swp_k, swp_r,
-    # meta-parameters (see MBConvConfig)
-    PASS: tl.constexpr, STRIDE: tl.constexpr,
-    TILE_H: tl.constexpr, TILE_W: tl.constexpr, G_H: tl.constexpr, G_W: tl.constexpr,
-    BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-):
-    tl.static_assert(BLOCK_R % 8 == 0, "hidden chunks must hold whole conv groups")
-    tl.static_assert(BLOCK_H >= (G_H + 2) * (G_W + 2))
-    tl.static_assert(BLOCK_G >= G_H * G_W)
-    tl.static_assert(BLOCK_O >= TILE_H * TILE_W)
-    HALO_W: tl.constexpr = G_W + 2
-    dtype = x_ptr.dtype.element_ty
-
-    pid_t = tl.program_id(0)
-    n = tl.program_id(1).to(tl.int64)
-    oy0 = (pid_t // TILES_W) * TILE_H
-    ox0 = (pid_t % TILES_W) * TILE_W
-    # origin of the g window in full-resolution coordinates
-    if STRIDE == 1:
-        gy0 = oy0
-        gx0 = ox0
+def _silu(acc, half_bias, MODE: tl.constexpr):
+    """SiLU(acc + 2 * half_bias) in fp32. MODE 0: x / (1 + exp(-x)) (interpreter, fp32 data);
+    MODE 1: with u = x / 2, SiLU(x) = u + u * tanh(u) through tanh.approx.f32 (three instructions)."""
+    if MODE == 0:
+        v = acc + 2.0 * half_bias
+        return v / (1.0 + tl.exp(-v))
     else:
-        gy0 = 2 * oy0 - 1
-        gx0 = 2 * ox0 - 1
-    x_img = x_ptr + n * sxn
-
-    # h window rows: image pixel of each row, and whether it is a real (in-image) pixel
-    ph = tl.arange(0, BLOCK_H)
-    hy = gy0 - 1 + ph // HALO_W
-    hx = gx0 - 1 + ph % HALO_W
-    h_ok = (ph < (G_H + 2) * HALO_W) & (hy >= 0) & (hy < H) & (hx >= 0) & (hx < W)
-    x_rows = x_img + hy * sxh + hx * sxw
-
-    # g window rows, and the h row each conv tap reads (padding rows point at row 0, unused)
-    pg = tl.arange(0, BLOCK_G)
-    g_in = pg < G_H * G_W
-    gyl = tl.where(g_in, pg // G_W, 0)
-    gxl = tl.where(g_in, pg % G_W, 0)
-
-    # output tile rows
-    po = tl.arange(0, BLOCK_O)
-    oy = oy0 + po // TILE_W
-    ox = ox0 + po % TILE_W
-    o_ok = (po < TILE_H * TILE_W) & (oy < OH) & (ox < OW)
-
-    rr = tl.arange(0, BLOCK_R)
-    rc = tl.arange(0, BLOCK_C)
-    rk = tl.arange(0, BLOCK_K)
-    # block-diagonal conv tile: row j (input channel in chunk), column r (output channel in chunk)
-    bd_in_group = (rr[:, None] // 8) == (rr[None, :] // 8)
-    bd_offs = rr[None, :] * (8 * 9) + (rr[:, None] % 8) * 9
-
-    acc_o = tl.zeros((BLOCK_O, BLOCK_K), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        r_ok = (r0 + rr) < R
-        # ---- expand: h[BLOCK_H, BLOCK_R] = SiLU(x_window @ W_exp[chunk]^T + b), zero off-image
-        acc_h = tl.zeros((BLOCK_H, BLOCK_R), dtype=tl.float32)
-        for c0 in range(0, C, BLOCK_C):
-            c_ok = (c0 + rc) < C
-            xt = tl.load(
-                x_rows[:, None] + (c0 + rc)[None, :] * sxc, mask=h_ok[:, None] & c_ok[None, :], other=0.0
-            )
-            wt = tl.load(
-                wexp_ptr + (r0 + rr)[None, :] * swe_r + (c0 + rc)[:, None] * swe_c,
-                mask=c_ok[:, None] & r_ok[None, :], other=0.0,
-            )
-            acc_h = tl.dot(xt, wt, acc_h, input_precision=PREC)
-        b_e = tl.load(bexp_ptr + r0 + rr, mask=r_ok, other=0.0).to(tl.float32)
-        hid = acc_h + b_e[None, :]
-        hid = hid / (1.0 + tl.exp(-hid))  # SiLU (inlined: one self-contained kernel compiles from CPU too)
-        hid = tl.where(h_ok[:, None], hid, 0.0).to(dtype)
-
-        # ---- grouped 3x3 conv: nine gathered taps x block-diagonal weights
-        acc_g = tl.zeros((BLOCK_G, BLOCK_R), dtype=tl.float32)
-        for t in tl.static_range(9):
-            src = (gyl + t // 3) * HALO_W + (gxl + t % 3)
-            tap = tl.gather(hid, tl.broadcast_to(src[:, None], (BLOCK_G, BLOCK_R)), 0)
-            wbd = tl.load(wconv_ptr + r0 * (8 * 9) + bd_offs + t, mask=bd_in_group & r_ok[None, :], other=0.0)
-            acc_g = tl.dot(tap, wbd, acc_g, input_precision=PREC)
-        b_c = tl.load(bconv_ptr + r0 + rr, mask=r_ok, other=0.0).to(tl.float32)
-        g = acc_g + b_c[None, :]
-        g = g / (1.0 + tl.exp(-g))
-
-        # ---- BlurPool (stride 2): nine gathers with reflect-padded indices and weights [1,2,1]^2/16
-        if STRIDE == 2:
-            acc_b = tl.zeros((BLOCK_O, BLOCK_R), dtype=tl.float32)
-            for t in tl.static_range(9):
-                yy = 2 * oy - 1 + t // 3
-                xx = 2 * ox - 1 + t % 3
-                yy = tl.where(yy < 0, -yy, yy)
-                yy = tl.where(yy >= H, 2 * H - 2 - yy, yy)
-                xx = tl.where(xx < 0, -xx, xx)
-                xx = tl.where(xx >= W, 2 * W - 2 - xx, xx)
-                src = tl.where(o_ok, (yy - gy0) * G_W + (xx - gx0), 0)
-                tap = tl.gather(g, tl.broadcast_to(src[:, None], (BLOCK_O, BLOCK_R)), 0)
-                acc_b += tap * ((1 + (t // 3) % 2) * (1 + (t % 3) % 2) * 0.0625)
-            g = acc_b
-
-        if PASS == 1:
-            # ---- pooled partial sums of this tile for this chunk: partial[n, tile, r]
-            part = tl.sum(tl.where(o_ok[:, None], g, 0.0), axis=0)
-            tl.store(part_ptr + (n * tl.num_programs(0) + pid_t) * R + r0 + rr, part, mask=r_ok)
-        else:
-            # ---- gate, then project this chunk into the output accumulator
-            gate = tl.load(gate_ptr + n * R + r0 + rr, mask=r_ok, other=0.0)
-            s = (g * gate[None, :]).to(dtype)
-            wp = tl.load(
-                wproj_ptr + rk[None, :] * swp_k + (r0 + rr)[:, None] * swp_r,
-                mask=r_ok[:, None] & (rk < K)[None, :], other=0.0,
-            )
-            acc_o = tl.dot(s, wp, acc_o, input_precision=PREC)
-
-    if PASS == 2:
-        k_ok = rk < K
-        m = o_ok[:, None] & k_ok[None, :]
-        acc_o += tl.load(bproj_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        if STRIDE == 1:  # residual: K == C, same pixels
-            res = tl.load(x_img + rk[None, :] * sxc + (oy * sxh + ox * sxw)[:, None], mask=m, other=0.0)
-            acc_o += res.to(tl.float32)
-        o_ptrs = out_ptr + n * son + rk[None, :] * sok + (oy * soh + ox * sow)[:, None]
-        tl.store(o_ptrs, acc_o.to(dtype), mask=m)
+        u = acc * 0.5 + half_bias
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+        return u + u * t
 
 
 @triton.jit
-def _se_kernel(
-    part_ptr, gate_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
-    R, S, TILES, HW_OUT,
-    BLOCK_S: tl.constexpr, BLOCK_RS: tl.constexpr,
-):
-    """gate[n] = sigmoid(W2 ReLU(W1 mean[n] + b1) + b2) with mean[n] = sum_t partial[n, t] / HW_OUT,
-    fp32; one program per image, tiles summed in a fixed order.
+def _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, J: tl.constexpr, G: tl.constexpr):
+    g = tl.arange(0, G)[:, None, None]
+    k = tl.arange(0, 16)[None, :, None]
+    co = tl.arange(0, 8)[None, None, :]
+    tap = 2 * J + k // 8
+    r = r0 + g * 8 + co
+    return tl.load(wconv_ptr + r * swc_r + (k % 8) * swc_i + (tap // 3) * swc_y + (tap % 3) * swc_x,
+                   mask=(tap < 9) & (r < R), other=0.0)
 
-    Broadcast-multiply + ``tl.sum`` rather than ``tl.dot``: the matrix-vector products are
-    S x R <= 64 x 1024 per image, too small for tensor cores to matter.
-    """
-    n = tl.program_id(0).to(tl.int64)
-    rs = tl.arange(0, BLOCK_S)
-    s_ok = rs < S
-    z = tl.zeros((BLOCK_S,), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_RS):
-        rr = r0 + tl.arange(0, BLOCK_RS)
-        r_ok = rr < R
-        p = tl.zeros((BLOCK_RS,), dtype=tl.float32)
-        for t in range(0, TILES):
-            p += tl.load(part_ptr + (n * TILES + t) * R + rr, mask=r_ok, other=0.0)
-        p = p / HW_OUT
-        w1 = tl.load(w1_ptr + rs[:, None] * R + rr[None, :], mask=s_ok[:, None] & r_ok[None, :], other=0.0)
-        z += tl.sum(w1.to(tl.float32) * p[None, :], axis=1)
-    z = tl.maximum(z + tl.load(b1_ptr + rs, mask=s_ok, other=0.0).to(tl.float32), 0.0)
-    for r0 in range(0, R, BLOCK_RS):
-        rr = r0 + tl.arange(0, BLOCK_RS)
-        r_ok = rr < R
-        w2 = tl.load(w2_ptr + rr[:, None] * S + rs[None, :], mask=r_ok[:, None] & s_ok[None, :], other=0.0)
-        e = tl.sum(w2.to(tl.float32) * z[None, :], axis=1)
-        e += tl.load(b2_ptr + rr, mask=r_ok, other=0.0).to(tl.float32)
-        tl.store(gate_ptr + n * R + rr, tl.sigmoid(e), mask=r_ok)
+
+@triton.jit
+def _conv_pair_h(hs, q, PW, J: tl.constexpr, G: tl.constexpr):
+    """Taps 2J and 2J + 1 (the tenth tap re-reads tap 8; its weights are zero) of the pixels at padded
+    positions q, as the [G, BM, 16] operand: k < 8 input channels of tap 2J, k >= 8 of tap 2J + 1.
+    Scratch layout [padded row][group][padded column][8]."""
+    g = tl.arange(0, G)[:, None, None]
+    k = tl.arange(0, 16)[None, None, :]
+    tap = tl.minimum(2 * J + k // 8, 8)
+    off = (tap // 3 - 1) * (G * PW * 8) + (tap % 3 - 1) * 8
+    return tl.load(hs + g * (PW * 8) + q[None, :, None] + off + k % 8)
+
+
+@triton.jit
+def _tile(t, ncol, H, W, m, TW: tl.constexpr, TH: tl.constexpr, EXACT: tl.constexpr):
+    """Pixel rows of tile ``t``: image row y, column x, clamped copies (always inside the image) and
+    whether the row is a real pixel. EXACT: tiles cover the image exactly (W == TW, TH divides H)."""
+    if EXACT:
+        y = t * TH + m // TW
+        x = m % TW
+        return y, x, y, x, m < TW * TH
+    else:
+        y = (t // ncol) * TH + m // TW
+        x = (t % ncol) * TW + m % TW
+        return y, x, tl.minimum(y, H - 1), tl.minimum(x, W - 1), (y < H) & (x < W)
+
+
+@triton.jit
+def _mbconv_hidden_kernel(
+    x_ptr, wexp_ptr, bexp_ptr, wconv_ptr, bconv_ptr, w1_ptr, g_ptr, z_ptr, scr_ptr, ms_ptr,
+    N, H, W_RT, OH, OW, C, R, S, NCHUNK, ITEMS, IB, SLOT,
+    sxn, sxc, sxh, sxw, swe_r, swe_c, swc_r, swc_i, swc_y, swc_x, sw1_s, sw1_r,
+    STRIDE: tl.constexpr, RB: tl.constexpr, CP: tl.constexpr, SP: tl.constexpr,
+    MASK_C: tl.constexpr, MASK_R: tl.constexpr,
+    TW: tl.constexpr, BM: tl.constexpr, TWO: tl.constexpr, BMO: tl.constexpr, EXACT: tl.constexpr,
+    ZB: tl.constexpr, SILU: tl.constexpr, PREC: tl.constexpr,
+):
+    G: tl.constexpr = RB // 8
+    TH: tl.constexpr = BM // TW
+    THO: tl.constexpr = BMO // TWO
+    dtype = x_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if EXACT:
+        W: tl.constexpr = TW
+    else:
+        W = W_RT
+    PW = W + 2
+    PHW = (H + 2) * PW
+    OHW = OH * OW
+    hs = scr_ptr + pid.to(tl.int64) * SLOT
+    gs = hs + RB * PHW
+    ms = ms_ptr + pid * RB
+
+    zr = tl.arange(0, ZB)
+    for z0 in range(0, RB * PHW, ZB):
+        tl.store(hs + z0 + zr, tl.zeros([ZB], dtype), mask=z0 + zr < RB * PHW)
+
+    rr = tl.arange(0, RB)
+    rc = tl.arange(0, CP)
+    c_ok = rc < C
+    m = tl.arange(0, BM)
+    g3 = tl.arange(0, G)[:, None, None]
+    c3 = tl.arange(0, 8)[None, None, :]
+    ncol = tl.cdiv(W, TW)
+    ntile = tl.cdiv(H, TH) * ncol
+    ncol_o = tl.cdiv(OW, TWO)
+    ntile_o = tl.cdiv(OH, THO) * ncol_o
+    mo = tl.arange(0, BMO)
+    sv = tl.arange(0, SP)
+
+    for item in range(pid, ITEMS, nprog):
+        r0 = (item % NCHUNK) * RB
+        n0 = (item // NCHUNK) * IB
+        r_ok = (r0 + rr) < R
+        r3 = r0 + g3 * 8 + c3
+        # weights of this hidden chunk, loaded once for IB images
+        if MASK_C or MASK_R:
+            we = tl.load(wexp_ptr + (r0 + rr)[None, :] * swe_r + rc[:, None] * swe_c,
+                         mask=c_ok[:, None] & r_ok[None, :], other=0.0)
+        else:
+            we = tl.load(wexp_ptr + (r0 + rr)[None, :] * swe_r + rc[:, None] * swe_c)
+        hb_e = 0.5 * tl.load(bexp_ptr + r0 + rr, mask=r_ok, other=0.0).to(tl.float32)[None, :]
+        hb_c = 0.5 * tl.load(bconv_ptr + r3, mask=r3 < R, other=0.0).to(tl.float32)
+        w0 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 0, G)
+        w1 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 1, G)
+        w2 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 2, G)
+        w3 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 3, G)
+        w4 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 4, G)
+        for n in range(n0, tl.minimum(n0 + IB, N)):
+            x_img = x_ptr + tl.cast(n, tl.int64) * sxn
+            tl.debug_barrier()
+            # ---- expand: h = SiLU(x W_exp^T + b) into the padded scratch
+            for t in tl.range(0, ntile, num_stages=1):
+                y, xx, yc, xc, ok = _tile(t, ncol, H, W, m, TW, TH, EXACT)
+                if EXACT:
+                    xp = (x_img + (t * BM + m) * sxw)[:, None] + rc[None, :] * sxc
+                else:
+                    xp = (x_img + yc * sxh + xc * sxw)[:, None] + rc[None, :] * sxc
+                if MASK_C:
+                    xt = tl.load(xp, mask=c_ok[None, :], other=0.0)
+                else:
+                    xt = tl.load(xp)
+                hv = _silu(tl.dot(xt, we, input_precision=PREC), hb_e, SILU).to(dtype)
+                hp = hs + ((y + 1) * (G * PW * 8) + (xx + 1) * 8)[:, None] + ((rr // 8) * (PW * 8) + rr % 8)[None, :]
+                if EXACT:
+                    tl.store(hp, hv)
+                else:
+                    tl.store(hp, hv, mask=ok[:, None])
+            tl.debug_barrier()
+            # ---- grouped conv (+ SiLU)
+            if STRIDE == 1:
+                pool = tl.zeros((G, BM, 8), dtype=tl.float32)
+            else:
+                pool = tl.zeros((BMO, RB), dtype=tl.float32)
+            for t in tl.range(0, ntile, num_stages=1):
+                y, xx, yc, xc, ok = _tile(t, ncol, H, W, m, TW, TH, EXACT)
+                q = (yc + 1) * (G * PW * 8) + (xc + 1) * 8
+                acc = tl.dot(_conv_pair_h(hs, q, PW, 0, G), w0, input_precision=PREC)
+                acc = tl.dot(_conv_pair_h(hs, q, PW, 1, G), w1, acc, input_precision=PREC)
+                acc = tl.dot(_conv_pair_h(hs, q, PW, 2, G), w2, acc, input_precision=PREC)
+                acc = tl.dot(_conv_pair_h(hs, q, PW, 3, G), w3, acc, input_precision=PREC)
+                acc = tl.dot(_conv_pair_h(hs, q, PW, 4, G), w4, acc, input_precision=PREC)
+                v = _silu(acc, hb_c, SILU)
+                pix = (y * W + xx)[None, :, None]
+                ok3 = ok[None, :, None]
+                if STRIDE == 1:
+                    gp = g_ptr + (n * OHW + pix).to(tl.int64) * R + r3
+                    if EXACT:
+                        pool += v
+                        if MASK_R:
+                            tl.store(gp, v.to(dtype), mask=r3 < R)
+                        else:
+                            tl.store(gp, v.to(dtype))
+                    else:
+                        pool += tl.where(ok3, v, 0.0)
+                        tl.store(gp, v.to(dtype), mask=ok3 & (r3 < R))
+                else:
+                    if EXACT:
+                        tl.store(gs + pix * RB + g3 * 8 + c3, v.to(dtype))
+                    else:
+                        tl.store(gs + pix * RB + g3 * 8 + c3, v.to(dtype), mask=ok3)
+            if STRIDE == 1:
+                r2 = tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]
+                tl.store(ms + r2, tl.sum(pool, axis=1) / OHW)
+            else:
+                # ---- BlurPool: [1, 2, 1]^2 / 16, stride 2, reflect padding folded into the indices
+                tl.debug_barrier()
+                for t in range(0, ntile_o):
+                    oy, ox, oyc, oxc, ok = _tile(t, ncol_o, OH, OW, mo, TWO, THO, EXACT)
+                    accb = tl.zeros((BMO, RB), dtype=tl.float32)
+                    for a in tl.static_range(3):
+                        sy = 2 * oyc - 1 + a
+                        sy = tl.where(sy < 0, -sy, sy)
+                        if not EXACT:  # EXACT: H even, so 2 * oy + 1 <= H - 1
+                            sy = tl.where(sy >= H, 2 * H - 2 - sy, sy)
+                        for b in tl.static_range(3):
+                            sx = 2 * oxc - 1 + b
+                            sx = tl.where(sx < 0, -sx, sx)
+                            if not EXACT:
+                                sx = tl.where(sx >= W, 2 * W - 2 - sx, sx)
+                            tap = tl.load(gs + ((sy * W + sx) * RB)[:, None] + rr[None, :])
+                            accb += tap.to(tl.float32) * ((1 + a % 2) * (1 + b % 2) * 0.0625)
+                    opix = (n * OHW + oy * OW + ox).to(tl.int64)
+                    op = g_ptr + opix[:, None] * R + (r0 + rr)[None, :]
+                    if EXACT:
+                        pool += accb
+                        if MASK_R:
+                            tl.store(op, accb.to(dtype), mask=r_ok[None, :])
+                        else:
+                            tl.store(op, accb.to(dtype))
+                    else:
+                        pool += tl.where(ok[:, None], accb, 0.0)
+                        tl.store(op, accb.to(dtype), mask=ok[:, None] & r_ok[None, :])
+                tl.store(ms + rr, tl.sum(pool, axis=0) / OHW)
+            # ---- SE reduce, this chunk's share: z[n] = sum over chunks of W_se1[:, chunk] mean[n, chunk].
+            # The chunk's mean goes through the per-program slot ``ms``: reducing it straight from the
+            # pool's layout pushed the registers past 255 (spills).
+            tl.debug_barrier()
+            mc = tl.load(ms + rr)
+            zrow = z_ptr + (tl.cast(n, tl.int64) * NCHUNK + item % NCHUNK) * SP
+            for s0 in tl.static_range(0, SP, 16):
+                s2 = s0 + tl.arange(0, 16)
+                w1c = tl.load(w1_ptr + s2[:, None] * sw1_s + (r0 + rr)[None, :] * sw1_r,
+                              mask=(s2[:, None] < S) & r_ok[None, :], other=0.0)
+                tl.store(zrow + s2, tl.sum(w1c.to(tl.float32) * mc[None, :], axis=1))
+
+
+@triton.jit
+def _acc_init(bproj_ptr, x_ptr, n, k, kv, oy, ox, m_ok, sxn, sxc, sxh, sxw, BM: tl.constexpr, BH: tl.constexpr,
+              RESIDUAL: tl.constexpr):
+    acc = tl.zeros((BM, BH), dtype=tl.float32) + tl.load(bproj_ptr + k, mask=kv, other=0.0).to(tl.float32)[None, :]
+    if RESIDUAL:
+        res = tl.load(x_ptr + n * sxn + k[None, :] * sxc + (oy * sxh + ox * sxw)[:, None],
+                      mask=m_ok[:, None] & kv[None, :], other=0.0)
+        acc += res.to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _mbconv_project_kernel(
+    g_ptr, z_ptr, b1_ptr, w2_ptr, b2_ptr, wproj_ptr, bproj_ptr, x_ptr, out_ptr, gate_ptr,
+    OHW, OW, R, K, S, NCHUNK, TPI,
+    sxn, sxc, sxh, sxw, son, sok, soh, sow, sw2_r, sw2_s, swp_k, swp_r,
+    RESIDUAL: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, HALVES: tl.constexpr, BR: tl.constexpr,
+    SP: tl.constexpr, NCP: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
+):
+    dtype = g_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    n = (pid // TPI).to(tl.int64)
+    p = (pid % TPI) * BM + tl.arange(0, BM)
+    pv = p < OHW
+    k0 = tl.program_id(1) * (BH * HALVES) + tl.arange(0, BH)
+    k1 = k0 + BH
+    rows = g_ptr + (n * OHW + p) * R
+    oy = p // OW
+    ox = p % OW
+    # SE: z = ReLU(sum of the per-chunk partials + b1); gate = sigmoid(W_se2 z + b2) into this program's slot
+    sv = tl.arange(0, SP)
+    ch = tl.arange(0, NCP)
+    zz = tl.load(z_ptr + (n * NCHUNK + ch[:, None]) * SP + sv[None, :], mask=ch[:, None] < NCHUNK, other=0.0)
+    z = tl.maximum(tl.sum(zz, axis=0) + tl.load(b1_ptr + sv, mask=sv < S, other=0.0).to(tl.float32), 0.0)
+    gate = gate_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * R
+    rb = tl.arange(0, BR)
+    for r0 in range(0, R, BR):
+        rr = r0 + rb
+        rv = rr < R
+        w2 = tl.load(w2_ptr + rr[:, None] * sw2_r + sv[None, :] * sw2_s, mask=rv[:, None] & (sv < S)[None, :],
+                     other=0.0)
+        e = tl.sum(w2.to(tl.float32) * z[None, :], axis=1) + tl.load(b2_ptr + rr, mask=rv, other=0.0).to(tl.float32)
+        tl.store(gate + rr, tl.sigmoid(e).to(gate_ptr.dtype.element_ty), mask=rv)
+    tl.debug_barrier()
+    # accumulators start at bias (+ residual); with HALVES = 2 the output width is split in two
+    # accumulators so that the epilogue converts half of it at a time
+    acc0 = _acc_init(bproj_ptr, x_ptr, n, k0, k0 < K, oy, ox, pv, sxn, sxc, sxh, sxw, BM, BH, RESIDUAL)
+    if HALVES == 2:
+        acc1 = _acc_init(bproj_ptr, x_ptr, n, k1, k1 < K, oy, ox, pv, sxn, sxc, sxh, sxw, BM, BH, RESIDUAL)
+    for r0 in range(0, R, BR):
+        rr = r0 + rb
+        if EVEN:  # R a multiple of BR, OHW of BM and K of BH * HALVES: no masks
+            a = tl.load(rows[:, None] + rr[None, :]) * tl.load(gate + rr)[None, :]
+            b0 = tl.load(wproj_ptr + k0[None, :] * swp_k + rr[:, None] * swp_r)
+        else:
+            rv = rr < R
+            a = tl.load(rows[:, None] + rr[None, :], mask=pv[:, None] & rv[None, :], other=0.0)
+            a = a * tl.load(gate + rr, mask=rv, other=0.0)[None, :]
+            b0 = tl.load(wproj_ptr + k0[None, :] * swp_k + rr[:, None] * swp_r,
+                         mask=rv[:, None] & (k0 < K)[None, :], other=0.0)
+        acc0 = tl.dot(a, b0, acc0, input_precision=PREC)
+        if HALVES == 2:
+            if EVEN:
+                b1 = tl.load(wproj_ptr + k1[None, :] * swp_k + rr[:, None] * swp_r)
+            else:
+                b1 = tl.load(wproj_ptr + k1[None, :] * swp_k + rr[:, None] * swp_r,
+                             mask=rv[:, None] & (k1 < K)[None, :], other=0.0)
+            acc1 = tl.dot(a, b1, acc1, input_precision=PREC)
+    o_rows = out_ptr + n * son + (oy * soh + ox * sow)[:, None]
+    if EVEN:
+        tl.store(o_rows + k0[None, :] * sok, acc0.to(dtype))
+        if HALVES == 2:
+            tl.store(o_rows + k1[None, :] * sok, acc1.to(dtype))
+    else:
+        tl.store(o_rows + k0[None, :] * sok, acc0.to(dtype), mask=pv[:, None] & (k0 < K)[None, :])
+        if HALVES == 2:
+            tl.store(o_rows + k1[None, :] * sok, acc1.to(dtype), mask=pv[:, None] & (k1 < K)[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------------------------
 
+MAX_GRID_X = 2**31 - 1  # CUDA grid.x limit (grid.y/z: 65535)
+MAX_GRID_YZ = 65535
 
-MAX_K = 256  # widest output kept in one fp32 accumulator (BLOCK_K); the paper's stages stop at 256
 
-
-def check_supported(r: int, k: int) -> None:
-    """Shapes the Triton path handles (called by op.py before any launch)."""
-    if k > MAX_K:
-        raise ValueError(
-            f"convfirstnet.mbconv: the Triton kernel supports up to {MAX_K} output channels, got {k}; "
-            "use CONVFIRSTNET_KERNELS=reference for wider blocks"
+def check_supported(x: torch.Tensor, c: int, r: int, k: int) -> None:
+    """Kernel limits beyond the op's checks (raised before any allocation or launch)."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        # Triton's interpreter computes bf16 tl.dot wrongly (triton 3.9)
+        raise NotImplementedError(
+            "convfirstnet.mbconv: bfloat16 through the Triton interpreter gives wrong tl.dot results; "
+            "use float16/float32, or CONVFIRSTNET_KERNELS=reference on CPU"
         )
     if r % GROUP_WIDTH:
         raise ValueError(
             f"convfirstnet.mbconv: hidden width {r} is not a multiple of the group width {GROUP_WIDTH}"
         )
-
-
-def se_config(s: int) -> dict:
-    return dict(BLOCK_S=max(16, triton.next_power_of_2(s)), BLOCK_RS=SE_BLOCK_R)
+    if c > MAX_C:
+        raise ValueError(
+            f"convfirstnet.mbconv: the Triton kernel supports up to {MAX_C} input channels, got {c}; "
+            "use CONVFIRSTNET_KERNELS=reference for wider blocks"
+        )
+    tiles = triton.cdiv(x.shape[2] * x.shape[3], P_BM) if x.dim() == 4 else 1
+    if x.shape[0] * tiles > MAX_GRID_X or triton.cdiv(k, 2 * P_BH) > MAX_GRID_YZ:
+        raise ValueError(f"convfirstnet.mbconv: batch {x.shape[0]} x {tiles} tiles exceeds the grid limit")
 
 
 def mbconv_triton(
@@ -425,69 +563,76 @@ def mbconv_triton(
     b_proj: torch.Tensor,
     stride: int,
 ) -> torch.Tensor:
-    """Launch pass 1, the SE kernel and pass 2. Inputs are validated by op.py before this call."""
+    """Launch the hidden kernel and the projection. Inputs are validated by op.py before this call;
+    every buffer is allocated here (the op stays functional and CUDA-graph safe)."""
     n, c, h, w = x.shape
     r, k, s = w_exp.shape[0], w_proj.shape[0], w_se1.shape[0]
     oh, ow = (h, w) if stride == 1 else ((h + 1) // 2, (w + 1) // 2)
     out = torch.empty((n, k, oh, ow), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
     if n == 0:
         return out
-    cfg = mbconv_config(c, r, k, h, w, stride)
-    w_conv = w_conv.contiguous()  # (R, 8, 3, 3) addressed as r * 72 + j * 9 + tap
-    w_se1, w_se2 = w_se1.contiguous(), w_se2.contiguous()
+    hw, ohw = h * w, oh * ow
+    hc = hidden_config(c, r, s, h, w, stride, dense=x.stride(2) == w * x.stride(3), dtype=x.dtype)
+    pc = project_config(k, r, ohw, x.dtype)
+    rb = hc.rb
     # 1-D biases are addressed as base + index (unit stride)
     b_exp, b_conv, b_proj = b_exp.contiguous(), b_conv.contiguous(), b_proj.contiguous()
     b_se1, b_se2 = b_se1.contiguous(), b_se2.contiguous()
-    tiles_w = triton.cdiv(ow, cfg.tile_w)
-    tiles = triton.cdiv(oh, cfg.tile_h) * tiles_w
-    grid = (tiles, n)
-    # scratch, allocated here so the op stays functional and CUDA-graph safe; pass 1 writes every
-    # element of ``partial`` and the SE kernel every element of ``gate``, so no zero fill
-    partial = torch.empty((n, tiles, r), device=x.device, dtype=torch.float32)
-    gate = torch.empty((n, r), device=x.device, dtype=torch.float32)
+    nchunk = triton.cdiv(r, rb)
+    th, tho = BM // hc.tw, BMO // hc.two
+    tiles = triton.cdiv(h, th) * triton.cdiv(w, hc.tw)
+    tiles_o = triton.cdiv(oh, tho) * triton.cdiv(ow, hc.two)
+    programs = persistent_programs(x.device)
+    ib = image_block(n, nchunk, tiles, programs)
+    items = nchunk * triton.cdiv(n, ib)
+    nprog = min(items, programs)
+    phw = (h + 2) * (w + 2)
+    slot = rb * phw + (rb * hw if stride == 2 else 0)  # elements of one program's scratch slot
+    # Scratch: every element a program reads it has written (or zeroed) first, so no zero fill here.
+    scratch = torch.empty((nprog * slot,), device=x.device, dtype=x.dtype)
+    mslot = torch.empty((nprog, rb), device=x.device, dtype=torch.float32)
+    gbuf = torch.empty((n, ohw, r), device=x.device, dtype=x.dtype)
+    zpart = torch.empty((n, nchunk, hc.sp), device=x.device, dtype=torch.float32)
     prec = FP32_PRECISION if x.dtype == torch.float32 else "tf32"  # only fp32 operands use it
-    args = (
-        x, out, partial, gate, w_exp, b_exp, w_conv, b_conv, w_proj, b_proj,
-        h, w, oh, ow, c, r, k, tiles_w,
-        *x.stride(), *out.stride(), *w_exp.stride(), *w_proj.stride(),
-    )
+    silu = 0 if x.dtype == torch.float32 or x.device.type == "cpu" else 1
+    eb = x.element_size()
 
-    def nbytes(*tensors: torch.Tensor) -> int:
-        return sum(t.numel() for t in tensors) * x.element_size()
+    def hidden_cost() -> KernelCost:
+        g8 = rb // 8
+        useful = n * (hw * c * r + hw * r * 72 + (ohw * r * 9 if stride == 2 else 0) + r * s)
+        mma = nchunk * n * tiles * (BM * rb * hc.cp + g8 * BM * 16 * 8 * 5)
+        dram = (n * c * hw + r * c + r * 72 + 2 * r + s * r + n * ohw * r) * eb + n * nchunk * hc.sp * 4
+        scr_img = hw * rb + tiles * 5 * g8 * BM * 16  # h written, then five two-tap reads per tile
+        if stride == 2:
+            scr_img += hw * rb + tiles_o * 9 * BMO * rb  # g written, then nine blur taps
+        l2 = (nprog * rb * phw + nchunk * n * scr_img) * eb + nchunk * n * rb * 8
+        body = [Loop("expand tiles", tiles), Loop("conv tiles", tiles)]
+        if stride == 2:
+            body.append(Loop("blur tiles", tiles_o))
+        loops = (Loop("zero scratch", triton.cdiv(rb * phw, ZERO_BLOCK)),
+                 Loop("work items", triton.cdiv(items, nprog), (Loop("images", ib, tuple(body)),)))
+        return KernelCost(useful, mma, dram, loops, l2_bytes=l2, scratch_bytes_per_program=slot * eb + rb * 4,
+                          note=f"{nprog} persistent programs, {items} items of {ib} image(s) x {rb} channels")
 
-    def cost_pass(pass_: int) -> KernelCost:  # see kernels/_cost.py
-        r_chunks, c_steps = triton.cdiv(r, cfg.block_r), triton.cdiv(c, cfg.block_c)
-        # per program and hidden chunk: expand on the h window, nine block-diagonal conv taps on the g window
-        per_chunk = c_steps * cfg.block_h * cfg.block_c * cfg.block_r + 9 * cfg.block_g * cfg.block_r ** 2
-        loops = (Loop("hidden chunks", r_chunks, body=(Loop("expand K steps", c_steps),)),)
-        if pass_ == 1:  # expand, grouped conv (and BlurPool) of the block, counted once here
-            useful = n * h * w * r * (c + 9 * GROUP_WIDTH) + (n * oh * ow * r * 9 if stride == 2 else 0)
-            return KernelCost(
-                useful_macs=useful, mma_macs=tiles * n * r_chunks * per_chunk,
-                dram_bytes=nbytes(x, w_exp, b_exp, w_conv, b_conv) + partial.numel() * 4, loops=loops,
-                note="writes per-tile fp32 channel sums (partial), read back by the SE kernel",
-            )
-        per_chunk += cfg.block_o * cfg.block_r * cfg.block_k  # the projection
-        return KernelCost(
-            useful_macs=n * oh * ow * r * k, mma_macs=tiles * n * r_chunks * per_chunk,
-            dram_bytes=nbytes(x, out, w_exp, b_exp, w_conv, b_conv, w_proj, b_proj) + gate.numel() * 4,
-            loops=loops, note="recomputes pass 1's expand and conv",
-        )
+    launch(_mbconv_hidden_kernel, (nprog,), x, w_exp, b_exp, w_conv, b_conv, w_se1, gbuf, zpart, scratch, mslot,
+           n, h, w, oh, ow, c, r, s, nchunk, items, ib, slot,
+           *x.stride(), *w_exp.stride(), *w_conv.stride(), *w_se1.stride(),
+           SILU=silu, PREC=prec, cost=hidden_cost, **hc.constexprs())
 
-    def cost_se() -> KernelCost:
-        se_chunks = triton.cdiv(r, SE_BLOCK_R)
-        return KernelCost(
-            useful_macs=n * 2 * r * s,
-            mma_macs=0,
-            dram_bytes=nbytes(w_se1, b_se1, w_se2, b_se2) + (partial.numel() + gate.numel()) * 4,
-            loops=(Loop("R chunks (squeeze)", se_chunks, body=(Loop("tiles", tiles),)),
-                   Loop("R chunks (excite)", se_chunks)),
-        )
+    tpi = triton.cdiv(ohw, pc["BM"])
+    bn = pc["BH"] * pc["HALVES"]
+    grid = (n * tpi, triton.cdiv(k, bn))
+    gate = torch.empty((grid[0] * grid[1], r), device=x.device, dtype=x.dtype)  # per-program gate slots
 
-    launch(_mbconv_kernel, grid, *args, PREC=prec, cost=lambda: cost_pass(1), **pass_constexprs(cfg, 1))
-    launch(
-        _se_kernel, (n,), partial, gate, w_se1, b_se1, w_se2, b_se2, r, s, tiles, oh * ow, cost=cost_se,
-        **se_config(s),
-    )
-    launch(_mbconv_kernel, grid, *args, PREC=prec, cost=lambda: cost_pass(2), **pass_constexprs(cfg, 2))
+    def project_cost() -> KernelCost:
+        steps = triton.cdiv(r, pc["BR"])
+        dram = (n * ohw * r + k * r + k + r * s + s + r + n * ohw * k * (2 if stride == 1 else 1)) * eb
+        dram += n * nchunk * hc.sp * 4
+        mma = grid[0] * grid[1] * pc["BM"] * bn * steps * pc["BR"]
+        return KernelCost(n * ohw * r * k + n * r * s, mma, dram, (Loop("gate", steps), Loop("R steps", steps)),
+                          l2_bytes=grid[0] * grid[1] * r * 2 * eb, scratch_bytes_per_program=r * eb)
+
+    launch(_mbconv_project_kernel, grid, gbuf, zpart, b_se1, w_se2, b_se2, w_proj, b_proj, x, out, gate,
+           ohw, ow, r, k, s, nchunk, tpi, *x.stride(), *out.stride(), *w_se2.stride(), *w_proj.stride(),
+           RESIDUAL=stride == 1, SP=hc.sp, NCP=triton.next_power_of_2(nchunk), PREC=prec, cost=project_cost, **pc)
     return out

@@ -56,7 +56,7 @@ def mbconv(
              w_se2=w_se2, b_se2=b_se2, w_proj=w_proj, b_proj=b_proj),
     )
     if use_triton(x):
-        check_supported(r, k)
+        check_supported(x, c, r, k)
         return mbconv_triton(
             x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj, stride
         )

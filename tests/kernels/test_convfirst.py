@@ -357,11 +357,12 @@ def test_shipped_configs_compile_for_gpu(gpu_builds):
         if dtype != torch.float32:
             # bias + ReLU + pack through cvt.rn.relu (the inline-asm path the interpreter cannot run)
             assert any(op.startswith("F2FP") and "RELU" in op for op in opcodes), what
-        if stride == 1:
-            # the conv taps are cached in L1 (cp.async.ca, not the L1-bypassing .cg) ...
+        if stride == 1 and c % 16 == 0:
+            # the conv taps are cached in L1 (cp.async.ca, not the L1-bypassing .cg) ... (C = 24, Pico's
+            # stage 1, is one 32-channel part whose masked tail does not vectorize: 2-byte tap loads)
             tap_loads = [op for op in opcodes if op.startswith("LDGSTS") and "BYPASS" not in op]
             assert tap_loads, f"{what}: no L1-allocating async copies for the conv taps"
-        else:
+        elif stride == 2:
             # ... and the stride-2 window is read with plain (L1-cached) loads
             assert any(op.startswith("LDG.E") for op in opcodes), what
 
