@@ -34,7 +34,8 @@ DRAM once in the input dtype (``gbuf``, (N, H'W', R)) and read back once. Two la
    (wgmma, A gated in registers), stored once.
 
 Every reduction runs in a fixed order, so the output is bit-reproducible. The grid of the hidden
-kernel is the number of resident programs (``PROGRAMS_PER_SM`` x SMs): each program reuses its
+kernel is the number of resident programs (``PROGRAMS_PER_SM`` x SMs, one per SM where the slots
+of two would crowd the L2, as at 32x32 stride 2): each program reuses its
 scratch slot for every item, so the scratch (2 x 41 KB per program at 16x16) stays in L2 instead
 of being written back to DRAM; the projection grid is (N x tiles per image) in grid.x (up to
 2^31 - 1) and output-channel blocks in grid.y.
@@ -88,7 +89,9 @@ per SM x 132 x 1.83 GHz); the layer-wise bound is the waterline of Inductor-styl
     stage 4                    1048        2823      0.37
     stage 5                     333         785      0.42
 
-No variant spills (stack 0 on sm_90 and sm_80). The two-pass kernels these replace: issued/useful
+Fused Small's variants use no stack (fp16, sm_90 and sm_80). Elsewhere (the compile test): 16-bit
+variants of other widths and map sizes spill at most 8 B, outside the tile loops; fp32 variants
+(3xTF32 holds each operand as two parts) spill up to ~1 KB in the hidden kernel. The two-pass kernels these replace: issued/useful
 3.2 (stride 1) to 7.4 (stride 2), 255 registers everywhere with up to 2.5 KB of spills, and the
 same estimate gave 10.2 ms for stage 4 and 3.8 ms for stage 5 (3.6x and 4.9x the layer-wise bound).
 
@@ -143,6 +146,9 @@ P_BH_FP32 = 64
 PROGRAMS_PER_SM = 2
 # SM count assumed when the launch is recorded on meta tensors (the sm_90 report: H100 SXM).
 RECORD_SMS = 132
+RECORD_L2 = 50 * 1024 * 1024
+# Share of the L2 the resident programs' scratch may take (the rest holds the streamed x, g and weights).
+L2_SHARE = 0.75
 # Programs under the interpreter (CPU): it runs programs one after another, so few programs
 # with several items each cost the same and exercise the item loop.
 INTERPRETER_PROGRAMS = 3
@@ -214,13 +220,22 @@ def image_block(n: int, nchunk: int, tiles: int, programs: int) -> int:
     return best
 
 
-def persistent_programs(device: torch.device) -> int:
-    """Grid size of the hidden kernel: resident programs on the device (see PROGRAMS_PER_SM)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count * PROGRAMS_PER_SM
+def persistent_programs(device: torch.device, slot_bytes: int) -> int:
+    """Grid size of the hidden kernel: resident programs on the device (PROGRAMS_PER_SM per SM), fewer
+    per SM (down to one) while their scratch slots would take more than L2_SHARE of the L2: the scratch
+    must stay in L2 or it becomes DRAM traffic (a 32x32 stride-2 slot is 279 KB: 264 programs would
+    need 74 MB, more than an H100's 50 MB of L2)."""
     if device.type == "cpu":
         return INTERPRETER_PROGRAMS
-    return RECORD_SMS * PROGRAMS_PER_SM
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        sms, l2 = props.multi_processor_count, props.L2_cache_size
+    else:
+        sms, l2 = RECORD_SMS, RECORD_L2
+    per_sm = PROGRAMS_PER_SM
+    while per_sm > 1 and per_sm * sms * slot_bytes > L2_SHARE * l2:
+        per_sm -= 1
+    return per_sm * sms
 
 
 # ----------------------------------------------------------------------------------------------
@@ -582,12 +597,12 @@ def mbconv_triton(
     th, tho = BM // hc.tw, BMO // hc.two
     tiles = triton.cdiv(h, th) * triton.cdiv(w, hc.tw)
     tiles_o = triton.cdiv(oh, tho) * triton.cdiv(ow, hc.two)
-    programs = persistent_programs(x.device)
+    phw = (h + 2) * (w + 2)
+    slot = rb * phw + (rb * hw if stride == 2 else 0)  # elements of one program's scratch slot
+    programs = persistent_programs(x.device, slot * x.element_size() + rb * 4)
     ib = image_block(n, nchunk, tiles, programs)
     items = nchunk * triton.cdiv(n, ib)
     nprog = min(items, programs)
-    phw = (h + 2) * (w + 2)
-    slot = rb * phw + (rb * hw if stride == 2 else 0)  # elements of one program's scratch slot
     # Scratch: every element a program reads it has written (or zeroed) first, so no zero fill here.
     scratch = torch.empty((nprog * slot,), device=x.device, dtype=x.dtype)
     mslot = torch.empty((nprog, rb), device=x.device, dtype=torch.float32)
