@@ -322,6 +322,21 @@ def _gconv_pairs(
 
 
 @triton.jit
+def _program_tile(H, W, TH: tl.constexpr, TW: tl.constexpr):
+    """This program's image n and its TH x TW tile of the H x W output map (grid: N x tiles per image):
+    each row's output pixel (oh, ow) and whether it lies inside the map."""
+    pid = tl.program_id(0)
+    tiles_w = tl.cdiv(W, TW)
+    tiles = tl.cdiv(H, TH) * tiles_w
+    n = pid // tiles
+    t = pid % tiles
+    r = tl.arange(0, TH * TW)
+    oh = (t // tiles_w) * TH + r // TW
+    ow = (t % tiles_w) * TW + r % TW
+    return n, oh, ow, (oh < H) & (ow < W)
+
+
+@triton.jit
 def _convfirst_s1_kernel(
     # pointers
     x_ptr, wc_ptr, bc_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr,
@@ -343,15 +358,7 @@ def _convfirst_s1_kernel(
     sxn = tl.multiple_of(sxn, 8)
     sxh = tl.multiple_of(sxh, 8)
     sxw = tl.multiple_of(sxw, 8)
-    pid = tl.program_id(0)
-    tiles_w = tl.cdiv(W, TW)
-    tiles = tl.cdiv(H, TH) * tiles_w
-    n = pid // tiles
-    t = pid % tiles
-    r = tl.arange(0, BLOCK_M)
-    oh = (t // tiles_w) * TH + r // TW
-    ow = (t % tiles_w) * TW + r % TW
-    m_ok = (oh < H) & (ow < W)
+    n, oh, ow, m_ok = _program_tile(H, W, TH, TW)
     x_pix = x_ptr + n.to(tl.int64) * sxn + oh * sxh + ow * sxw
     out_pix = out_ptr + (n.to(tl.int64) * H * W + oh * W + ow) * C
 
@@ -495,15 +502,7 @@ def _convfirst_s2_kernel(
     sxn = tl.multiple_of(sxn, 8)
     sxh = tl.multiple_of(sxh, 8)
     sxw = tl.multiple_of(sxw, 8)
-    pid = tl.program_id(0)
-    tiles_w = tl.cdiv(WO, TW)
-    tiles = tl.cdiv(HO, TH) * tiles_w
-    n = pid // tiles
-    t = pid % tiles
-    r = tl.arange(0, BLOCK_M)
-    oh = (t // tiles_w) * TH + r // TW
-    ow = (t % tiles_w) * TW + r % TW
-    m_ok = (oh < HO) & (ow < WO)
+    n, oh, ow, m_ok = _program_tile(HO, WO, TH, TW)
     # BlurPool's reflect padding folded into per-row / per-column blur weights (exact powers of two):
     # [1/4, 1/2, 1/4] inside; first row/column (reflects -1 -> 1): [0, 1/2, 1/2]; last one of an odd
     # size (reflects H -> H - 2): [1/2, 1/2, 0].
