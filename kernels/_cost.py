@@ -20,8 +20,10 @@ Counting rules (one launch, whole grid):
   trip counts; the report matches them against the loops it finds in the compiled SASS (backward
   branches) and weights each instruction by the trips of the loops around it.
 * ``l2_bytes``: traffic to per-program scratch that is re-read by the same program shortly after it
-  is written (it stays in L1/L2); ``scratch_bytes_per_program`` is its footprint, which the report
-  checks against the L2 capacity before believing it.
+  is written (it stays in L1/L2), and reads of an intermediate the previous launch wrote just before
+  (its write is counted in that launch's ``dram_bytes``); ``scratch_bytes_per_program`` and
+  ``l2_footprint_bytes`` (the intermediate's size) are their footprint, which the report checks
+  against the L2 capacity before believing it.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class KernelCost:
     loops: tuple[Loop, ...] = ()
     l2_bytes: int = 0
     scratch_bytes_per_program: int = 0
+    l2_footprint_bytes: int = 0
     note: str = ""
 
 
@@ -70,6 +73,10 @@ class Launch:
 class Recording:
     launches: list[Launch] = field(default_factory=list)
     block: str | None = None  # the caller sets this around each block's forward
+    # the GPU the launches are sized for (meta tensors carry no device properties); None: the
+    # launchers' defaults (an H100)
+    sms: int | None = None
+    l2_bytes: int | None = None
 
     def add(self, kernel: Any, grid: tuple, args: tuple, meta: dict, cost: Callable[[], KernelCost] | None):
         grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))
@@ -84,11 +91,12 @@ def active_recording() -> Recording | None:
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[Recording]:
+def recording(sms: int | None = None, l2_bytes: int | None = None) -> Iterator[Recording]:
     """Record launches instead of running them. Inside, every op takes its Triton path whatever the
     device (meta tensors are the intended input: shapes without memory), and each ``launch`` appends
-    a :class:`Launch` with its cost declaration."""
-    rec = Recording()
+    a :class:`Launch` with its cost declaration. ``sms`` and ``l2_bytes``: the target GPU, for
+    launchers that size their grids or batch slices by it."""
+    rec = Recording(sms=sms, l2_bytes=l2_bytes)
     token = _RECORDING.set(rec)
     try:
         yield rec

@@ -78,10 +78,13 @@ LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
 
 def _jit_function(kernel):
-    """The ``JITFunction`` behind a launch's kernel (under the interpreter, re-wrapped for binding only)."""
+    """The ``JITFunction`` behind a launch's kernel (under the interpreter, re-wrapped for binding only,
+    with the options of its ``@triton.jit``, e.g. ``do_not_specialize``)."""
     from triton.runtime.jit import JITFunction
 
-    return kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
+    if isinstance(kernel, JITFunction):
+        return kernel
+    return JITFunction(kernel.fn, **getattr(kernel, "kwargs", {}))
 
 
 def variant_of(launch: Launch, arch: int) -> Variant:

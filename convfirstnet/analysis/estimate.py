@@ -121,14 +121,14 @@ def estimate_launch(
 ) -> LaunchEstimate:
     """The three bounds of one launch (module docstring). ``tensor_macs_per_program`` is what the
     compiled code issues per program (None: use the declared ``mma_macs``). ``occupancy`` (resident
-    programs per SM) decides whether the declared per-program scratch fits in L2; if it does not, its
-    ``l2_bytes`` are counted as DRAM traffic."""
+    programs per SM) decides whether the declared per-program scratch (and the declared L2-resident
+    intermediate) fits in L2; if it does not, its ``l2_bytes`` are counted as DRAM traffic."""
     programs = math.prod(grid)
     mma = cost.mma_macs if tensor_macs_per_program is None else tensor_macs_per_program * programs
     q = waves_factor(programs, target.sms)
     dev = target.device
     resident = min(programs, occupancy * target.sms)
-    scratch_in_l2 = cost.scratch_bytes_per_program * resident <= target.l2_bytes
+    scratch_in_l2 = cost.scratch_bytes_per_program * resident + cost.l2_footprint_bytes <= target.l2_bytes
     dram = cost.dram_bytes + (0 if scratch_in_l2 else cost.l2_bytes)
     return LaunchEstimate(
         index=index,

@@ -54,12 +54,13 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 # ------------------------------------------------------------------------------------------ recording
 
 
-def record_launches(model: nn.Module, x: torch.Tensor) -> list[Launch]:
+def record_launches(model: nn.Module, x: torch.Tensor, target: Target | None = None) -> list[Launch]:
     """Run ``model(x)`` inside ``recording()`` and return its launches, each labelled with the module
-    path of the innermost module whose forward was running (forward pre-hooks; the root is "")."""
+    path of the innermost module whose forward was running (forward pre-hooks; the root is "").
+    ``target``: the GPU the launchers size their grids and batch slices for (default: theirs, an H100)."""
     labels: list[str | None] = []
     handles = []
-    with recording() as rec:
+    with recording(*((target.sms, target.l2_bytes) if target else ())) as rec:
 
         def enter(path: str):
             def hook(module, args):
@@ -306,7 +307,7 @@ def build_report(
     x = torch.empty(batch, *input_size, device="meta", dtype=torch_dtype).contiguous(
         memory_format=torch.channels_last
     )
-    launches = record_launches(fused, x)
+    launches = record_launches(fused, x, tgt)
     say(f"recorded {len(launches)} launches")
 
     # 2., 3. compile the distinct variants, weight their SASS, bound each launch

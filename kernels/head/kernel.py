@@ -78,7 +78,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._cost import KernelCost, Loop
+from .._cost import KernelCost, Loop, active_recording
 from .._launch import launch
 
 FP32_PRECISION = "tf32x3"  # dot precision for fp32 operands (the interpreter computes exact fp32)
@@ -225,7 +225,8 @@ def image_groups(n: int, f_blocks: int, sms: int) -> int:
 def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return DEFAULT_SMS
+    rec = active_recording()  # meta tensors: the recording's target
+    return rec.sms if rec is not None and rec.sms and device.type == "meta" else DEFAULT_SMS
 
 
 def pixel_stride(x: torch.Tensor) -> int | None:

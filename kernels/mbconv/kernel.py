@@ -12,8 +12,9 @@ Design: the hidden tensor is computed once, stored once, and read once by a gate
 --------------------------------------------------------------------------------------
 Every output pixel needs the SE gate, and the gate needs the mean of ``g`` over the whole image. A
 design that recomputes expand + conv after the pool pays (C R + 72 R) / (2 C R + 72 R) = 56 % more
-tensor-core work at C = 256 than the block's useful MACs, so ``g`` is computed once, written to
-DRAM once in the input dtype (``gbuf``, (N, H'W', R)) and read back once. Two launches per block:
+tensor-core work at C = 256 than the block's useful MACs, so ``g`` is computed once, written
+once in the input dtype (``gbuf``, (slice, H'W', R)) and read back once, from L2 where it fits
+(batch slices, below). Two launches per block and batch slice:
 
 1. ``_mbconv_hidden_kernel`` (persistent, one program per SM slot): a work item is (hidden chunk of
    RB = 64 channels, block of IB images). The program loads the chunk's weights once per item and,
@@ -40,6 +41,19 @@ scratch slot for every item, so the scratch (2 x 41 KB per program at 16x16) sta
 of being written back to DRAM; the projection grid is (N x tiles per image) in grid.x (up to
 2^31 - 1) and output-channel blocks in grid.y.
 
+Batch slices: ``g`` stays in L2 between the two launches
+--------------------------------------------------------
+The projection reads ``g`` right after the hidden kernel wrote it. When one slice's ``g`` plus the
+hidden kernel's scratch fit in L2_SHARE (3/4) of the L2, that read hits L2 instead of DRAM, so the
+launcher runs the pair per slice of the batch (``l2_slice``): at 16x16, R = 1024, ``g`` is 512 KB
+per image and a batch of 128 runs as 4 slices of 32 images on an H100 (each slice's projection is
+one wave of 128 programs); at 8x8 the whole batch's 16 MB fit in one slice. Every slice reuses the
+same buffers, so a slice's ``g`` overwrites the previous one's lines in L2. The report still counts
+``g``'s write as DRAM traffic (a dirty line is written back when it leaves the L2) and its read as
+L2 traffic (``l2_footprint_bytes``: the report checks that it fits). Where a slice that fits would
+leave the hidden kernel's programs without work (32x32 stride 2: its scratch alone takes the L2),
+the batch runs as one pair and ``g`` goes through DRAM.
+
 Tiling of the hidden kernel
 ---------------------------
 Pixels are tiled as TH x TW image rows x columns, TW = the map width rounded up to a power of two
@@ -51,8 +65,8 @@ masks on stores and on the pool.
 
 Scratch layout (per program, x dtype): ``h`` as [H + 2 padded rows][8 groups][W + 2 padded
 columns][8 channels], so the three taps of a row are contiguous 16-byte vectors and a warp's tap
-load covers consecutive pixels of one group; the borders are zeroed once per program and never
-written again. Stride 2 adds the full-resolution ``g`` as [H W pixels][64 channels].
+load covers consecutive pixels of one group; the borders are zeroed by the first slice's launch
+and never written again (later slices reuse the zeroed slots). Stride 2 adds the full-resolution ``g`` as [H W pixels][64 channels].
 
 Scratch ordering: stores, then ``tl.debug_barrier()`` (bar.sync), then loads by other threads of
 the same program. That is safe because the scratch loads are plain ``ld.global``: the tile loops
@@ -70,24 +84,25 @@ interpreter (which cannot run inline asm) use x / (1 + exp(-x)).
 
 Waterline, as compiled (Small, batch 128, fp16, sm_90 = H100 SXM 989 TFLOP/s, 3.35 TB/s, 132 SMs;
 ``t_issue`` = warp-instructions from the SASS, weighted by the declared loop trips, / (4 per clock
-per SM x 132 x 1.83 GHz); the layer-wise bound is the waterline of Inductor-style kernels):
+per SM x 132 x 1.83 GHz); the layer-wise bound is the waterline of Inductor-style kernels; the
+launches of a block's slices summed):
     block (Small)            launch   regs  smem    MMA kind        t_tensor  t_dram  t_issue  bound
-    stage 4, s2 32x32 96->256  hidden  186   42 KB  wgmma+mma.sync    21.2     15.1    47.5    47.5 us
-                             project  153  112 KB  wgmma              6.7     12.6    15.0    15.0
-    stage 4, s1 16x16 256      hidden  255   74 KB  wgmma+mma.sync    22.8     25.4    27.5    27.5
-                             project  162  112 KB  wgmma             17.9     30.4    24.2    30.4
-    stage 5, s2 16x16 256      hidden  186   74 KB  wgmma+mma.sync    22.8     10.4    36.3    36.3
-                             project  159  112 KB  wgmma              4.5      6.6     5.9     6.6
-    stage 5, s1 8x8 256        hidden  255   74 KB  wgmma+mma.sync     5.9      6.7     9.2     9.2
-                             project  161  112 KB  wgmma              4.5      7.9     6.0     7.9
+    stage 4, s2 32x32 96->256  hidden  186   42 KB  wgmma+mma.sync    21.8     15.1    45.5    45.5 us
+                 (1 slice)   project  153  112 KB  wgmma              6.7     12.6    13.3    13.3
+    stage 4, s1 16x16 256      hidden  255   74 KB  wgmma+mma.sync    23.5     26.2    28.8    28.8
+                (4 slices)   project  162  112 KB  wgmma             17.9     11.0    23.1    23.1
+    stage 5, s2 16x16 256      hidden  186   74 KB  wgmma+mma.sync    23.5     10.4    35.9    35.9
+                 (1 slice)   project  159  112 KB  wgmma              4.5      1.6     5.6     5.6
+    stage 5, s1 8x8 256        hidden  255   74 KB  wgmma+mma.sync     5.9      6.7     9.0     9.0
+                 (1 slice)   project  161  112 KB  wgmma              4.5      2.9     5.7     5.7
 
     block                    predicted  layer-wise  ratio  issued/useful MACs
-    stage 4, s2 32x32            62.5      170.5     0.37     1.16 (C = 96 padded to 128 in the expand)
-    stage 4, s1 16x16 (x17)      57.9      156.0     0.37     1.01
-    stage 5, s2 16x16            42.9      112.2     0.38     1.01
-    stage 5, s1 8x8 (x17)        17.0       39.6     0.43     1.01
-    stage 4                    1048        2823      0.37
-    stage 5                     333         785      0.42
+    stage 4, s2 32x32            58.8      170.5     0.34     1.16 (C = 96 padded to 128 in the expand)
+    stage 4, s1 16x16 (x17)      51.9      156.0     0.33     1.01
+    stage 5, s2 16x16            41.5      112.2     0.37     1.01
+    stage 5, s1 8x8 (x17)        14.7       39.6     0.37     1.01
+    stage 4                     941        2823      0.33
+    stage 5                     293         785      0.37
 
 Fused Small's variants use no stack (fp16, sm_90 and sm_80). Elsewhere (the compile test): 16-bit
 variants of other widths and map sizes spill at most 8 B, outside the tile loops; fp32 variants
@@ -95,13 +110,13 @@ variants of other widths and map sizes spill at most 8 B, outside the tile loops
 3.2 (stride 1) to 7.4 (stride 2), 255 registers everywhere with up to 2.5 KB of spills, and the
 same estimate gave 10.2 ms for stage 4 and 3.8 ms for stage 5 (3.6x and 4.9x the layer-wise bound).
 
-Per block, the two launches are bounded by the hidden kernel's instruction issue and the
-projection's DRAM traffic (it reads the 4x-wide ``g``). Not counted by the model: L2 traffic
-(``x`` is re-read by each of the R/64 chunk items of an image, ``W_proj`` by each 64-row tile:
-about 0.6 + 2 MB per 16x16 image) and latency. Useful work per stride-1 block at 16x16 is 19.6
-GMAC = 39.6 us at peak; the DRAM floor of any design that stores ``g`` is 56 us there, which this
-one reaches. Keeping ``g`` in L2 (a persistent kernel that projects an image's tiles right after
-its hidden chunks are done, with inter-program flags) would lift that floor; it is not built.
+Per block, the two launches are bounded by instruction issue: the hidden kernel's (expand, conv,
+SiLU, scratch traffic) and the projection's (a third of it is the SE gate, recomputed by each of an
+image's 64-pixel tiles; the sigmoid goes through ``tanh.approx`` for 16-bit data). With ``g`` read
+from L2, the DRAM floor of a 16x16 block is x in, ``g`` written, out (and x again for the residual):
+37 us against 56 us when ``g`` is also read from DRAM. Not counted by the model: L2 bandwidth (``g``
+read back, ``x`` re-read by each of the R/64 chunk items of an image, ``W_proj`` by each 64-row tile)
+and latency; the first GPU measurement decides how much of the L2 read shows.
 """
 
 from __future__ import annotations
@@ -112,7 +127,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._cost import KernelCost, Loop
+from .._cost import KernelCost, Loop, active_recording
 from .._launch import GROUP_WIDTH, launch
 
 # ----------------------------------------------------------------------------------------------
@@ -144,7 +159,7 @@ P_BH_FP32 = 64
 # Resident hidden-kernel programs per SM (255 registers x 128 threads, 75 KB of shared memory:
 # two fit on sm_90 and sm_80). The grid is this times the SM count (persistent programs).
 PROGRAMS_PER_SM = 2
-# SM count assumed when the launch is recorded on meta tensors (the sm_90 report: H100 SXM).
+# SM count and L2 assumed when the launch is recorded on meta tensors without a target (H100 SXM).
 RECORD_SMS = 132
 RECORD_L2 = 50 * 1024 * 1024
 # Share of the L2 the resident programs' scratch may take (the rest holds the streamed x, g and weights).
@@ -152,6 +167,8 @@ L2_SHARE = 0.75
 # Programs under the interpreter (CPU): it runs programs one after another, so few programs
 # with several items each cost the same and exercise the item loop.
 INTERPRETER_PROGRAMS = 3
+# L2 assumed under the interpreter: small, so that tests at model widths exercise the batch slices.
+INTERPRETER_L2 = 4 * 1024 * 1024
 # Per-warp instruction estimates from the sm_90 SASS (expand + conv tile; the weight loads of a
 # work item), used only to choose the images per item (``image_block``).
 TILE_COST, ITEM_COST = 700, 400
@@ -220,6 +237,41 @@ def image_block(n: int, nchunk: int, tiles: int, programs: int) -> int:
     return best
 
 
+def device_sms_l2(device: torch.device) -> tuple[int, int]:
+    """SM count and L2 bytes of the device the launch runs on (meta: the recording's target, by
+    default an H100)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return props.multi_processor_count, props.L2_cache_size
+    if device.type == "cpu":
+        return INTERPRETER_PROGRAMS, INTERPRETER_L2
+    rec = active_recording()
+    return (rec and rec.sms or RECORD_SMS), (rec and rec.l2_bytes or RECORD_L2)
+
+
+def l2_slice(n: int, g_image_bytes: int, scratch_bytes: int, l2: int, sms: int, programs_per_image: int,
+             min_images: int) -> int:
+    """Images per (hidden, projection) launch pair. The projection reads ``g`` right after the hidden
+    kernel wrote it; when the pair's ``g`` and the hidden kernel's scratch fit in L2_SHARE of the L2,
+    that read is an L2 hit instead of DRAM traffic (at 16x16, R = 1024: 512 KB of ``g`` per image, so
+    a batch of 128 is cut into slices of 32 images on an H100). The whole batch when it fits, or when
+    a slice that fits would have fewer than ``min_images`` (too few work items to keep the hidden
+    kernel's programs busy; then ``g`` goes through DRAM); otherwise the slice size with the fewest
+    projection waves over the batch, then the fewest slices."""
+    cap = int((L2_SHARE * l2 - scratch_bytes) // max(1, g_image_bytes))
+    if cap >= n or cap < min_images:
+        return n
+    best, best_key = cap, None
+    # the waves repeat with a period of at most `sms` images: two periods below the cap suffice
+    for ns in range(cap, max(min_images, cap - 2 * sms) - 1, -1):
+        full, last = divmod(n, ns)
+        waves = full * triton.cdiv(ns * programs_per_image, sms) + triton.cdiv(last * programs_per_image, sms)
+        key = (waves, triton.cdiv(n, ns))
+        if best_key is None or key <= best_key:
+            best, best_key = ns, key
+    return best
+
+
 def persistent_programs(device: torch.device, slot_bytes: int) -> int:
     """Grid size of the hidden kernel: resident programs on the device (PROGRAMS_PER_SM per SM), fewer
     per SM (down to one) while their scratch slots would take more than L2_SHARE of the L2: the scratch
@@ -227,11 +279,7 @@ def persistent_programs(device: torch.device, slot_bytes: int) -> int:
     need 74 MB, more than an H100's 50 MB of L2)."""
     if device.type == "cpu":
         return INTERPRETER_PROGRAMS
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        sms, l2 = props.multi_processor_count, props.L2_cache_size
-    else:
-        sms, l2 = RECORD_SMS, RECORD_L2
+    sms, l2 = device_sms_l2(device)
     per_sm = PROGRAMS_PER_SM
     while per_sm > 1 and per_sm * sms * slot_bytes > L2_SHARE * l2:
         per_sm -= 1
@@ -255,6 +303,18 @@ def _silu(acc, half_bias, MODE: tl.constexpr):
         t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u], dtype=tl.float32, is_pure=True,
                                       pack=1)
         return u + u * t
+
+
+@triton.jit
+def _sigmoid(e, MODE: tl.constexpr):
+    """sigmoid(e) in fp32. MODE 0: 1 / (1 + exp(-e)); MODE 1: 0.5 + 0.5 tanh(e / 2) through
+    tanh.approx.f32 (the gate is rounded to 16 bits next; about 15 instructions fewer per value)."""
+    if MODE == 0:
+        return tl.sigmoid(e)
+    else:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [e * 0.5], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+        return 0.5 + 0.5 * t
 
 
 @triton.jit
@@ -294,10 +354,11 @@ def _tile(t, ncol, H, W, m, TW: tl.constexpr, TH: tl.constexpr, EXACT: tl.conste
         return y, x, tl.minimum(y, H - 1), tl.minimum(x, W - 1), (y < H) & (x < W)
 
 
-@triton.jit
+# IB is not specialized: at IB = 1 the specialized variant spilled 40 B (Small, 16x16, fp16, sm_90)
+@triton.jit(do_not_specialize=["IB"])
 def _mbconv_hidden_kernel(
     x_ptr, wexp_ptr, bexp_ptr, wconv_ptr, bconv_ptr, w1_ptr, g_ptr, z_ptr, scr_ptr, ms_ptr,
-    N, H, W_RT, OH, OW, C, R, S, NCHUNK, ITEMS, IB, SLOT,
+    N, H, W_RT, OH, OW, C, R, S, NCHUNK, ITEMS, IB, SLOT, NZ,
     sxn, sxc, sxh, sxw, swe_r, swe_c, swc_r, swc_i, swc_y, swc_x, sw1_s, sw1_r,
     STRIDE: tl.constexpr, RB: tl.constexpr, CP: tl.constexpr, SP: tl.constexpr,
     MASK_C: tl.constexpr, MASK_R: tl.constexpr,
@@ -321,9 +382,19 @@ def _mbconv_hidden_kernel(
     gs = hs + RB * PHW
     ms = ms_ptr + pid * RB
 
+    # Zero the h slot's border (the conv's zero padding, NZ = 2 padded rows + 2 columns of each row
+    # = 2 (W + 2) RB + 2 H RB elements) once: tiles write only the interior, and later launches on
+    # the same scratch (batch slices) find the border still zero (NZ = 0; a multiple of 16 either
+    # way, so both launches share one compiled variant).
     zr = tl.arange(0, ZB)
-    for z0 in range(0, RB * PHW, ZB):
-        tl.store(hs + z0 + zr, tl.zeros([ZB], dtype), mask=z0 + zr < RB * PHW)
+    ROWE = G * PW * 8  # elements of one padded row
+    for z0 in range(0, NZ, ZB):
+        e = z0 + zr
+        e2 = e - 2 * ROWE
+        row = 1 + e2 // (G * 16)
+        side = row * ROWE + ((e2 // 16) % G) * (PW * 8) + ((e2 // 8) % 2) * ((PW - 1) * 8) + e2 % 8
+        off = tl.where(e < 2 * ROWE, (e // ROWE) * ((H + 1) * ROWE) + e % ROWE, side)
+        tl.store(hs + off, tl.zeros([ZB], dtype), mask=e < NZ)
 
     rr = tl.arange(0, RB)
     rc = tl.arange(0, CP)
@@ -472,7 +543,7 @@ def _mbconv_project_kernel(
     OHW, OW, R, K, S, NCHUNK, TPI,
     sxn, sxc, sxh, sxw, son, sok, soh, sow, sw2_r, sw2_s, swp_k, swp_r,
     RESIDUAL: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, HALVES: tl.constexpr, BR: tl.constexpr,
-    SP: tl.constexpr, NCP: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
+    SP: tl.constexpr, NCP: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr, SIGMOID: tl.constexpr,
 ):
     dtype = g_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -497,7 +568,7 @@ def _mbconv_project_kernel(
         w2 = tl.load(w2_ptr + rr[:, None] * sw2_r + sv[None, :] * sw2_s, mask=rv[:, None] & (sv < S)[None, :],
                      other=0.0)
         e = tl.sum(w2.to(tl.float32) * z[None, :], axis=1) + tl.load(b2_ptr + rr, mask=rv, other=0.0).to(tl.float32)
-        tl.store(gate + rr, tl.sigmoid(e).to(gate_ptr.dtype.element_ty), mask=rv)
+        tl.store(gate + rr, _sigmoid(e, SIGMOID).to(gate_ptr.dtype.element_ty), mask=rv)
     tl.debug_barrier()
     # accumulators start at bias (+ residual); with HALVES = 2 the output width is split in two
     # accumulators so that the epilogue converts half of it at a time
@@ -578,8 +649,9 @@ def mbconv_triton(
     b_proj: torch.Tensor,
     stride: int,
 ) -> torch.Tensor:
-    """Launch the hidden kernel and the projection. Inputs are validated by op.py before this call;
-    every buffer is allocated here (the op stays functional and CUDA-graph safe)."""
+    """Launch the hidden kernel and the projection, per batch slice (``l2_slice``). Inputs are
+    validated by op.py before this call; every buffer is allocated here (the op stays functional and
+    CUDA-graph safe)."""
     n, c, h, w = x.shape
     r, k, s = w_exp.shape[0], w_proj.shape[0], w_se1.shape[0]
     oh, ow = (h, w) if stride == 1 else ((h + 1) // 2, (w + 1) // 2)
@@ -599,55 +671,97 @@ def mbconv_triton(
     tiles_o = triton.cdiv(oh, tho) * triton.cdiv(ow, hc.two)
     phw = (h + 2) * (w + 2)
     slot = rb * phw + (rb * hw if stride == 2 else 0)  # elements of one program's scratch slot
-    programs = persistent_programs(x.device, slot * x.element_size() + rb * 4)
-    ib = image_block(n, nchunk, tiles, programs)
-    items = nchunk * triton.cdiv(n, ib)
-    nprog = min(items, programs)
+    eb = x.element_size()
+    programs = persistent_programs(x.device, slot * eb + rb * 4)
+    tpi = triton.cdiv(ohw, pc["BM"])
+    bn = pc["BH"] * pc["HALVES"]
+    kb = triton.cdiv(k, bn)
+    sms, l2 = device_sms_l2(x.device)
+    scratch_bytes = programs * (slot * eb + rb * 4)
+    ns = l2_slice(n, ohw * r * eb, scratch_bytes, l2, sms, tpi * kb, triton.cdiv(programs, nchunk))
+    g_in_l2 = ns * ohw * r * eb + scratch_bytes <= L2_SHARE * l2
+    ib = image_block(ns, nchunk, tiles, programs)
+    nprog = min(nchunk * triton.cdiv(ns, ib), programs)
     # Scratch: every element a program reads it has written (or zeroed) first, so no zero fill here.
+    # Every buffer below is reused by each slice: the slice's g is overwritten while it is in L2.
     scratch = torch.empty((nprog * slot,), device=x.device, dtype=x.dtype)
+    if x.device.type == "cpu":  # the interpreter (tests): a read before a write or zero fill shows as NaN
+        scratch.fill_(float("nan"))
     mslot = torch.empty((nprog, rb), device=x.device, dtype=torch.float32)
-    gbuf = torch.empty((n, ohw, r), device=x.device, dtype=x.dtype)
-    zpart = torch.empty((n, nchunk, hc.sp), device=x.device, dtype=torch.float32)
+    gbuf = torch.empty((ns, ohw, r), device=x.device, dtype=x.dtype)
+    zpart = torch.empty((ns, nchunk, hc.sp), device=x.device, dtype=torch.float32)
+    gate = torch.empty((ns * tpi * kb, r), device=x.device, dtype=x.dtype)  # per-program gate slots
     prec = FP32_PRECISION if x.dtype == torch.float32 else "tf32"  # only fp32 operands use it
     silu = 0 if x.dtype == torch.float32 or x.device.type == "cpu" else 1
-    eb = x.element_size()
+    for n0 in range(0, n, ns):
+        m = min(ns, n - n0)
+        _launch_slice(x[n0:n0 + m], out[n0:n0 + m], w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2,
+                      w_proj, b_proj, stride, hc, pc, scratch, mslot, gbuf[:m], zpart[:m], gate, programs, ib,
+                      g_in_l2, n0 == 0, silu, prec, f" (slice {n0 // ns + 1} of {triton.cdiv(n, ns)})" if ns < n else "")
+    return out
+
+
+def _launch_slice(x, out, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj, stride,
+                  hc, pc, scratch, mslot, gbuf, zpart, gate, programs, ib, g_in_l2, zero, silu, prec, label):
+    """The two launches of one batch slice; the cost lambdas declare what each launch does. ``zero``:
+    this launch zeroes the scratch borders (the first slice; it has the most programs)."""
+    n, c, h, w = x.shape
+    r, k, s = w_exp.shape[0], w_proj.shape[0], w_se1.shape[0]
+    oh, ow = out.shape[2], out.shape[3]
+    hw, ohw = h * w, oh * ow
+    rb, eb = hc.rb, x.element_size()
+    nchunk = triton.cdiv(r, rb)
+    th, tho = BM // hc.tw, BMO // hc.two
+    tiles = triton.cdiv(h, th) * triton.cdiv(w, hc.tw)
+    tiles_o = triton.cdiv(oh, tho) * triton.cdiv(ow, hc.two)
+    phw = (h + 2) * (w + 2)
+    slot = rb * phw + (rb * hw if stride == 2 else 0)
+    items = nchunk * triton.cdiv(n, ib)  # ib of the first (largest) slice: no slice has more programs
+    nprog = min(items, programs)
+
+    border = 2 * rb * (w + 2) + 2 * h * rb  # elements of the h slot's zero border
 
     def hidden_cost() -> KernelCost:
         g8 = rb // 8
         useful = n * (hw * c * r + hw * r * 72 + (ohw * r * 9 if stride == 2 else 0) + r * s)
         mma = nchunk * n * tiles * (BM * rb * hc.cp + g8 * BM * 16 * 8 * 5)
+        # g is counted as written to DRAM even when the projection reads it from L2 (a dirty line
+        # is written back when it leaves the L2, unless the next slice overwrites it first)
         dram = (n * c * hw + r * c + r * 72 + 2 * r + s * r + n * ohw * r) * eb + n * nchunk * hc.sp * 4
         scr_img = hw * rb + tiles * 5 * g8 * BM * 16  # h written, then five two-tap reads per tile
         if stride == 2:
             scr_img += hw * rb + tiles_o * 9 * BMO * rb  # g written, then nine blur taps
-        l2 = (nprog * rb * phw + nchunk * n * scr_img) * eb + nchunk * n * rb * 8
+        l2 = ((nprog * border if zero else 0) + nchunk * n * scr_img) * eb + nchunk * n * rb * 8
         body = [Loop("expand tiles", tiles), Loop("conv tiles", tiles)]
         if stride == 2:
             body.append(Loop("blur tiles", tiles_o))
-        loops = (Loop("zero scratch", triton.cdiv(rb * phw, ZERO_BLOCK)),
+        loops = (Loop("zero scratch", triton.cdiv(border, ZERO_BLOCK) if zero else 0),
                  Loop("work items", triton.cdiv(items, nprog), (Loop("images", ib, tuple(body)),)))
         return KernelCost(useful, mma, dram, loops, l2_bytes=l2, scratch_bytes_per_program=slot * eb + rb * 4,
-                          note=f"{nprog} persistent programs, {items} items of {ib} image(s) x {rb} channels")
+                          note=f"{nprog} persistent programs, {items} items of {ib} image(s) x {rb} channels"
+                          + label)
 
     launch(_mbconv_hidden_kernel, (nprog,), x, w_exp, b_exp, w_conv, b_conv, w_se1, gbuf, zpart, scratch, mslot,
-           n, h, w, oh, ow, c, r, s, nchunk, items, ib, slot,
+           n, h, w, oh, ow, c, r, s, nchunk, items, ib, slot, border if zero else 0,
            *x.stride(), *w_exp.stride(), *w_conv.stride(), *w_se1.stride(),
            SILU=silu, PREC=prec, cost=hidden_cost, **hc.constexprs())
 
     tpi = triton.cdiv(ohw, pc["BM"])
     bn = pc["BH"] * pc["HALVES"]
     grid = (n * tpi, triton.cdiv(k, bn))
-    gate = torch.empty((grid[0] * grid[1], r), device=x.device, dtype=x.dtype)  # per-program gate slots
 
     def project_cost() -> KernelCost:
         steps = triton.cdiv(r, pc["BR"])
-        dram = (n * ohw * r + k * r + k + r * s + s + r + n * ohw * k * (2 if stride == 1 else 1)) * eb
-        dram += n * nchunk * hc.sp * 4
+        g_bytes = n * ohw * r * eb
+        dram = (k * r + k + r * s + s + r + n * ohw * k * (2 if stride == 1 else 1)) * eb
+        dram += n * nchunk * hc.sp * 4 + (0 if g_in_l2 else g_bytes)
         mma = grid[0] * grid[1] * pc["BM"] * bn * steps * pc["BR"]
         return KernelCost(n * ohw * r * k + n * r * s, mma, dram, (Loop("gate", steps), Loop("R steps", steps)),
-                          l2_bytes=grid[0] * grid[1] * r * 2 * eb, scratch_bytes_per_program=r * eb)
+                          l2_bytes=grid[0] * grid[1] * r * 2 * eb + (g_bytes if g_in_l2 else 0),
+                          scratch_bytes_per_program=r * eb, l2_footprint_bytes=g_bytes if g_in_l2 else 0,
+                          note=("g read from L2" if g_in_l2 else "g read from DRAM") + label)
 
     launch(_mbconv_project_kernel, grid, gbuf, zpart, b_se1, w_se2, b_se2, w_proj, b_proj, x, out, gate,
            ohw, ow, r, k, s, nchunk, tpi, *x.stride(), *out.stride(), *w_se2.stride(), *w_proj.stride(),
-           RESIDUAL=stride == 1, SP=hc.sp, NCP=triton.next_power_of_2(nchunk), PREC=prec, cost=project_cost, **pc)
-    return out
+           RESIDUAL=stride == 1, SP=hc.sp, NCP=triton.next_power_of_2(nchunk), PREC=prec, SIGMOID=silu,
+           cost=project_cost, **pc)

@@ -299,15 +299,16 @@ def _record(n, c, k, h, w, stride, dtype=torch.float16):
 
 @pytest.mark.parametrize("stride", [1, 2])
 def test_batch_past_the_grid_y_limit(stride):
-    """Batch 100,000 (past 65535, the grid.y/z limit): the batch lives in grid.x, the hidden kernel
-    is persistent (its grid is the number of resident programs), and the output has the right shape."""
+    """Batch 100,000 (past 65535, the grid.y/z limit): the batch lives in grid.x (cut into L2
+    slices), the hidden kernel is persistent (its grid is the number of resident programs), and the
+    output has the right shape."""
     pytest.importorskip("triton")
     launches, out = _record(100_000, 256, 256, 8, 8, stride)
     assert out.shape == (100_000, 256, 8 // stride, 8 // stride)
-    hidden, project = launches
-    assert hidden.grid == (132 * 2,)
-    assert project.grid[0] >= 100_000 and project.grid[0] <= 2**31 - 1
-    assert all(g <= 65535 for g in project.grid[1:])
+    hidden, project = launches[0::2], launches[1::2]
+    assert hidden[0].grid == (132 * 2,) and all(lc.grid[0] <= 132 * 2 for lc in hidden)
+    assert sum(lc.grid[0] for lc in project) >= 100_000  # every image has its projection tiles
+    assert all(lc.grid[0] <= 2**31 - 1 and all(g <= 65535 for g in lc.grid[1:]) for lc in project)
 
 
 @pytest.mark.parametrize("stride,c,k,hw,max_waste", [
@@ -318,7 +319,8 @@ def test_cost_declarations_add_up(stride, c, k, hw, max_waste):
     """The launches' useful MACs sum to the training-form block's count (expand, grouped conv,
     BlurPool, SE, projection); the issued tensor-core MACs are at least the dots' share of it and
     at most ``max_waste`` times it (Small's shapes: the conv's tenth tap, C = 96 padded to 128);
-    the declared DRAM traffic covers x, g written and read, and the output."""
+    the declared DRAM traffic covers x, g written once and the output, and g's read is declared as
+    DRAM or (when it stays in L2) L2 traffic."""
     pytest.importorskip("triton")
     from convfirstnet.blocks import MBConv
     from convfirstnet.profile import count_macs
@@ -333,7 +335,75 @@ def test_cost_declarations_add_up(stride, c, k, hw, max_waste):
     dots = n * (hw * hw * (c * r + 72 * r) + ohw * r * k)
     assert dots <= sum(cst.mma_macs for cst in costs) <= max_waste * dots
     g_bytes = n * ohw * r * 2
-    assert sum(cst.dram_bytes for cst in costs) >= 2 * g_bytes + n * c * hw * hw * 2 + n * k * ohw * 2
+    assert sum(cst.dram_bytes for cst in costs) >= g_bytes + n * c * hw * hw * 2 + n * k * ohw * 2
+    assert costs[1].dram_bytes + costs[1].l2_bytes >= g_bytes and costs[1].l2_footprint_bytes in (0, g_bytes)
+
+
+@pytest.mark.parametrize("stride,c,hw,slices", [
+    (1, 256, 16, 4),  # stage 4: 512 KB of g per image -> 4 slices of 32 images
+    (2, 256, 16, 1),  # stage 5 stride 2: 128 KB per image, the whole batch fits
+    (1, 256, 8, 1),  # stage 5
+    (2, 96, 32, 1),  # stage 4 stride 2: the scratch takes the L2, g goes through DRAM
+])
+def test_l2_slices_of_small(stride, c, hw, slices):
+    """Fused Small at batch 128 on the recorded H100 (132 SMs, 50 MB L2): the launcher cuts the batch
+    into slices whose g (plus the hidden kernel's scratch) fits in 3/4 of the L2, so that the
+    projection reads g from L2; each slice's projection is one wave; the slices cover the batch."""
+    pytest.importorskip("triton")
+    from convfirstnet.kernels.mbconv import kernel
+
+    n, k = 128, 256
+    launches, _ = _record(n, c, k, hw, hw, stride)
+    assert len(launches) == 2 * slices
+    hidden, project = launches[0::2], launches[1::2]
+    ohw, r = (hw // stride) ** 2, 4 * c
+    images = [p.grid[0] // triton_cdiv(ohw, kernel.P_BM) for p in project]
+    assert sum(images) == n
+    budget = kernel.L2_SHARE * kernel.RECORD_L2
+    for h, p, m in zip(hidden, project, images):
+        scratch = h.grid[0] * h.cost.scratch_bytes_per_program
+        in_l2 = slices > 1 or m * ohw * r * 2 + scratch <= budget
+        assert ("g read from L2" in p.cost.note) == in_l2
+        if in_l2:
+            assert p.cost.l2_footprint_bytes == m * ohw * r * 2 and p.cost.l2_footprint_bytes + scratch <= budget
+        if slices > 1:
+            assert p.grid[0] * p.grid[1] <= kernel.RECORD_SMS
+    # the scratch borders are zeroed by the first slice only
+    assert [lc.cost.loops[0].trips > 0 for lc in hidden] == [True] + [False] * (slices - 1)
+
+
+def test_l2_slices_follow_the_target():
+    """Recorded for an A100 (108 SMs, 40 MB L2; the sm_80 report) instead of the default H100, the
+    16x16 stride-1 block runs as 5 slices of at most 26 images (104 projection programs): one wave
+    each, the fewest possible for 512 programs on 108 SMs."""
+    pytest.importorskip("triton")
+    from convfirstnet.kernels._cost import recording
+
+    x, weights = make_block(1, 256, 1, 1, 1)
+    x = torch.empty(128, 256, 16, 16, device="meta", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+    weights = [t.to(device="meta", dtype=torch.float16) for t in weights]
+    with recording(sms=108, l2_bytes=40 * 1024**2) as rec:
+        torch.ops.convfirstnet.mbconv(x, *weights, 1)
+    project = rec.launches[1::2]
+    assert [p.grid[0] for p in project] == [104] * 4 + [96]
+    assert rec.launches[0].grid[0] <= 2 * 108  # two hidden programs per SM at most
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_output_independent_of_slices(interpreter_backend, monkeypatch, stride):
+    """The batch cut into slices of 1 or 2 images (the last one shorter; the scratch borders zeroed
+    only by the first launch) gives bit-identical output to one launch pair over the batch."""
+    from convfirstnet.kernels.mbconv import kernel
+
+    x, weights = make_block(3, 128, 8, 8, stride, k=128 if stride == 1 else 160, dtype=torch.float16, seed=7)
+    whole = check(x, weights, stride)
+    for ns in (1, 2):
+        monkeypatch.setattr(kernel, "l2_slice", lambda *args, ns=ns: ns)
+        assert torch.equal(torch.ops.convfirstnet.mbconv(x, *weights, stride), whole)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,7 +521,7 @@ def small_asm():
     for c, k, hw, stride, dtype in ((256, 256, 16, 1, torch.float16), (256, 256, 16, 1, torch.float32),
                                     (96, 256, 32, 2, torch.float16)):
         launches, _ = _record(128, c, k, hw, hw, stride, dtype)
-        picked += [(stride, dtype, variant_of(lc, 90)) for lc in launches]
+        picked += [(stride, dtype, variant_of(lc, 90)) for lc in launches[:2]]  # the first slice's pair
     return [(stride, dtype, v, asm) for (stride, dtype, v), asm in zip(picked, _compile_asm([p[2] for p in picked]))]
 
 
@@ -477,11 +547,14 @@ def test_scratch_loads_follow_the_barrier(small_asm):
 
 
 def test_silu_fast_path_only_for_half_precision(small_asm):
-    """fp16 (and bf16) kernels compute SiLU through tanh.approx.f32 (inline asm, GPU only; the
-    interpreter runs the plain formula); fp32 keeps the exact formula."""
+    """fp16 (and bf16) kernels compute SiLU (hidden kernel) and the SE sigmoid (projection) through
+    tanh.approx.f32 (inline asm, GPU only; the interpreter runs the plain formulas); fp32 keeps the
+    exact formulas."""
+    names = set()
     for _, dtype, v, asm in small_asm:
-        if v.name == "_mbconv_hidden_kernel":
-            assert ("tanh.approx.f32" in asm["ptx"]) == (dtype != torch.float32)
+        names.add(v.name)
+        assert ("tanh.approx.f32" in asm["ptx"]) == (dtype != torch.float32), (v.name, dtype)
+    assert names == {"_mbconv_hidden_kernel", "_mbconv_project_kernel"}
 
 
 # ---------------------------------------------------------------------------------------------
