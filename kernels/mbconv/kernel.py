@@ -66,7 +66,8 @@ masks on stores and on the pool.
 Scratch layout (per program, x dtype): ``h`` as [H + 2 padded rows][8 groups][W + 2 padded
 columns][8 channels], so the three taps of a row are contiguous 16-byte vectors and a warp's tap
 load covers consecutive pixels of one group; the borders are zeroed by the first slice's launch
-and never written again (later slices reuse the zeroed slots). Stride 2 adds the full-resolution ``g`` as [H W pixels][64 channels].
+and never written again (later slices reuse the zeroed slots). Stride 2 adds the full-resolution
+``g`` as [H W pixels][64 channels].
 
 Scratch ordering: stores, then ``tl.debug_barrier()`` (bar.sync), then loads by other threads of
 the same program. That is safe because the scratch loads are plain ``ld.global``: the tile loops
@@ -243,7 +244,7 @@ def device_sms_l2(device: torch.device) -> tuple[int, int]:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return props.multi_processor_count, props.L2_cache_size
-    if device.type == "cpu":
+    if device.type == "cpu":  # the interpreter: its programs stand for the SMs
         return INTERPRETER_PROGRAMS, INTERPRETER_L2
     rec = active_recording()
     return (rec and rec.sms or RECORD_SMS), (rec and rec.l2_bytes or RECORD_L2)
@@ -695,9 +696,10 @@ def mbconv_triton(
     silu = 0 if x.dtype == torch.float32 or x.device.type == "cpu" else 1
     for n0 in range(0, n, ns):
         m = min(ns, n - n0)
+        label = f" (slice {n0 // ns + 1} of {triton.cdiv(n, ns)})" if ns < n else ""
         _launch_slice(x[n0:n0 + m], out[n0:n0 + m], w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2,
                       w_proj, b_proj, stride, hc, pc, scratch, mslot, gbuf[:m], zpart[:m], gate, programs, ib,
-                      g_in_l2, n0 == 0, silu, prec, f" (slice {n0 // ns + 1} of {triton.cdiv(n, ns)})" if ns < n else "")
+                      g_in_l2, n0 == 0, silu, prec, label)
     return out
 
 

@@ -365,7 +365,8 @@ def test_l2_slices_of_small(stride, c, hw, slices):
         in_l2 = slices > 1 or m * ohw * r * 2 + scratch <= budget
         assert ("g read from L2" in p.cost.note) == in_l2
         if in_l2:
-            assert p.cost.l2_footprint_bytes == m * ohw * r * 2 and p.cost.l2_footprint_bytes + scratch <= budget
+            assert p.cost.l2_footprint_bytes == m * ohw * r * 2
+            assert p.cost.l2_footprint_bytes + scratch <= budget
         if slices > 1:
             assert p.grid[0] * p.grid[1] <= kernel.RECORD_SMS
     # the scratch borders are zeroed by the first slice only
@@ -380,7 +381,8 @@ def test_l2_slices_follow_the_target():
     from convfirstnet.kernels._cost import recording
 
     x, weights = make_block(1, 256, 1, 1, 1)
-    x = torch.empty(128, 256, 16, 16, device="meta", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+    x = torch.empty(128, 256, 16, 16, device="meta", dtype=torch.float16)
+    x = x.contiguous(memory_format=torch.channels_last)
     weights = [t.to(device="meta", dtype=torch.float16) for t in weights]
     with recording(sms=108, l2_bytes=40 * 1024**2) as rec:
         torch.ops.convfirstnet.mbconv(x, *weights, 1)
