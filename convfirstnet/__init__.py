@@ -6,11 +6,15 @@
     fused = convfirstnet.fuse(model)                      # BatchNorm folded, NHWC, one op per block
 """
 
-from ._kernels_path import ensure_kernels_package
-
-ensure_kernels_package()
-
-from . import kernels  # noqa: E402,F401  (registers torch.ops.convfirstnet.*)
+try:
+    from . import kernels  # noqa: F401  (registers torch.ops.convfirstnet.*)
+except ImportError as e:  # the top-level kernels/ folder ships as convfirstnet.kernels (pyproject.toml)
+    if e.name not in ("convfirstnet", "convfirstnet.kernels"):  # not found, rather than failing inside
+        raise
+    raise ImportError(
+        "convfirstnet.kernels is missing: install the package (`pip install -e .` in a source checkout) "
+        "instead of putting the checkout on the path"
+    ) from e
 
 __version__ = "0.1.0"
 

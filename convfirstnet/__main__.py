@@ -1,3 +1,3 @@
-from convfirstnet.cli import main
+from convfirstnet.commands.cli import main
 
 raise SystemExit(main())

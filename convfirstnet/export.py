@@ -1,7 +1,6 @@
 """Deployment: the fused form as a ``torch.export`` program, the BatchNorm-folded layer-wise form as ONNX.
 
-    convfirstnet export --model pico --checkpoint pico.safetensors --format pt2    # -> convfirstnet_pico.pt2
-    convfirstnet export --model pico --checkpoint pico.safetensors --format onnx   # -> convfirstnet_pico.onnx
+The command ``convfirstnet export`` (``convfirstnet/commands/export.py``) runs these on a named model.
 
 * ``pt2`` (:func:`export_pt2`): ``torch.export`` of the fused inference form, saved with
   ``torch.export.save``. The graph holds one ``torch.ops.convfirstnet`` op per block (the Triton kernels
@@ -15,9 +14,6 @@
   is checked with ONNX's checker and run with onnxruntime on CPU against the PyTorch model. ONNX,
   onnxscript and onnxruntime are the optional extra ``pip install "convfirstnet[onnx]"``.
 
-Errors (a missing weight file, a bad option value, a failed check) print one ``convfirstnet export: error:``
-line and exit with status 1 (a malformed command line prints the usage line before it).
-
 Both exports are verified after writing: the saved file is loaded back and run at a batch size other
 than the one traced, and the maximum relative error against the PyTorch model (``max |a - b| / max |b|``)
 is printed; above ``MAX_REL_ERR`` the export fails. ``torch.jit.script`` is not supported (the models use
@@ -26,16 +22,16 @@ Python control flow and custom ops that TorchScript cannot compile); ``torch.exp
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from convfirstnet.tools._cli import ArgumentParser
+from .blocks import FusedBlock
+from .factory import fuse
+from .folding import fold_batchnorm
 
 FORMATS = ("pt2", "onnx")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -52,8 +48,6 @@ class ExportError(RuntimeError):
 
 
 def _is_fused(model: nn.Module) -> bool:
-    from .blocks import FusedBlock
-
     return any(isinstance(m, FusedBlock) for m in model.modules())
 
 
@@ -81,8 +75,6 @@ def export_pt2(
     """Save ``torch.export`` of the fused form of ``model`` (a training-form or fused ConvFirstNet) to
     ``path`` with a dynamic batch dimension, load it back, run it and return the max relative error
     against the eager fused model."""
-    from . import fuse
-
     fused = (model if _is_fused(model) else fuse(model)).eval().to(device=device, dtype=dtype)
     x = _input(fused, TRACE_BATCH, img_size, device, dtype)
     batch = torch.export.Dim("batch")
@@ -117,8 +109,6 @@ def export_onnx(
     """Write the BatchNorm-folded layer-wise form of ``model`` (training form) as ONNX with a dynamic
     batch, check it with ``onnx.checker`` and return the max relative error of onnxruntime (CPU)
     against the PyTorch model."""
-    from .folding import fold_batchnorm
-
     try:
         import onnx
         import onnxruntime
@@ -159,80 +149,3 @@ def export_onnx(
     if not err <= MAX_REL_ERR:
         raise ExportError(f"{path}: onnxruntime differs from the PyTorch model (max relative error {err:.1e})")
     return err
-
-
-# ------------------------------------------------------------------------------------------ command
-def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog="convfirstnet export",
-        description="Export a ConvFirstNet for deployment: pt2 (torch.export of the fused form, the "
-        "convfirstnet ops kept; NVIDIA GPUs through PyTorch) or onnx (BatchNorm-folded layer-wise form, "
-        "standard ONNX operators; other runtimes). The file is loaded back and checked against PyTorch.",
-    )
-    p.add_argument("--model", required=True, help="pico, nano, tiny, small or convfirstnet_<size>")
-    p.add_argument("--format", required=True, choices=FORMATS)
-    p.add_argument("--checkpoint", default=None, help="weight file (default: the pretrained=True lookup)")
-    p.add_argument("--random-weights", action="store_true", help="export randomly initialised weights")
-    p.add_argument("--output", default=None, help="default: ./<model name>.<format>")
-    p.add_argument("--img-size", type=int, default=None, help="input size (default: the pretrained_cfg's, 256)")
-    p.add_argument("--device", default="cpu", help="pt2: device to export on and for (cpu, cuda)")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="pt2: model dtype (onnx: fp32)")
-    p.add_argument("--opset", type=int, default=None, help="onnx: opset version (default: the exporter's)")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        print(run(args))
-    except (ExportError, ValueError, TypeError, RuntimeError, FileNotFoundError) as e:
-        message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
-        print(f"convfirstnet export: error: {message}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def run(args: argparse.Namespace) -> str:
-    from . import create_model
-    from .blocks import MIN_INPUT_SIZE
-    from .factory import _canonical
-    from .weights import WeightsNotFoundError
-
-    name = _canonical(args.model)
-    if args.checkpoint and args.random_weights:
-        raise ValueError("--checkpoint and --random-weights exclude each other")
-    if args.format == "onnx" and args.dtype != "float32":
-        raise ValueError("--dtype: the ONNX export is float32 (convert it with ONNX tools afterwards)")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}, but no CUDA device is available")
-    if args.random_weights:
-        model = create_model(name)
-    else:
-        try:
-            model = create_model(name, pretrained=True, checkpoint_path=args.checkpoint, fuse=False)
-        except WeightsNotFoundError as e:
-            if args.checkpoint:
-                raise
-            raise ExportError(f"{e} Or pass --checkpoint PATH (--random-weights for random weights).") from e
-    img_size = args.img_size or model.pretrained_cfg["input_size"][-1]
-    if img_size < MIN_INPUT_SIZE:
-        raise ValueError(f"--img-size {img_size}: ConvFirstNet needs at least {MIN_INPUT_SIZE}")
-    output = Path(args.output or f"{name}.{args.format}")
-    weights = "random weights" if args.random_weights else f"weights {args.checkpoint or 'from the lookup'}"
-    if args.format == "pt2":
-        err = export_pt2(model, output, img_size=img_size, device=args.device, dtype=DTYPES[args.dtype])
-        what = f"fused form, torch.export, {args.device} {args.dtype}"
-        check = "torch.export.load"
-    else:
-        err = export_onnx(model, output, img_size=img_size, opset=args.opset)
-        what = "BatchNorm-folded layer-wise form, ONNX, float32"
-        check = "onnxruntime (CPU)"
-    shape = f"(batch, {model.in_chans}, {img_size}, {img_size})"
-    return (
-        f"wrote {output} ({name}, {weights}; {what}; input {shape}, dynamic batch)\n"
-        f"checked with {check} at batch {CHECK_BATCH}: max relative error vs PyTorch {err:.2e}"
-    )
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

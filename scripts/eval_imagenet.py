@@ -1,15 +1,10 @@
 #!/usr/bin/env python
-"""Evaluate a ConvFirstNet on ImageNet (see convfirstnet/tools/eval_imagenet.py; also available as
+"""Evaluate a ConvFirstNet on ImageNet (see convfirstnet/commands/eval.py; also available as
 `convfirstnet eval`). Several GPUs: torchrun --nproc_per_node=N scripts/eval_imagenet.py ..."""
 
 import sys
-from pathlib import Path
 
-if __name__ == "__main__":
-    repo_root = Path(__file__).resolve().parent.parent
-    if (repo_root / "convfirstnet" / "__init__.py").is_file() and str(repo_root) not in sys.path:
-        sys.path.insert(0, str(repo_root))  # run from a source checkout without installing
+if __name__ == "__main__":  # runs the installed package (pip install -e . in a checkout)
+    from convfirstnet.commands.eval import main
 
-    from convfirstnet.tools.eval_imagenet import main
-
-    raise SystemExit(main())
+    sys.exit(main())

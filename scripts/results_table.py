@@ -5,10 +5,8 @@ python scripts/results_table.py --write README.md  # between <!-- results:start 
 """
 
 import sys
-from pathlib import Path
 
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a source checkout, not installed
-    from convfirstnet.tools.bench_report import main
+if __name__ == "__main__":  # runs the installed package (pip install -e . in a checkout)
+    from convfirstnet.commands.results import main
 
     sys.exit(main())

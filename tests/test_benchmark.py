@@ -6,10 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from convfirstnet.tools import bench_report, benchmark
-from convfirstnet.tools.bench_devices import DEVICES, device_by_key, lookup_device
-from convfirstnet.tools.bench_paper import TABLE1, TABLE2
-from convfirstnet.tools.bench_timing import percentile, summarize, throughput
+from convfirstnet.commands import bench as benchmark
+from convfirstnet.commands import results as bench_report
+from convfirstnet.analysis.devices import DEVICES, device_by_key, lookup_device
+from convfirstnet.analysis.paper import TABLE1, TABLE2
+from convfirstnet.commands._timing import percentile, summarize, throughput
 
 
 # ------------------------------------------------------------------------------------- statistics
@@ -198,7 +199,7 @@ def test_bad_arguments(capsys):
 
 def test_dtype_note_only_when_asked(tmp_path, capsys):
     """On CPU the default dtype is float32 without a word; an explicit --dtype float16 gets the note."""
-    from convfirstnet.tools.benchmark import resolve_dtype
+    from convfirstnet.commands.bench import resolve_dtype
 
     cpu = torch.device("cpu")
     assert resolve_dtype(None, cpu) == (torch.float32, None)

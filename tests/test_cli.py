@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import convfirstnet
-from convfirstnet import cli
+from convfirstnet.commands import cli, info
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_info_prints_every_model(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "WARMUP_SECONDS", 0.0)  # one warm-up call
+    monkeypatch.setattr(info, "WARMUP_SECONDS", 0.0)  # one warm-up call
     assert (
         cli.main(["--models", "pico", "nano", "--img-size", "64", "--batch-size", "2", "--iters", "3"]) == 0
     )
@@ -51,14 +51,14 @@ class _Sleeper(torch.nn.Module):
 def test_time_forward_times_enough_iterations(monkeypatch):
     """By default the timing runs until both a minimum count and a minimum time are reached (a median of
     2 iterations on a noisy CPU was the old default), and reports the spread."""
-    monkeypatch.setattr(cli, "WARMUP_SECONDS", 0.01)
+    monkeypatch.setattr(info, "WARMUP_SECONDS", 0.01)
     model = _Sleeper()
-    t = cli.time_forward(model, torch.zeros(1), min_iters=7, min_seconds=0.1)
+    t = info.time_forward(model, torch.zeros(1), min_iters=7, min_seconds=0.1)
     assert t["n"] >= 40  # 0.1 s of 2 ms calls
     assert t["p10"] <= t["median"] <= t["p90"] and t["median"] >= 0.002
     assert model.calls >= t["n"] + 1  # warm-up calls are not timed
-    assert cli.time_forward(_Sleeper(), torch.zeros(1), iters=3)["n"] == 3
-    assert cli.MIN_ITERS["cpu"] >= 5 and cli.MIN_SECONDS["cpu"] >= 1  # the defaults on CPU
+    assert info.time_forward(_Sleeper(), torch.zeros(1), iters=3)["n"] == 3
+    assert info.MIN_ITERS["cpu"] >= 5 and info.MIN_SECONDS["cpu"] >= 1  # the defaults on CPU
 
 
 def test_version(capsys):

@@ -1,4 +1,4 @@
-"""Checkpoint conversion (convfirstnet/tools/convert_checkpoint.py) and the tensor fingerprint."""
+"""Checkpoint conversion (convfirstnet/commands/convert.py) and the tensor fingerprint."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 
 import convfirstnet
 from convfirstnet import weights
-from convfirstnet.tools._cli import ToolError
-from convfirstnet.tools.convert_checkpoint import convert_checkpoint, main
+from convfirstnet.commands._cli import ToolError
+from convfirstnet.commands.convert import convert_checkpoint, main
 from convfirstnet.weights import CheckpointError, read_checkpoint, sha256_file, tensors_sha256
 
 from ._models import trained_like

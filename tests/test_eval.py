@@ -1,4 +1,4 @@
-"""ImageNet evaluation tool (convfirstnet/tools/eval_imagenet.py) on small generated ImageFolders.
+"""ImageNet evaluation tool (convfirstnet/commands/eval.py) on small generated ImageFolders.
 
 The real Pico runs at 32x32 with a few images per class; models are built with ``num_classes`` equal to
 the folder count and passed as checkpoint files. Two kinds of checkpoints:
@@ -27,8 +27,8 @@ import pytest
 import torch
 
 import convfirstnet
-from convfirstnet.tools import eval_imagenet
-from convfirstnet.tools.eval_imagenet import Counts, evaluate, main, shard_size
+from convfirstnet.commands import eval as eval_imagenet
+from convfirstnet.commands.eval import Counts, evaluate, main, shard_size
 from convfirstnet.weights import save_weights, sha256_file
 
 REPO = Path(__file__).resolve().parent.parent
@@ -521,7 +521,7 @@ def test_results_file_csv_json_and_several_models(capsys, tmp_path, checkpoints,
 
 def test_default_workers_fit_the_machine(monkeypatch):
     """--workers defaults to at most the cores available per process (no DataLoader warning on 2 cores)."""
-    from convfirstnet.tools import _cli
+    from convfirstnet.commands import _cli
 
     assert eval_imagenet.build_parser().parse_args(["--data", "x"]).workers is None
     monkeypatch.setattr(_cli, "available_cpus", lambda: 2)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import convfirstnet
-from convfirstnet import cli, weights
+from convfirstnet import weights
+from convfirstnet.commands import cli
 from convfirstnet.export import ExportError, export_onnx, export_pt2, load_pt2
 from convfirstnet.weights import save_weights
 

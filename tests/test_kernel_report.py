@@ -20,7 +20,7 @@ from convfirstnet.analysis.estimate import aggregate, estimate_launch, waves_fac
 from convfirstnet.analysis.targets import target
 from convfirstnet.kernels._cost import KernelCost, Loop, recording
 from convfirstnet.kernels._launch import launch
-from convfirstnet.tools.waterline import Kernel
+from convfirstnet.analysis.waterline import Kernel
 
 H100 = target("sm_90")
 
@@ -476,7 +476,7 @@ def test_end_to_end_stack(stack_report, tmp_path):
 
 
 def test_cli_refuses_bad_arguments_before_compiling(capsys):
-    from convfirstnet import cli
+    from convfirstnet.commands import cli
 
     for args, msg in (
         (["--arch", "sm_70"], "unknown GPU target 'sm_70'"),
@@ -492,14 +492,14 @@ def test_cli_refuses_bad_arguments_before_compiling(capsys):
 
 @pytest.fixture(scope="module")
 def pico_analysis():
-    from convfirstnet.tools import waterline
+    from convfirstnet.analysis import waterline
 
     return waterline.analyze("pico", "h100", batch=8, resolution=64)
 
 
 def test_gap_plot_draws_the_static_estimate(tmp_path, monkeypatch, pico_analysis):
     pytest.importorskip("matplotlib")
-    from convfirstnet.tools import waterline
+    from convfirstnet.commands import waterline
 
     a = pico_analysis
     figures = []
@@ -524,7 +524,7 @@ def test_gap_plot_draws_the_static_estimate(tmp_path, monkeypatch, pico_analysis
 
 def test_waterline_gap_plot_reads_saved_reports(tmp_path, capsys, monkeypatch, pico_analysis):
     pytest.importorskip("matplotlib")
-    from convfirstnet.tools import waterline
+    from convfirstnet.commands import waterline
 
     monkeypatch.setattr(
         waterline, "analyze", lambda *args, **kwargs: pico_analysis

@@ -1,4 +1,4 @@
-"""convfirstnet/tools/train_imagenet.py on CPU: recipe defaults, a smoke run, exact resume, DDP (gloo)
+"""convfirstnet/commands/train.py on CPU: recipe defaults, a smoke run, exact resume, DDP (gloo)
 and an end-to-end run whose weight file loads with ``pretrained=True`` and evaluates the same fused and
 unfused."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from convfirstnet.tools import train_imagenet
+from convfirstnet.commands import train as train_imagenet
 
 from ._imagefolder import make_image_folder
 
@@ -331,7 +331,7 @@ def test_learns_and_weight_file_evaluates(tmp_path, capsys, monkeypatch):
     """Pico learns coloured shapes (4 classes) to >= 90 % top-1; the weight file loads with pretrained=True
     and the eval tool reports the same top-1 fused and unfused."""
     import convfirstnet
-    from convfirstnet.tools import eval_imagenet
+    from convfirstnet.commands import eval as eval_imagenet
 
     data = make_image_folder(tmp_path / "shapes", 4, {"train": 48, "val": 16}, size=32, seed=1)
     out = tmp_path / "run"

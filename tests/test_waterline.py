@@ -5,8 +5,9 @@ import json
 import pytest
 
 from convfirstnet.profile import count_macs
-from convfirstnet.tools import waterline
-from convfirstnet.tools.bench_devices import device_by_key
+from convfirstnet.analysis import waterline
+from convfirstnet.analysis.devices import device_by_key
+from convfirstnet.commands import waterline as waterline_command
 
 H100 = device_by_key("h100")
 A5000_PAPER = device_by_key("a5000-paper")
@@ -158,10 +159,10 @@ def test_small_matches_paper_fig15():
 
 
 def test_markdown_tables(pico):
-    text = waterline.summary_table(pico)
+    text = waterline_command.summary_table(pico)
     assert "| layer-wise | " in text and "| block-fusion | " in text and "op:byte 295" in text
-    assert "| stage1 |" in waterline.stage_table(pico)
-    assert "| stages.0.0.conv_expand | pointwise |" in waterline.kernel_table(pico.layerwise, H100)
+    assert "| stage1 |" in waterline_command.stage_table(pico)
+    assert "| stages.0.0.conv_expand | pointwise |" in waterline_command.kernel_table(pico.layerwise, H100)
 
 
 @pytest.fixture
@@ -202,7 +203,7 @@ def _inside(ax, artist, fig) -> bool:
 def test_waterline_plot_shows_every_bar_with_labels(pico, tmp_path, figures):
     from PIL import Image
 
-    png = waterline.plot_waterline(pico, tmp_path / "w.png")
+    png = waterline_command.plot_waterline(pico, tmp_path / "w.png")
     assert Image.open(png).size[0] > 1000  # a real image, as wide as the figure
     fig = figures[-1]
     layer_ax, fused_ax, sweep_ax = fig.axes
@@ -221,7 +222,7 @@ def test_waterline_plot_shows_every_bar_with_labels(pico, tmp_path, figures):
 
 
 def test_efficiency_gap_plot_labels_the_latency_axis(pico, tmp_path, figures):
-    gap = waterline.plot_efficiency_gap([pico], tmp_path / "gap.png", None)
+    gap = waterline_command.plot_efficiency_gap([pico], tmp_path / "gap.png", None)
     fig = figures[-1]
     ax = fig.axes[0]
     _renderer(fig)
@@ -232,7 +233,7 @@ def test_efficiency_gap_plot_labels_the_latency_axis(pico, tmp_path, figures):
 
 
 def test_plots(pico, tmp_path, figures):
-    png = waterline.plot_waterline(pico, tmp_path / "w.png")
+    png = waterline_command.plot_waterline(pico, tmp_path / "w.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rec = dict(
         mode="network",
@@ -268,7 +269,7 @@ def test_plots(pico, tmp_path, figures):
     measured = waterline.measured_latencies(tmp_path, H100, 128)
     assert measured["convfirstnet_pico"]["ms_per_batch"] == 8.0
     assert waterline.measured_latencies(tmp_path, device_by_key("a100"), 128) == {}
-    gap = waterline.plot_efficiency_gap([pico], tmp_path / "gap.png", measured)
+    gap = waterline_command.plot_efficiency_gap([pico], tmp_path / "gap.png", measured)
     assert gap.read_bytes()[:4] == b"\x89PNG"
     ax = figures[-1].axes[0]
     red = next(line for line in ax.get_lines() if line.get_label() == "measured")
@@ -280,7 +281,7 @@ def test_plots(pico, tmp_path, figures):
 def test_cli(tmp_path, capsys):
     out = tmp_path / "w.json"
     assert (
-        waterline.main(["pico", "--device", "a100", "--batch", "8", "--resolution", "64", "--json", str(out)])
+        waterline_command.main(["pico", "--device", "a100", "--batch", "8", "--resolution", "64", "--json", str(out)])
         == 0
     )
     text = capsys.readouterr().out
@@ -293,6 +294,6 @@ def test_cli(tmp_path, capsys):
         (["resnet50"], "unknown model 'resnet50'"),  # the block structure is known for ConvFirstNet only
         (["pico", "--resolution", "16"], "needs at least 32"),
     ):
-        assert waterline.main(argv) == 1
+        assert waterline_command.main(argv) == 1
         err = capsys.readouterr().err
         assert err.startswith("convfirstnet waterline: error: ") and err.count("\n") == 1 and message in err

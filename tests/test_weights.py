@@ -221,7 +221,7 @@ def three_class(tmp_path_factory):
     """A 3-class pico written the way `convfirstnet train` writes its weight file (convert_checkpoint:
     safetensors with num_classes metadata), and the same weights as a timm training checkpoint (.pth
     has no metadata: the class count comes from classifier.weight)."""
-    from convfirstnet.tools.convert_checkpoint import convert_checkpoint
+    from convfirstnet.commands.convert import convert_checkpoint
 
     model = trained_like("pico", seed=3, num_classes=3)
     out = tmp_path_factory.mktemp("three")

@@ -23,7 +23,7 @@ the model's are the sums of their blocks'. Everything here is arithmetic on decl
 figures: an estimate, not a measurement.
 
 Blocks, stages and the comparison figures come from the waterline model
-(``convfirstnet.tools.waterline.build_kernels``): a block is a block-fusion kernel (its name is the
+(``convfirstnet.analysis.waterline.build_kernels``): a block is a block-fusion kernel (its name is the
 block's module path), its layer-wise bound is the sum of the minimum times of the layer-wise kernels
 whose names start with that path, and its block-fusion ideal is the block-fusion kernel's own
 minimum time. A waterline block that no Triton kernel implements (the classifier, a cuBLAS GEMM) is
@@ -250,7 +250,7 @@ def aggregate(
     launches: Sequence[LaunchEstimate], layerwise: Sequence, fused: Sequence, target: Target
 ) -> dict:
     """Blocks, stages and the model total from launch estimates and the waterline kernel lists
-    (``build_kernels``: layer-wise and block-fusion :class:`~convfirstnet.tools.waterline.Kernel`).
+    (``build_kernels``: layer-wise and block-fusion :class:`~convfirstnet.analysis.waterline.Kernel`).
 
     Raises ``ValueError`` (naming the kernel or block and what to fix) when a launch belongs to no
     waterline block, when a block other than the classifier has no launch, or when the useful MACs a

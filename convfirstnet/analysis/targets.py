@@ -1,6 +1,6 @@
 """GPU targets of the static cost report: the facts about each chip that the estimates use.
 
-Peak and DRAM bandwidth are the waterline's (``convfirstnet.tools.bench_devices``), so the report and
+Peak and DRAM bandwidth are the waterline's (``convfirstnet.analysis.devices``), so the report and
 the waterline compare like with like. The clock is derived from the peak, so that
 ``SMs x tensor FLOP/clock/SM x clock`` equals the datasheet peak. Limits per SM are from NVIDIA's
 CUDA C++ Programming Guide (compute capabilities 8.0 and 9.0).
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from convfirstnet.tools.bench_devices import DeviceSpec, device_by_key
+from .devices import DeviceSpec, device_by_key
 
 
 @dataclass(frozen=True)

@@ -1,36 +1,27 @@
-"""The ``convfirstnet`` command (also ``python -m convfirstnet``).
+"""``convfirstnet`` without a command (or ``convfirstnet info``): the four models on this machine.
 
-Without a subcommand (or with ``info``) it builds the four models and prints, for each, parameters,
-GMACs at the input size, a fused-vs-training-form check and the fused model's throughput on the
-current device (median over enough timed iterations, with its spread). Other subcommands run the tools
-in ``convfirstnet/tools`` (the same code as ``scripts/*.py``).
-
-Errors in the inputs end with one ``convfirstnet[ <command>]: error: ...`` line and exit status 1; a
-malformed command line (unknown option or subcommand) prints the usage before that line.
+For each model: parameters, GMACs at the input size, a fused-vs-training-form check and the fused
+model's throughput on the current device (median over enough timed iterations, with its spread).
 """
 
 from __future__ import annotations
 
 import argparse
-import difflib
 import importlib
+import platform
 import sys
 import time
 
-from convfirstnet.tools._cli import ArgumentParser
+import torch
 
-# subcommand -> module with main(argv) -> int: in convfirstnet.tools, or a full module path
-TOOLS = {
-    "eval": ("eval_imagenet", "evaluate a model on an ImageNet-style folder"),
-    "convert": ("convert_checkpoint", "turn a training checkpoint into a weight file"),
-    "train": ("train_imagenet", "train with the paper's recipe"),
-    "timm-script": ("timm_script", "run timm's validate.py / train.py / benchmark.py with these models"),
-    "bench": ("benchmark", "throughput: fused kernels vs torch.compile"),
-    "waterline": ("waterline", "waterline / efficiency-gap analysis of a model"),
-    "results": ("bench_report", "README results table from benchmarks/results"),
-    "export": ("export", "export for deployment: pt2 (fused, torch.export) or onnx (BN-folded)"),
-    "kernels": ("convfirstnet.analysis.report", "static cost report of the fused kernels compiled for a GPU"),
-}
+import convfirstnet
+from convfirstnet.factory import _canonical
+from convfirstnet.kernels._launch import backend, use_triton
+from convfirstnet.model import MIN_INPUT_SIZE
+from convfirstnet.profile import count_macs, count_params
+
+from ._cli import ArgumentParser, run_reporting
+from ._timing import summarize
 
 # Timing of the main command: at least this many iterations and this many seconds (after warm-up).
 MIN_ITERS = {"cuda": 20, "cpu": 7}
@@ -39,18 +30,7 @@ MAX_ITERS = 1000
 WARMUP_SECONDS = 1.0
 
 
-def _commands_text() -> str:
-    width = max(len(k) for k in ("info", *TOOLS))
-    lines = [f"  {'info':<{width}}  (default) size, cost, fused-form check and throughput of the models"]
-    lines += [f"  {k:<{width}}  {v[1]}" for k, v in TOOLS.items()]
-    return "commands:\n" + "\n".join(lines) + "\n\nRun `convfirstnet <command> --help` for each."
-
-
 def _version_text() -> str:
-    import torch
-
-    import convfirstnet
-
     parts = [f"torch {torch.__version__}"]
     for mod in ("timm", "triton"):
         try:
@@ -69,12 +49,13 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-def _info_parser() -> argparse.ArgumentParser:
+def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
+    """The parser of the default job; ``epilog``: the list of commands (``convfirstnet.commands.cli``)."""
     p = ArgumentParser(
         prog="convfirstnet",
         usage="convfirstnet [command] [options]",
         description="ConvFirstNet models: size, cost, fused-form check and throughput on this machine.",
-        epilog=_commands_text(),
+        epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action=_Version, help="print the versions and exit")
@@ -97,8 +78,6 @@ class InfoError(ValueError):
 
 
 def _resolve_device(arg: str | None):
-    import torch
-
     if arg is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -114,16 +93,8 @@ def _resolve_device(arg: str | None):
     return device
 
 
-def info(argv: list[str]) -> int:
-    import torch
-
-    import convfirstnet
-    from convfirstnet.factory import _canonical
-    from convfirstnet.kernels._launch import backend, use_triton
-    from convfirstnet.model import MIN_INPUT_SIZE
-    from convfirstnet.profile import count_macs, count_params
-
-    args = _info_parser().parse_args(argv)
+def info(argv: list[str], epilog: str | None = None) -> int:
+    args = build_parser(epilog).parse_args(argv)
     # Every argument is checked before anything is printed.
     names = [_canonical(n) for n in (args.models or convfirstnet.list_models())]
     device = _resolve_device(args.device)
@@ -176,10 +147,6 @@ def info(argv: list[str]) -> int:
 
 
 def _device_name(device) -> str:
-    import platform
-
-    import torch
-
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
@@ -194,10 +161,6 @@ def time_forward(
     default as many as it takes to reach both ``min_iters`` calls and ``min_seconds`` of timing (at most
     ``MAX_ITERS``), so a slow, noisy CPU still gets a stable median.
     """
-    import torch
-
-    from convfirstnet.tools.bench_timing import summarize
-
     kind = "cuda" if x.is_cuda else "cpu"
     min_iters = iters or (min_iters if min_iters is not None else MIN_ITERS[kind])
     min_seconds = 0.0 if iters else (min_seconds if min_seconds is not None else MIN_SECONDS[kind])
@@ -223,32 +186,6 @@ def time_forward(
     return dict(median=s["median"], p10=s["p10"], p90=s["p90"], n=s["n"])
 
 
-def _unknown_command(word: str) -> int:
-    names = ["info", *TOOLS]
-    close = difflib.get_close_matches(word, names, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    print(_info_parser().format_usage().rstrip(), file=sys.stderr)
-    print(
-        f"convfirstnet: error: unknown command {word!r}{hint}; commands: {', '.join(names)}",
-        file=sys.stderr,
-    )
-    return 1
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, epilog: str | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in TOOLS:
-        name = TOOLS[argv[0]][0]
-        module = importlib.import_module(name if "." in name else f"convfirstnet.tools.{name}")
-        return module.main(argv[1:])
-    if argv and argv[0] == "info":
-        argv = argv[1:]
-    elif argv and not argv[0].startswith("-"):
-        return _unknown_command(argv[0])
-    from convfirstnet.tools._cli import run_reporting
-
-    return run_reporting("convfirstnet", lambda: info(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return run_reporting("convfirstnet", lambda: info(argv, epilog))

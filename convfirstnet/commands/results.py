@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ._cli import ArgumentParser
-from .benchmark import NETWORK_BACKENDS
+from .bench import NETWORK_BACKENDS
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 NO_RECORDS = "_No GPU records yet: run `convfirstnet bench` on a GPU and commit the JSON record._"

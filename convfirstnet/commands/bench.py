@@ -22,7 +22,7 @@ untimed iterations, then ``--iters`` iterations each timed with CUDA events (``p
 CPU); the record keeps median, p10 and p90. Throughput is batch / median; achieved TFLOP/s is
 2 x MACs x img/s with MACs counted by ``convfirstnet.profile.count_macs`` (PyTorch's FLOP counter
 on the unfused model); % of peak uses the device's dense fp16/bf16 tensor-core peak from
-``bench_devices`` (or ``--peak-tflops``, or the matmul peak measured with ``--measure-peak``).
+``convfirstnet.analysis.devices`` (or ``--peak-tflops``, or the matmul peak measured with ``--measure-peak``).
 
 A backend that cannot run here (CUDA graphs on CPU, fused kernels for a non-ConvFirstNet model, an
 out-of-memory batch, a compiler error) is reported as skipped with the reason; the run goes on.
@@ -45,19 +45,12 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from convfirstnet.analysis.devices import lookup_device
+from convfirstnet.analysis.paper import PAPER_BATCH, PAPER_DEVICE, PAPER_STAGE_DEPTH, BlockRow, block_rows
+from convfirstnet.analysis.provenance import command_line, device_info, git_info, software_info
+
 from ._cli import ArgumentParser, ToolError, run_reporting
-from .bench_devices import lookup_device
-from .bench_paper import PAPER_BATCH, PAPER_DEVICE, PAPER_STAGE_DEPTH, BlockRow, block_rows
-from .bench_timing import (
-    command_line,
-    device_info,
-    git_info,
-    measure_matmul_peak,
-    software_info,
-    summarize,
-    throughput,
-    time_iterations,
-)
+from ._timing import measure_matmul_peak, summarize, throughput, time_iterations
 
 NETWORK_BACKENDS = ("fused", "fused-cudagraph", "eager", "inductor", "inductor-max-autotune")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}

@@ -77,7 +77,7 @@ def convert_checkpoint(
 
     Raises :class:`convfirstnet.CheckpointError` if the weights do not fit the model or the written file
     does not reproduce them, :class:`convfirstnet.WeightsNotFoundError` for a missing input file,
-    ``ValueError`` for an unknown model name, ``convfirstnet.tools._cli.ToolError`` for an existing output.
+    ``ValueError`` for an unknown model name, ``convfirstnet.commands._cli.ToolError`` for an existing output.
     """
     return convert(checkpoint, output, model, source, use_ema=use_ema, overwrite=overwrite)[0]
 

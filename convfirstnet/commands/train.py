@@ -1002,7 +1002,7 @@ def write_weights(checkpoint: Path, path: Path, name: str, ema: bool = True) -> 
     """The checkpoint's EMA weights (the raw weights of a run without EMA) as a verified weight file, by
     ``convert_checkpoint`` (replacing the file of an earlier run in the same folder); prints and returns
     the ``weights/manifest.json`` entry."""
-    from convfirstnet.tools.convert_checkpoint import convert_checkpoint
+    from .convert import convert_checkpoint
 
     which = "EMA weights" if ema else "weights"
     entry = convert_checkpoint(
