@@ -18,11 +18,12 @@ except ImportError as e:  # the top-level kernels/ folder ships as convfirstnet.
 
 __version__ = "0.1.0"
 
-from .factory import create_model, fuse, list_models, nano, pico, small, tiny  # noqa: E402
-from .model import SIZES, ConvFirstNet  # noqa: E402  (importing registers the models with timm)
+from .factory import create_model, fuse, nano, pico, small, tiny  # noqa: E402
+from .model import ConvFirstNet  # noqa: E402  (importing registers the models with timm)
+from .registry import SIZES, canonical_name, list_models  # noqa: E402
 from .weights import CheckpointError, WeightsNotFoundError  # noqa: E402
 
 __all__ = [
     "ConvFirstNet", "SIZES", "CheckpointError", "WeightsNotFoundError",
-    "create_model", "fuse", "list_models", "pico", "nano", "tiny", "small",
+    "canonical_name", "create_model", "fuse", "list_models", "pico", "nano", "tiny", "small",
 ]

@@ -20,8 +20,7 @@ import torch.nn as nn
 from timm.layers import BlurPool2d, DropPath, SEModule
 
 from .folding import fold_conv_bn
-
-GROUP_WIDTH = 8
+from .kernels._launch import GROUP_WIDTH
 MIN_INPUT_SIZE = 32  # five stride-2 stages; each BlurPool reflects one pixel, so needs a 2x2 map
 INPUT_DTYPES = "float32, float16, bfloat16 or float64"
 

@@ -8,23 +8,9 @@ from typing import Any
 import timm
 import torch.nn as nn
 
-from .model import SIZES, ConvFirstNet
+from .model import ConvFirstNet
+from .registry import canonical_name, list_models  # noqa: F401  (list_models: part of the entry points)
 from .weights import checkpoint_num_classes, load_weights, resolve_weights
-
-MODEL_NAMES = tuple(f"convfirstnet_{size}" for size in SIZES)
-
-
-def list_models() -> list[str]:
-    """Registered model names, smallest first: ``convfirstnet_pico`` ... ``convfirstnet_small``."""
-    return list(MODEL_NAMES)
-
-
-def _canonical(name: str) -> str:
-    key = name.lower().removeprefix("timm/")
-    key = key if key.startswith("convfirstnet_") else f"convfirstnet_{key}"
-    if key not in MODEL_NAMES:
-        raise ValueError(f"unknown model {name!r}; available: {', '.join(MODEL_NAMES)}")
-    return key
 
 
 def fuse(model: nn.Module) -> nn.Module:
@@ -60,7 +46,7 @@ def create_model(
     different ``num_classes`` (fine-tuning) keeps a freshly initialised classifier and warns. Everything
     else must fit exactly (:class:`convfirstnet.CheckpointError` otherwise).
     """
-    key = _canonical(name)
+    key = canonical_name(name)
     path = resolve_weights(key, checkpoint_path) if pretrained or checkpoint_path is not None else None
     if path is not None and kwargs.get("num_classes") is None:
         num_classes = checkpoint_num_classes(path)

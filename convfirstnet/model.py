@@ -2,12 +2,12 @@
 
 Stem and three ConvFirst stages (grouped 3x3 conv before a 1x1 FFN) at high resolution, two MBConv +
 Squeeze-Excite stages at low resolution, a 1x1 conv head to 1280 features. Sizes are rows of
-``SIZES``, read from the paper's Table 3; timm registers ``convfirstnet_{pico,nano,tiny,small}``.
+``convfirstnet.registry.SIZES``, read from the paper's Table 3; timm registers
+``convfirstnet_{pico,nano,tiny,small}``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -17,48 +17,7 @@ from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_c
 from timm.models._features import feature_take_indices  # where timm's own models import it from
 
 from .blocks import MIN_INPUT_SIZE, ConvFirst, Head, MBConv, Stem, check_input
-
-
-@dataclass(frozen=True)
-class Stage:
-    block: str  # "convfirst" or "mbconv"
-    channels: int
-    depth: int
-    stride: int
-    expansion: int
-
-
-@dataclass(frozen=True)
-class Size:
-    stem: int
-    stages: tuple[Stage, ...]
-    drop_rate: float  # dropout before the classifier (paper 6.3)
-
-
-# Stage kinds, strides and expansions are the same for every size (paper Table 3).
-STAGE_KINDS = (("convfirst", 1, 3), ("convfirst", 2, 6), ("convfirst", 2, 6), ("mbconv", 2, 4), ("mbconv", 2, 4))
-
-
-def _size(stem: int, channels: Sequence[int], depths: Sequence[int], drop_rate: float) -> Size:
-    stages = tuple(Stage(k, c, d, s, t) for (k, s, t), c, d in zip(STAGE_KINDS, channels, depths))
-    return Size(stem, stages, drop_rate)
-
-
-# Paper Table 3: stem channels; output channels and depth of stages 1-5; dropout (paper 6.3).
-SIZES: dict[str, Size] = {
-    "pico": _size(16, channels=(16, 32, 48, 128, 128), depths=(1, 2, 3, 11, 11), drop_rate=0.2),
-    "nano": _size(24, channels=(24, 48, 64, 160, 160), depths=(1, 3, 4, 14, 14), drop_rate=0.3),
-    "tiny": _size(24, channels=(24, 48, 72, 192, 192), depths=(2, 5, 6, 18, 18), drop_rate=0.3),
-    "small": _size(32, channels=(32, 64, 96, 256, 256), depths=(2, 5, 6, 18, 18), drop_rate=0.3),
-}
-
-# The paper's Table 3 / SPEC: parameters (M), GMACs at 256x256 and ImageNet-1k top-1 (%).
-PAPER: dict[str, dict[str, float]] = {
-    "pico": dict(params_m=5.91, gmacs=0.86, top1=79.858),
-    "nano": dict(params_m=10.17, gmacs=1.812, top1=81.834),
-    "tiny": dict(params_m=17.24, gmacs=3.227, top1=82.752),
-    "small": dict(params_m=28.55, gmacs=5.493, top1=83.312),
-}
+from .registry import MODEL_NAMES, SIZES, Stage
 
 
 class ConvFirstNet(nn.Module):
@@ -308,7 +267,7 @@ def _cfg(**kwargs: Any) -> dict[str, Any]:
     }
 
 
-default_cfgs = generate_default_cfgs({f"convfirstnet_{name}": _cfg() for name in SIZES})
+default_cfgs = generate_default_cfgs({name: _cfg() for name in MODEL_NAMES})
 
 
 @register_model

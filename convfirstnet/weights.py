@@ -123,7 +123,7 @@ def verify_manifest(data: dict[str, Any] | None = None, *, fetch: bool = False) 
     from urllib.parse import urlparse
     from urllib.request import url2pathname
 
-    from .model import SIZES
+    from .registry import SIZES
 
     data = manifest() if data is None else data
     problems = []

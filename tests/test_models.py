@@ -20,7 +20,7 @@ from convfirstnet.blocks import (
     MBConv,
     Stem,
 )
-from convfirstnet.model import PAPER, SIZES
+from convfirstnet.registry import PAPER, SIZES
 from convfirstnet.profile import count_macs, count_params
 
 from ._models import rel_err, trained_like

@@ -47,7 +47,7 @@ def macs_by_hand(size: str, res: int, num_classes: int = 1000) -> int:
     grouped 3x3 convs have group width 8 (8 x 9 MACs per output), BlurPool is a depth-wise 3x3 stride-2
     filter (9 MACs per output), SE reduces to C/4 of the block input channels, spatial sizes halve at
     every stride-2 stage."""
-    from convfirstnet.model import SIZES
+    from convfirstnet.registry import SIZES
 
     spec = SIZES[size]
     h = res // 2

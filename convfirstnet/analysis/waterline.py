@@ -45,6 +45,7 @@ from timm.layers import BlurPool2d
 from convfirstnet.blocks import ConvFirst, Head, MBConv, Stem
 from convfirstnet.factory import create_model
 from convfirstnet.profile import count_macs
+from convfirstnet.registry import canonical_name
 
 from .devices import DeviceSpec, device_by_key, lookup_device
 from .paper import PAPER_BATCH, block_rows
@@ -317,8 +318,7 @@ def analyze(
             total = sum(k.macs for k in ks)
             if total != macs * batch:
                 raise AssertionError(f"{label} MACs {total} != count_macs {macs} x batch {batch}")
-    key = name if name.startswith("convfirstnet_") else f"convfirstnet_{name}"
-    return Analysis(key, dev, batch, resolution, elem_bytes, macs, layer, fused)
+    return Analysis(canonical_name(name), dev, batch, resolution, elem_bytes, macs, layer, fused)
 
 
 def block_wells(

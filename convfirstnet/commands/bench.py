@@ -48,6 +48,7 @@ import torch.nn as nn
 from convfirstnet.analysis.devices import lookup_device
 from convfirstnet.analysis.paper import PAPER_BATCH, PAPER_DEVICE, PAPER_STAGE_DEPTH, BlockRow, block_rows
 from convfirstnet.analysis.provenance import command_line, device_info, git_info, software_info
+from convfirstnet.registry import canonical_name
 
 from ._cli import ArgumentParser, ToolError, run_reporting
 from ._timing import measure_matmul_peak, summarize, throughput, time_iterations
@@ -192,11 +193,11 @@ def parse_model_spec(spec: str, default_resolution: int) -> tuple[str, int]:
 
 
 def canonical_convfirstnet(name: str) -> str | None:
-    from convfirstnet.factory import MODEL_NAMES
-
-    key = name.lower().removeprefix("timm/")
-    key = key if key.startswith("convfirstnet_") else f"convfirstnet_{key}"
-    return key if key in MODEL_NAMES else None
+    """The registered name of a ConvFirstNet; None for any other (timm) model."""
+    try:
+        return canonical_name(name)
+    except ValueError:
+        return None
 
 
 def build_model(name: str) -> tuple[nn.Module, str, bool]:

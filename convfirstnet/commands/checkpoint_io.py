@@ -75,12 +75,12 @@ def file_format(path: Path) -> str:
 
 
 def _canonical_or_none(name: Any) -> str | None:
-    from convfirstnet.factory import _canonical
+    from convfirstnet.registry import canonical_name
 
     if not isinstance(name, str):
         return None
     try:
-        return _canonical(name)
+        return canonical_name(name)
     except ValueError:
         return None
 
@@ -137,7 +137,7 @@ def from_mapping(data: Any, use_ema: bool = True, path: Path | None = None) -> C
 
 def infer_architecture(state_dict: Mapping[str, torch.Tensor]) -> str | None:
     """The ConvFirstNet size whose stem width and stage depths the state dict has (None if none)."""
-    from convfirstnet.model import SIZES
+    from convfirstnet.registry import SIZES
 
     stem = state_dict.get("stem.conv.weight")
     if stem is None or stem.dim() != 4:
@@ -162,12 +162,12 @@ def infer_architecture(state_dict: Mapping[str, torch.Tensor]) -> str | None:
 def resolve_architecture(ckpt: Checkpoint, model: str | None) -> str:
     """The model to build for ``ckpt``: ``model`` when given (it must agree with what the file records),
     else the architecture recorded in the file, else the one its tensor shapes fit."""
-    from convfirstnet.factory import _canonical
+    from convfirstnet.registry import canonical_name
     from convfirstnet.weights import CheckpointError
 
     where = f"checkpoint {str(ckpt.path)!r}" if ckpt.path is not None else "the checkpoint given in memory"
     if model is not None:
-        name = _canonical(model)
+        name = canonical_name(model)
         if ckpt.metadata.get("architecture") and ckpt.architecture != name:
             raise CheckpointError(f"{where} is for {ckpt.metadata['architecture']}, not {name}")
         return name

@@ -448,13 +448,13 @@ class Job:
 def model_names(models: list[str] | None) -> list[str | None]:
     """Canonical names for ``--model`` (``all``: every size); ``[None]`` when not given."""
     import convfirstnet
-    from convfirstnet.factory import _canonical
+    from convfirstnet.registry import canonical_name
 
     if not models:
         return [None]
     names: list[str | None] = []
     for m in models:
-        names += convfirstnet.list_models() if m.lower() == "all" else [_canonical(m)]
+        names += convfirstnet.list_models() if m.lower() == "all" else [canonical_name(m)]
     return names
 
 

@@ -17,7 +17,8 @@ import torch
 
 from convfirstnet.blocks import MIN_INPUT_SIZE
 from convfirstnet.export import CHECK_BATCH, DTYPES, FORMATS, ExportError, export_onnx, export_pt2
-from convfirstnet.factory import _canonical, create_model
+from convfirstnet.factory import create_model
+from convfirstnet.registry import canonical_name
 from convfirstnet.weights import WeightsNotFoundError
 
 from ._cli import ArgumentParser
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> str:
-    name = _canonical(args.model)
+    name = canonical_name(args.model)
     if args.checkpoint and args.random_weights:
         raise ValueError("--checkpoint and --random-weights exclude each other")
     if args.format == "onnx" and args.dtype != "float32":

@@ -15,10 +15,10 @@ import time
 import torch
 
 import convfirstnet
-from convfirstnet.factory import _canonical
 from convfirstnet.kernels._launch import backend, use_triton
 from convfirstnet.model import MIN_INPUT_SIZE
 from convfirstnet.profile import count_macs, count_params
+from convfirstnet.registry import canonical_name
 
 from ._cli import ArgumentParser, run_reporting
 from ._timing import summarize
@@ -96,7 +96,7 @@ def _resolve_device(arg: str | None):
 def info(argv: list[str], epilog: str | None = None) -> int:
     args = build_parser(epilog).parse_args(argv)
     # Every argument is checked before anything is printed.
-    names = [_canonical(n) for n in (args.models or convfirstnet.list_models())]
+    names = [canonical_name(n) for n in (args.models or convfirstnet.list_models())]
     device = _resolve_device(args.device)
     if args.img_size < MIN_INPUT_SIZE:
         raise InfoError(f"--img-size {args.img_size}: ConvFirstNet needs at least {MIN_INPUT_SIZE}")

@@ -13,7 +13,8 @@ from typing import Sequence
 
 from convfirstnet.analysis.report import DTYPES, FORMAT, build_report, to_markdown
 from convfirstnet.analysis.targets import TARGETS, target as get_target
-from convfirstnet.factory import _canonical, create_model
+from convfirstnet.factory import create_model
+from convfirstnet.registry import canonical_name
 
 from ._cli import ArgumentParser
 
@@ -72,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             Path(args.markdown).write_text(text)
         return 0
     try:
-        name = _canonical(args.model)
+        name = canonical_name(args.model)
         get_target(args.arch)
         if args.jobs is not None and args.jobs < 1:
             raise ValueError(f"--jobs must be at least 1, got {args.jobs}")

@@ -545,12 +545,12 @@ def prepare(args: argparse.Namespace) -> Run:
     from timm.utils.distributed import init_distributed_device_so
 
     import convfirstnet  # noqa: F401  (registers the models with timm)
-    from convfirstnet.factory import _canonical
-    from convfirstnet.model import SIZES
+    from convfirstnet.registry import canonical_name
+    from convfirstnet.registry import SIZES
 
     from . import checkpoint_io
 
-    name = _canonical(args.model)
+    name = canonical_name(args.model)
     check_args(args)
     if not args.data.is_dir():
         raise TrainError(f"--data {str(args.data)!r} is not a directory")

@@ -345,14 +345,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     import convfirstnet  # noqa: F401
-    from convfirstnet.factory import _canonical
+    from convfirstnet.registry import canonical_name
     from convfirstnet.model import MIN_INPUT_SIZE
 
     dev = device_by_key(args.device)  # ValueError naming the known devices
     if args.model is None and args.blocks is None and args.gap_plot is None:
         raise ToolError("give a MODEL, --blocks or --gap-plot")
     if args.model is not None:
-        _canonical(args.model)  # the block structure is known for ConvFirstNet only
+        canonical_name(args.model)  # the block structure is known for ConvFirstNet only
     if args.batch < 1 or args.elem_bytes < 1:
         raise ToolError("--batch and --bytes must be at least 1")
     if args.resolution < MIN_INPUT_SIZE:

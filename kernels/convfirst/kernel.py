@@ -147,9 +147,8 @@ import triton
 import triton.language as tl
 
 from .._cost import KernelCost, Loop
-from .._launch import launch
+from .._launch import GROUP_WIDTH, launch
 
-GROUP = 8  # channels per group of the 3x3 conv (SPEC 1)
 MAX_CHANNELS = 128  # widest block the on-chip tiles are laid out for (ConvFirstNet uses <= 96)
 MAX_CHANNELS_S2 = 64  # input channels of a stride-2 block (at most four blur/conv parts; ConvFirstNet: <= 64)
 S2_PART = 16  # channels per blur/conv part of the stride-2 kernel when the input is wider than 32
@@ -670,7 +669,7 @@ def useful_macs(n: int, c: int, h: int, w: int, r: int, k: int, stride: int) -> 
     """Multiply-accumulates of the block as the paper counts them (``profile.count_macs``): grouped
     conv at full resolution (72 C per pixel), BlurPool (9 per output element of the 2C-channel concat)
     for stride 2, and the two 1x1 layers at output resolution."""
-    conv = n * h * w * 9 * GROUP * c
+    conv = n * h * w * 9 * GROUP_WIDTH * c
     if stride == 1:
         return conv + n * h * w * (c * r + r * k)
     ho, wo = (h + 1) // 2, (w + 1) // 2
@@ -690,8 +689,8 @@ def check_supported(x: torch.Tensor, c: int, k: int, stride: int = 1) -> None:
             "convfirstnet.convfirst: bfloat16 through the Triton interpreter gives wrong tl.dot results; "
             "use float16/float32, or CONVFIRSTNET_KERNELS=reference on CPU"
         )
-    if c % GROUP:
-        raise ValueError(f"convfirstnet.convfirst: channels must be a multiple of {GROUP}, got {c}")
+    if c % GROUP_WIDTH:
+        raise ValueError(f"convfirstnet.convfirst: channels must be a multiple of {GROUP_WIDTH}, got {c}")
     if max(c, k) > MAX_CHANNELS:
         raise ValueError(
             f"convfirstnet.convfirst: the fused kernel keeps all channels on chip and supports at most "
@@ -770,7 +769,7 @@ def launch_cost(cfg: ConvFirstConfig, n: int, h: int, w: int, r: int) -> KernelC
         loops = [Loop("taprow", 3) for _ in range(cp // cp2) if cfg.row_loop] + [Loop("hidden", chunks)]
     eb = 2 if cfg.precision == "tf32" else 4
     c1 = cfg.c if cfg.stride == 1 else 2 * cfg.c
-    weights = 9 * GROUP * cfg.c + cfg.c + r * c1 + r + cfg.k * r + cfg.k
+    weights = 9 * GROUP_WIDTH * cfg.c + cfg.c + r * c1 + r + cfg.k * r + cfg.k
     return KernelCost(
         useful_macs=useful_macs(n, cfg.c, h, w, r, cfg.k, cfg.stride),
         mma_macs=programs * (conv + ffn),
