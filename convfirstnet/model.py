@@ -18,6 +18,7 @@ from timm.models._features import feature_take_indices  # where timm's own model
 
 from .blocks import MIN_INPUT_SIZE, ConvFirst, Head, MBConv, Stem, check_input
 from .registry import MODEL_NAMES, SIZES, Stage
+from .weights import checkpoint_num_classes, clean_state_dict, load_weights, resolve_weights
 
 
 class ConvFirstNet(nn.Module):
@@ -121,8 +122,6 @@ class ConvFirstNet(nn.Module):
     def load_pretrained(self, path: str) -> None:
         """Called by timm for ``pretrained=True`` (pretrained_cfg ``custom_load``, which ``_create`` sets
         for a weight file): the package's loader, checks and errors (``convfirstnet.weights.load_weights``)."""
-        from .weights import load_weights
-
         load_weights(self, path)
 
     # forward ----------------------------------------------------------------------------------
@@ -205,8 +204,6 @@ def _check_global_pool(global_pool: str) -> None:
 
 def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
     """timm hook for ``pretrained_cfg`` loads: strip wrapper prefixes (DDP ``module.``, compile ``_orig_mod.``)."""
-    from .weights import clean_state_dict
-
     return clean_state_dict(state_dict)
 
 
@@ -223,8 +220,6 @@ def _create(variant: str, pretrained: bool = False, **kwargs: Any) -> ConvFirstN
     """
     size = SIZES[variant.removeprefix("convfirstnet_")]
     if pretrained:
-        from .weights import checkpoint_num_classes, resolve_weights
-
         overlay = dict(kwargs.pop("pretrained_cfg_overlay", None) or {})
         if not any(overlay.get(k) for k in _OTHER_SOURCES):
             path = resolve_weights(variant, overlay.get("file") or None)

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .registry import SIZES
+
 SOURCE_WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
 SOURCE_MANIFEST = SOURCE_WEIGHTS_DIR / "manifest.json"  # fixed at import: the lookup dir may be redirected
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -122,8 +124,6 @@ def verify_manifest(data: dict[str, Any] | None = None, *, fetch: bool = False) 
     """
     from urllib.parse import urlparse
     from urllib.request import url2pathname
-
-    from .registry import SIZES
 
     data = manifest() if data is None else data
     problems = []

@@ -15,6 +15,8 @@ from typing import Sequence
 
 import torch
 
+import convfirstnet
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -44,12 +46,7 @@ def software_info() -> dict:
             info[mod] = __import__(mod).__version__
         except ImportError:
             info[mod] = None
-    try:
-        import convfirstnet
-
-        info["convfirstnet"] = convfirstnet.__version__
-    except ImportError:  # pragma: no cover
-        info["convfirstnet"] = None
+    info["convfirstnet"] = convfirstnet.__version__
     info["env"] = {k: os.environ[k] for k in ("CONVFIRSTNET_KERNELS", "TRITON_INTERPRET") if k in os.environ}
     return info
 
