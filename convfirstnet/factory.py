@@ -10,7 +10,6 @@ import torch.nn as nn
 
 from .model import ConvFirstNet
 from .registry import canonical_name, list_models  # noqa: F401  (list_models: part of the entry points)
-from .weights import checkpoint_num_classes, load_weights, resolve_weights
 
 
 def fuse(model: nn.Module) -> nn.Module:
@@ -36,25 +35,27 @@ def create_model(
 ) -> ConvFirstNet:
     """Build a ConvFirstNet by name (``"small"`` or ``"convfirstnet_small"``).
 
-    ``pretrained=True`` loads weights (``checkpoint_path``, else the resolution order of
-    ``convfirstnet.weights``) and returns the fused inference form in eval mode; ``fuse=False`` keeps
-    BatchNorm for fine-tuning. ``checkpoint_path`` alone loads that file into the training form.
-    Other keyword arguments (``num_classes``, ``in_chans``, ``drop_rate``, ``drop_path_rate``) go to
-    the model.
+    Returns, with ``pretrained=True``: the **fused inference form in eval mode** (BatchNorm folded, one
+    op per block); ``fuse=False`` keeps the training form (BatchNorm, train mode) for fine-tuning.
+    ``checkpoint_path`` alone loads that file into the training form (train mode). Without weights: the
+    training form, randomly initialised. (``timm.create_model(name, pretrained=True)`` loads the same
+    weights the same way but returns the training form in train mode, timm's convention.)
+
+    The weights are loaded by timm's own path, ``timm.create_model(name, pretrained=True)``, whose
+    lookup (``convfirstnet.model._create``) takes ``checkpoint_path`` as the ``pretrained_cfg_overlay``
+    file, else the resolution order of ``convfirstnet.weights``. Other keyword arguments
+    (``num_classes``, ``in_chans``, ``drop_rate``, ``drop_path_rate``) go to the model.
 
     With weights, the model has the checkpoint's class count unless ``num_classes`` is given; a
     different ``num_classes`` (fine-tuning) keeps a freshly initialised classifier and warns. Everything
     else must fit exactly (:class:`convfirstnet.CheckpointError` otherwise).
     """
     key = canonical_name(name)
-    path = resolve_weights(key, checkpoint_path) if pretrained or checkpoint_path is not None else None
-    if path is not None and kwargs.get("num_classes") is None:
-        num_classes = checkpoint_num_classes(path)
-        if num_classes is not None:
-            kwargs["num_classes"] = num_classes
-    model = timm.create_model(key, pretrained=False, **kwargs)
-    if path is not None:
-        load_weights(model, path, name=key)
+    if checkpoint_path is not None:
+        overlay = dict(kwargs.pop("pretrained_cfg_overlay", None) or {})
+        overlay["file"] = os.fspath(checkpoint_path)
+        kwargs["pretrained_cfg_overlay"] = overlay
+    model = timm.create_model(key, pretrained=pretrained or checkpoint_path is not None, **kwargs)
     if fuse if fuse is not None else pretrained:
         return _fuse(model)
     return model

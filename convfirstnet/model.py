@@ -212,11 +212,15 @@ _OTHER_SOURCES = ("url", "hf_hub_id", "state_dict")
 
 
 def _create(variant: str, pretrained: bool = False, **kwargs: Any) -> ConvFirstNet:
-    """timm's entry point. With ``pretrained=True`` the weight file (``pretrained_cfg_overlay`` ``file``,
-    else the package's lookup) is found first, so a missing file raises a ``WeightsNotFoundError`` naming
-    it; its class count becomes the pretrained_cfg's ``num_classes`` (the model's too, unless the caller
-    passes ``num_classes``); and it loads through ``ConvFirstNet.load_pretrained`` (``custom_load``), so
-    timm's path has the package's formats, checks and errors.
+    """timm's entry point, and the one weight lookup of the package (``convfirstnet.create_model`` calls
+    ``timm.create_model``). Returns the training form (BatchNorm) in train mode, timm's convention, with
+    or without weights; ``convfirstnet.fuse`` makes the inference form.
+
+    With ``pretrained=True`` the weight file (``pretrained_cfg_overlay`` ``file``, else the package's
+    lookup) is found first, so a missing file raises a ``WeightsNotFoundError`` naming it; its class
+    count becomes the pretrained_cfg's ``num_classes`` (the model's too, unless the caller passes
+    ``num_classes``); and it loads through ``ConvFirstNet.load_pretrained`` (``custom_load``), so timm's
+    path has the package's formats, checks and errors.
     """
     size = SIZES[variant.removeprefix("convfirstnet_")]
     if pretrained:
@@ -267,19 +271,23 @@ default_cfgs = generate_default_cfgs({name: _cfg() for name in MODEL_NAMES})
 
 @register_model
 def convfirstnet_pico(pretrained: bool = False, **kwargs: Any) -> ConvFirstNet:
+    """ConvFirstNet-Pico, training form in train mode (``pretrained=True``: the package's weights)."""
     return _create("convfirstnet_pico", pretrained, **kwargs)
 
 
 @register_model
 def convfirstnet_nano(pretrained: bool = False, **kwargs: Any) -> ConvFirstNet:
+    """ConvFirstNet-Nano, training form in train mode (``pretrained=True``: the package's weights)."""
     return _create("convfirstnet_nano", pretrained, **kwargs)
 
 
 @register_model
 def convfirstnet_tiny(pretrained: bool = False, **kwargs: Any) -> ConvFirstNet:
+    """ConvFirstNet-Tiny, training form in train mode (``pretrained=True``: the package's weights)."""
     return _create("convfirstnet_tiny", pretrained, **kwargs)
 
 
 @register_model
 def convfirstnet_small(pretrained: bool = False, **kwargs: Any) -> ConvFirstNet:
+    """ConvFirstNet-Small, training form in train mode (``pretrained=True``: the package's weights)."""
     return _create("convfirstnet_small", pretrained, **kwargs)

@@ -68,6 +68,27 @@ def test_pretrained_from_weights_dir_is_fused(isolated, pico_model, no_network):
         assert torch.equal(train_form.eval()(x), pico_model(x))
 
 
+def test_one_lookup_for_both_entry_points(isolated, pico_model, no_network, monkeypatch):
+    """convfirstnet.pico(pretrained=True) goes through timm.create_model(pretrained=True): one lookup
+    (model._create) for both. The package's entry point returns the fused form in eval mode, timm's the
+    training form in train mode; checkpoint_path reaches the lookup as the pretrained_cfg_overlay file."""
+    _write(pico_model, isolated / "weights" / "convfirstnet_pico.safetensors")
+    calls = []
+    real = convfirstnet.model.resolve_weights
+    monkeypatch.setattr(convfirstnet.model, "resolve_weights", lambda *args: calls.append(args) or real(*args))
+    fused = convfirstnet.pico(pretrained=True)
+    trained = timm.create_model("convfirstnet_pico", pretrained=True)
+    assert calls == [("convfirstnet_pico", None)] * 2
+    assert not fused.training and not any(isinstance(m, torch.nn.BatchNorm2d) for m in fused.modules())
+    assert trained.training and any(isinstance(m, torch.nn.BatchNorm2d) for m in trained.modules())
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.equal(trained.eval()(x), pico_model(x))
+    path = _write(pico_model, isolated / "elsewhere.safetensors")
+    assert convfirstnet.create_model("pico", checkpoint_path=path).training
+    assert calls[-1] == ("convfirstnet_pico", str(path))
+
+
 def test_resolution_order(isolated, pico_model, monkeypatch):
     cache = isolated / "cache" / "convfirstnet_pico.safetensors"
     checkout = isolated / "checkout-weights" / "convfirstnet_pico.safetensors"
