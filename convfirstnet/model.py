@@ -122,7 +122,7 @@ class ConvFirstNet(nn.Module):
     def load_pretrained(self, path: str) -> None:
         """Called by timm for ``pretrained=True`` (pretrained_cfg ``custom_load``, which ``_create`` sets
         for a weight file): the package's loader, checks and errors (``convfirstnet.weights.load_weights``)."""
-        load_weights(self, path)
+        load_weights(self, path, use_ema=True)  # EMA weights first, as timm's load_checkpoint
 
     # forward ----------------------------------------------------------------------------------
     def check_input(self, x: torch.Tensor) -> None:

@@ -10,8 +10,11 @@ with metadata ``architecture`` naming the model. Resolution order for ``<name>``
 4. the cache, ``$CONVFIRSTNET_CACHE`` or ``~/.cache/convfirstnet``;
 5. a URL listed in ``weights/manifest.json``, downloaded into the cache and verified by sha256.
 
-timm training checkpoints (``.pth`` / ``.pth.tar``: ``state_dict_ema`` preferred over ``state_dict``,
-``module.`` prefixes) load too.
+timm training checkpoints (``.pth`` / ``.pth.tar``, ``module.`` prefixes) load too. One reader,
+:func:`read_checkpoint`, reads every format; its ``use_ema`` says which weights of a training checkpoint
+to take and every caller states it: the model API (``pretrained=True``, ``checkpoint_path``) takes the
+EMA weights first, as timm's ``load_checkpoint``; ``convfirstnet eval`` the raw ones unless
+``--use-ema``, as timm's ``validate.py``; ``convfirstnet convert`` the EMA ones unless ``--no-ema``.
 """
 
 from __future__ import annotations
@@ -20,14 +23,17 @@ import argparse
 import hashlib
 import json
 import os
+import struct
 import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from .registry import SIZES
+from .registry import SIZES, canonical_name
 
 SOURCE_WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
 SOURCE_MANIFEST = SOURCE_WEIGHTS_DIR / "manifest.json"  # fixed at import: the lookup dir may be redirected
@@ -176,35 +182,172 @@ def clean_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
-def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """State dict and metadata of a safetensors file or a timm training checkpoint.
+EMA_KEYS = ("state_dict_ema", "model_ema")  # timm's key order, as its load_state_dict(use_ema=True)
+RAW_KEYS = ("state_dict", "model")
 
-    For ``.pth``/``.pth.tar`` the EMA weights are preferred (timm's ``load_state_dict``), loaded with
-    ``weights_only=True`` (timm's saved ``args`` Namespace allowed).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise WeightsNotFoundError(f"checkpoint {str(path)!r} does not exist")
+
+@dataclass
+class Checkpoint:
+    """What :func:`read_checkpoint` read: the state dict, and which weights of the file they are."""
+
+    state_dict: dict[str, torch.Tensor]
+    path: Path | None = None
+    key: str | None = None  # where the weights came from: "state_dict_ema", "state_dict", ...; None: the file
+    has_ema: bool = False  # the file holds EMA weights (taken or not)
+    metadata: dict[str, str] = field(default_factory=dict)  # safetensors metadata
+    architecture: str | None = None  # registered name the file records, if any
+
+    @property
+    def ema(self) -> bool | None:
+        """True: EMA weights were taken; False: the raw weights of a checkpoint that names them; None:
+        a weight file or plain state dict, which does not say."""
+        if self.key in EMA_KEYS:
+            return True
+        if self.key in RAW_KEYS:
+            return False
+        return None
+
+    def describe(self) -> str:
+        """E.g. ``EMA weights (state_dict_ema)``, for messages."""
+        if self.ema is True:
+            return f"EMA weights ({self.key})"
+        if self.ema is False:
+            return f"raw weights ({self.key})" + (", the file also holds EMA weights" if self.has_ema else "")
+        return "the file's weights"
+
+    @property
+    def num_classes(self) -> int | None:
+        w = self.state_dict.get("classifier.weight")
+        return int(w.shape[0]) if w is not None and w.dim() == 2 else None
+
+    @property
+    def where(self) -> str:
+        return f"checkpoint {str(self.path)!r}" if self.path is not None else "the checkpoint given in memory"
+
+
+def file_format(path: str | os.PathLike) -> str:
+    """``"torch"`` (zip archive or legacy pickle from ``torch.save``), ``"safetensors"`` or ``"unknown"``,
+    from the first bytes, whatever the file is called."""
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":  # zip archive; pickle protocol 2+
+        return "torch"
+    if len(head) >= 9:
+        (header_len,) = struct.unpack("<Q", head[:8])
+        if 0 < header_len < 100_000_000 and head[8:9] == b"{":
+            return "safetensors"
+    return "unknown"
+
+
+def _registered_or_none(name: Any) -> str | None:
+    if not isinstance(name, str):
+        return None
     try:
-        if path.suffix == ".safetensors":
+        return canonical_name(name)
+    except ValueError:
+        return None
+
+
+def read_checkpoint(path: str | os.PathLike, *, use_ema: bool) -> Checkpoint:
+    """The weights of a weight file (safetensors), a timm training checkpoint or a state-dict file.
+
+    ``use_ema`` says which weights of a timm training checkpoint to take; it has no default, so that
+    every caller states it: True takes the EMA weights when the file holds them (``state_dict_ema``,
+    ``model_ema``, then ``state_dict``, ``model``: timm's order, as its ``load_checkpoint``), False the raw
+    ones (``state_dict``, ``model``: as timm's ``validate.py`` without ``--use-ema``). A weight file or a
+    plain state dict holds one set of weights. ``.pth`` files load with ``weights_only=True`` (timm's
+    saved ``args`` Namespace allowed); ``module.`` and ``_orig_mod.`` prefixes are stripped. Files are
+    recognised by their first bytes (:func:`file_format`).
+
+    Raises :class:`WeightsNotFoundError` for a missing file and :class:`CheckpointError` for one that is
+    not a checkpoint or holds no state dict of tensors.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise WeightsNotFoundError(f"checkpoint {str(path)!r} does not exist or is not a file")
+    kind = file_format(path)
+    if kind == "unknown":
+        raise CheckpointError(
+            f"{str(path)!r} is not a checkpoint: neither a PyTorch file (torch.save) nor a safetensors file"
+        )
+    try:
+        if kind == "safetensors":
             from safetensors import safe_open
 
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 metadata = f.metadata() or {}
-                state_dict = {k: f.get_tensor(k) for k in f.keys()}
+                data = {k: f.get_tensor(k) for k in f.keys()}
         else:
-            from timm.models import load_state_dict
-
             with torch.serialization.safe_globals([argparse.Namespace]):
-                state_dict = load_state_dict(str(path), use_ema=True, weights_only=True)
-            metadata = {}
-    except (WeightsNotFoundError, CheckpointError):
-        raise
-    except Exception as e:  # safetensors, pickle and zip errors all mean "not a readable checkpoint"
-        raise CheckpointError(f"cannot read checkpoint {str(path)!r} ({type(e).__name__}: {e})") from e
-    if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
-        raise CheckpointError(f"checkpoint {str(path)!r} does not hold a state dict of tensors")
-    return clean_state_dict(state_dict), metadata
+                data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # safetensors, pickle, zip and "weights_only" errors: not a readable checkpoint
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"cannot read checkpoint {str(path)!r} ({type(e).__name__}: {msg})") from e
+    if kind == "safetensors":
+        ckpt = checkpoint_from_mapping(data, use_ema=use_ema, path=path)
+        ckpt.metadata = metadata
+        ckpt.architecture = _registered_or_none(metadata.get("architecture"))
+        return ckpt
+    return checkpoint_from_mapping(data, use_ema=use_ema, path=path)
+
+
+def checkpoint_from_mapping(data: Any, *, use_ema: bool, path: Path | None = None) -> Checkpoint:
+    """A :class:`Checkpoint` from a loaded timm checkpoint dict or a state dict (``use_ema``: as
+    :func:`read_checkpoint`)."""
+    where = f"checkpoint {str(path)!r}" if path is not None else "the checkpoint given in memory"
+    if not isinstance(data, Mapping):
+        raise CheckpointError(f"{where} does not hold a state dict (it holds a {type(data).__name__})")
+    has_ema = any(isinstance(data.get(k), Mapping) for k in EMA_KEYS)
+    order = (EMA_KEYS if use_ema else ()) + RAW_KEYS
+    key = next((k for k in order if isinstance(data.get(k), Mapping)), None)
+    state_dict = data[key] if key is not None else data
+    if not state_dict or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        raise CheckpointError(f"{where} does not hold a state dict of tensors")
+    arch = None
+    if key is not None:  # a timm training checkpoint: CheckpointSaver records args.model as "arch"
+        args = data.get("args")
+        arch = _registered_or_none(data.get("arch")) or _registered_or_none(getattr(args, "model", None))
+    return Checkpoint(clean_state_dict(dict(state_dict)), path, key, has_ema, {}, arch)
+
+
+def infer_architecture(state_dict: Mapping[str, torch.Tensor]) -> str | None:
+    """The ConvFirstNet size whose stem width and stage depths the state dict has (None if none)."""
+    stem = state_dict.get("stem.conv.weight")
+    if stem is None or stem.dim() != 4:
+        return None
+    depths: dict[int, set[int]] = {}
+    for key in state_dict:
+        parts = key.split(".")
+        if len(parts) > 3 and parts[0] == "stages" and parts[1].isdigit() and parts[2].isdigit():
+            depths.setdefault(int(parts[1]), set()).add(int(parts[2]))
+    found = tuple(len(depths.get(i, ())) for i in range(max(depths, default=-1) + 1))
+    for size, spec in SIZES.items():
+        channels_ok = all(
+            (w := state_dict.get(f"stages.{i}.{st.depth - 1}.conv_project.weight")) is not None
+            and w.shape[0] == st.channels
+            for i, st in enumerate(spec.stages)
+        )
+        if spec.stem == stem.shape[0] and found == tuple(s.depth for s in spec.stages) and channels_ok:
+            return f"convfirstnet_{size}"
+    return None
+
+
+def resolve_architecture(ckpt: Checkpoint, model: str | None) -> str:
+    """The model to build for ``ckpt``: ``model`` when given (it must agree with what the file records),
+    else the architecture recorded in the file, else the one its tensor shapes fit."""
+    if model is not None:
+        name = canonical_name(model)
+        if ckpt.metadata.get("architecture") and ckpt.architecture != name:
+            raise CheckpointError(f"{ckpt.where} is for {ckpt.metadata['architecture']}, not {name}")
+        return name
+    if ckpt.architecture is not None:
+        return ckpt.architecture
+    inferred = infer_architecture(ckpt.state_dict)
+    if inferred is None:
+        raise CheckpointError(
+            f"{ckpt.where} records no architecture and its shapes fit no ConvFirstNet size; pass --model"
+        )
+    return inferred
 
 
 def checkpoint_num_classes(path: str | os.PathLike) -> int | None:
@@ -213,7 +356,7 @@ def checkpoint_num_classes(path: str | os.PathLike) -> int | None:
     when there is no way to tell. A safetensors file is not read in full for this.
     """
     path = Path(path)
-    if path.suffix == ".safetensors":
+    if path.is_file() and file_format(path) == "safetensors":
         from safetensors import safe_open
 
         try:
@@ -232,7 +375,7 @@ def checkpoint_num_classes(path: str | os.PathLike) -> int | None:
                 )
             return int(meta)
     else:
-        state_dict, _ = read_checkpoint(path)
+        state_dict = read_checkpoint(path, use_ema=True).state_dict  # the class count is the same in both
         keys = set(state_dict)
         rows = state_dict["classifier.weight"].shape[0] if "classifier.weight" in keys else None
     if rows is not None:
@@ -268,50 +411,71 @@ def _describe_mismatch(model_sd: dict[str, torch.Tensor], sd: dict[str, torch.Te
     return "; ".join(parts)
 
 
-def load_weights(model: nn.Module, path: str | os.PathLike, *, name: str | None = None) -> None:
-    """Load a training-form checkpoint into a training-form ConvFirstNet, strictly.
+def load_checkpoint(
+    model: nn.Module,
+    ckpt: Checkpoint,
+    name: str | None = None,
+    *,
+    new_classifier_ok: bool = False,
+    adapt_in_chans: bool = False,
+) -> list[str]:
+    """Load ``ckpt`` (:func:`read_checkpoint`) into a training-form ConvFirstNet, strictly.
 
-    Two adaptations, as timm makes for pretrained weights: a model built for another ``num_classes``
-    than the checkpoint's keeps its own classifier (a fresh model's: its initialisation), with a
-    ``UserWarning`` saying so (none for ``num_classes=0``, which asks for no classifier); a stem for
-    ``in_chans`` != the checkpoint's is adapted with timm's ``adapt_input_conv``. Anything else that does
-    not fit raises :class:`CheckpointError` naming the keys. The entry points take the class count from
-    the checkpoint when the caller does not give one (:func:`checkpoint_num_classes`), so a
-    fine-tuned file loads whole.
+    ``new_classifier_ok``: a classifier of another size than the model's (fine-tuning to a new
+    ``num_classes``) keeps the model's own, its initialisation; for a model built without one
+    (``num_classes=0``) the checkpoint's is dropped. ``adapt_in_chans``: a stem for another ``in_chans``
+    is adapted with timm's ``adapt_input_conv``. Anything else that does not fit raises
+    :class:`CheckpointError` naming the keys. Returns the keys left at the model's initialisation.
     """
     from timm.models import adapt_input_conv
 
-    state_dict, metadata = read_checkpoint(path)
-    arch = metadata.get("architecture")
-    if name is None:
-        name = getattr(model, "pretrained_cfg", {}).get("architecture")
-    if arch and name and arch != name:
-        raise CheckpointError(f"checkpoint {str(path)!r} is for {arch}, not {name}")
+    state_dict = dict(ckpt.state_dict)
     model_sd = model.state_dict()
-    ckpt_classes = state_dict["classifier.weight"].shape[0] if "classifier.weight" in state_dict else None
-    resized = False
-    for key in ("classifier.weight", "classifier.bias"):
-        if key in state_dict and (key not in model_sd or model_sd[key].shape != state_dict[key].shape):
-            if key in model_sd:
-                state_dict[key] = model_sd[key]  # another num_classes: keep the model's classifier
-                resized = True
-            else:
-                del state_dict[key]  # num_classes=0
+    kept = []
+    if new_classifier_ok:
+        for key in ("classifier.weight", "classifier.bias"):
+            if key in state_dict and (key not in model_sd or model_sd[key].shape != state_dict[key].shape):
+                del state_dict[key]
+                if key in model_sd:
+                    state_dict[key] = model_sd[key]
+                    kept.append(key)
     stem = "stem.conv.weight"
-    if stem in state_dict and stem in model_sd and state_dict[stem].shape[1] != model_sd[stem].shape[1]:
-        state_dict[stem] = adapt_input_conv(model_sd[stem].shape[1], state_dict[stem])
+    if adapt_in_chans and stem in state_dict and stem in model_sd:
+        if state_dict[stem].shape[1] != model_sd[stem].shape[1]:
+            state_dict[stem] = adapt_input_conv(model_sd[stem].shape[1], state_dict[stem])
     problem = _describe_mismatch(model_sd, state_dict)
     if problem:
-        what = f"{name} " if name else ""
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} does not fit the {what}model"
-            + (f" (it says it is {arch})" if arch else "")
-            + f": {problem}"
-        )
+        said = f" (it says it is {ckpt.architecture})" if ckpt.architecture else ""
+        raise CheckpointError(f"{ckpt.where} does not fit {name or 'the model'}{said}: {problem}")
     model.load_state_dict(state_dict, strict=True)
-    if resized:
+    return kept
+
+
+def load_weights(
+    model: nn.Module, path: str | os.PathLike, *, name: str | None = None, use_ema: bool = True
+) -> None:
+    """Load a weight file or checkpoint into a training-form ConvFirstNet: the loader behind
+    ``pretrained=True`` and ``checkpoint_path`` (``ConvFirstNet.load_pretrained``).
+
+    ``use_ema`` (:func:`read_checkpoint`): a timm training checkpoint's EMA weights when it holds them,
+    as timm's ``load_checkpoint``. A checkpoint recorded for another model is refused. Two adaptations,
+    as timm makes for pretrained weights: a model built for another ``num_classes`` than the
+    checkpoint's keeps its own classifier (a fresh model's: its initialisation), with a ``UserWarning``
+    saying so (none for ``num_classes=0``, which asks for no classifier); a stem for ``in_chans`` != the
+    checkpoint's is adapted with timm's ``adapt_input_conv``. Anything else that does not fit raises
+    :class:`CheckpointError` naming the keys. The entry points take the class count from the checkpoint
+    when the caller does not give one (:func:`checkpoint_num_classes`), so a fine-tuned file loads whole.
+    """
+    ckpt = read_checkpoint(path, use_ema=use_ema)
+    if name is None:
+        name = getattr(model, "pretrained_cfg", {}).get("architecture")
+    recorded = ckpt.metadata.get("architecture")
+    if recorded and name and recorded != name:
+        raise CheckpointError(f"{ckpt.where} is for {recorded}, not {name}")
+    kept = load_checkpoint(model, ckpt, name, new_classifier_ok=True, adapt_in_chans=True)
+    if kept:
         warnings.warn(
-            f"checkpoint {str(path)!r} has a {ckpt_classes}-class classifier but the model has "
+            f"{ckpt.where} has a {ckpt.num_classes}-class classifier but the model has "
             f"num_classes={getattr(model, 'num_classes', '?')}: the classifier is not loaded and keeps the "
             "model's initialisation (fine-tuning); leave num_classes unset to load the checkpoint's",
             UserWarning,

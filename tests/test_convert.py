@@ -15,6 +15,7 @@ import torch
 
 import convfirstnet
 from convfirstnet import weights
+from convfirstnet.commands import convert as convert_command
 from convfirstnet.commands._cli import ToolError
 from convfirstnet.commands.convert import convert_checkpoint, main
 from convfirstnet.weights import CheckpointError, read_checkpoint, sha256_file, tensors_sha256
@@ -73,7 +74,8 @@ def test_round_trip_prefers_ema_and_reproduces_outputs(tmp_path, timm_checkpoint
     }
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name]  # no temporary file left
 
-    sd, meta = read_checkpoint(out)
+    loaded = read_checkpoint(out, use_ema=False)
+    sd, meta = loaded.state_dict, loaded.metadata
     assert not any(k.startswith("module.") for k in sd)
     assert meta["architecture"] == "convfirstnet_pico" and meta["source"] == "model_best.pth.tar"
     assert meta["tensors_sha256"] == tensors_sha256(ema.state_dict()) == tensors_sha256(sd)
@@ -98,8 +100,8 @@ def test_in_memory_state_dict_and_checkpoint_dict(tmp_path):
     )
     b = convert_checkpoint({"state_dict": model.state_dict(), "epoch": 1}, tmp_path / "b.safetensors", "pico")
     assert a["source"] == "run 42" and b["source"] == ""
-    sd_a, meta_a = read_checkpoint(tmp_path / "a.safetensors")
-    _, meta_b = read_checkpoint(tmp_path / "b.safetensors")
+    a, b = (read_checkpoint(tmp_path / f"{n}.safetensors", use_ema=False) for n in "ab")
+    sd_a, meta_a, meta_b = a.state_dict, a.metadata, b.metadata
     assert meta_a["tensors_sha256"] == meta_b["tensors_sha256"] == tensors_sha256(model.state_dict())
     assert all(torch.equal(sd_a[k], v) for k, v in model.state_dict().items())
 
@@ -140,7 +142,7 @@ def test_verification_failure_leaves_no_file(tmp_path, monkeypatch):
         state_dict["classifier.bias"] = state_dict["classifier.bias"] + 1
         save(state_dict, path, metadata)
 
-    monkeypatch.setattr(weights, "save_weights", corrupting_save)
+    monkeypatch.setattr(convert_command, "save_weights", corrupting_save)  # the name the command calls
     with pytest.raises(CheckpointError, match="does not hold the converted weights"):
         convert_checkpoint(_model(3).state_dict(), tmp_path / "x.safetensors", "pico")
     assert list(tmp_path.iterdir()) == []
@@ -181,8 +183,8 @@ def test_says_which_weights_and_no_ema(tmp_path, timm_checkpoint, capsys):
     assert "EMA weights (state_dict_ema) of" in err and "convfirstnet_pico (recorded in the file)" in err
     assert main([str(path), str(tmp_path / "raw.safetensors"), "--no-ema"]) == 0
     assert "raw weights (state_dict), the file also holds EMA weights" in capsys.readouterr().err
-    raw_sd, raw_meta = read_checkpoint(tmp_path / "raw.safetensors")
-    _, ema_meta = read_checkpoint(tmp_path / "ema.safetensors")
+    raw_meta = read_checkpoint(tmp_path / "raw.safetensors", use_ema=False).metadata
+    ema_meta = read_checkpoint(tmp_path / "ema.safetensors", use_ema=False).metadata
     assert (raw_meta["checkpoint_key"], ema_meta["checkpoint_key"]) == ("state_dict", "state_dict_ema")
     assert raw_meta["tensors_sha256"] == tensors_sha256(raw.state_dict()) != ema_meta["tensors_sha256"]
 
@@ -196,9 +198,8 @@ def test_architecture_inferred_without_model(tmp_path, capsys, monkeypatch):
     assert main([str(plain)]) == 0  # output: ./<inferred name>.safetensors
     out, err = capsys.readouterr()
     assert json.loads(out)["name"] == "convfirstnet_nano" and "(from its shapes)" in err
-    assert (
-        read_checkpoint(tmp_path / "convfirstnet_nano.safetensors")[1]["architecture"] == "convfirstnet_nano"
-    )
+    written = read_checkpoint(tmp_path / "convfirstnet_nano.safetensors", use_ema=False)
+    assert written.metadata["architecture"] == "convfirstnet_nano"
     sd = nano.state_dict()
     sd["stem.conv.weight"] = torch.zeros(8, 3, 3, 3)  # no ConvFirstNet size has an 8-channel stem
     torch.save(sd, plain)

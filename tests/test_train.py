@@ -187,7 +187,8 @@ def test_smoke(tiny_data, tmp_path, capsys):
     # The weight file holds the EMA weights; the manifest entry is printed.
     from convfirstnet.weights import read_checkpoint
 
-    weights, metadata = read_checkpoint(out / "convfirstnet_pico.safetensors")
+    loaded = read_checkpoint(out / "convfirstnet_pico.safetensors", use_ema=False)
+    weights, metadata = loaded.state_dict, loaded.metadata
     assert metadata["architecture"] == "convfirstnet_pico"
     torch.testing.assert_close(weights, dict(checkpoint["state_dict_ema"]), rtol=0, atol=0)
     assert '"convfirstnet_pico": {' in printed and '"sha256"' in printed

@@ -1,7 +1,9 @@
 """Weight resolution, checkpoint formats, pretrained loading and its errors (offline, CPU)."""
 
+import argparse
 import json
 import socket
+import struct
 import warnings
 
 import pytest
@@ -186,6 +188,34 @@ def test_timm_training_checkpoint_prefers_ema(isolated, pico_model, no_network):
         assert torch.equal(model.eval()(x), pico_model(x))
 
 
+def test_read_checkpoint_takes_the_weights_asked_for(isolated, pico_model):
+    """One reader with an explicit use_ema (no default): EMA weights first with use_ema=True (timm's order:
+    state_dict_ema, model_ema, state_dict, model), the raw ones with use_ema=False; it says which it took."""
+    raw = trained_like("pico", seed=2)
+    path = isolated / "last.pth.tar"
+    torch.save(
+        {
+            "state_dict": {f"module.{k}": v for k, v in raw.state_dict().items()},
+            "model_ema": {f"_orig_mod.{k}": v for k, v in pico_model.state_dict().items()},
+            "args": argparse.Namespace(model="pico"),
+        },
+        path,
+    )
+    ema, plain = (weights.read_checkpoint(path, use_ema=use_ema) for use_ema in (True, False))
+    assert (ema.key, ema.ema, ema.has_ema, ema.describe()) == ("model_ema", True, True, "EMA weights (model_ema)")
+    assert (plain.key, plain.ema, plain.has_ema) == ("state_dict", False, True)
+    assert plain.describe() == "raw weights (state_dict), the file also holds EMA weights"
+    assert ema.architecture == plain.architecture == "convfirstnet_pico"  # timm's args.model
+    assert weights.tensors_sha256(ema.state_dict) == weights.tensors_sha256(pico_model.state_dict())
+    assert weights.tensors_sha256(plain.state_dict) == weights.tensors_sha256(raw.state_dict())
+    with pytest.raises(TypeError, match="use_ema"):
+        weights.read_checkpoint(path)  # every caller says which weights it takes
+    st = _write(pico_model, isolated / "w.safetensors")
+    for use_ema in (True, False):  # a weight file holds one set of weights and does not say which
+        c = weights.read_checkpoint(st, use_ema=use_ema)
+        assert (c.key, c.ema, c.architecture, c.num_classes) == (None, None, "convfirstnet_pico", 1000)
+
+
 def test_other_num_classes_and_in_chans(isolated, pico_model):
     path = _write(pico_model, isolated / "w.safetensors")
     with pytest.warns(UserWarning, match="1000-class classifier but the model has num_classes=10"):
@@ -197,14 +227,23 @@ def test_other_num_classes_and_in_chans(isolated, pico_model):
 
 
 def test_corrupt_checkpoint(isolated):
+    """Files are recognised by their first bytes: one that is neither a torch.save file nor a safetensors
+    file is "not a checkpoint" (what the commands say), whatever its name, through the API and timm."""
+    not_one = "is not a checkpoint: neither a PyTorch file"
     bad = isolated / "broken.safetensors"
     bad.write_bytes(b"\x00" * 64)
-    with pytest.raises(CheckpointError, match="cannot read checkpoint"):
+    with pytest.raises(CheckpointError, match=not_one):
         convfirstnet.pico(checkpoint_path=bad)
     bad_pth = isolated / "broken.pth"
-    bad_pth.write_bytes(b"not a zip file")
-    with pytest.raises(CheckpointError, match="cannot read checkpoint"):
+    bad_pth.write_bytes(b"not a zip file")  # a text file renamed .pth
+    with pytest.raises(CheckpointError, match=not_one):
         convfirstnet.pico(checkpoint_path=bad_pth)
+    with pytest.raises(CheckpointError, match=not_one):
+        timm.create_model("convfirstnet_pico", pretrained=True, pretrained_cfg_overlay=dict(file=str(bad_pth)))
+    truncated = isolated / "truncated.safetensors"  # a safetensors header that does not parse
+    truncated.write_bytes(struct.pack("<Q", 40) + b'{"a": ' + b"x" * 10)
+    with pytest.raises(CheckpointError, match="cannot read checkpoint"):
+        convfirstnet.pico(checkpoint_path=truncated)
     with pytest.raises(WeightsNotFoundError, match="does not exist"):
         convfirstnet.pico(checkpoint_path=isolated / "nope.safetensors")
 
@@ -321,7 +360,7 @@ def test_timm_pretrained_path_uses_the_package_loader(isolated, no_network):
         timm.create_model("convfirstnet_pico", pretrained=True, pretrained_cfg_overlay={"file": str(missing)})
     bad = isolated / "broken.safetensors"
     bad.write_bytes(b"\x00" * 64)
-    with pytest.raises(CheckpointError, match="cannot read checkpoint"):
+    with pytest.raises(CheckpointError, match="is not a checkpoint"):
         timm.create_model("convfirstnet_pico", pretrained=True, pretrained_cfg_overlay=dict(file=str(bad)))
     nano = isolated / "nano.safetensors"
     save_weights(trained_like("nano").state_dict(), nano, {"architecture": "convfirstnet_nano"})

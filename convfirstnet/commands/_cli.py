@@ -9,10 +9,12 @@ malformed command line prints the usage line before it). Tracebacks are left for
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -120,3 +122,15 @@ class CreatedDirs:
             except OSError:  # not empty, or already gone
                 pass
         self.created = []
+
+
+# ------------------------------------------------------------------------------------------- input
+def read_json(path: str | os.PathLike, what: str) -> Any:
+    """The JSON in ``path``; a missing or malformed file is a :class:`ToolError` naming ``what``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ToolError(f"{what} {str(path)!r} does not exist")
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ToolError(f"{what} {str(path)!r} is not JSON ({e})") from e

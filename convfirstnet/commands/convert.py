@@ -32,7 +32,19 @@ from typing import Any
 
 import torch
 
-from . import checkpoint_io
+from convfirstnet.weights import (
+    Checkpoint,
+    CheckpointError,
+    checkpoint_from_mapping,
+    load_checkpoint,
+    load_weights,
+    read_checkpoint,
+    resolve_architecture,
+    save_weights,
+    sha256_file,
+    tensors_sha256,
+)
+
 from ._cli import ArgumentParser, CreatedDirs, ToolError, publish, run_reporting
 
 VERIFY_BATCH, VERIFY_SIZE = 2, 64  # small and fast; above the 32x32 minimum input
@@ -90,25 +102,17 @@ def convert(
     *,
     use_ema: bool = True,
     overwrite: bool = False,
-) -> tuple[dict[str, Any], checkpoint_io.Checkpoint]:
+) -> tuple[dict[str, Any], Checkpoint]:
     """:func:`convert_checkpoint`, also returning what was read (which weights, which architecture).
     ``output=None``: ``./<model name>.safetensors``."""
     import convfirstnet
-    from convfirstnet.weights import (
-        CheckpointError,
-        load_weights,
-        read_checkpoint,
-        save_weights,
-        sha256_file,
-        tensors_sha256,
-    )
 
     if isinstance(checkpoint, Mapping):
-        ckpt = checkpoint_io.from_mapping(checkpoint, use_ema)
+        ckpt = checkpoint_from_mapping(checkpoint, use_ema=use_ema)
     else:
-        ckpt = checkpoint_io.read(checkpoint, use_ema)
+        ckpt = read_checkpoint(checkpoint, use_ema=use_ema)
         source = source or Path(checkpoint).name
-    name = checkpoint_io.resolve_architecture(ckpt, model)
+    name = resolve_architecture(ckpt, model)
     output = Path(output if output is not None else f"{name}.safetensors")
     if output.suffix != ".safetensors":
         raise ValueError(f"output {str(output)!r} must end in .safetensors")
@@ -117,7 +121,7 @@ def convert(
     state_dict = ckpt.state_dict
 
     original = _build(name, state_dict)
-    checkpoint_io.load_into(original, ckpt, name)
+    load_checkpoint(original, ckpt, name)
 
     metadata = {
         "format": "pt",
@@ -132,16 +136,17 @@ def convert(
         metadata["checkpoint_key"] = ckpt.key  # which weights of a training checkpoint: EMA or raw
     dirs = CreatedDirs()
     dirs.make(output.parent)
-    tmp = output.with_name(output.stem + ".part.safetensors")  # read_checkpoint goes by the suffix
+    tmp = output.with_name(output.stem + ".part.safetensors")
     done = False
     try:
         save_weights(state_dict, tmp, metadata)
         # Verify through the package's own loader, as a user would load the file.
-        loaded_sd, loaded_meta = read_checkpoint(tmp)
-        if tensors_sha256(loaded_sd) != metadata["tensors_sha256"] or loaded_meta != metadata:
+        loaded = read_checkpoint(tmp, use_ema=False)  # a weight file holds one set of weights
+        loaded_sd = loaded.state_dict
+        if tensors_sha256(loaded_sd) != metadata["tensors_sha256"] or loaded.metadata != metadata:
             raise CheckpointError(f"{str(output)!r}: the written file does not hold the converted weights")
         fresh = _build(name, loaded_sd)
-        load_weights(fresh, tmp, name=name)
+        load_weights(fresh, tmp, name=name, use_ema=False)
         x = torch.randn(
             VERIFY_BATCH, fresh.in_chans, VERIFY_SIZE, VERIFY_SIZE, generator=torch.Generator().manual_seed(0)
         )

@@ -349,7 +349,7 @@ def build_dataset(root: Path, mapping: dict[str, int]):
 def read_real_labels(path: Path) -> dict[str, list[int]]:
     """ImageNet-ReaL labels (``real.json``: one list of class indices per validation image, in file-name
     order) by file name, ``ILSVRC2012_val_00000001.JPEG`` first, as timm's ``RealLabelsImagenet``."""
-    from .checkpoint_io import read_json
+    from ._cli import read_json
 
     data = read_json(path, "--real-labels")
     if not isinstance(data, list) or not all(
@@ -460,9 +460,7 @@ def model_names(models: list[str] | None) -> list[str | None]:
 
 def read_weights(name: str | None, checkpoint: Path | None, use_ema: bool):
     """(canonical name, weight file, checkpoint contents) for a model, checked to fit it."""
-    from convfirstnet.weights import WeightsNotFoundError, resolve_weights
-
-    from . import checkpoint_io
+    from convfirstnet.weights import WeightsNotFoundError, read_checkpoint, resolve_architecture, resolve_weights
 
     if checkpoint is None:
         try:
@@ -471,15 +469,14 @@ def read_weights(name: str | None, checkpoint: Path | None, use_ema: bool):
             raise EvalError(f"{e} Or pass --checkpoint PATH.") from e
     else:
         path = checkpoint
-    ckpt = checkpoint_io.read(path, use_ema=use_ema)
-    return checkpoint_io.resolve_architecture(ckpt, name), path, ckpt
+    ckpt = read_checkpoint(path, use_ema=use_ema)
+    return resolve_architecture(ckpt, name), path, ckpt
 
 
 def prepare_jobs(args: argparse.Namespace, root: Path, classes: list[str]) -> list[Job]:
     import convfirstnet
+    from convfirstnet.weights import load_checkpoint
     from torch.utils.data import Subset
-
-    from . import checkpoint_io
 
     names = model_names(args.model)
     checkpoints: list[Path | None] = list(args.checkpoint or [])
@@ -517,7 +514,7 @@ def prepare_jobs(args: argparse.Namespace, root: Path, classes: list[str]) -> li
         if real_by_name is not None:
             real = real_label_sets(dataset, real_by_name, args.real_labels, num_classes)
         model = convfirstnet.create_model(name, num_classes=num_classes)
-        checkpoint_io.load_into(model, ckpt, name)
+        load_checkpoint(model, ckpt, name)
         jobs.append(Job(name, model.eval(), path, ckpt.describe(), ckpt.ema, how, dataset, real))
     return jobs
 

@@ -460,9 +460,7 @@ def mixup_active(args: argparse.Namespace) -> bool:
 
 def initial_weights(args: argparse.Namespace, name: str):
     """The checkpoint to start from (``--pretrained`` / ``--initial-checkpoint``), checked; or None."""
-    from convfirstnet.weights import WeightsNotFoundError, resolve_weights
-
-    from . import checkpoint_io
+    from convfirstnet.weights import WeightsNotFoundError, read_checkpoint, resolve_architecture, resolve_weights
 
     if args.pretrained:
         try:
@@ -473,8 +471,8 @@ def initial_weights(args: argparse.Namespace, name: str):
         path = args.initial_checkpoint
     else:
         return None
-    ckpt = checkpoint_io.read(path, use_ema=True)  # timm's load_checkpoint prefers EMA weights too
-    checkpoint_io.resolve_architecture(ckpt, name)  # a file recorded as another size is an error
+    ckpt = read_checkpoint(path, use_ema=True)  # timm's load_checkpoint prefers EMA weights too
+    resolve_architecture(ckpt, name)  # a file recorded as another size is an error
     return ckpt
 
 
@@ -482,9 +480,9 @@ def check_resume_file(path: Path) -> None:
     """A ``--resume`` path must be a training checkpoint (one line instead of a pickle error)."""
     from timm.utils import load_checkpoint_metadata
 
-    from . import checkpoint_io
+    from convfirstnet.weights import file_format
 
-    if checkpoint_io.file_format(path) != "torch":
+    if file_format(path) != "torch":
         raise TrainError(f"--resume {str(path)!r} is not a training checkpoint (torch.save file)")
     try:
         meta = load_checkpoint_metadata(str(path))
@@ -545,10 +543,8 @@ def prepare(args: argparse.Namespace) -> Run:
     from timm.utils.distributed import init_distributed_device_so
 
     import convfirstnet  # noqa: F401  (registers the models with timm)
-    from convfirstnet.registry import canonical_name
-    from convfirstnet.registry import SIZES
-
-    from . import checkpoint_io
+    from convfirstnet.registry import SIZES, canonical_name
+    from convfirstnet.weights import load_checkpoint
 
     name = canonical_name(args.model)
     check_args(args)
@@ -611,7 +607,7 @@ def prepare(args: argparse.Namespace) -> Run:
     model = timm.create_model(name, num_classes=num_classes, drop_rate=drop, drop_path_rate=args.drop_path)
     start = "random init"
     if init_ckpt is not None:
-        kept = checkpoint_io.load_into(model, init_ckpt, name, new_classifier_ok=True)
+        kept = load_checkpoint(model, init_ckpt, name, new_classifier_ok=True)
         start = f"{init_ckpt.path}, {init_ckpt.describe()}"
         if kept:
             start += f"; new {num_classes}-class classifier (the checkpoint has {init_ckpt.num_classes})"
