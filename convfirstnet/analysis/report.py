@@ -44,10 +44,13 @@ from convfirstnet.kernels._cost import Launch, Loop, recording
 from convfirstnet.tools._cli import ArgumentParser
 
 from . import compiled as cc
+from . import sass
 from .estimate import LaunchEstimate, aggregate, estimate_launch
+from .hardware import ENDS, hardware
 from .targets import TARGETS, Target, target as get_target
 
-FORMAT = "convfirstnet-kernels-report/1"
+FORMAT = "convfirstnet-kernels-report/2"
+FORMATS = ("convfirstnet-kernels-report/1", FORMAT)  # /1: one predicted figure, no L2/latency terms
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -201,10 +204,32 @@ def estimate_launches(
                 mma_macs_per_program=cost.mma_macs / programs,
                 what=what,
             )
+            hw = hardware(tgt.arch)
+            controls = [ins.control for ins in insns]
+            floor = None
+            if all(c is not None for c in controls):
+                mac_cycle = {
+                    end: hw.tensor_tflops.pick(end) * 1e12 / 2 / (tgt.sms * hw.clock_hz.pick(end))
+                    for end in ENDS
+                }
+                floor = sass.latency_floor(
+                    insns,
+                    controls,
+                    w.weights,
+                    loops,
+                    l2_latency={end: hw.l2_latency_cycles.pick(end) for end in ENDS},
+                    l1_latency={end: hw.l1_latency_cycles.pick(end) for end in ENDS},
+                    wgmma_macs_per_cycle=mac_cycle,
+                    num_warps=comps[vi].num_warps,
+                )
+            kinds = cc.tensor_macs_by_kind(w.counts, comps[vi].num_warps)
             uses[key] = dict(
                 loops=w.rows,
                 insns_per_warp=w.per_warp,
                 mix=cc.instruction_mix(w.counts),
+                traffic=sass.traffic(insns, w.weights, comps[vi].num_warps),
+                latency=floor,
+                mma_sync_macs_per_program=kinds["mma.sync"],
                 tensor_macs_per_program=w.tensor_macs,
                 declared_mma_macs_per_program=key[2],
                 loops_unrolled_by_compiler=w.unrolled_away,
@@ -229,12 +254,16 @@ def estimate_launches(
                 cost=cost,
                 target=tgt,
                 tensor_macs_per_program=use["tensor_macs_per_program"],
+                mma_sync_macs_per_program=use["mma_sync_macs_per_program"],
+                traffic=use["traffic"],
+                latency=use["latency"],
+                shared_bytes=comps[vi].shared,
             )
         )
 
     rows = []
     for vi, (c, (insns, loops)) in enumerate(zip(comps, listings)):
-        vuses = [u for key, u in uses.items() if key[0] == vi]
+        vuses = [_use_json(u) for key, u in uses.items() if key[0] == vi]
         rows.append(
             dict(
                 index=vi,
@@ -250,6 +279,7 @@ def estimate_launches(
                 ptx_wgmma=c.ptx_wgmma,
                 ptx_mma_sync=c.ptx_mma_sync,
                 sass_instructions=len(insns),
+                memory_instructions=memory_ops(insns),
                 sass_loops=_loops_json(loops),
                 static_mix=cc.instruction_mix(Counter(ins.opcode for ins in insns)),
                 compile_s=round(c.compile_s, 2),
@@ -259,6 +289,24 @@ def estimate_launches(
             )
         )
     return Estimates(tgt, rows, estimates, comps, compile_s)
+
+
+def _use_json(u: dict) -> dict:
+    out = dict(u)
+    out["traffic"] = u["traffic"].to_json()
+    out["latency"] = u["latency"].to_json() if u["latency"] else None
+    return out
+
+
+def memory_ops(insns: Sequence[cc.Instruction]) -> dict[str, int]:
+    """Static count of each global memory instruction form in a listing (the classification of
+    ``sass.memory_op``: which loads bypass L1)."""
+    out: Counter = Counter()
+    for ins in insns:
+        op = sass.memory_op(ins.opcode)
+        if op is not None:
+            out[f"{ins.opcode} ({op.kind}{', L1' if op.kind == 'load' and op.l1 else ''})"] += 1
+    return dict(out.most_common())
 
 
 def build_report(
@@ -303,11 +351,23 @@ def build_report(
     elem_bytes = torch.empty((), dtype=torch_dtype).element_size()
 
     # 1. record the fused model's launches on meta tensors
-    fused = fuse(model).to(torch_dtype).to("meta")  # fuse() works on a copy
-    x = torch.empty(batch, *input_size, device="meta", dtype=torch_dtype).contiguous(
-        memory_format=torch.channels_last
-    )
-    launches = record_launches(fused, x, tgt)
+    try:
+        fused = fuse(model).to(torch_dtype).to("meta")  # fuse() works on a copy
+        x = torch.empty(batch, *input_size, device="meta", dtype=torch_dtype).contiguous(
+            memory_format=torch.channels_last
+        )
+        launches = record_launches(fused, x, tgt)
+    except Exception as e:  # a forward pass that cannot run on meta tensors: the model cannot be recorded
+        raise ValueError(
+            f"cannot record the kernel launches of {name or type(model).__name__} "
+            f"({dtype}, batch {batch}, {input_size[-1]}x{input_size[-1]}): {type(e).__name__}: {e}"
+        ) from e
+    if not launches:
+        raise ValueError(
+            f"{name or type(model).__name__} made no Triton kernel launch while recording: the "
+            "report covers fused ConvFirstNet blocks (convfirstnet.fuse)"
+        )
+    check_declarations(launches)
     say(f"recorded {len(launches)} launches")
 
     # 2., 3. compile the distinct variants, weight their SASS, bound each launch
@@ -316,6 +376,12 @@ def build_report(
     # 4. blocks, stages, model, against the waterline of the same model
     layerwise, fusion = build_kernels(model, input_size, batch, elem_bytes)
     agg = aggregate(est.launches, layerwise, fusion, tgt)
+    variant_of_launch = {e.index: e.variant for e in est.launches}
+    for b in agg["blocks"]:  # what the kernel redesign reads per block: spills and the MMA instructions
+        vs = sorted({variant_of_launch[i] for i in b["launch_indices"]})
+        b["variants"] = vs
+        b["stack_bytes"] = max((est.variants[v]["stack_bytes"] for v in vs), default=0)
+        b["mma_kinds"] = sorted({k for v in vs for k in est.variants[v]["mma_kind"].split("+")})
     macs = count_macs(model, input_size)
     if agg["total"]["useful_macs"] != macs * batch:  # the waterline's own invariant; checked, not assumed
         raise AssertionError(
@@ -323,6 +389,7 @@ def build_report(
         )
 
     total = agg["total"]
+    spills = {v["index"]: v["stack_bytes"] for v in est.variants if v["stack_bytes"]}
     return dict(
         format=FORMAT,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -333,15 +400,26 @@ def build_report(
         dtype=dtype,
         elem_bytes=elem_bytes,
         target=_target_json(tgt),
+        hardware=hardware(tgt.arch).to_json(),
         versions=dict(
             convfirstnet=convfirstnet.__version__, torch=torch.__version__, triton=triton.__version__
         ),
         git=git_info(),
         count_macs_per_image=macs,
-        predicted_ms=total["predicted_ms"],
-        layerwise_ms=total["layerwise_ms"],
+        # the low end with CUDA graphs (what a reader of format /1 took as "the" prediction)
+        predicted_ms=total["predicted_ms"]["low"],
+        predicted_low_ms=total["predicted_ms"]["low"],
+        predicted_high_ms=total["predicted_ms"]["high"],
+        predicted_stream_low_ms=total["predicted_stream_ms"]["low"],
+        predicted_stream_high_ms=total["predicted_stream_ms"]["high"],
+        layerwise_ms=total["layerwise_ms"]["low"],
+        layerwise_low_ms=total["layerwise_ms"]["low"],
+        layerwise_high_ms=total["layerwise_ms"]["high"],
         fusion_ideal_ms=total["fusion_ideal_ms"],
         predicted_over_layerwise=total["predicted_over_layerwise"],
+        l2_bytes=total["l2_bytes"],
+        dram_bytes=total["dram_bytes"],
+        spilling_variants=spills,
         launch_count=len(launches),
         variant_count=len(est.variants),
         compile_wall_s=round(est.compile_s, 1),
@@ -378,7 +456,15 @@ def _meta_text(meta: dict) -> str:
 
 
 def _ratio(v) -> str:
+    if isinstance(v, dict):
+        v = v.get("high")
     return "-" if v is None else f"{v:.2f}x"
+
+
+def _band(d: dict, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
+    """A low/high pair as "low-high" (one figure when both ends agree to the shown precision)."""
+    lo, hi = fmt.format(d["low"] * scale), fmt.format(d["high"] * scale)
+    return lo if lo == hi else f"{lo}-{hi}"
 
 
 def _issued(row: dict, which: str = "") -> str:
@@ -392,13 +478,13 @@ def _mma_check(uses: list[dict]) -> str:
     """Tensor-core MACs per program in the compiled code over the declared ones, per use of a variant."""
     out = []
     for u in uses:
-        sass, declared = u["tensor_macs_per_program"], u["declared_mma_macs_per_program"]
-        if sass is None:
+        sass_macs, declared = u["tensor_macs_per_program"], u["declared_mma_macs_per_program"]
+        if sass_macs is None:
             out.append("unknown shape")
         elif not declared:
-            out.append("-" if not sass else "undeclared")
+            out.append("-" if not sass_macs else "undeclared")
         else:
-            out.append(f"{sass / declared:.2f}")
+            out.append(f"{sass_macs / declared:.2f}")
     return ", ".join(dict.fromkeys(out))
 
 
@@ -420,83 +506,132 @@ def _table(header: Sequence[str], align: str, rows: Sequence[Sequence]) -> list[
     return ["| " + " | ".join(map(str, r)) + " |" for r in (header, rule, *rows)]
 
 
-def _block_bound(rep: dict, block: dict) -> str:
-    """The bound that contributes most to a block's predicted time."""
-    own = [rep["launches"][i] for i in block["launch_indices"]]
-    if not own:
-        return "waterline (not compiled)"
-    shares: Counter = Counter()
-    for e in own:
-        shares[e["bound"]] += e["predicted_us"]
-    return shares.most_common(1)[0][0]
+def _latency(terms: dict) -> dict:
+    return {end: terms["latency"][end] + terms["waits"][end] for end in ("low", "high")}
+
+
+def _launch_groups(rep: dict) -> list[dict]:
+    """Launches that are alike (kernel, variant, grid, declaration): one row each, with their count."""
+    groups: dict[tuple, dict] = {}
+    for e in rep["launches"]:
+        key = (
+            e["kernel"],
+            e["variant"],
+            tuple(e["grid"]),
+            e["declaration"]["note"],
+            round(e["predicted_us"]["high"], 3),
+        )
+        g = groups.setdefault(key, dict(e, count=0, blocks=[]))
+        g["count"] += 1
+        g["blocks"].append(e["block"])
+    return list(groups.values())
+
+
+def _blocks_text(paths: list[str]) -> str:
+    uniq = list(dict.fromkeys(paths))
+    return uniq[0] if len(uniq) == 1 else f"{uniq[0]} .. {uniq[-1]} ({len(uniq)} blocks)"
 
 
 def to_markdown(rep: dict) -> str:
-    """The report as Markdown: headline, stages, blocks, variants (from the JSON dict, so a saved
-    report renders the same)."""
+    """The report as Markdown: headline, constants, stages, blocks, launches, variants (from the JSON
+    dict, so a saved report renders the same)."""
+    if rep.get("format") != FORMAT:
+        raise ValueError(f"this renders {FORMAT} reports; regenerate the report with `convfirstnet kernels`")
     t = rep["target"]
+    tot = rep["total"]
     lines = [
         f"# Static cost report: {rep['model']}, batch {rep['batch']}, {rep['img_size']}x{rep['img_size']}, "
         f"{rep['dtype']}, sm_{t['arch']}",
         "",
-        f"Target {t['name']}: {t['sms']} SMs, {t['clock_ghz']:.2f} GHz, {t['peak_tflops']:g} TFLOP/s dense "
-        f"16-bit, {t['dram_tbs']:g} TB/s, {t['issue_per_clock_sm']} warp-instructions/clock/SM. Triton "
-        f"{rep['versions']['triton']}, torch {rep['versions']['torch']}. `{rep.get('command', '')}`",
+        f"Target {t['name']}: {t['sms']} SMs. Triton {rep['versions']['triton']}, torch "
+        f"{rep['versions']['torch']}. `{rep.get('command', '')}`",
         "",
-        "Estimates from the compiled code and the launchers' cost declarations, not measurements: each "
-        "bound assumes its unit at peak (tensor core: the MACs the compiled tensor-core instructions issue; "
-        "DRAM: the declared minimal bytes; issue: SASS instructions weighted by loop trips); predicted = "
-        "the largest per launch, summed. issued/useful counts the compiled tensor-core instructions, "
-        "declared/useful the launchers' tile arithmetic. A GPU benchmark record wins over these figures.",
+        "Estimates from the compiled code and the launchers' cost declarations, not measurements. "
+        "Per launch: "
+        "max(tensor, DRAM, L2, issue, latency + waits) + launch gap, each term at the fast end of every "
+        "constant (low) and at the slow end (high); see `convfirstnet/analysis/estimate.py` for why the "
+        "terms "
+        "combine so, and `convfirstnet/analysis/hardware.py` for the sources. L2 = bytes between the SMs and "
+        "L2, counted from the SASS (loads that bypass L1, stores, L1 loads beyond the declared L1-resident "
+        "bytes). latency = the stall cycles of one warp's SASS, waits = its exposed load and wgmma-group "
+        "waits, both times the programs an SM slot runs one after another. The layer-wise bound gets the "
+        "same constants and launch gaps. A GPU benchmark record wins over these figures.",
         "",
-        f"**Model: predicted {rep['predicted_ms']:.3f} ms per batch, layer-wise bound "
-        f"{rep['layerwise_ms']:.3f} ms (ratio {_ratio(rep['predicted_over_layerwise'])}), block-fusion ideal "
-        f"{rep['fusion_ideal_ms']:.3f} ms.** {rep['launch_count']} launches, {rep['variant_count']} distinct "
-        "variants.",
-        "",
-        "## Stages",
-        "",
+        f"**Model: predicted {_band(tot['predicted_ms'])} ms per batch with CUDA graphs, "
+        f"{_band(tot['predicted_stream_ms'])} ms from a stream; layer-wise bound "
+        f"{_band(tot['layerwise_ms'])} ms "
+        f"(graphs); predicted/layer-wise {_ratio(tot['predicted_over_layerwise'])} (high ends).** "
+        f"L2<->SM {_band(tot['l2_bytes'], 1e-9)} GB against {tot['dram_bytes'] / 1e9:.3f} GB of DRAM "
+        f"({_ratio(tot['l2_over_dram'])}). {rep['launch_count']} launches, {rep['variant_count']} distinct "
+        f"variants; binding terms (high end, ms): "
+        + ", ".join(f"{k} {v:.3f}" for k, v in tot["bound_ms"].items())
+        + ".",
     ]
+    cal = rep.get("calibration")
+    if cal:
+        lines += ["", cal["text"]]
+    hw = rep.get("hardware", {})
+    rows = [
+        [k, f"{v['fast']:g}", f"{v['slow']:g}", v["unit"], v["source"]]
+        for k, v in hw.items()
+        if isinstance(v, dict)
+    ]
+    if rows:
+        lines += ["", "## Constants (fast end for the low prediction, slow end for the high)", ""]
+        lines += _table(["constant", "fast", "slow", "unit", "source"], "lrrll", rows)
+        lines += [
+            "",
+            f"mma.sync at {hw['mma_sync_fraction']:g} of the tensor rate; L1 + shared memory "
+            f"{hw['l1_shared_bytes'] // 1024} KB per SM.",
+        ]
+
+    def term_cells(row: dict, scale: float, fmt: str) -> list[str]:
+        tm = row["terms_ms"]
+        return [
+            _band(tm["tensor"], scale, fmt),
+            _band(tm["dram"], scale, fmt),
+            _band(tm["l2"], scale, fmt),
+            _band(tm["issue"], scale, fmt),
+            _band(tm["latency"], scale, fmt),
+            _band(tm["waits"], scale, fmt),
+            _band(row["launch_gap_ms"], scale, fmt),
+        ]
+
+    term_header = ["tensor", "DRAM", "L2", "issue", "latency", "waits", "launch gaps"]
     rows = []
-    for s in rep["stages"] + [dict(rep["total"], stage="**model**", blocks=rep["blocks"])]:
+    for s in rep["stages"] + [dict(tot, stage="**model**", blocks=rep["blocks"])]:
         rows.append(
             [
                 s["stage"],
                 len(s["blocks"]),
                 s["launches"],
-                f"{s['useful_macs'] / 1e9:.2f}",
-                f"{s['mma_macs'] / 1e9:.2f}",
-                _issued(s),
-                _issued(s, "declared_"),
                 f"{s['dram_bytes'] / 1e9:.3f}",
-                f"{s['t_tensor_ms']:.3f}",
-                f"{s['t_dram_ms']:.3f}",
-                f"{s['t_issue_ms']:.3f}",
-                f"{s['predicted_ms']:.3f}",
-                f"{s['layerwise_ms']:.3f}",
+                _band(s["l2_bytes"], 1e-9),
+                _ratio(s["l2_over_dram"]),
+                *term_cells(s, 1, "{:.3f}"),
+                _band(s["predicted_ms"]),
+                _band(s["predicted_stream_ms"]),
+                _band(s["layerwise_ms"]),
                 _ratio(s["predicted_over_layerwise"]),
-                f"{s['fusion_ideal_ms']:.3f}",
+                s["bound"],
             ]
         )
-    lines += _table(
+    lines += ["", "## Stages (ms; low-high)", ""] + _table(
         [
             "stage",
             "blocks",
             "launches",
-            "useful GMAC",
-            "issued GMAC",
-            "issued/useful",
-            "declared/useful",
             "DRAM GB",
-            "tensor ms",
-            "DRAM ms",
-            "issue ms",
-            "predicted ms",
-            "layer-wise ms",
+            "L2 GB",
+            "L2/DRAM",
+            *term_header,
+            "predicted (graphs)",
+            "predicted (stream)",
+            "layer-wise (graphs)",
             "predicted/layer-wise",
-            "block-fusion ideal ms",
+            "binds",
         ],
-        "lrrrrrrrrrrrrrr",
+        "lrrrrr" + "r" * 7 + "rrrrl",
         rows,
     )
     rows = []
@@ -505,47 +640,112 @@ def to_markdown(rep: dict) -> str:
             [
                 b["path"],
                 b["kind"],
-                b["stage"],
                 b["launches"],
-                f"{b['useful_macs'] / 1e9:.3f}",
-                _issued(b),
-                _issued(b, "declared_"),
-                f"{b['dram_bytes'] / 1e6:.2f}",
-                f"{1e3 * b['t_tensor_ms']:.1f}",
-                f"{1e3 * b['t_dram_ms']:.1f}",
-                f"{1e3 * b['t_issue_ms']:.1f}",
-                f"{1e3 * b['predicted_ms']:.1f}",
-                _block_bound(rep, b),
-                f"{1e3 * b['layerwise_ms']:.1f}",
+                f"{b['dram_bytes'] / 1e6:.1f}",
+                _band(b["l2_bytes"], 1e-6, "{:.1f}"),
+                _ratio(b["l2_over_dram"]),
+                *term_cells(b, 1e3, "{:.1f}"),
+                _band(b["predicted_ms"], 1e3, "{:.1f}"),
+                b["bound"],
+                _band(b["layerwise_ms"], 1e3, "{:.1f}"),
                 _ratio(b["predicted_over_layerwise"]),
-                f"{1e3 * b['fusion_ideal_ms']:.1f}",
+                b.get("stack_bytes", 0),
+                "+".join(b.get("mma_kinds", [])) or "-",
             ]
         )
-    lines += ["", "## Blocks", ""] + _table(
+    lines += ["", "## Blocks (µs; low-high)", ""] + _table(
         [
             "block",
             "kind",
-            "stage",
             "launches",
-            "useful GMAC",
-            "issued/useful",
-            "declared/useful",
             "DRAM MB",
-            "tensor µs",
-            "DRAM µs",
-            "issue µs",
-            "predicted µs",
-            "bound",
-            "layer-wise µs",
+            "L2 MB",
+            "L2/DRAM",
+            *term_header,
+            "predicted (graphs)",
+            "binds",
+            "layer-wise (graphs)",
             "predicted/layer-wise",
-            "block-fusion ideal µs",
+            "stack B",
+            "MMA",
         ],
-        "lllrrrrrrrrrlrrr",
+        "llrrrr" + "r" * 7 + "rlrrrl",
         rows,
     )
     uncompiled = [b for b in rep["blocks"] if not b["launch_indices"]]
     if uncompiled:
         lines += ["", "; ".join(f"{b['path']}: {b['implemented_by']}" for b in uncompiled) + "."]
+    rows = []
+    for g in _launch_groups(rep):
+        tu = g["terms_us"]
+        tr = g["traffic_per_program"] or {}
+        lat = g["latency_per_warp"] or {}
+        rows.append(
+            [
+                _blocks_text(g["blocks"]),
+                g["count"],
+                g["kernel"].rsplit(".", 1)[-1],
+                g["variant"],
+                "x".join(map(str, g["grid"])),
+                g["programs_per_sm"],
+                f"{g['warps_per_scheduler']:g}",
+                g["rounds"],
+                " / ".join(f"{tr.get(k, 0) / 1e3:.0f}" for k in ("load_bypass", "load_l1", "store")),
+                {None: "-", True: "yes", False: "no"}[g["l1_fits"]],
+                _band({k: v / 1e6 for k, v in g["l2_bytes"].items()}, 1, "{:.1f}"),
+                f"{g['dram_bytes'] / 1e6:.1f}",
+                f"{lat.get('stall_cycles', 0):,.0f}",
+                f"{lat.get('l2_waits', 0):,}",
+                _band(tu["tensor"], 1, "{:.1f}"),
+                _band(tu["dram"], 1, "{:.1f}"),
+                _band(tu["l2"], 1, "{:.1f}"),
+                _band(tu["issue"], 1, "{:.1f}"),
+                _band(tu["latency"], 1, "{:.1f}"),
+                _band(tu["waits"], 1, "{:.1f}"),
+                _band({k: v / 1e6 for k, v in g["predicted_us"].items()}, 1e6, "{:.1f}"),
+                g["bound"],
+                g["declaration"]["note"] or "-",
+            ]
+        )
+    lines += [
+        "",
+        "## Launches (alike launches grouped; µs per launch, low-high)",
+        "",
+        "KB per program: loads that bypass L1 / L1-allocating loads / stores, as requested by the SASS. "
+        "L1 fits: the declared L1-resident bytes fit beside the shared memory (then those loads count "
+        "as the declared bytes). Stall cycles and L2 waits (loads waited on sooner than an L2 hit "
+        "returns) per warp.",
+        "",
+    ]
+    lines += _table(
+        [
+            "blocks",
+            "n",
+            "kernel",
+            "variant",
+            "grid",
+            "programs/SM",
+            "warps/scheduler",
+            "rounds",
+            "KB/program (bypass / L1 / store)",
+            "L1 fits",
+            "L2 MB",
+            "DRAM MB",
+            "stall cycles/warp",
+            "L2 waits/warp",
+            "tensor",
+            "DRAM",
+            "L2",
+            "issue",
+            "latency",
+            "waits",
+            "predicted",
+            "binds",
+            "note",
+        ],
+        "lrlrlrrrrlrrrrrrrrrrrll",
+        rows,
+    )
     rows = []
     for v in rep["variants"]:
         first = v["uses"][0]
@@ -555,6 +755,7 @@ def to_markdown(rep: dict) -> str:
         loops = _loops_text(first["loops"]) + (
             f"; unrolled by the compiler: {', '.join(unrolled)}" if unrolled else ""
         )
+        mem = "; ".join(f"{k} x{n}" for k, n in v.get("memory_instructions", {}).items())
         rows.append(
             [
                 v["index"],
@@ -572,6 +773,7 @@ def to_markdown(rep: dict) -> str:
                 loops,
                 count,
                 _mix_text(first["mix"]),
+                mem or "-",
             ]
         )
     lines += ["", "## Variants", ""] + _table(
@@ -591,8 +793,9 @@ def to_markdown(rep: dict) -> str:
             "loops (trips, body insns)",
             "insns/warp (weighted)",
             "instruction mix (weighted)",
+            "global memory instructions (static)",
         ],
-        "rllrrrrrlrrrlrl",
+        "rllrrrrrlrrrlrll",
         rows,
     )
     return "\n".join(lines) + "\n"
@@ -622,7 +825,7 @@ def static_latencies(
             rep = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if not isinstance(rep, dict) or rep.get("format") != FORMAT:
+        if not isinstance(rep, dict) or rep.get("format") not in FORMATS:
             continue
         if (rep["target"]["device_key"], rep["batch"], rep["img_size"], rep["elem_bytes"]) != (
             device_key,
@@ -635,6 +838,8 @@ def static_latencies(
         if cur is None or rep["created"] > cur["created"]:
             best[rep["model"]] = dict(
                 predicted_ms=rep["predicted_ms"],
+                predicted_low_ms=rep.get("predicted_low_ms", rep["predicted_ms"]),
+                predicted_high_ms=rep.get("predicted_high_ms", rep["predicted_ms"]),
                 layerwise_ms=rep["layerwise_ms"],
                 created=rep["created"],
                 file=str(path),
@@ -677,6 +882,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _cli_error(e: BaseException) -> int:
+    from convfirstnet.tools._cli import report as report_error
+
+    return report_error("convfirstnet kernels", e)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -695,8 +906,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"{args.render} is not a report of `convfirstnet kernels --json` ({FORMAT})")
             text = to_markdown(rep)
         except (OSError, json.JSONDecodeError, ValueError) as e:
-            print(f"convfirstnet kernels: error: {e}", file=sys.stderr)
-            return 2
+            return _cli_error(e)
         print(text, end="")
         if args.markdown:
             Path(args.markdown).write_text(text)
@@ -719,12 +929,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=say,
             name=name,
         )
-    except ValueError as e:  # bad arguments, declarations that do not match the compiled code
-        print(f"convfirstnet kernels: error: {e}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:  # a variant that does not compile (the compiler's message follows)
-        print(f"convfirstnet kernels: error: {e}", file=sys.stderr)
-        return 1
+    except (ValueError, RuntimeError) as e:
+        # bad arguments, a model that cannot be recorded, declarations that do not match the compiled
+        # code, a variant that does not compile: one line, status 1 (the commands' convention, tools/_cli)
+        return _cli_error(e)
     rep["command"] = "convfirstnet kernels " + shlex.join(argv)
     text = to_markdown(rep)
     print(text, end="")
