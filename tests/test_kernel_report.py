@@ -541,7 +541,13 @@ def test_end_to_end_stack(stack_report, tmp_path):
         assert lat["stall_cycles"] >= e["insns_per_warp"]  # every instruction stalls at least a cycle
     assert blocks["1"]["layerwise_kernel_names"] == ["1.conv_dw", "1.conv_expand", "1.conv_project"]
 
+    # the calibration band (benchmarks/calibration/h100.json) widens the sm_90 totals
+    from convfirstnet.analysis.calibration import calibrated
+
+    cal = rep["calibration"]
+    assert cal["predicted_ms"] == pytest.approx(calibrated(rep["predicted_low_ms"], rep["predicted_high_ms"]))
     text = report.to_markdown(rep)
+    assert "**Calibrated: " in text and "calibrated band = [low x 1.00, high x 1.38]" in text
     assert "| **model** |" in text and "| 1 | convfirst-fused | 1 |" in text
     path = tmp_path / "r.json"
     path.write_text(json.dumps(rep))

@@ -390,6 +390,18 @@ def build_report(
 
     total = agg["total"]
     spills = {v["index"]: v["stack_bytes"] for v in est.variants if v["stack_bytes"]}
+    calibration = None
+    if tgt.arch == 90:  # the band measured on H100 (analysis/calibration.py, benchmarks/calibration)
+        from .calibration import BAND_SM90, band_text, calibrated
+
+        calibration = dict(
+            band=BAND_SM90,
+            text=band_text(BAND_SM90),
+            predicted_ms=calibrated(total["predicted_ms"]["low"], total["predicted_ms"]["high"]),
+            predicted_stream_ms=calibrated(
+                total["predicted_stream_ms"]["low"], total["predicted_stream_ms"]["high"]
+            ),
+        )
     return dict(
         format=FORMAT,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -420,6 +432,7 @@ def build_report(
         l2_bytes=total["l2_bytes"],
         dram_bytes=total["dram_bytes"],
         spilling_variants=spills,
+        calibration=calibration,
         launch_count=len(launches),
         variant_count=len(est.variants),
         compile_wall_s=round(est.compile_s, 1),
@@ -569,7 +582,13 @@ def to_markdown(rep: dict) -> str:
     ]
     cal = rep.get("calibration")
     if cal:
-        lines += ["", cal["text"]]
+        lines += [
+            "",
+            f"**Calibrated: {_band(cal['predicted_ms'])} ms with CUDA graphs, "
+            f"{_band(cal['predicted_stream_ms'])} ms from a stream.** {cal['text']}",
+        ]
+    else:
+        lines += ["", f"No calibration for sm_{t['arch']}: the band above is the constants' only."]
     hw = rep.get("hardware", {})
     rows = [
         [k, f"{v['fast']:g}", f"{v['slow']:g}", v["unit"], v["source"]]
