@@ -170,10 +170,40 @@ def test_wgmma_group_wait_by_hand():
         wgmma_macs_per_cycle=mac,
         num_warps=8,
     )
-    # two 64x128x16 HGMMAs per warpgroup, two warpgroups sharing the SM's tensor cores, 3 cycles issued since
+    # two 64x128x16 HGMMAs per warpgroup, two warpgroups sharing the SM's tensor cores; 2 cycles have
+    # passed since the first HGMMA issued
     for end in ("low", "high"):
-        assert f.wgmma_wait_cycles[end] == pytest.approx(2 * 64 * 128 * 16 * 2 / mac[end] - 3)
+        assert f.wgmma_wait_cycles[end] == pytest.approx(2 * 64 * 128 * 16 * 2 / mac[end] - 2)
         assert f.wait_cycles[end] == f.wgmma_wait_cycles[end]
+
+
+def test_loads_in_flight_together_are_waited_for_once():
+    # two loads issued back to back, then waited on one after the other: the second wait finds its load
+    # already back (the first wait covered it), so only the first is exposed
+    rows = [
+        (None, "LDG.E R2, desc[UR4][R2.64]", ctl(1, wbar=0)),
+        (None, "LDG.E R3, desc[UR4][R4.64]", ctl(2, wbar=1)),
+        (None, "FADD R5, R2, R2", ctl(4, wait=0b01)),
+        (None, "FADD R6, R3, R3", ctl(4, wait=0b10)),
+        (None, "EXIT", ctl(5)),
+    ]
+    insns, loops = cc.parse_sass(listing(rows))
+    lat = {"low": 265.0, "high": 484.0}
+    f = sass.latency_floor(
+        insns,
+        [i.control for i in insns],
+        [1] * 5,
+        loops,
+        l2_latency=lat,
+        l1_latency={"low": 34.0, "high": 34.0},
+        wgmma_macs_per_cycle={"low": 1, "high": 1},
+        num_warps=4,
+    )
+    for end in ("low", "high"):
+        # the loads issue at cycles 0 and 1; the first FADD is ready at 3 and waits until lat; the second
+        # is ready at lat + 4, lat + 3 cycles after its load: nothing left to wait
+        assert f.wait_cycles[end] == lat[end] - 3
+    assert f.l2_waits == 1
 
 
 @triton.jit

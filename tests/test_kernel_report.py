@@ -548,6 +548,9 @@ def test_end_to_end_stack(stack_report, tmp_path):
     assert cal["predicted_ms"] == pytest.approx(calibrated(rep["predicted_low_ms"], rep["predicted_high_ms"]))
     text = report.to_markdown(rep)
     assert "**Calibrated: " in text and "calibrated band = [low x 1.00, high x 1.38]" in text
+    diag = report.diagnosis(rep)
+    assert "| 1 | convfirst-fused |" in diag and "* model high end <= 2.5 ms: " in diag
+    assert "* no spills: met." in diag or "* no spills: missed by variant" in diag
     assert "| **model** |" in text and "| 1 | convfirst-fused | 1 |" in text
     path = tmp_path / "r.json"
     path.write_text(json.dumps(rep))

@@ -820,6 +820,111 @@ def to_markdown(rep: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------------------------------- diagnosis
+
+# Issue 18's targets for the kernel redesign (fused Small, fp16, sm_90, batch 128)
+TARGETS_MODEL_HIGH_MS = 2.5
+TARGETS_STAGE_OVER_LAYERWISE = 0.5
+TARGETS_L2_OVER_DRAM = 2.5
+
+
+def diagnosis(rep: dict) -> str:
+    """Per block what binds and by how much each redesign target is missed (Markdown), from a report."""
+    tot = rep["total"]
+    variants = rep["variants"]
+    lines = [
+        f"# What binds, per block: {rep['model']}, batch {rep['batch']}, {rep['dtype']}, "
+        f"sm_{rep['target']['arch']}",
+        "",
+        f"From `{rep.get('command', '')}` (Triton {rep['versions']['triton']}); the full report is beside "
+        "this file. Times in µs, low-high (constants at their fast and slow ends, CUDA graphs); binds = the "
+        "largest term at the high end; L2/DRAM = L2<->SM bytes (high end) over declared DRAM bytes; wgmma = "
+        "share of the block's tensor-core MACs on wgmma (the rest is mma.sync: the grouped 3x3 conv's "
+        "batched "
+        "two-tap dots); stack = the largest spill of its variants.",
+        "",
+        "| block | kind | predicted | layer-wise | predicted/layer-wise | binds | terms at the high end (µs) "
+        "| L2 MB | DRAM MB | L2/DRAM | stack B | wgmma |",
+        "| --- | --- | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for b in rep["blocks"]:
+        tm = b["terms_ms"]
+        terms = ", ".join(
+            f"{t} {1e3 * tm[t]['high']:.0f}" for t in ("tensor", "dram", "l2", "issue", "latency", "waits")
+        )
+        wg = 1 - b["mma_sync_macs"] / b["mma_macs"] if b["mma_macs"] else None
+        lines.append(
+            f"| {b['path']} | {b['kind']} | {_band(b['predicted_ms'], 1e3, '{:.1f}')} "
+            f"| {_band(b['layerwise_ms'], 1e3, '{:.1f}')} | {_ratio(b['predicted_over_layerwise'])} "
+            f"| {b['bound']} "
+            f"| {terms} | {b['l2_bytes']['high'] / 1e6:.0f} | {b['dram_bytes'] / 1e6:.0f} "
+            f"| {_ratio(b['l2_over_dram'])} | {b.get('stack_bytes', 0)} "
+            f"| {'-' if wg is None else f'{100 * wg:.0f}%'} |"
+        )
+    lines += [
+        "",
+        "## Stages",
+        "",
+        "| stage | predicted ms | layer-wise ms | predicted/layer-wise (low, high) | binds | L2/DRAM |",
+        "| --- | ---: | ---: | ---: | --- | ---: |",
+    ]
+    for s in rep["stages"] + [dict(tot, stage="**model**")]:
+        r = s["predicted_over_layerwise"]
+        lines.append(
+            f"| {s['stage']} | {_band(s['predicted_ms'])} | {_band(s['layerwise_ms'])} "
+            f"| {r['low']:.2f}, {r['high']:.2f} | {s['bound']} | {_ratio(s['l2_over_dram'])} |"
+        )
+    # the targets (issue 18 item 3)
+    high = tot["predicted_ms"]["high"]
+    stage_miss = [
+        s for s in rep["stages"] if s["predicted_over_layerwise"]["high"] > TARGETS_STAGE_OVER_LAYERWISE
+    ]
+    l2_miss = [
+        b for b in rep["blocks"] if b["launch_indices"] and (b["l2_over_dram"] or 0) > TARGETS_L2_OVER_DRAM
+    ]
+    spills = [v for v in variants if v["stack_bytes"]]
+    sync = [v for v in variants if v["mma_kind"] != "wgmma" and v["mma_kind"] != "none"]
+    worst_l2 = max(l2_miss, key=lambda b: b["l2_over_dram"], default=None)
+    lines += [
+        "",
+        "## The redesign targets (issue 18 item 3), as this report predicts them",
+        "",
+        f"* model high end <= {TARGETS_MODEL_HIGH_MS} ms: {high:.3f} ms, "
+        + ("met." if high <= TARGETS_MODEL_HIGH_MS else f"missed by {high / TARGETS_MODEL_HIGH_MS:.2f}x."),
+        f"* every stage <= {TARGETS_STAGE_OVER_LAYERWISE}x its layer-wise bound (high ends): "
+        + (
+            "met."
+            if not stage_miss
+            else "missed by "
+            + ", ".join(f"{s['stage']} ({s['predicted_over_layerwise']['high']:.2f}x)" for s in stage_miss)
+            + "."
+        ),
+        f"* L2 bytes <= {TARGETS_L2_OVER_DRAM}x DRAM bytes for every block: "
+        + (
+            "met."
+            if not l2_miss
+            else f"missed by {len(l2_miss)} of "
+            f"{sum(1 for b in rep['blocks'] if b['launch_indices'])} blocks (worst {worst_l2['path']}, "
+            f"{worst_l2['l2_over_dram']:.1f}x)."
+        ),
+        "* no spills: "
+        + (
+            "met."
+            if not spills
+            else "missed by "
+            + ", ".join(f"variant {v['index']} ({v['stack_bytes']} B)" for v in spills)
+            + "."
+        ),
+        "* large dots on wgmma: the 1x1 layers (expand, FFN, projection, stem, head) compile to wgmma; "
+        "variants "
+        "that also issue mma.sync: "
+        + (", ".join(f"{v['index']} ({v['kernel'].rsplit('.', 1)[-1]})" for v in sync) or "none")
+        + " (the grouped 3x3 conv's batched dots).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------ reading saved reports
 
 
@@ -893,6 +998,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument(
+        "--diagnosis",
+        default=None,
+        metavar="OUT.md",
+        help="also write the per-block diagnosis (what binds, the redesign targets) as Markdown here",
+    )
+    p.add_argument(
         "--render",
         default=None,
         metavar="JSON",
@@ -929,6 +1040,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(text, end="")
         if args.markdown:
             Path(args.markdown).write_text(text)
+        if args.diagnosis:
+            Path(args.diagnosis).write_text(diagnosis(rep))
         return 0
     try:
         name = _canonical(args.model)
@@ -963,6 +1076,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(text)
         say(f"Markdown: {args.markdown}")
+    if args.diagnosis:
+        Path(args.diagnosis).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.diagnosis).write_text(diagnosis(rep))
+        say(f"diagnosis: {args.diagnosis}")
     return 0
 
 

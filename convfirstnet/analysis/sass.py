@@ -189,27 +189,29 @@ def latency_floor(
     ``weights``: executions of each instruction per warp (loop trips); ``l2_latency`` / ``l1_latency``:
     cycles of a load that hits L2 / L1 (or shared memory) at each end; ``wgmma_macs_per_cycle``: one
     SM's tensor MACs per cycle at each end (a warpgroup waiting for its own HGMMA group waits at least
-    for those MACs at the whole SM's rate)."""
+    for those MACs at the whole SM's rate).
+
+    A wait is exposed by the latency minus the cycles that passed since its producer issued. Those
+    cycles are counted along the listing with the waits already exposed on the way (loads issued
+    together and waited on one after another overlap: only the first wait is long); for a producer in
+    the previous trip of the loop, by the stall cycles around the loop. A loop between a producer and
+    its consumer counts one trip."""
     n = len(insns)
     stall = [c.stall for c in controls]
     loops = innermost_loops(n, sass_loops)
     chain = sum(w * max(1, s) for w, s in zip(weights, stall))
-    waits = {"low": 0.0, "high": 0.0}
-    waits_hit = {"low": 0.0, "high": 0.0}
-    wg = {"low": 0.0, "high": 0.0}
-    l2_waits = 0
-    barriers = 0
     limit = max(l2_latency.values())
     warpgroups = max(1, num_warps // 4)
+    # what each instruction waits on: (kind, producer index, stall cycles if the producer is in the
+    # previous trip else None, MACs for a wgmma group)
+    sources: list[list[tuple]] = [[] for _ in range(n)]
+    barriers = 0
     for i, (ins, ctl, w) in enumerate(zip(insns, controls, weights)):
         if not w:
             continue
         fam = ins.family
         if fam == "BAR":
             barriers += w
-        exposed = {"low": 0.0, "high": 0.0}
-        exposed_hit = {"low": 0.0, "high": 0.0}  # L1-allocating global loads hit L1
-        # scoreboard waits on loads
         for b in ctl.waits_on():
             for j, d in _walk_back(i, loops, limit, stall):
                 if controls[j].wait_mask >> b & 1:
@@ -218,52 +220,70 @@ def latency_floor(
                     op = insns[j].opcode
                     mem = memory_op(op)
                     if _is_global_load(op):
-                        hit = l1_latency if mem is not None and mem.l1 else l2_latency
-                        for end in exposed:
-                            exposed[end] = max(exposed[end], l2_latency[end] - d)
-                            exposed_hit[end] = max(exposed_hit[end], hit[end] - d)
-                        if l2_latency["low"] > d:
-                            l2_waits += w
+                        kind = "global_l1" if mem is not None and mem.l1 else "global"
                     elif _is_shared_load(op):
-                        for end in exposed:
-                            exposed[end] = max(exposed[end], l1_latency[end] - d)
-                            exposed_hit[end] = max(exposed_hit[end], l1_latency[end] - d)
+                        kind = "shared"
+                    else:
+                        break  # MUFU, S2R, ...: their latency is left to the stall counts
+                    sources[i].append((kind, j, d if j >= i else None, 0))
                     break
-        # cp.async groups: DEPBAR.LE SBb, N waits until at most N committed groups are outstanding
         m = _DEPBAR.search(ins.text) if fam == "DEPBAR" else None
-        if m:
+        if m:  # cp.async groups: DEPBAR.LE SBb, N waits until at most N committed groups are outstanding
             left = int(m.group(2), 0) + 1
             for j, d in _walk_back(i, loops, limit, stall):
                 if insns[j].family == "LDGDEPBAR":
                     left -= 1
                     if left == 0:
-                        for end in exposed:
-                            exposed[end] = max(exposed[end], l2_latency[end] - d)
-                            exposed_hit[end] = max(exposed_hit[end], l2_latency[end] - d)
-                        if l2_latency["low"] > d:
-                            l2_waits += w
+                        sources[i].append(("global", j, d if j >= i else None, 0))
                         break
-        # a warpgroup waiting for its own wgmma group (gsb0, 0 outstanding)
         m = _WG_DEPBAR.search(ins.text) if fam == "WARPGROUP" else None
-        if m and int(m.group(1), 0) == 0:
-            macs, d = 0.0, 0.0
+        if m and int(m.group(1), 0) == 0:  # a warpgroup waiting for its own wgmma group
+            macs, first = 0, None
             for j in range(i - 1, -1, -1):
                 op = insns[j].opcode
-                d += max(1, stall[j])
                 if op.startswith("WARPGROUP.DEPBAR") or insns[j].family == "BAR":
                     break
                 if hm := _HGMMA.match(op):
                     macs += int(hm.group(1)) * int(hm.group(2)) * int(hm.group(3))
-            for end in exposed:
-                # the warpgroups of a program share the SM's tensor cores
-                e = max(0.0, macs * warpgroups / wgmma_macs_per_cycle[end] - d)
-                wg[end] += w * e
-                exposed[end] = max(exposed[end], e)
-                exposed_hit[end] = max(exposed_hit[end], e)
-        for end in exposed:
-            waits[end] += w * max(0.0, exposed[end])
-            waits_hit[end] += w * max(0.0, exposed_hit[end])
-    return LatencyFloor(chain, int(l2_waits), waits, waits_hit, wg, int(barriers))
+                    first = j
+            if first is not None:
+                sources[i].append(("wgmma", first, None, macs))
+
+    def run(end: str, l1_hit: bool) -> tuple[float, float, int]:
+        lat = {
+            "global": l2_latency[end],
+            "shared": l1_latency[end],
+            "global_l1": (l1_latency if l1_hit else l2_latency)[end],
+        }
+        t = [0.0] * (n + 1)
+        total = wg = 0.0
+        exposed_loads = 0
+        for i in range(n):
+            e = 0.0
+            for kind, j, d, macs in sources[i]:
+                elapsed = d if d is not None else t[i] - t[j]
+                if kind == "wgmma":
+                    # the warpgroups of a program share the SM's tensor cores
+                    x = macs * warpgroups / wgmma_macs_per_cycle[end] - elapsed
+                    if x > 0:
+                        wg += weights[i] * x
+                else:
+                    x = lat[kind] - elapsed
+                    if x > 0 and kind.startswith("global"):
+                        exposed_loads += weights[i]
+                e = max(e, x)
+            total += weights[i] * e
+            t[i + 1] = t[i] + e + max(1, stall[i])
+        return total, wg, exposed_loads
+
+    waits, waits_hit, wgmma = {}, {}, {}
+    l2_waits = 0
+    for end in ("low", "high"):
+        waits[end], wgmma[end], count = run(end, False)
+        waits_hit[end] = run(end, True)[0]
+        if end == "low":
+            l2_waits = count
+    return LatencyFloor(chain, int(l2_waits), waits, waits_hit, wgmma, int(barriers))
 
 
 @dataclass
