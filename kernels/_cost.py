@@ -24,6 +24,12 @@ Counting rules (one launch, whole grid):
   (its write is counted in that launch's ``dram_bytes``); ``scratch_bytes_per_program`` and
   ``l2_footprint_bytes`` (the intermediate's size) are their footprint, which the report checks
   against the L2 capacity before believing it.
+* ``l1_unique_bytes_per_program``: the bytes one program's L1-allocating loads (``LDG``,
+  ``cp.async.ca``) fetch from L2 when their re-reads hit L1 (e.g. a tile's halo window read once for
+  nine taps; a persistent program's scratch slot once per image), and ``l1_working_set_bytes`` what
+  must stay in L1 at one time for that (default: the unique bytes). The report counts the L2 traffic
+  of those loads as the unique bytes when the working set fits in the L1 that the resident programs'
+  shared memory leaves, and as every requested byte otherwise (or when nothing is declared).
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ class KernelCost:
     l2_bytes: int = 0
     scratch_bytes_per_program: int = 0
     l2_footprint_bytes: int = 0
+    l1_unique_bytes_per_program: int = 0
+    l1_working_set_bytes: int = 0
     note: str = ""
 
 

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from convfirstnet.analysis import compiled as cc
-from convfirstnet.analysis import report
+from convfirstnet.analysis import launches, report
 from convfirstnet.analysis.estimate import aggregate, estimate_launch, waves_factor
 from convfirstnet.analysis.targets import target
 from convfirstnet.kernels._cost import KernelCost, Loop, recording
@@ -76,7 +76,8 @@ def test_weighted_count_by_hand():
 def test_issue_time_by_hand():
     # 264 programs of 4 warps on H100 (132 SMs): two full waves, q = 1. Each warp issues 90
     # instructions; the SMs issue 4 warp-instructions per clock each:
-    #   t_issue = 264 * 4 * 90 / (4 * 132 * clock) = 180 / clock,  clock = 989.4e12 / (132 * 4096)
+    #   t_issue = 264 * 4 * 90 / (4 * 132 * clock) = 180 / clock,  clock = 989.4e12 / (132 * 4096) at the
+    # low end (the datasheet peak's clock) and 1.755 GHz (sustained) at the high end
     clock = 989.4e12 / (132 * 4096)
     assert H100.clock_hz == pytest.approx(clock)
     insns, loops = cc.parse_sass(NESTED)
@@ -94,11 +95,19 @@ def test_issue_time_by_hand():
         cost=cost,
         target=H100,
     )
-    assert e.waves == 1.0
-    assert e.t_issue == pytest.approx(180 / clock)
-    assert e.t_tensor == pytest.approx(2e7 / 989.4e12)  # 20 ns
-    assert e.t_dram == pytest.approx(1e5 / 3.35e12)  # 30 ns, under the 98 ns of issue
-    assert e.predicted == e.t_issue and e.bound == "issue"
+    assert e.waves == 1.0 and e.rounds == 1
+    assert e.t_issue == e.terms["issue"]["low"] == pytest.approx(180 / clock)
+    assert e.terms["issue"]["high"] == pytest.approx(180 / 1.755e9)
+    assert e.terms["tensor"]["low"] == pytest.approx(2e7 / 989.4e12)  # 20 ns
+    assert e.terms["tensor"]["high"] == pytest.approx(2e7 / 794.5e12)  # best measured matmul rate
+    assert e.terms["dram"]["low"] == pytest.approx(1e5 / 3.35e12)  # 30 ns, under the 98 ns of issue
+    assert e.terms["dram"]["high"] == pytest.approx(1e5 / (0.81 * 3.35e12))
+    # no SASS given: no L2 traffic, no latency floor
+    assert e.terms["l2"] == e.terms["latency"] == e.terms["waits"] == {"low": 0.0, "high": 0.0}
+    assert e.predicted("low", None) == e.t_issue and e.bound("low") == e.bound("high") == "issue"
+    # plus the launch gap: 1.26-1.37 us in a CUDA graph, 2.43-2.52 us from a stream
+    assert e.predicted("low") == pytest.approx(180 / clock + 1.26e-6)
+    assert e.predicted("high", "stream") == pytest.approx(180 / 1.755e9 + 2.52e-6)
 
 
 # ptxas's form of a small runtime loop: a main loop doing 4 source iterations per trip (it counts the
@@ -207,9 +216,16 @@ def _launch(index, block, grid, warps, insns, cost):
     )
 
 
+# the constants at each end, typed again from their sources (analysis/hardware.py)
+R = {"low": 989.4e12, "high": 794.5e12}
+B = {"low": 3.35e12, "high": 0.81 * 3.35e12}
+L2 = {"low": 10.2e12, "high": 6.9e12}
+CLOCK = {"low": 989.4e12 / (132 * 4096), "high": 1.755e9}
+GRAPH = {"low": 1.26e-6, "high": 1.37e-6}
+STREAM = {"low": 2.43e-6, "high": 2.52e-6}
+
+
 def test_aggregation_by_hand():
-    dev = H100.device
-    R, B = dev.peak_tflops * 1e12, dev.bandwidth_tbs * 1e12
     # waterline kernels: "stages.0.1" must not collect "stages.0.10.*"
     layer = [
         Kernel("stem.conv", "conv", "stem", 1000, 5000),
@@ -237,49 +253,74 @@ def test_aggregation_by_hand():
     assert launches[0].waves == pytest.approx(264 / 133) == waves_factor(133, 132)
     assert launches[2].waves == 132.0
     assert launches[3].waves == 1.0
-    clock = H100.clock_hz
-    issue = [
-        q * p * w * n / (4 * 132 * clock)
-        for q, p, w, n in ((264 / 133, 133, 4, 100), (1, 264, 8, 1000), (132, 1, 4, 50), (1, 396, 4, 10))
-    ]
-    tensor = [0, 2 * 12000 / R, 132 * 2 * 3000 / R, 2 * 2000 / R]
-    dram = [3000 / B, 5000 / B, 2000 / B, 3500 / B]
-    for e, ti, tt, td in zip(launches, issue, tensor, dram):
-        assert (e.t_issue, e.t_tensor, e.t_dram) == pytest.approx((ti, tt, td))
-    pred = [max(v) for v in zip(issue, tensor, dram)]
+    shapes = ((264 / 133, 133, 4, 100), (1, 264, 8, 1000), (132, 1, 4, 50), (1, 396, 4, 10))
+    pred, stream = [], []
+    for e, (q, p, w, n), macs, nbytes in zip(
+        launches, shapes, (0, 12000, 3000, 2000), (3000, 5000, 2000, 3500)
+    ):
+        for end in ("low", "high"):
+            issue = q * p * w * n / (4 * 132 * CLOCK[end])
+            tensor = q * 2 * macs / R[end]
+            dram = nbytes / B[end]
+            assert (e.terms["issue"][end], e.terms["tensor"][end], e.terms["dram"][end]) == pytest.approx(
+                (issue, tensor, dram)
+            )
+        pred.append(
+            {
+                end: max(e.terms[t][end] for t in ("issue", "tensor", "dram")) + GRAPH[end]
+                for end in ("low", "high")
+            }
+        )
+        stream.append({end: pred[-1][end] - GRAPH[end] + STREAM[end] for end in ("low", "high")})
+
+    def lw(ks, end, gap=GRAPH):  # the layer-wise bound with the same constants
+        return sum(max(2 * k.macs / R[end], k.bytes / B[end], k.bytes / L2[end]) + gap[end] for k in ks)
 
     agg = aggregate(launches, layer, fused, H100)
     blocks = {b["path"]: b for b in agg["blocks"]}
     b1 = blocks["stages.0.1"]
-    assert b1["launch_indices"] == [1, 2] and b1["layerwise_kernels"] == [
+    assert b1["launch_indices"] == [1, 2] and b1["layerwise_kernel_names"] == [
         "stages.0.1.conv",
         "stages.0.1.proj",
     ]
     assert b1["useful_macs"] == 7000 and b1["mma_macs"] == 15000 and b1["dram_bytes"] == 7000
-    assert b1["predicted_ms"] == pytest.approx((pred[1] + pred[2]) * 1e3)
-    assert b1["t_issue_ms"] == pytest.approx((issue[1] + issue[2]) * 1e3)
-    lw1 = (max(6000 / R, 7000 / B) + max(8000 / R, 9000 / B)) * 1e3
-    assert b1["layerwise_ms"] == pytest.approx(lw1)
-    assert b1["fusion_ideal_ms"] == pytest.approx(max(14000 / R, 6000 / B) * 1e3)
-    assert blocks["stages.0.10"]["layerwise_kernels"] == ["stages.0.10.conv"]
+    for end in ("low", "high"):
+        assert b1["predicted_ms"][end] == pytest.approx((pred[1][end] + pred[2][end]) * 1e3)
+        assert b1["predicted_stream_ms"][end] == pytest.approx((stream[1][end] + stream[2][end]) * 1e3)
+        assert b1["launch_gap_ms"][end] == pytest.approx(2 * GRAPH[end] * 1e3)
+        assert b1["layerwise_ms"][end] == pytest.approx(lw(layer[1:3], end) * 1e3)
+        assert b1["layerwise_stream_ms"][end] == pytest.approx(lw(layer[1:3], end, STREAM) * 1e3)
+    assert b1["terms_ms"]["issue"]["low"] == pytest.approx(
+        (launches[1].terms["issue"]["low"] + launches[2].terms["issue"]["low"]) * 1e3
+    )
+    assert b1["fusion_ideal_ms"] == pytest.approx(max(14000 / 989.4e12, 6000 / 3.35e12) * 1e3)
+    assert b1["bound"] == max(("issue", "tensor"), key=lambda t: launches[1].terms[t]["high"])
+    assert blocks["stages.0.10"]["layerwise_kernel_names"] == ["stages.0.10.conv"]
     assert blocks["stem"]["issued_over_useful"] == 0.0
-    cls = blocks["classifier"]  # no Triton kernel: its waterline bound, labelled
+    cls = blocks["classifier"]  # no Triton kernel: its layer-wise figures (launch gap included), labelled
     assert cls["launches"] == 0 and cls["implemented_by"].startswith("waterline bound")
-    assert cls["predicted_ms"] == pytest.approx(max(1000 / R, 900 / B) * 1e3) == cls["layerwise_ms"]
+    for end in ("low", "high"):
+        assert cls["predicted_ms"][end] == pytest.approx(lw(layer[4:], end) * 1e3) == cls["layerwise_ms"][end]
 
     stages = {s["stage"]: s for s in agg["stages"]}
     assert list(stages) == ["stem", "stage1", "head"]
     s1 = stages["stage1"]
     assert s1["blocks"] == ["stages.0.1", "stages.0.10"] and s1["launches"] == 3
-    assert s1["predicted_ms"] == pytest.approx(sum(pred[1:]) * 1e3)
-    assert s1["layerwise_ms"] == pytest.approx(lw1 + max(4000 / R, 4000 / B) * 1e3)
-    assert s1["predicted_over_layerwise"] == pytest.approx(s1["predicted_ms"] / s1["layerwise_ms"])
+    for end in ("low", "high"):
+        assert s1["predicted_ms"][end] == pytest.approx(sum(p[end] for p in pred[1:]) * 1e3)
+        assert s1["layerwise_ms"][end] == pytest.approx(lw(layer[1:4], end) * 1e3)
+        assert s1["predicted_over_layerwise"][end] == pytest.approx(
+            s1["predicted_ms"][end] / s1["layerwise_ms"][end]
+        )
     assert s1["issued_over_useful"] == pytest.approx(17000 / 9000)
     total = agg["total"]
     assert total["useful_macs"] == 10500
-    assert total["predicted_ms"] == pytest.approx(sum(pred) * 1e3 + cls["predicted_ms"])
-    assert total["layerwise_ms"] == pytest.approx(sum(s["layerwise_ms"] for s in agg["stages"]))
-    assert total["fusion_ideal_ms"] == pytest.approx(sum(k.t_min(dev) for k in fused) * 1e3)
+    for end in ("low", "high"):
+        assert total["predicted_ms"][end] == pytest.approx(
+            sum(p[end] for p in pred) * 1e3 + cls["predicted_ms"][end]
+        )
+        assert total["layerwise_ms"][end] == pytest.approx(lw(layer, end) * 1e3)
+    assert total["fusion_ideal_ms"] == pytest.approx(sum(k.t_min(H100.device) for k in fused) * 1e3)
 
     # declarations that do not add up to the block's MACs, launches outside every block, blocks
     # without launches: errors that say what to fix
@@ -381,8 +422,8 @@ def compiled_cache():
 
 @pytest.fixture(scope="module")
 def dot_loop_estimate(compiled_cache):
-    launches = _record_dot_loop(80, (Loop("K steps", 5),))
-    return report.estimate_launches(launches, "sm_90", compiled=compiled_cache)
+    recorded = _record_dot_loop(80, (Loop("K steps", 5),))
+    return launches.estimate_launches(recorded, "sm_90", compiled=compiled_cache)
 
 
 def test_real_kernel_issue_count_by_hand(dot_loop_estimate):
@@ -401,13 +442,13 @@ def test_real_kernel_errors(dot_loop_estimate, compiled_cache):
     with pytest.raises(
         ValueError, match=r"no cost declaration for tests\.test_kernel_report\._dot_loop_kernel"
     ):
-        report.estimate_launches(_record_dot_loop(80, None), "sm_90")
+        launches.estimate_launches(_record_dot_loop(80, None), "sm_90")
     with pytest.raises(
         ValueError,
         match=r"_dot_loop_kernel .*block blk.* has loops \(\(\)\) but the launcher "
         r"declares \(\) \(no loops\).*KernelCost\.loops",
     ):
-        report.estimate_launches(_record_dot_loop(80, ()), "sm_90", compiled=compiled_cache)
+        launches.estimate_launches(_record_dot_loop(80, ()), "sm_90", compiled=compiled_cache)
 
 
 # --------------------------------------------------------------------- end to end: a stem + ConvFirst stack
@@ -438,15 +479,25 @@ def test_end_to_end_stack(stack_report, tmp_path):
     blocks = {b["path"]: b for b in rep["blocks"]}
     assert list(blocks) == ["0", "1"] and blocks["1"]["kind"] == "convfirst-fused"
     assert sum(b["useful_macs"] for b in rep["blocks"]) == count_macs(model, (3, 32, 32)) * 2
-    for row in (
-        rep["stages"] + [rep["total"]] + rep["blocks"]
-    ):  # one launch per block: predicted = largest bound
-        bounds = (row["t_tensor_ms"], row["t_dram_ms"], row["t_issue_ms"])
-        assert row["layerwise_ms"] > 0 and max(bounds) <= row["predicted_ms"] * (1 + 1e-12) <= sum(bounds)
-        if row in rep["blocks"]:
-            assert row["predicted_ms"] == pytest.approx(max(bounds))
-    assert rep["stages"][0]["stage"] == "block" and rep["predicted_ms"] == rep["total"]["predicted_ms"]
-    # whatever the kernels are: one or more variants per block kind, resources read, bounds per the model
+    ends = ("low", "high")
+    for row in rep["stages"] + [rep["total"]] + rep["blocks"]:  # one launch per block: its terms and gap
+        for end in ends:
+            tm = row["terms_ms"]
+            slowest = max(
+                tm["tensor"][end],
+                tm["dram"][end],
+                tm["l2"][end],
+                tm["issue"][end],
+                tm["latency"][end] + tm["waits"][end],
+            )
+            assert row["layerwise_ms"][end] > 0
+            assert slowest <= row["predicted_ms"][end] - row["launch_gap_ms"][end] + 1e-12
+            if row in rep["blocks"]:
+                assert row["predicted_ms"][end] == pytest.approx(slowest + row["launch_gap_ms"][end])
+        assert row["predicted_ms"]["low"] <= row["predicted_ms"]["high"] <= row["predicted_stream_ms"]["high"]
+    assert rep["stages"][0]["stage"] == "block" and rep["predicted_ms"] == rep["total"]["predicted_ms"]["low"]
+    assert (rep["predicted_low_ms"], rep["predicted_high_ms"]) == tuple(rep["total"]["predicted_ms"].values())
+    # whatever the kernels are: one or more variants per block kind, resources read, terms per the model
     kinds = {v["kernel"].split(".")[2] for v in rep["variants"]}
     assert kinds == {"stem", "convfirst"}  # convfirstnet.kernels.<block>.<module>.<function>
     for v in rep["variants"]:
@@ -457,17 +508,50 @@ def test_end_to_end_stack(stack_report, tmp_path):
         assert e["programs"] == math.prod(e["grid"]) and e["block"] in blocks
         q = math.ceil(e["programs"] / t["sms"]) * t["sms"] / e["programs"]
         assert e["waves_factor"] == pytest.approx(q)
-        clock = t["peak_tflops"] * 1e12 / (t["sms"] * t["tensor_flop_per_clock_sm"])
-        assert e["t_issue_us"] == pytest.approx(
-            1e6 * q * e["programs"] * e["num_warps"] * e["insns_per_warp"] / (4 * t["sms"] * clock)
+        rounds = math.ceil(math.ceil(e["programs"] / t["sms"]) / e["programs_per_sm"])
+        assert e["rounds"] == rounds
+        tu, tr, lat = e["terms_us"], e["traffic_per_program"], e["latency_per_warp"]
+        for end in ends:
+            clock = CLOCK[end]
+            assert tu["issue"][end] == pytest.approx(
+                1e6 * q * e["programs"] * e["num_warps"] * e["insns_per_warp"] / (4 * t["sms"] * clock)
+            )
+            dense = e["mma_macs"] - e["mma_sync_macs"] + e["mma_sync_macs"] / 0.63
+            assert tu["tensor"][end] == pytest.approx(1e6 * q * dense * 2 / R[end])
+            assert tu["dram"][end] == pytest.approx(1e6 * e["dram_bytes"] / B[end])
+            assert tu["l2"][end] == pytest.approx(1e6 * e["l2_bytes"][end] / L2[end])
+            assert tu["latency"][end] == pytest.approx(1e6 * rounds * lat["stall_cycles"] / clock)
+            assert e["predicted_us"][end] == pytest.approx(
+                max(
+                    tu["issue"][end],
+                    tu["tensor"][end],
+                    tu["dram"][end],
+                    tu["l2"][end],
+                    tu["latency"][end] + tu["waits"][end],
+                )
+                + 1e6 * GRAPH[end]
+            )
+        # L2 bytes: everything the SASS requests, L1 loads as declared where their working set fits
+        l1 = tr["load_l1"]
+        if e["l1_fits"]:
+            l1 = min(l1, e["declaration"]["l1_unique_bytes_per_program"])
+        assert e["l2_bytes"]["low"] == pytest.approx(
+            e["programs"] * (tr["load_bypass"] + l1 + tr["store"] + tr["atomic"])
         )
-        assert e["t_tensor_us"] == pytest.approx(1e6 * q * e["mma_macs"] * 2 / (t["peak_tflops"] * 1e12))
-        assert e["t_dram_us"] == pytest.approx(1e6 * e["dram_bytes"] / (t["dram_tbs"] * 1e12))
-        assert e["predicted_us"] == pytest.approx(max(e["t_issue_us"], e["t_tensor_us"], e["t_dram_us"]))
-    assert blocks["1"]["layerwise_kernels"] == ["1.conv_dw", "1.conv_expand", "1.conv_project"]
+        assert lat["stall_cycles"] >= e["insns_per_warp"]  # every instruction stalls at least a cycle
+    assert blocks["1"]["layerwise_kernel_names"] == ["1.conv_dw", "1.conv_expand", "1.conv_project"]
 
+    # the calibration band (benchmarks/calibration/h100.json) widens the sm_90 totals
+    from convfirstnet.analysis.calibration import calibrated
+
+    cal = rep["calibration"]
+    assert cal["predicted_ms"] == pytest.approx(calibrated(rep["predicted_low_ms"], rep["predicted_high_ms"]))
     text = report.to_markdown(rep)
-    assert "| **model** |" in text and "| 1 | convfirst-fused | block |" in text
+    assert "**Calibrated: " in text and "calibrated band = [low x 1.00, high x 1.38]" in text
+    diag = report.diagnosis(rep)
+    assert "| 1 | convfirst-fused |" in diag and "* model high end <= 2.5 ms: " in diag
+    assert "* no spills: met." in diag or "* no spills: missed by variant" in diag
+    assert "| **model** |" in text and "| 1 | convfirst-fused | 1 |" in text
     path = tmp_path / "r.json"
     path.write_text(json.dumps(rep))
     assert report.static_latencies(tmp_path, "h100", 2, 32)["stack"]["predicted_ms"] == rep["predicted_ms"]
@@ -479,15 +563,77 @@ def test_cli_refuses_bad_arguments_before_compiling(capsys):
     from convfirstnet.commands import cli
 
     for args, msg in (
+        (["--arch", "sm_75"], "unknown GPU target 'sm_75'"),
         (["--arch", "sm_70"], "unknown GPU target 'sm_70'"),
         (["--model", "huge"], "unknown model 'huge'"),
         (["--img-size", "16"], "--img-size must be at least 32"),
         (["--jobs", "0"], "--jobs must be at least 1"),
         (["--batch", "0"], "batch must be at least 1"),
     ):
-        assert cli.main(["kernels", "--model", "pico", *args]) == 2
+        # bad input ends like every other command's: one line, exit status 1
+        assert cli.main(["kernels", "--model", "pico", *args]) == 1
         err = capsys.readouterr().err
         assert err.startswith("convfirstnet kernels: error: ") and msg in err and err.count("\n") == 1
+
+
+class _NotRecordable(torch.nn.Module):
+    """A model whose forward cannot run on meta tensors (or that makes no fused launch)."""
+
+    in_chans = 3
+
+    def __init__(self, fail: bool):
+        super().__init__()
+        self.fail = fail
+
+    def forward(self, x):
+        if self.fail:
+            raise NotImplementedError("this op has no meta kernel")
+        return x.mean()
+
+
+@pytest.mark.parametrize(
+    "fail, msg",
+    [
+        (
+            True,
+            "cannot record the kernel launches of convfirstnet_pico (float16, batch 128, 256x256): "
+            "NotImplementedError: this op has no meta kernel",
+        ),
+        (False, "convfirstnet_pico made no Triton kernel launch while recording"),
+    ],
+)
+def test_cli_refuses_a_model_it_cannot_record(capsys, monkeypatch, fail, msg):
+    from convfirstnet.commands import cli, kernels
+
+    monkeypatch.setattr(kernels, "create_model", lambda name: _NotRecordable(fail))
+    assert cli.main(["kernels", "--model", "pico"]) == 1
+    err = capsys.readouterr().err
+    # one line, before anything is compiled (no progress lines)
+    assert err.startswith("convfirstnet kernels: error: ") and msg in err and err.count("\n") == 1
+
+
+def test_cli_reports_an_ambiguous_loop_matching_in_one_line(capsys, monkeypatch):
+    # one SASS loop; declared: a 3-trip and a 5-trip loop, either of which the compiler may have unrolled
+    # away: two matchings that weigh the listing differently (3 or 5 trips of the body)
+    from convfirstnet.commands import cli, kernels
+
+    listing = """
+        /*0000*/                   S2R R0, SR_TID.X ;
+.L_x_0:
+        /*0010*/                   FFMA R1, R1, R1, R1 ;
+        /*0020*/               @P0 BRA `(.L_x_0) ;
+        /*0030*/                   EXIT ;
+"""
+
+    def ambiguous(*args, **kwargs):
+        insns, loops = cc.parse_sass(listing)
+        cc.weigh(insns, loops, (Loop("a", 3), Loop("b", 5)), num_warps=4, what="kernel k (bfloat16)")
+
+    monkeypatch.setattr(kernels, "build_report", ambiguous)
+    assert cli.main(["kernels", "--model", "pico", "--dtype", "bfloat16"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("convfirstnet kernels: error: kernel k (bfloat16): the declared loops (a, b) fit ")
+    assert "in 2 ways that weigh it differently" in err and err.count("\n") == 1
 
 
 @pytest.fixture(scope="module")

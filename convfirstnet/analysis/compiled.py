@@ -123,10 +123,18 @@ class Instruction:
     opcode: str  # full mnemonic, e.g. "LDG.E.128"
     text: str
     predicated: bool
+    high: int | None = None  # the high 64 bits of the encoding (``nvdisasm -hex``): the control codes
 
     @property
     def family(self) -> str:
         return self.opcode.split(".")[0]
+
+    @property
+    def control(self):
+        """The decoded scheduling fields (``analysis.sass.Control``), None for a listing without -hex."""
+        from .sass import Control
+
+        return None if self.high is None else Control.decode(self.high)
 
 
 @dataclass
@@ -146,10 +154,12 @@ class SassLoop:
 _INSN = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Za-z0-9_.]*)(.*?);")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
 _TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+_HEX_ONLY = re.compile(r"^\s*/\* (0x[0-9a-f]{16}) \*/\s*$")
 
 
 def parse_sass(text: str) -> tuple[list[Instruction], list[SassLoop]]:
     """Instructions of an ``nvdisasm -c`` listing and its loop forest (outermost first, in order).
+    With ``-hex`` the high half of each encoding is kept (``Instruction.high``: the control codes).
 
     A loop is the range from a label to the last backward branch that targets it. The trailing
     ``BRA`` to itself after the last ``EXIT`` (a trap, never executed) and the ``NOP`` padding after
@@ -159,7 +169,8 @@ def parse_sass(text: str) -> tuple[list[Instruction], list[SassLoop]]:
     labels: dict[str, int] = {}
     branches: list[tuple[int, str]] = []
     padding = False  # after the trap: alignment NOPs up to the end of the function
-    for line in text.splitlines():
+    lines = text.splitlines()
+    for k, line in enumerate(lines):
         if line.lstrip().startswith(".section"):
             padding = False
         m = _LABEL.match(line)
@@ -176,7 +187,9 @@ def parse_sass(text: str) -> tuple[list[Instruction], list[SassLoop]]:
         if t and not m.group(2) and labels.get(t.group(1)) == len(insns):
             padding = True
             continue  # the trap after the last EXIT (an unconditional branch to itself): never executed
-        insns.append(Instruction(int(m.group(1), 16), opcode, line.strip(), bool(m.group(2))))
+        hx = _HEX_ONLY.match(lines[k + 1]) if k + 1 < len(lines) else None
+        insns.append(Instruction(int(m.group(1), 16), opcode, line.strip(), bool(m.group(2)),
+                                 int(hx.group(1), 16) if hx else None))
         if t:
             branches.append((len(insns) - 1, t.group(1)))
     ends: dict[int, int] = {}
@@ -316,6 +329,20 @@ def tensor_macs_per_program(counts: Counter, num_warps: int) -> int | None:
     return total
 
 
+def tensor_macs_by_kind(counts: Counter, num_warps: int) -> dict[str, int]:
+    """Tensor-core MACs one program issues, split into ``wgmma`` (HGMMA) and ``mma.sync`` (HMMA); shapes
+    this does not know count in neither."""
+    out = {"wgmma": 0, "mma.sync": 0}
+    for opcode, n in counts.items():
+        if not n:
+            continue
+        if m := _HGMMA.match(opcode):
+            out["wgmma"] += n * int(m.group(1)) * int(m.group(2)) * int(m.group(3)) * max(1, num_warps // 4)
+        elif m := _HMMA.match(opcode):
+            out["mma.sync"] += n * 16 * int(m.group(1)) * int(m.group(2)) * num_warps
+    return out
+
+
 @dataclass
 class Weighted:
     """The declared loops applied to one listing (:func:`weigh`)."""
@@ -325,13 +352,14 @@ class Weighted:
     tensor_macs: int | None  # per program, from the weighted tensor-core instructions (None: unknown shape)
     candidates: int  # structurally valid matchings considered
     unrolled_away: list[str]  # declared loops of more than one trip taken as fully unrolled by the compiler
+    weights: list[int] = field(default_factory=list)  # executions of each listed instruction per warp
 
     @property
     def per_warp(self) -> int:
         return sum(self.counts.values())
 
 
-def _apply(insns: Sequence[Instruction], matches: list[LoopMatch]) -> tuple[Counter, list[dict]]:
+def _apply(insns: Sequence[Instruction], matches: list[LoopMatch]) -> tuple[Counter, list[dict], list[int]]:
     weight = [1] * len(insns)
     rows: list[dict] = []
 
@@ -351,7 +379,7 @@ def _apply(insns: Sequence[Instruction], matches: list[LoopMatch]) -> tuple[Coun
     counts: Counter = Counter()
     for ins, w in zip(insns, weight):
         counts[ins.opcode] += w
-    return counts, rows
+    return counts, rows, weight
 
 
 def _unrolled_away(declared: Sequence[Loop], matches: list[LoopMatch]) -> list[str]:
@@ -398,11 +426,11 @@ def weigh(
         )
     scored = []
     for matches, penalty in cands:
-        counts, rows = _apply(insns, matches)
+        counts, rows, weight = _apply(insns, matches)
         macs = tensor_macs_per_program(counts, num_warps)
         consistent = (mma_macs_per_program is not None and macs is not None
                       and math.isclose(macs, mma_macs_per_program, rel_tol=1e-9, abs_tol=0.5))
-        scored.append(((not consistent, penalty), matches, counts, rows, macs))
+        scored.append(((not consistent, penalty), matches, counts, rows, macs, weight))
     best_key = min(s[0] for s in scored)
     best = [s for s in scored if s[0] == best_key]
     if len({sum(b[2].values()) for b in best}) > 1:
@@ -411,8 +439,8 @@ def weigh(
             f"{_shape_text(sass_loops)} in {len(best)} ways that weigh it differently; give the loops "
             "distinct trip counts or check which of them the compiler unrolled"
         )
-    _, matches, counts, rows, macs = best[0]
-    return Weighted(counts, rows, macs, len(cands), _unrolled_away(declared, matches))
+    _, matches, counts, rows, macs, weight = best[0]
+    return Weighted(counts, rows, macs, len(cands), _unrolled_away(declared, matches), weight)
 
 
 def weighted_counts(
@@ -515,7 +543,8 @@ def compile_one(variant: Variant) -> dict:
         cubin.write_bytes(k.asm["cubin"])
         usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True,
                                text=True, check=True).stdout
-        sass = subprocess.run([_tool("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True,
+        # -hex: the encodings, whose high halves carry the control codes (analysis.sass)
+        sass = subprocess.run([_tool("nvdisasm"), "-c", "-hex", str(cubin)], capture_output=True, text=True,
                               check=True).stdout
     res = {m.group(1): int(m.group(2)) for m in re.finditer(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", usage)}
     ptx = k.asm["ptx"]

@@ -1,33 +1,46 @@
-"""The static cost model: three time bounds per kernel launch, summed per block, stage and model.
+"""The static cost model: per kernel launch, every term that bounds its time, as a low/high pair.
 
-For one launch of ``P`` programs (``P`` = product of the grid) on a target with ``S`` SMs:
+For one launch of ``P`` programs of ``w`` warps on a target with ``S`` SMs, occupancy ``o`` resident
+programs per SM, and each machine constant taken at its fast end (the low prediction) or its slow end
+(the high one; ``hardware.Band``):
 
-    waves factor   q        = ceil(P / S) * S / P        (the busiest SM runs ceil(P / S) programs)
-    tensor core    t_tensor = q * mma_macs * 2 / peak FLOP/s
-    DRAM           t_dram   = dram_bytes / DRAM bandwidth
-    issue          t_issue  = q * P * warps * (SASS instructions per warp) / (4 * S * clock)
-    predicted               = max(t_tensor, t_dram, t_issue)
+    waves factor  q       = ceil(P / S) * S / P          (the busiest SM runs ceil(P / S) programs)
+    rounds        r       = ceil(ceil(P / S) / o)        (programs one SM slot runs one after another)
+    tensor        t_tensor = q * (wgmma MACs + mma.sync MACs / f_mma) * 2 / tensor FLOP/s
+    DRAM          t_dram   = declared DRAM bytes / DRAM bandwidth
+    L2            t_l2     = L2<->SM bytes (from the SASS) / L2 bandwidth
+    issue         t_issue  = q * P * w * (SASS instructions per warp) / (4 * S * clock)
+    latency       t_latency = r * (stall cycles of one warp) / clock
+    waits         t_waits   = r * (exposed load and wgmma-group waits of one warp) / clock
+    launch        t_launch  = the gap per launch, in a CUDA graph or from a stream
 
-``dram_bytes`` is the launcher's declaration (``KernelCost``). ``mma_macs`` are the tensor-core MACs
-the compiled code issues: its HGMMA/HMMA instructions weighted by the declared loop trips, times
-their shapes (``compiled.tensor_macs_per_program``); the launcher's declared ``mma_macs`` are kept
-beside them (they differ where the compiler repeats a dot, e.g. in both warpgroups of an 8-warp
-program, and then the compiled figure is the one that costs time). The instructions per warp are
-the compiled SASS weighted by the declared loop trips (``compiled.weigh``); peak, bandwidth, SMs and
-clock are the target's (``targets.Target``; peak and bandwidth are those of the waterline's device,
-so the two compare like with like). Each bound assumes its unit runs at its peak
-for the whole launch and the other two are hidden under it: a launch cannot be faster than its
-largest bound, and it can be slower (latency, bank conflicts, L2 misses, imperfect overlap). A
-block's predicted time is the sum of its launches' (launches run one after another); a stage's and
-the model's are the sums of their blocks'. Everything here is arithmetic on declared and compiled
-figures: an estimate, not a measurement.
+    predicted = max(t_tensor, t_dram, t_l2, t_issue, t_latency + t_waits) + t_launch
+
+How the terms combine, and why. Tensor cores, DRAM, L2 and instruction issue are separate units that
+work at the same time for different warps, so a launch takes at least the largest of them (and can
+take longer when they do not overlap perfectly: the calibration measures by how much). The stall
+cycles and the exposed waits lie on one warp's own critical path, one after the other, so they add;
+no other warp can shorten that path, and an SM slot runs its programs one after another, hence
+``r`` times the per-warp path. The launch gap is time in which the kernel does not run at all: it
+adds. The MACs are those the compiled tensor-core instructions issue (HGMMA/HMMA weighted by the
+declared loop trips); ``mma.sync`` runs at ``f_mma`` of the wgmma rate on sm_90 (hardware).
+
+L2<->SM bytes come from the compiled code (``sass.traffic``): every global load, store and atomic,
+weighted by loop trips, times 32 lanes and the vector width, per program, times the programs. Loads
+that bypass L1 (``cp.async.cg``) and stores count in full. L1-allocating loads count as the program's
+declared unique bytes (``KernelCost.l1_unique_bytes_per_program``) when those fit in the L1 that the
+resident programs' shared memory leaves (``hardware.Hardware.l1_bytes``), and in full otherwise;
+then their waits take the L1 hit latency instead of the L2 one.
+Spill traffic (local memory) counts at the high end only (at the low end it hits L1).
 
 Blocks, stages and the comparison figures come from the waterline model
-(``convfirstnet.analysis.waterline.build_kernels``): a block is a block-fusion kernel (its name is the
-block's module path), its layer-wise bound is the sum of the minimum times of the layer-wise kernels
-whose names start with that path, and its block-fusion ideal is the block-fusion kernel's own
-minimum time. A waterline block that no Triton kernel implements (the classifier, a cuBLAS GEMM) is
-counted with its waterline bound as predicted time and labelled so.
+(``convfirstnet.analysis.waterline.build_kernels``): a block's predicted time is the sum of its
+launches'; its layer-wise bound is the sum, over the layer-wise kernels of the block, of
+``max(tensor, DRAM, L2) + launch`` with the same constants (every DRAM byte also crosses L2 once;
+tensor work at the datasheet peak at the low end and at the best measured matmul rate at the high
+end), so fused/layer-wise is like for like. A waterline block that no Triton kernel implements (the
+classifier GEMM) is counted with its layer-wise figures and labelled so. Everything here is
+arithmetic on declared and compiled figures: an estimate, not a measurement.
 """
 
 from __future__ import annotations
@@ -38,9 +51,13 @@ from typing import Sequence
 
 from convfirstnet.kernels._cost import KernelCost
 
+from .hardware import ENDS, Hardware, hardware
+from .sass import LatencyFloor, Traffic
 from .targets import Target
 
-BOUNDS = ("tensor", "dram", "issue")
+TERMS = ("tensor", "dram", "l2", "issue", "latency", "waits")
+BOUNDS = ("tensor", "dram", "l2", "issue", "latency")  # latency = latency + waits
+GAPS = ("graph", "stream")
 
 
 def waves_factor(programs: int, sms: int) -> float:
@@ -50,9 +67,26 @@ def waves_factor(programs: int, sms: int) -> float:
     return math.ceil(programs / sms) * sms / programs
 
 
+def _pair(f) -> dict[str, float]:
+    return {end: f(end) for end in ENDS}
+
+
+def combine(terms: dict[str, dict[str, float]], end: str) -> tuple[float, str]:
+    """(time without the launch gap, binding term) at one end (module docstring)."""
+    vals = {
+        "tensor": terms["tensor"][end],
+        "dram": terms["dram"][end],
+        "l2": terms["l2"][end],
+        "issue": terms["issue"][end],
+        "latency": terms["latency"][end] + terms["waits"][end],
+    }
+    bound = max(BOUNDS, key=lambda k: vals[k])
+    return vals[bound], bound
+
+
 @dataclass
 class LaunchEstimate:
-    """One recorded launch with its declaration, its compiled variant's figures and its three bounds."""
+    """One recorded launch with its declaration, its compiled variant's figures and its terms."""
 
     index: int  # position in the recording
     block: str  # module path of the block that launched it (forward pre-hook label)
@@ -61,26 +95,50 @@ class LaunchEstimate:
     grid: tuple[int, ...]
     programs: int
     num_warps: int
+    occupancy: int  # resident programs per SM
     waves: float
+    rounds: int
     insns_per_warp: int  # weighted SASS instructions per warp (one program)
     mma_macs: int  # tensor-core MACs the compiled code issues, whole grid (declared where shapes are unknown)
+    mma_sync_macs: int  # the part of them on mma.sync
     cost: KernelCost
     dram_bytes: int  # declared DRAM bytes, plus l2_bytes when the scratch cannot stay in L2
     scratch_in_l2: bool
-    t_tensor: float  # seconds
-    t_dram: float
-    t_issue: float
+    l2_bytes: dict[str, float]  # L2<->SM bytes, whole grid, per end
+    traffic: Traffic | None  # per program
+    l1_fits: bool | None  # declared L1-resident bytes fit (None: nothing declared)
+    latency: LatencyFloor | None  # per warp
+    terms: dict[str, dict[str, float]]  # seconds, term -> end -> value
+    launch_gap: dict[str, dict[str, float]]  # seconds, "graph"/"stream" -> end -> value
 
     @property
-    def predicted(self) -> float:
-        return max(self.t_tensor, self.t_dram, self.t_issue)
+    def warps_per_scheduler(self) -> float:
+        return min(self.occupancy, math.ceil(self.programs / max(1, self._sms))) * self.num_warps / 4
+
+    _sms: int = 132
+
+    def predicted(self, end: str = "low", gap: str | None = "graph") -> float:
+        t, _ = combine(self.terms, end)
+        return t + (self.launch_gap[gap][end] if gap else 0.0)
+
+    def bound(self, end: str = "high") -> str:
+        return combine(self.terms, end)[1]
+
+    # the previous model's three terms at the low end (datasheet constants), for readers of old fields
+    @property
+    def t_tensor(self) -> float:
+        return self.terms["tensor"]["low"]
 
     @property
-    def bound(self) -> str:
-        return max(zip((self.t_tensor, self.t_dram, self.t_issue), BOUNDS))[1]
+    def t_dram(self) -> float:
+        return self.terms["dram"]["low"]
+
+    @property
+    def t_issue(self) -> float:
+        return self.terms["issue"]["low"]
 
     def to_json(self) -> dict:
-        cost = asdict(self.cost)
+        us = {k: {end: v * 1e6 for end, v in d.items()} for k, d in self.terms.items()}
         return dict(
             index=self.index,
             block=self.block,
@@ -89,19 +147,29 @@ class LaunchEstimate:
             grid=list(self.grid),
             programs=self.programs,
             num_warps=self.num_warps,
+            programs_per_sm=self.occupancy,
+            warps_per_scheduler=self.warps_per_scheduler,
             waves_factor=self.waves,
+            rounds=self.rounds,
             insns_per_warp=self.insns_per_warp,
             useful_macs=self.cost.useful_macs,
             mma_macs=self.mma_macs,
+            mma_sync_macs=self.mma_sync_macs,
             declared_mma_macs=self.cost.mma_macs,
             dram_bytes=self.dram_bytes,
             scratch_in_l2=self.scratch_in_l2,
-            declaration=cost,
-            t_tensor_us=self.t_tensor * 1e6,
-            t_dram_us=self.t_dram * 1e6,
-            t_issue_us=self.t_issue * 1e6,
-            predicted_us=self.predicted * 1e6,
-            bound=self.bound,
+            l2_bytes=self.l2_bytes,
+            l2_over_dram=self.l2_bytes["high"] / self.dram_bytes if self.dram_bytes else None,
+            traffic_per_program=self.traffic.to_json() if self.traffic else None,
+            l1_fits=self.l1_fits,
+            latency_per_warp=self.latency.to_json() if self.latency else None,
+            declaration=asdict(self.cost),
+            terms_us=us,
+            launch_gap_us={g: {end: v * 1e6 for end, v in d.items()} for g, d in self.launch_gap.items()},
+            predicted_us={end: self.predicted(end) * 1e6 for end in ENDS},
+            predicted_stream_us={end: self.predicted(end, "stream") * 1e6 for end in ENDS},
+            bound=self.bound("high"),
+            bound_low=self.bound("low"),
         )
 
 
@@ -118,19 +186,73 @@ def estimate_launch(
     cost: KernelCost,
     target: Target,
     tensor_macs_per_program: int | None = None,
+    mma_sync_macs_per_program: int = 0,
+    traffic: Traffic | None = None,
+    latency: LatencyFloor | None = None,
+    shared_bytes: int = 0,
+    hw: Hardware | None = None,
 ) -> LaunchEstimate:
-    """The three bounds of one launch (module docstring). ``tensor_macs_per_program`` is what the
-    compiled code issues per program (None: use the declared ``mma_macs``). ``occupancy`` (resident
-    programs per SM) decides whether the declared per-program scratch (and the declared L2-resident
-    intermediate) fits in L2; if it does not, its ``l2_bytes`` are counted as DRAM traffic."""
+    """Every term of one launch (module docstring). ``tensor_macs_per_program`` is what the compiled
+    code issues per program (None: the declared ``mma_macs``), ``mma_sync_macs_per_program`` the part of
+    it on mma.sync; ``traffic`` (per program) and ``latency`` (per warp) come from the SASS (None: the
+    L2, latency and wait terms are 0). ``occupancy`` (resident programs per SM) sets the rounds, the L1
+    check and whether the declared scratch fits in L2 (if not, its ``l2_bytes`` count as DRAM)."""
+    hw = hw or hardware(target.arch)
     programs = math.prod(grid)
     mma = cost.mma_macs if tensor_macs_per_program is None else tensor_macs_per_program * programs
+    mma_sync = mma_sync_macs_per_program * programs
     q = waves_factor(programs, target.sms)
-    dev = target.device
+    per_sm = math.ceil(programs / target.sms)
+    rounds = math.ceil(per_sm / max(1, occupancy))
     resident = min(programs, occupancy * target.sms)
     scratch_in_l2 = cost.scratch_bytes_per_program * resident + cost.l2_footprint_bytes <= target.l2_bytes
     dram = cost.dram_bytes + (0 if scratch_in_l2 else cost.l2_bytes)
-    return LaunchEstimate(
+
+    l1_fits = None
+    l2 = {"low": 0.0, "high": 0.0}
+    if traffic is not None:
+        r = max(1, min(occupancy, per_sm))
+        l1_per_program = hw.l1_bytes(r * (shared_bytes + target.smem_reserved_per_block)) / r
+        unique = cost.l1_unique_bytes_per_program
+        l1_loads = traffic.load_l1
+        if unique:
+            l1_fits = (cost.l1_working_set_bytes or unique) <= l1_per_program
+            if l1_fits:
+                l1_loads = min(l1_loads, unique)
+        base = traffic.load_bypass + l1_loads + traffic.store + traffic.atomic
+        l2 = {"low": base * programs, "high": (base + traffic.local) * programs}
+
+    stall = latency.stall_cycles if latency else 0.0
+    waits = {end: 0.0 for end in ENDS}
+    if latency:  # loads that allocate in L1 wait for an L1 hit when their working set stays there
+        waits = latency.wait_cycles_l1_hit if l1_fits else latency.wait_cycles
+
+    def tensor(end: str) -> float:
+        rate = hw.tensor_tflops.pick(end) * 1e12
+        return q * 2 * ((mma - mma_sync) + mma_sync / hw.mma_sync_fraction) / rate
+
+    def issue(end: str) -> float:
+        return (
+            q
+            * programs
+            * num_warps
+            * insns_per_warp
+            / (target.issue_per_clock_sm * target.sms * hw.clock_hz.pick(end))
+        )
+
+    terms = {
+        "tensor": _pair(tensor),
+        "dram": _pair(lambda end: dram / (hw.dram_tbs.pick(end) * 1e12)),
+        "l2": _pair(lambda end: l2[end] / (hw.l2_tbs.pick(end) * 1e12)),
+        "issue": _pair(issue),
+        "latency": _pair(lambda end: rounds * stall / hw.clock_hz.pick(end)),
+        "waits": _pair(lambda end: rounds * waits[end] / hw.clock_hz.pick(end)),
+    }
+    gaps = {
+        "graph": _pair(lambda end: hw.launch_graph_us.pick(end) * 1e-6),
+        "stream": _pair(lambda end: hw.launch_stream_us.pick(end) * 1e-6),
+    }
+    e = LaunchEstimate(
         index=index,
         block=block,
         kernel=kernel,
@@ -138,73 +260,139 @@ def estimate_launch(
         grid=tuple(grid),
         programs=programs,
         num_warps=num_warps,
+        occupancy=occupancy,
         waves=q,
+        rounds=rounds,
         insns_per_warp=insns_per_warp,
         mma_macs=mma,
+        mma_sync_macs=mma_sync,
         cost=cost,
         dram_bytes=dram,
         scratch_in_l2=scratch_in_l2,
-        t_tensor=q * mma * 2 / (dev.peak_tflops * 1e12),
-        t_dram=dram / (dev.bandwidth_tbs * 1e12),
-        t_issue=q
-        * programs
-        * num_warps
-        * insns_per_warp
-        / (target.issue_per_clock_sm * target.sms * target.clock_hz),
+        l2_bytes=l2,
+        traffic=traffic,
+        l1_fits=l1_fits,
+        latency=latency,
+        terms=terms,
+        launch_gap=gaps,
     )
+    e._sms = target.sms
+    return e
+
+
+def layerwise_terms(kernel, hw: Hardware) -> dict[str, dict[str, float]]:
+    """A waterline layer-wise kernel with the same constants: tensor work at the tensor rate of each
+    end, its DRAM bytes at the DRAM bandwidth and again at the L2 bandwidth (each byte crosses L2)."""
+    return {
+        "tensor": _pair(lambda end: kernel.ops / (hw.tensor_tflops.pick(end) * 1e12)),
+        "dram": _pair(lambda end: kernel.bytes / (hw.dram_tbs.pick(end) * 1e12)),
+        "l2": _pair(lambda end: kernel.bytes / (hw.l2_tbs.pick(end) * 1e12)),
+    }
+
+
+def layerwise_time(kernel, hw: Hardware, end: str, gap: str | None = "graph") -> float:
+    t = layerwise_terms(kernel, hw)
+    g = (hw.launch_graph_us if gap == "graph" else hw.launch_stream_us).pick(end) * 1e-6 if gap else 0.0
+    return max(t[k][end] for k in t) + g
 
 
 # ------------------------------------------------------------------------------------ aggregation
 
 
+def _zero_pair() -> dict[str, float]:
+    return {end: 0.0 for end in ENDS}
+
+
 @dataclass
 class Totals:
-    """Sums over launches (or over blocks)."""
+    """Sums over launches (or over blocks): counts, bytes, and every time as a low/high pair."""
 
     launches: int = 0
     useful_macs: int = 0
     mma_macs: int = 0  # as compiled
+    mma_sync_macs: int = 0
     declared_mma_macs: int = 0
     dram_bytes: int = 0
-    t_tensor: float = 0.0
-    t_dram: float = 0.0
-    t_issue: float = 0.0
-    predicted: float = 0.0
-    layerwise: float = 0.0
+    l2_bytes: dict = field(default_factory=_zero_pair)
+    terms: dict = field(default_factory=lambda: {t: _zero_pair() for t in TERMS})
+    predicted: dict = field(default_factory=_zero_pair)  # with CUDA graphs
+    predicted_stream: dict = field(default_factory=_zero_pair)
+    launch_gap: dict = field(default_factory=_zero_pair)  # the launch gaps inside ``predicted``
+    layerwise: dict = field(default_factory=_zero_pair)  # with CUDA graphs
+    layerwise_stream: dict = field(default_factory=_zero_pair)
+    layerwise_kernels: int = 0
     fusion_ideal: float = 0.0
+    bound_time: dict = field(default_factory=dict)  # binding term (high end) -> seconds it binds
 
     def add(self, other: "Totals") -> None:
         for f in (
             "launches",
             "useful_macs",
             "mma_macs",
+            "mma_sync_macs",
             "declared_mma_macs",
             "dram_bytes",
-            "t_tensor",
-            "t_dram",
-            "t_issue",
-            "predicted",
-            "layerwise",
+            "layerwise_kernels",
             "fusion_ideal",
         ):
             setattr(self, f, getattr(self, f) + getattr(other, f))
+        for f in ("l2_bytes", "predicted", "predicted_stream", "launch_gap", "layerwise", "layerwise_stream"):
+            for end in ENDS:
+                getattr(self, f)[end] += getattr(other, f)[end]
+        for t in TERMS:
+            for end in ENDS:
+                self.terms[t][end] += other.terms[t][end]
+        for k, v in other.bound_time.items():
+            self.bound_time[k] = self.bound_time.get(k, 0.0) + v
+
+    def add_launch(self, e: LaunchEstimate) -> None:
+        self.launches += 1
+        self.useful_macs += e.cost.useful_macs
+        self.mma_macs += e.mma_macs
+        self.mma_sync_macs += e.mma_sync_macs
+        self.declared_mma_macs += e.cost.mma_macs
+        self.dram_bytes += e.dram_bytes
+        for end in ENDS:
+            self.l2_bytes[end] += e.l2_bytes[end]
+            self.predicted[end] += e.predicted(end, "graph")
+            self.predicted_stream[end] += e.predicted(end, "stream")
+            self.launch_gap[end] += e.launch_gap["graph"][end]
+            for t in TERMS:
+                self.terms[t][end] += e.terms[t][end]
+        b = e.bound("high")
+        self.bound_time[b] = self.bound_time.get(b, 0.0) + e.predicted("high", None)
+
+    @property
+    def bound(self) -> str:
+        return max(self.bound_time, key=self.bound_time.get) if self.bound_time else "-"
 
     def to_json(self) -> dict:
+        ms = lambda d: {end: v * 1e3 for end, v in d.items()}  # noqa: E731
+        ratio = {
+            end: self.predicted[end] / self.layerwise[end] if self.layerwise[end] else None for end in ENDS
+        }
         return dict(
             launches=self.launches,
             useful_macs=self.useful_macs,
             mma_macs=self.mma_macs,
+            mma_sync_macs=self.mma_sync_macs,
             issued_over_useful=self.mma_macs / self.useful_macs if self.useful_macs else None,
             declared_mma_macs=self.declared_mma_macs,
             declared_over_useful=self.declared_mma_macs / self.useful_macs if self.useful_macs else None,
             dram_bytes=self.dram_bytes,
-            t_tensor_ms=self.t_tensor * 1e3,
-            t_dram_ms=self.t_dram * 1e3,
-            t_issue_ms=self.t_issue * 1e3,
-            predicted_ms=self.predicted * 1e3,
-            layerwise_ms=self.layerwise * 1e3,
-            predicted_over_layerwise=self.predicted / self.layerwise if self.layerwise else None,
+            l2_bytes=self.l2_bytes,
+            l2_over_dram=self.l2_bytes["high"] / self.dram_bytes if self.dram_bytes else None,
+            terms_ms={t: ms(self.terms[t]) for t in TERMS},
+            predicted_ms=ms(self.predicted),
+            predicted_stream_ms=ms(self.predicted_stream),
+            launch_gap_ms=ms(self.launch_gap),
+            layerwise_ms=ms(self.layerwise),
+            layerwise_stream_ms=ms(self.layerwise_stream),
+            layerwise_kernels=self.layerwise_kernels,
+            predicted_over_layerwise=ratio,
             fusion_ideal_ms=self.fusion_ideal * 1e3,
+            bound=self.bound,
+            bound_ms={k: v * 1e3 for k, v in sorted(self.bound_time.items(), key=lambda kv: -kv[1])},
         )
 
 
@@ -225,7 +413,7 @@ class BlockEstimate:
             stage=self.stage,
             implemented_by=self.implemented_by,
             launch_indices=self.launches,
-            layerwise_kernels=self.layerwise_kernels,
+            layerwise_kernel_names=self.layerwise_kernels,
             **self.totals.to_json(),
         )
 
@@ -247,7 +435,11 @@ def _under(name: str, path: str) -> bool:
 
 
 def aggregate(
-    launches: Sequence[LaunchEstimate], layerwise: Sequence, fused: Sequence, target: Target
+    launches: Sequence[LaunchEstimate],
+    layerwise: Sequence,
+    fused: Sequence,
+    target: Target,
+    hw: Hardware | None = None,
 ) -> dict:
     """Blocks, stages and the model total from launch estimates and the waterline kernel lists
     (``build_kernels``: layer-wise and block-fusion :class:`~convfirstnet.analysis.waterline.Kernel`).
@@ -256,6 +448,7 @@ def aggregate(
     waterline block, when a block other than the classifier has no launch, or when the useful MACs a
     block's launches declare differ from the block's MACs in the waterline model (= ``count_macs``).
     """
+    hw = hw or hardware(target.arch)
     dev = target.device
     paths = [k.name for k in fused]
     blocks = {
@@ -270,21 +463,16 @@ def aggregate(
             )
         b = blocks[owner]
         b.launches.append(e.index)
-        t = b.totals
-        t.launches += 1
-        t.useful_macs += e.cost.useful_macs
-        t.mma_macs += e.mma_macs
-        t.declared_mma_macs += e.cost.mma_macs
-        t.dram_bytes += e.dram_bytes
-        t.t_tensor += e.t_tensor
-        t.t_dram += e.t_dram
-        t.t_issue += e.t_issue
-        t.predicted += e.predicted
+        b.totals.add_launch(e)
     for k in fused:
         b = blocks[k.name]
         members = [lk for lk in layerwise if _under(lk.name, k.name)]
         b.layerwise_kernels = [lk.name for lk in members]
-        b.totals.layerwise = sum(lk.t_min(dev) for lk in members)
+        t = b.totals
+        t.layerwise_kernels = len(members)
+        for end in ENDS:
+            t.layerwise[end] = sum(layerwise_time(lk, hw, end, "graph") for lk in members)
+            t.layerwise_stream[end] = sum(layerwise_time(lk, hw, end, "stream") for lk in members)
         if not b.launches:
             if k.kind not in UNCOMPILED_KINDS:
                 raise ValueError(
@@ -292,15 +480,21 @@ def aggregate(
                     "must launch its kernels through kernels._launch.launch"
                 )
             b.implemented_by = UNCOMPILED_KINDS[k.kind]
-            t = b.totals
             t.useful_macs, t.mma_macs, t.declared_mma_macs, t.dram_bytes = k.macs, k.macs, k.macs, k.bytes
-            t.t_tensor, t.t_dram = k.ops / (dev.peak_tflops * 1e12), k.bytes / (dev.bandwidth_tbs * 1e12)
-            t.predicted = k.t_min(dev)
-        elif b.totals.useful_macs != k.macs:
+            lt = layerwise_terms(k, hw)
+            for end in ENDS:
+                for name in ("tensor", "dram", "l2"):
+                    t.terms[name][end] = lt[name][end]
+                t.l2_bytes[end] = k.bytes
+                t.predicted[end] = layerwise_time(k, hw, end, "graph")
+                t.predicted_stream[end] = layerwise_time(k, hw, end, "stream")
+                t.launch_gap[end] = hw.launch_graph_us.pick(end) * 1e-6
+            t.bound_time = {max(("tensor", "dram", "l2"), key=lambda n: lt[n]["high"]): t.predicted["high"]}
+        elif t.useful_macs != k.macs:
             own = set(b.launches)
             names = ", ".join(sorted({e.kernel for e in launches if e.index in own}))
             raise ValueError(
-                f"block {k.name}: its launches ({names}) declare {b.totals.useful_macs:,} useful MACs but "
+                f"block {k.name}: its launches ({names}) declare {t.useful_macs:,} useful MACs but "
                 f"the block computes {k.macs:,} (waterline model, = count_macs); fix useful_macs in the "
                 "KernelCost declarations beside the launchers"
             )

@@ -27,10 +27,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
-import time
-from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -39,17 +35,20 @@ import torch.nn as nn
 
 import convfirstnet
 from convfirstnet.factory import fuse
-from convfirstnet.kernels._cost import Launch, Loop, recording
+from convfirstnet.kernels._cost import Launch, recording
 from convfirstnet.kernels._launch import HAS_TRITON
 from convfirstnet.profile import count_macs
 
-from . import compiled as cc
-from .estimate import LaunchEstimate, aggregate, estimate_launch
+from .calibration import BAND_SM90, band_text, calibrated
+from .estimate import aggregate
+from .hardware import hardware
+from .launches import check_declarations, estimate_launches, meta_text
 from .provenance import git_info
 from .targets import Target, target as get_target
 from .waterline import build_kernels
 
-FORMAT = "convfirstnet-kernels-report/1"
+FORMAT = "convfirstnet-kernels-report/2"
+FORMATS = ("convfirstnet-kernels-report/1", FORMAT)  # /1: one predicted figure, no L2/latency terms
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -88,181 +87,6 @@ def record_launches(model: nn.Module, x: torch.Tensor, target: Target | None = N
     return rec.launches
 
 
-def kernel_name(launch: Launch) -> str:
-    fn = getattr(launch.kernel, "fn", launch.kernel)
-    return f"{fn.__module__}.{fn.__name__}"
-
-
-def check_declarations(launches: Sequence[Launch]) -> None:
-    """Every launch must carry a ``KernelCost``: the report never makes one up."""
-    missing = sorted(
-        {f"{kernel_name(lc)} (from block {lc.block or '<root>'})" for lc in launches if lc.cost is None}
-    )
-    if missing:
-        raise ValueError(
-            f"no cost declaration for {', '.join(missing)}: pass cost=lambda: KernelCost(...) to launch() "
-            "beside the kernel's launcher (see kernels/_cost.py for the counting rules)"
-        )
-
-
-# ---------------------------------------------------------------------------------------------- report
-
-
-def _loops_json(loops: Sequence[cc.SassLoop]) -> list[dict]:
-    return [
-        dict(first=lp.start, last=lp.end, instructions=lp.size, loops=_loops_json(lp.children))
-        for lp in loops
-    ]
-
-
-def _declared_key(loops: Sequence[Loop]) -> tuple:
-    return tuple((lp.name, lp.trips, _declared_key(lp.body)) for lp in loops)
-
-
-@dataclass
-class Estimates:
-    """What :func:`estimate_launches` returns: one row per distinct compiled variant (JSON-able) and one
-    :class:`~convfirstnet.analysis.estimate.LaunchEstimate` per launch."""
-
-    target: Target
-    variants: list[dict]
-    launches: list[LaunchEstimate]
-    compiled: list[cc.Compiled]  # per variant, with the SASS listing
-    compile_s: float
-
-
-def estimate_launches(
-    launches: Sequence[Launch],
-    arch: int | str,
-    *,
-    jobs: int | None = None,
-    progress: Callable[[str], None] | None = None,
-    compiled: dict[str, cc.Compiled] | None = None,
-) -> Estimates:
-    """Bind every launch for the target, compile each distinct variant once, weight its SASS by the loops
-    each launch declares and compute the launch's bounds (steps 2 and 3 of the module docstring).
-
-    ``compiled`` (variant key -> result) lends results of earlier calls in this process: variants found
-    there are not compiled again, and the ones compiled here are added to it."""
-    say = progress or (lambda line: None)
-    check_declarations(launches)
-    tgt = get_target(arch)
-    keys: dict[str, int] = {}
-    variants: list[cc.Variant] = []
-    launch_variant: list[int] = []
-    for lc in launches:
-        v = cc.variant_of(lc, tgt.arch)
-        if v.key not in keys:
-            keys[v.key] = len(variants)
-            variants.append(v)
-        launch_variant.append(keys[v.key])
-    say(f"compiling {len(variants)} distinct variants for sm_{tgt.arch}")
-    t0 = time.perf_counter()
-
-    def on_done(done: int, total: int, c: cc.Compiled) -> None:
-        say(
-            f"  [{done}/{total}] {c.variant.name} {_meta_text(c.variant.meta)}: {c.regs} registers, "
-            f"{c.stack} B stack, {c.mma_kind} ({c.compile_s:.1f} s)"
-        )
-
-    known = {} if compiled is None else compiled
-    todo = [v for v in variants if v.key not in known]
-    for v, c in zip(todo, cc.compile_variants(todo, jobs=jobs, progress=on_done)):
-        known[v.key] = c
-    comps = [known[v.key] for v in variants]
-    compile_s = time.perf_counter() - t0
-    listings = [c.listing() for c in comps]
-    occupancy = []
-    for c in comps:
-        occ = tgt.occupancy(c.num_warps, c.regs, c.shared)
-        if occ < 1:
-            raise ValueError(
-                f"{c.variant.name} {_meta_text(c.variant.meta)} does not fit on one SM of "
-                f"sm_{tgt.arch}: {c.regs} registers x {c.num_warps} warps, {c.shared} B shared memory"
-            )
-        occupancy.append(occ)
-
-    uses: dict[tuple, dict] = {}  # (variant, declared loops, declared MMA per program) -> weighted SASS
-    estimates: list[LaunchEstimate] = []
-    for i, (lc, vi) in enumerate(zip(launches, launch_variant)):
-        cost = lc.cost
-        assert cost is not None  # check_declarations
-        programs = math.prod(lc.grid)
-        key = (vi, _declared_key(cost.loops), cost.mma_macs / programs)
-        if key not in uses:
-            insns, loops = listings[vi]
-            what = (
-                f"kernel {kernel_name(lc)} {_meta_text(variants[vi].meta)} launched by block "
-                f"{lc.block or '<root>'} (sm_{tgt.arch})"
-            )
-            w = cc.weigh(
-                insns,
-                loops,
-                cost.loops,
-                num_warps=comps[vi].num_warps,
-                mma_macs_per_program=cost.mma_macs / programs,
-                what=what,
-            )
-            uses[key] = dict(
-                loops=w.rows,
-                insns_per_warp=w.per_warp,
-                mix=cc.instruction_mix(w.counts),
-                tensor_macs_per_program=w.tensor_macs,
-                declared_mma_macs_per_program=key[2],
-                loops_unrolled_by_compiler=w.unrolled_away,
-                matchings=w.candidates,
-                launches=0,
-                blocks=[],
-            )
-        use = uses[key]
-        use["launches"] += 1
-        if lc.block not in use["blocks"]:
-            use["blocks"].append(lc.block)
-        estimates.append(
-            estimate_launch(
-                index=i,
-                block=lc.block or "",
-                kernel=kernel_name(lc),
-                variant=vi,
-                grid=lc.grid,
-                num_warps=comps[vi].num_warps,
-                occupancy=occupancy[vi],
-                insns_per_warp=use["insns_per_warp"],
-                cost=cost,
-                target=tgt,
-                tensor_macs_per_program=use["tensor_macs_per_program"],
-            )
-        )
-
-    rows = []
-    for vi, (c, (insns, loops)) in enumerate(zip(comps, listings)):
-        vuses = [u for key, u in uses.items() if key[0] == vi]
-        rows.append(
-            dict(
-                index=vi,
-                kernel=f"{c.variant.module}.{c.variant.name}",
-                meta=c.variant.meta,
-                num_warps=c.num_warps,
-                regs=c.regs,
-                stack_bytes=c.stack,
-                local_bytes=c.local,
-                shared_bytes=c.shared,
-                programs_per_sm=occupancy[vi],
-                mma_kind=c.mma_kind,
-                ptx_wgmma=c.ptx_wgmma,
-                ptx_mma_sync=c.ptx_mma_sync,
-                sass_instructions=len(insns),
-                sass_loops=_loops_json(loops),
-                static_mix=cc.instruction_mix(Counter(ins.opcode for ins in insns)),
-                compile_s=round(c.compile_s, 2),
-                launches=sum(u["launches"] for u in vuses),
-                uses=vuses,
-                binding=c.variant.to_json(),
-            )
-        )
-    return Estimates(tgt, rows, estimates, comps, compile_s)
-
-
 def build_report(
     model: nn.Module,
     input_size: tuple[int, int, int],
@@ -298,11 +122,23 @@ def build_report(
     elem_bytes = torch.empty((), dtype=torch_dtype).element_size()
 
     # 1. record the fused model's launches on meta tensors
-    fused = fuse(model).to(torch_dtype).to("meta")  # fuse() works on a copy
-    x = torch.empty(batch, *input_size, device="meta", dtype=torch_dtype).contiguous(
-        memory_format=torch.channels_last
-    )
-    launches = record_launches(fused, x, tgt)
+    try:
+        fused = fuse(model).to(torch_dtype).to("meta")  # fuse() works on a copy
+        x = torch.empty(batch, *input_size, device="meta", dtype=torch_dtype).contiguous(
+            memory_format=torch.channels_last
+        )
+        launches = record_launches(fused, x, tgt)
+    except Exception as e:  # a forward pass that cannot run on meta tensors: the model cannot be recorded
+        raise ValueError(
+            f"cannot record the kernel launches of {name or type(model).__name__} "
+            f"({dtype}, batch {batch}, {input_size[-1]}x{input_size[-1]}): {type(e).__name__}: {e}"
+        ) from e
+    if not launches:
+        raise ValueError(
+            f"{name or type(model).__name__} made no Triton kernel launch while recording: the "
+            "report covers fused ConvFirstNet blocks (convfirstnet.fuse)"
+        )
+    check_declarations(launches)
     say(f"recorded {len(launches)} launches")
 
     # 2., 3. compile the distinct variants, weight their SASS, bound each launch
@@ -311,6 +147,12 @@ def build_report(
     # 4. blocks, stages, model, against the waterline of the same model
     layerwise, fusion = build_kernels(model, input_size, batch, elem_bytes)
     agg = aggregate(est.launches, layerwise, fusion, tgt)
+    variant_of_launch = {e.index: e.variant for e in est.launches}
+    for b in agg["blocks"]:  # what the kernel redesign reads per block: spills and the MMA instructions
+        vs = sorted({variant_of_launch[i] for i in b["launch_indices"]})
+        b["variants"] = vs
+        b["stack_bytes"] = max((est.variants[v]["stack_bytes"] for v in vs), default=0)
+        b["mma_kinds"] = sorted({k for v in vs for k in est.variants[v]["mma_kind"].split("+")})
     macs = count_macs(model, input_size)
     if agg["total"]["useful_macs"] != macs * batch:  # the waterline's own invariant; checked, not assumed
         raise AssertionError(
@@ -318,6 +160,17 @@ def build_report(
         )
 
     total = agg["total"]
+    spills = {v["index"]: v["stack_bytes"] for v in est.variants if v["stack_bytes"]}
+    calibration = None
+    if tgt.arch == 90:  # the band measured on H100 (analysis/calibration.py, benchmarks/calibration)
+        calibration = dict(
+            band=BAND_SM90,
+            text=band_text(BAND_SM90),
+            predicted_ms=calibrated(total["predicted_ms"]["low"], total["predicted_ms"]["high"]),
+            predicted_stream_ms=calibrated(
+                total["predicted_stream_ms"]["low"], total["predicted_stream_ms"]["high"]
+            ),
+        )
     return dict(
         format=FORMAT,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -328,15 +181,27 @@ def build_report(
         dtype=dtype,
         elem_bytes=elem_bytes,
         target=_target_json(tgt),
+        hardware=hardware(tgt.arch).to_json(),
         versions=dict(
             convfirstnet=convfirstnet.__version__, torch=torch.__version__, triton=triton.__version__
         ),
         git=git_info(),
         count_macs_per_image=macs,
-        predicted_ms=total["predicted_ms"],
-        layerwise_ms=total["layerwise_ms"],
+        # the low end with CUDA graphs (what a reader of format /1 took as "the" prediction)
+        predicted_ms=total["predicted_ms"]["low"],
+        predicted_low_ms=total["predicted_ms"]["low"],
+        predicted_high_ms=total["predicted_ms"]["high"],
+        predicted_stream_low_ms=total["predicted_stream_ms"]["low"],
+        predicted_stream_high_ms=total["predicted_stream_ms"]["high"],
+        layerwise_ms=total["layerwise_ms"]["low"],
+        layerwise_low_ms=total["layerwise_ms"]["low"],
+        layerwise_high_ms=total["layerwise_ms"]["high"],
         fusion_ideal_ms=total["fusion_ideal_ms"],
         predicted_over_layerwise=total["predicted_over_layerwise"],
+        l2_bytes=total["l2_bytes"],
+        dram_bytes=total["dram_bytes"],
+        spilling_variants=spills,
+        calibration=calibration,
         launch_count=len(launches),
         variant_count=len(est.variants),
         compile_wall_s=round(est.compile_s, 1),
@@ -365,15 +230,16 @@ def _target_json(t: Target) -> dict:
     )
 
 
-def _meta_text(meta: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in meta.items())
-
-
-# -------------------------------------------------------------------------------------------- markdown
-
-
 def _ratio(v) -> str:
+    if isinstance(v, dict):
+        v = v.get("high")
     return "-" if v is None else f"{v:.2f}x"
+
+
+def _band(d: dict, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
+    """A low/high pair as "low-high" (one figure when both ends agree to the shown precision)."""
+    lo, hi = fmt.format(d["low"] * scale), fmt.format(d["high"] * scale)
+    return lo if lo == hi else f"{lo}-{hi}"
 
 
 def _issued(row: dict, which: str = "") -> str:
@@ -387,13 +253,13 @@ def _mma_check(uses: list[dict]) -> str:
     """Tensor-core MACs per program in the compiled code over the declared ones, per use of a variant."""
     out = []
     for u in uses:
-        sass, declared = u["tensor_macs_per_program"], u["declared_mma_macs_per_program"]
-        if sass is None:
+        sass_macs, declared = u["tensor_macs_per_program"], u["declared_mma_macs_per_program"]
+        if sass_macs is None:
             out.append("unknown shape")
         elif not declared:
-            out.append("-" if not sass else "undeclared")
+            out.append("-" if not sass_macs else "undeclared")
         else:
-            out.append(f"{sass / declared:.2f}")
+            out.append(f"{sass_macs / declared:.2f}")
     return ", ".join(dict.fromkeys(out))
 
 
@@ -415,83 +281,138 @@ def _table(header: Sequence[str], align: str, rows: Sequence[Sequence]) -> list[
     return ["| " + " | ".join(map(str, r)) + " |" for r in (header, rule, *rows)]
 
 
-def _block_bound(rep: dict, block: dict) -> str:
-    """The bound that contributes most to a block's predicted time."""
-    own = [rep["launches"][i] for i in block["launch_indices"]]
-    if not own:
-        return "waterline (not compiled)"
-    shares: Counter = Counter()
-    for e in own:
-        shares[e["bound"]] += e["predicted_us"]
-    return shares.most_common(1)[0][0]
+def _latency(terms: dict) -> dict:
+    return {end: terms["latency"][end] + terms["waits"][end] for end in ("low", "high")}
+
+
+def _launch_groups(rep: dict) -> list[dict]:
+    """Launches that are alike (kernel, variant, grid, declaration): one row each, with their count."""
+    groups: dict[tuple, dict] = {}
+    for e in rep["launches"]:
+        key = (
+            e["kernel"],
+            e["variant"],
+            tuple(e["grid"]),
+            e["declaration"]["note"],
+            round(e["predicted_us"]["high"], 3),
+        )
+        g = groups.setdefault(key, dict(e, count=0, blocks=[]))
+        g["count"] += 1
+        g["blocks"].append(e["block"])
+    return list(groups.values())
+
+
+def _blocks_text(paths: list[str]) -> str:
+    uniq = list(dict.fromkeys(paths))
+    return uniq[0] if len(uniq) == 1 else f"{uniq[0]} .. {uniq[-1]} ({len(uniq)} blocks)"
 
 
 def to_markdown(rep: dict) -> str:
-    """The report as Markdown: headline, stages, blocks, variants (from the JSON dict, so a saved
-    report renders the same)."""
+    """The report as Markdown: headline, constants, stages, blocks, launches, variants (from the JSON
+    dict, so a saved report renders the same)."""
+    if rep.get("format") != FORMAT:
+        raise ValueError(f"this renders {FORMAT} reports; regenerate the report with `convfirstnet kernels`")
     t = rep["target"]
+    tot = rep["total"]
     lines = [
         f"# Static cost report: {rep['model']}, batch {rep['batch']}, {rep['img_size']}x{rep['img_size']}, "
         f"{rep['dtype']}, sm_{t['arch']}",
         "",
-        f"Target {t['name']}: {t['sms']} SMs, {t['clock_ghz']:.2f} GHz, {t['peak_tflops']:g} TFLOP/s dense "
-        f"16-bit, {t['dram_tbs']:g} TB/s, {t['issue_per_clock_sm']} warp-instructions/clock/SM. Triton "
-        f"{rep['versions']['triton']}, torch {rep['versions']['torch']}. `{rep.get('command', '')}`",
+        f"Target {t['name']}: {t['sms']} SMs. Triton {rep['versions']['triton']}, torch "
+        f"{rep['versions']['torch']}. `{rep.get('command', '')}`",
         "",
-        "Estimates from the compiled code and the launchers' cost declarations, not measurements: each "
-        "bound assumes its unit at peak (tensor core: the MACs the compiled tensor-core instructions issue; "
-        "DRAM: the declared minimal bytes; issue: SASS instructions weighted by loop trips); predicted = "
-        "the largest per launch, summed. issued/useful counts the compiled tensor-core instructions, "
-        "declared/useful the launchers' tile arithmetic. A GPU benchmark record wins over these figures.",
+        "Estimates from the compiled code and the launchers' cost declarations, not measurements. "
+        "Per launch: "
+        "max(tensor, DRAM, L2, issue, latency + waits) + launch gap, each term at the fast end of every "
+        "constant (low) and at the slow end (high); see `convfirstnet/analysis/estimate.py` for why the "
+        "terms "
+        "combine so, and `convfirstnet/analysis/hardware.py` for the sources. L2 = bytes between the SMs and "
+        "L2, counted from the SASS (loads that bypass L1, stores, L1 loads beyond the declared L1-resident "
+        "bytes). latency = the stall cycles of one warp's SASS, waits = its exposed load and wgmma-group "
+        "waits, both times the programs an SM slot runs one after another. The layer-wise bound gets the "
+        "same constants and launch gaps. A GPU benchmark record wins over these figures.",
         "",
-        f"**Model: predicted {rep['predicted_ms']:.3f} ms per batch, layer-wise bound "
-        f"{rep['layerwise_ms']:.3f} ms (ratio {_ratio(rep['predicted_over_layerwise'])}), block-fusion ideal "
-        f"{rep['fusion_ideal_ms']:.3f} ms.** {rep['launch_count']} launches, {rep['variant_count']} distinct "
-        "variants.",
-        "",
-        "## Stages",
-        "",
+        f"**Model: predicted {_band(tot['predicted_ms'])} ms per batch with CUDA graphs, "
+        f"{_band(tot['predicted_stream_ms'])} ms from a stream; layer-wise bound "
+        f"{_band(tot['layerwise_ms'])} ms "
+        f"(graphs); predicted/layer-wise {_ratio(tot['predicted_over_layerwise'])} (high ends).** "
+        f"L2<->SM {_band(tot['l2_bytes'], 1e-9)} GB against {tot['dram_bytes'] / 1e9:.3f} GB of DRAM "
+        f"({_ratio(tot['l2_over_dram'])}). {rep['launch_count']} launches, {rep['variant_count']} distinct "
+        f"variants; binding terms (high end, ms): "
+        + ", ".join(f"{k} {v:.3f}" for k, v in tot["bound_ms"].items())
+        + ".",
     ]
+    cal = rep.get("calibration")
+    if cal:
+        lines += [
+            "",
+            f"**Calibrated: {_band(cal['predicted_ms'])} ms with CUDA graphs, "
+            f"{_band(cal['predicted_stream_ms'])} ms from a stream.** {cal['text']}",
+        ]
+    else:
+        lines += ["", f"No calibration for sm_{t['arch']}: the band above is the constants' only."]
+    hw = rep.get("hardware", {})
+    rows = [
+        [k, f"{v['fast']:g}", f"{v['slow']:g}", v["unit"], v["source"]]
+        for k, v in hw.items()
+        if isinstance(v, dict)
+    ]
+    if rows:
+        lines += ["", "## Constants (fast end for the low prediction, slow end for the high)", ""]
+        lines += _table(["constant", "fast", "slow", "unit", "source"], "lrrll", rows)
+        lines += [
+            "",
+            f"mma.sync at {hw['mma_sync_fraction']:g} of the tensor rate; L1 + shared memory "
+            f"{hw['l1_shared_bytes'] // 1024} KB per SM.",
+        ]
+
+    def term_cells(row: dict, scale: float, fmt: str) -> list[str]:
+        tm = row["terms_ms"]
+        return [
+            _band(tm["tensor"], scale, fmt),
+            _band(tm["dram"], scale, fmt),
+            _band(tm["l2"], scale, fmt),
+            _band(tm["issue"], scale, fmt),
+            _band(tm["latency"], scale, fmt),
+            _band(tm["waits"], scale, fmt),
+            _band(row["launch_gap_ms"], scale, fmt),
+        ]
+
+    term_header = ["tensor", "DRAM", "L2", "issue", "latency", "waits", "launch gaps"]
     rows = []
-    for s in rep["stages"] + [dict(rep["total"], stage="**model**", blocks=rep["blocks"])]:
+    for s in rep["stages"] + [dict(tot, stage="**model**", blocks=rep["blocks"])]:
         rows.append(
             [
                 s["stage"],
                 len(s["blocks"]),
                 s["launches"],
-                f"{s['useful_macs'] / 1e9:.2f}",
-                f"{s['mma_macs'] / 1e9:.2f}",
-                _issued(s),
-                _issued(s, "declared_"),
                 f"{s['dram_bytes'] / 1e9:.3f}",
-                f"{s['t_tensor_ms']:.3f}",
-                f"{s['t_dram_ms']:.3f}",
-                f"{s['t_issue_ms']:.3f}",
-                f"{s['predicted_ms']:.3f}",
-                f"{s['layerwise_ms']:.3f}",
+                _band(s["l2_bytes"], 1e-9),
+                _ratio(s["l2_over_dram"]),
+                *term_cells(s, 1, "{:.3f}"),
+                _band(s["predicted_ms"]),
+                _band(s["predicted_stream_ms"]),
+                _band(s["layerwise_ms"]),
                 _ratio(s["predicted_over_layerwise"]),
-                f"{s['fusion_ideal_ms']:.3f}",
+                s["bound"],
             ]
         )
-    lines += _table(
+    lines += ["", "## Stages (ms; low-high)", ""] + _table(
         [
             "stage",
             "blocks",
             "launches",
-            "useful GMAC",
-            "issued GMAC",
-            "issued/useful",
-            "declared/useful",
             "DRAM GB",
-            "tensor ms",
-            "DRAM ms",
-            "issue ms",
-            "predicted ms",
-            "layer-wise ms",
+            "L2 GB",
+            "L2/DRAM",
+            *term_header,
+            "predicted (graphs)",
+            "predicted (stream)",
+            "layer-wise (graphs)",
             "predicted/layer-wise",
-            "block-fusion ideal ms",
+            "binds",
         ],
-        "lrrrrrrrrrrrrrr",
+        "lrrrrr" + "r" * 7 + "rrrrl",
         rows,
     )
     rows = []
@@ -500,47 +421,112 @@ def to_markdown(rep: dict) -> str:
             [
                 b["path"],
                 b["kind"],
-                b["stage"],
                 b["launches"],
-                f"{b['useful_macs'] / 1e9:.3f}",
-                _issued(b),
-                _issued(b, "declared_"),
-                f"{b['dram_bytes'] / 1e6:.2f}",
-                f"{1e3 * b['t_tensor_ms']:.1f}",
-                f"{1e3 * b['t_dram_ms']:.1f}",
-                f"{1e3 * b['t_issue_ms']:.1f}",
-                f"{1e3 * b['predicted_ms']:.1f}",
-                _block_bound(rep, b),
-                f"{1e3 * b['layerwise_ms']:.1f}",
+                f"{b['dram_bytes'] / 1e6:.1f}",
+                _band(b["l2_bytes"], 1e-6, "{:.1f}"),
+                _ratio(b["l2_over_dram"]),
+                *term_cells(b, 1e3, "{:.1f}"),
+                _band(b["predicted_ms"], 1e3, "{:.1f}"),
+                b["bound"],
+                _band(b["layerwise_ms"], 1e3, "{:.1f}"),
                 _ratio(b["predicted_over_layerwise"]),
-                f"{1e3 * b['fusion_ideal_ms']:.1f}",
+                b.get("stack_bytes", 0),
+                "+".join(b.get("mma_kinds", [])) or "-",
             ]
         )
-    lines += ["", "## Blocks", ""] + _table(
+    lines += ["", "## Blocks (µs; low-high)", ""] + _table(
         [
             "block",
             "kind",
-            "stage",
             "launches",
-            "useful GMAC",
-            "issued/useful",
-            "declared/useful",
             "DRAM MB",
-            "tensor µs",
-            "DRAM µs",
-            "issue µs",
-            "predicted µs",
-            "bound",
-            "layer-wise µs",
+            "L2 MB",
+            "L2/DRAM",
+            *term_header,
+            "predicted (graphs)",
+            "binds",
+            "layer-wise (graphs)",
             "predicted/layer-wise",
-            "block-fusion ideal µs",
+            "stack B",
+            "MMA",
         ],
-        "lllrrrrrrrrrlrrr",
+        "llrrrr" + "r" * 7 + "rlrrrl",
         rows,
     )
     uncompiled = [b for b in rep["blocks"] if not b["launch_indices"]]
     if uncompiled:
         lines += ["", "; ".join(f"{b['path']}: {b['implemented_by']}" for b in uncompiled) + "."]
+    rows = []
+    for g in _launch_groups(rep):
+        tu = g["terms_us"]
+        tr = g["traffic_per_program"] or {}
+        lat = g["latency_per_warp"] or {}
+        rows.append(
+            [
+                _blocks_text(g["blocks"]),
+                g["count"],
+                g["kernel"].rsplit(".", 1)[-1],
+                g["variant"],
+                "x".join(map(str, g["grid"])),
+                g["programs_per_sm"],
+                f"{g['warps_per_scheduler']:g}",
+                g["rounds"],
+                " / ".join(f"{tr.get(k, 0) / 1e3:.0f}" for k in ("load_bypass", "load_l1", "store")),
+                {None: "-", True: "yes", False: "no"}[g["l1_fits"]],
+                _band({k: v / 1e6 for k, v in g["l2_bytes"].items()}, 1, "{:.1f}"),
+                f"{g['dram_bytes'] / 1e6:.1f}",
+                f"{lat.get('stall_cycles', 0):,.0f}",
+                f"{lat.get('l2_waits', 0):,}",
+                _band(tu["tensor"], 1, "{:.1f}"),
+                _band(tu["dram"], 1, "{:.1f}"),
+                _band(tu["l2"], 1, "{:.1f}"),
+                _band(tu["issue"], 1, "{:.1f}"),
+                _band(tu["latency"], 1, "{:.1f}"),
+                _band(tu["waits"], 1, "{:.1f}"),
+                _band({k: v / 1e6 for k, v in g["predicted_us"].items()}, 1e6, "{:.1f}"),
+                g["bound"],
+                g["declaration"]["note"] or "-",
+            ]
+        )
+    lines += [
+        "",
+        "## Launches (alike launches grouped; µs per launch, low-high)",
+        "",
+        "KB per program: loads that bypass L1 / L1-allocating loads / stores, as requested by the SASS. "
+        "L1 fits: the declared L1-resident bytes fit beside the shared memory (then those loads count "
+        "as the declared bytes). Stall cycles and L2 waits (loads waited on sooner than an L2 hit "
+        "returns) per warp.",
+        "",
+    ]
+    lines += _table(
+        [
+            "blocks",
+            "n",
+            "kernel",
+            "variant",
+            "grid",
+            "programs/SM",
+            "warps/scheduler",
+            "rounds",
+            "KB/program (bypass / L1 / store)",
+            "L1 fits",
+            "L2 MB",
+            "DRAM MB",
+            "stall cycles/warp",
+            "L2 waits/warp",
+            "tensor",
+            "DRAM",
+            "L2",
+            "issue",
+            "latency",
+            "waits",
+            "predicted",
+            "binds",
+            "note",
+        ],
+        "lrlrlrrrrlrrrrrrrrrrrll",
+        rows,
+    )
     rows = []
     for v in rep["variants"]:
         first = v["uses"][0]
@@ -550,11 +536,12 @@ def to_markdown(rep: dict) -> str:
         loops = _loops_text(first["loops"]) + (
             f"; unrolled by the compiler: {', '.join(unrolled)}" if unrolled else ""
         )
+        mem = "; ".join(f"{k} x{n}" for k, n in v.get("memory_instructions", {}).items())
         rows.append(
             [
                 v["index"],
                 v["kernel"].rsplit(".", 1)[-1],
-                _meta_text(v["meta"]),
+                meta_text(v["meta"]),
                 v["num_warps"],
                 v["regs"],
                 v["stack_bytes"],
@@ -567,6 +554,7 @@ def to_markdown(rep: dict) -> str:
                 loops,
                 count,
                 _mix_text(first["mix"]),
+                mem or "-",
             ]
         )
     lines += ["", "## Variants", ""] + _table(
@@ -586,11 +574,117 @@ def to_markdown(rep: dict) -> str:
             "loops (trips, body insns)",
             "insns/warp (weighted)",
             "instruction mix (weighted)",
+            "global memory instructions (static)",
         ],
-        "rllrrrrrlrrrlrl",
+        "rllrrrrrlrrrlrll",
         rows,
     )
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------- diagnosis
+
+# Issue 18's targets for the kernel redesign (fused Small, fp16, sm_90, batch 128)
+TARGETS_MODEL_HIGH_MS = 2.5
+TARGETS_STAGE_OVER_LAYERWISE = 0.5
+TARGETS_L2_OVER_DRAM = 2.5
+
+
+def diagnosis(rep: dict) -> str:
+    """Per block what binds and by how much each redesign target is missed (Markdown), from a report."""
+    tot = rep["total"]
+    variants = rep["variants"]
+    lines = [
+        f"# What binds, per block: {rep['model']}, batch {rep['batch']}, {rep['dtype']}, "
+        f"sm_{rep['target']['arch']}",
+        "",
+        f"From `{rep.get('command', '')}` (Triton {rep['versions']['triton']}); the full report is beside "
+        "this file. Times in µs, low-high (constants at their fast and slow ends, CUDA graphs); binds = the "
+        "largest term at the high end; L2/DRAM = L2<->SM bytes (high end) over declared DRAM bytes; wgmma = "
+        "share of the block's tensor-core MACs on wgmma (the rest is mma.sync: the grouped 3x3 conv's "
+        "batched "
+        "two-tap dots); stack = the largest spill of its variants.",
+        "",
+        "| block | kind | predicted | layer-wise | predicted/layer-wise | binds | terms at the high end (µs) "
+        "| L2 MB | DRAM MB | L2/DRAM | stack B | wgmma |",
+        "| --- | --- | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for b in rep["blocks"]:
+        tm = b["terms_ms"]
+        terms = ", ".join(
+            f"{t} {1e3 * tm[t]['high']:.0f}" for t in ("tensor", "dram", "l2", "issue", "latency", "waits")
+        )
+        wg = 1 - b["mma_sync_macs"] / b["mma_macs"] if b["mma_macs"] else None
+        lines.append(
+            f"| {b['path']} | {b['kind']} | {_band(b['predicted_ms'], 1e3, '{:.1f}')} "
+            f"| {_band(b['layerwise_ms'], 1e3, '{:.1f}')} | {_ratio(b['predicted_over_layerwise'])} "
+            f"| {b['bound']} "
+            f"| {terms} | {b['l2_bytes']['high'] / 1e6:.0f} | {b['dram_bytes'] / 1e6:.0f} "
+            f"| {_ratio(b['l2_over_dram'])} | {b.get('stack_bytes', 0)} "
+            f"| {'-' if wg is None else f'{100 * wg:.0f}%'} |"
+        )
+    lines += [
+        "",
+        "## Stages",
+        "",
+        "| stage | predicted ms | layer-wise ms | predicted/layer-wise (low, high) | binds | L2/DRAM |",
+        "| --- | ---: | ---: | ---: | --- | ---: |",
+    ]
+    for s in rep["stages"] + [dict(tot, stage="**model**")]:
+        r = s["predicted_over_layerwise"]
+        lines.append(
+            f"| {s['stage']} | {_band(s['predicted_ms'])} | {_band(s['layerwise_ms'])} "
+            f"| {r['low']:.2f}, {r['high']:.2f} | {s['bound']} | {_ratio(s['l2_over_dram'])} |"
+        )
+    # the targets (issue 18 item 3)
+    high = tot["predicted_ms"]["high"]
+    stage_miss = [
+        s for s in rep["stages"] if s["predicted_over_layerwise"]["high"] > TARGETS_STAGE_OVER_LAYERWISE
+    ]
+    l2_miss = [
+        b for b in rep["blocks"] if b["launch_indices"] and (b["l2_over_dram"] or 0) > TARGETS_L2_OVER_DRAM
+    ]
+    spills = [v for v in variants if v["stack_bytes"]]
+    sync = [v for v in variants if v["mma_kind"] != "wgmma" and v["mma_kind"] != "none"]
+    worst_l2 = max(l2_miss, key=lambda b: b["l2_over_dram"], default=None)
+    lines += [
+        "",
+        "## The redesign targets (issue 18 item 3), as this report predicts them",
+        "",
+        f"* model high end <= {TARGETS_MODEL_HIGH_MS} ms: {high:.3f} ms, "
+        + ("met." if high <= TARGETS_MODEL_HIGH_MS else f"missed by {high / TARGETS_MODEL_HIGH_MS:.2f}x."),
+        f"* every stage <= {TARGETS_STAGE_OVER_LAYERWISE}x its layer-wise bound (high ends): "
+        + (
+            "met."
+            if not stage_miss
+            else "missed by "
+            + ", ".join(f"{s['stage']} ({s['predicted_over_layerwise']['high']:.2f}x)" for s in stage_miss)
+            + "."
+        ),
+        f"* L2 bytes <= {TARGETS_L2_OVER_DRAM}x DRAM bytes for every block: "
+        + (
+            "met."
+            if not l2_miss
+            else f"missed by {len(l2_miss)} of "
+            f"{sum(1 for b in rep['blocks'] if b['launch_indices'])} blocks (worst {worst_l2['path']}, "
+            f"{worst_l2['l2_over_dram']:.1f}x)."
+        ),
+        "* no spills: "
+        + (
+            "met."
+            if not spills
+            else "missed by "
+            + ", ".join(f"variant {v['index']} ({v['stack_bytes']} B)" for v in spills)
+            + "."
+        ),
+        "* large dots on wgmma: the 1x1 layers (expand, FFN, projection, stem, head) compile to wgmma; "
+        "variants "
+        "that also issue mma.sync: "
+        + (", ".join(f"{v['index']} ({v['kernel'].rsplit('.', 1)[-1]})" for v in sync) or "none")
+        + " (the grouped 3x3 conv's batched dots).",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------ reading saved reports
@@ -617,7 +711,7 @@ def static_latencies(
             rep = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if not isinstance(rep, dict) or rep.get("format") != FORMAT:
+        if not isinstance(rep, dict) or rep.get("format") not in FORMATS:
             continue
         if (rep["target"]["device_key"], rep["batch"], rep["img_size"], rep["elem_bytes"]) != (
             device_key,
@@ -630,6 +724,8 @@ def static_latencies(
         if cur is None or rep["created"] > cur["created"]:
             best[rep["model"]] = dict(
                 predicted_ms=rep["predicted_ms"],
+                predicted_low_ms=rep.get("predicted_low_ms", rep["predicted_ms"]),
+                predicted_high_ms=rep.get("predicted_high_ms", rep["predicted_ms"]),
                 layerwise_ms=rep["layerwise_ms"],
                 created=rep["created"],
                 file=str(path),

@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from convfirstnet.analysis.report import DTYPES, FORMAT, build_report, to_markdown
+from convfirstnet.analysis.report import DTYPES, FORMAT, build_report, diagnosis, to_markdown
 from convfirstnet.analysis.targets import TARGETS, target as get_target
 from convfirstnet.factory import create_model
 from convfirstnet.registry import canonical_name
 
-from ._cli import ArgumentParser
+from ._cli import ArgumentParser, report as report_error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,8 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Static cost report of the fused Triton kernels: record the launches the fused model "
         "makes, compile each distinct variant for a GPU target (no GPU needed) and estimate per variant, "
         "block, stage and model: registers, spills, occupancy, MMA kind, SASS instruction mix, issued vs "
-        "useful tensor-core work, and three time bounds (tensor core, DRAM, instruction issue) beside the "
-        "layer-wise bound. Estimates, not measurements.",
+        "useful tensor-core work, and every time term (tensor core, DRAM, L2, issue, latency, waits, launch "
+        "gap; low/high) beside the layer-wise bound. Estimates, not measurements.",
     )
     p.add_argument("--model", default="small", help="pico|nano|tiny|small or convfirstnet_* (default small)")
     p.add_argument("--batch", type=int, default=128, help="batch size (default 128, as the paper)")
@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument(
+        "--diagnosis",
+        default=None,
+        metavar="OUT.md",
+        help="also write the per-block diagnosis (what binds, the redesign targets) as Markdown here",
+    )
+    p.add_argument(
         "--render",
         default=None,
         metavar="JSON",
@@ -50,11 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _error(e: BaseException) -> int:
+    return report_error("convfirstnet kernels", e)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     # Triton 3.9's default, stated (as the compile workers do) so that binding launches does not warn
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
     def say(line: str) -> None:
         if not args.quiet:
             print(line, file=sys.stderr, flush=True)
@@ -66,11 +77,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"{args.render} is not a report of `convfirstnet kernels --json` ({FORMAT})")
             text = to_markdown(rep)
         except (OSError, json.JSONDecodeError, ValueError) as e:
-            print(f"convfirstnet kernels: error: {e}", file=sys.stderr)
-            return 2
+            return _error(e)
         print(text, end="")
         if args.markdown:
             Path(args.markdown).write_text(text)
+        if args.diagnosis:
+            Path(args.diagnosis).write_text(diagnosis(rep))
         return 0
     try:
         name = canonical_name(args.model)
@@ -90,12 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=say,
             name=name,
         )
-    except ValueError as e:  # bad arguments, declarations that do not match the compiled code
-        print(f"convfirstnet kernels: error: {e}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:  # a variant that does not compile (the compiler's message follows)
-        print(f"convfirstnet kernels: error: {e}", file=sys.stderr)
-        return 1
+    except (ValueError, RuntimeError) as e:
+        # bad arguments, a model that cannot be recorded, declarations that do not match the compiled
+        # code, a variant that does not compile: one line, status 1 (the commands' convention)
+        return _error(e)
     rep["command"] = "convfirstnet kernels " + shlex.join(argv)
     text = to_markdown(rep)
     print(text, end="")
@@ -107,6 +117,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(text)
         say(f"Markdown: {args.markdown}")
+    if args.diagnosis:
+        Path(args.diagnosis).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.diagnosis).write_text(diagnosis(rep))
+        say(f"diagnosis: {args.diagnosis}")
     return 0
 
 

@@ -10,7 +10,6 @@ wins. Nothing in the tables is typed by hand: every figure names the record it c
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path

@@ -770,7 +770,14 @@ def launch_cost(cfg: ConvFirstConfig, n: int, h: int, w: int, r: int) -> KernelC
     eb = 2 if cfg.precision == "tf32" else 4
     c1 = cfg.c if cfg.stride == 1 else 2 * cfg.c
     weights = 9 * GROUP_WIDTH * cfg.c + cfg.c + r * c1 + r + cfg.k * r + cfg.k
+    # L1-allocating loads: stride 1 reads the tile's x once more for the residual, stride 2 its 5x5
+    # windows (the halo tile, re-read across taps from L1); both the conv weights and the biases
+    if cfg.stride == 1:
+        tile = cfg.tile_h * cfg.tile_w * cfg.c
+    else:
+        tile = (2 * cfg.tile_h + 3) * (2 * cfg.tile_w + 3) * cfg.c
     return KernelCost(
+        l1_unique_bytes_per_program=eb * (tile + 9 * GROUP_WIDTH * cfg.c + cfg.c + r + cfg.k),
         useful_macs=useful_macs(n, cfg.c, h, w, r, cfg.k, cfg.stride),
         mma_macs=programs * (conv + ffn),
         dram_bytes=eb * (n * cfg.c * h * w + n * cfg.k * ho * wo + weights),

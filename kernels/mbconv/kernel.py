@@ -739,7 +739,12 @@ def _launch_slice(x, out, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_s
             body.append(Loop("blur tiles", tiles_o))
         loops = (Loop("zero scratch", triton.cdiv(border, ZERO_BLOCK) if zero else 0),
                  Loop("work items", triton.cdiv(items, nprog), (Loop("images", ib, tuple(body)),)))
+        # L1-allocating loads: per item its weights, per image x and the scratch slot (the nine conv taps
+        # and the blur taps re-read the slot from L1 while it fits there)
+        per_item = (rb * c + rb * 72 + 2 * rb + s * rb) * eb + ib * (hw * c + slot) * eb + ib * rb * 4
         return KernelCost(useful, mma, dram, loops, l2_bytes=l2, scratch_bytes_per_program=slot * eb + rb * 4,
+                          l1_unique_bytes_per_program=triton.cdiv(items, nprog) * per_item,
+                          l1_working_set_bytes=slot * eb + rb * 4,
                           note=f"{nprog} persistent programs, {items} items of {ib} image(s) x {rb} channels"
                           + label)
 
@@ -758,7 +763,11 @@ def _launch_slice(x, out, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_s
         dram = (k * r + k + r * s + s + r + n * ohw * k * (2 if stride == 1 else 1)) * eb
         dram += n * nchunk * hc.sp * 4 + (0 if g_in_l2 else g_bytes)
         mma = grid[0] * grid[1] * pc["BM"] * bn * steps * pc["BR"]
+        # L1-allocating loads: the SE weights and partials, the gate slot this program wrote, biases, the
+        # residual tile
+        unique = (r * s + r + s + r + bn + (pc["BM"] * bn if stride == 1 else 0)) * eb + nchunk * hc.sp * 4
         return KernelCost(n * ohw * r * k + n * r * s, mma, dram, (Loop("gate", steps), Loop("R steps", steps)),
+                          l1_unique_bytes_per_program=unique,
                           l2_bytes=grid[0] * grid[1] * r * 2 * eb + (g_bytes if g_in_l2 else 0),
                           scratch_bytes_per_program=r * eb, l2_footprint_bytes=g_bytes if g_in_l2 else 0,
                           note=("g read from L2" if g_in_l2 else "g read from DRAM") + label)
