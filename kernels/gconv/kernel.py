@@ -14,26 +14,33 @@ taps at once, for all G groups of the program's channel block in one batched dot
     acc [G, BM, 8] += A @ B        (fp32 accumulator; channel 8 g + j of pixel m)
 
 The nine taps are five steps (t0, t1) = (0, 1), (2, 3), (4, 5), (6, 7), (8, -): the tenth slot is
-masked to zero in both operands, so the issued MACs are 10/9 of the useful ones. A batched 3-D dot
-compiles to ``mma.sync`` m16n8k16 (one per 16 pixels, group and step); a block-diagonal 2-D dot
-would get wgmma but issue 8x the useful MACs at 64 channels, which at 72 MACs per 4 bytes of fp16
-traffic would no longer be memory-bound on an H100.
+masked to zero in both operands, so the issued MACs are 10/9 of the useful ones (plus the masked
+rows of partial tiles and masked groups). A batched 3-D dot compiles to ``mma.sync`` m16n8k16 (one
+per 16 pixels, group and step). A block-diagonal 2-D dot would get wgmma but issue 8x the useful MACs
+at 64 channels: 576 MACs per output element take 1.16 ps of an H100 SXM's 989 TFLOP/s against the
+1.19 ps its 3.35 TB/s need for the element's 4 bytes of fp16 in + out, no margin left.
 
 Reusable pieces (``@triton.jit`` helpers, used by all three kernels; the fused training blocks
-build on them): ``tile_pixels`` (a program's image and TH x TW pixel tile), ``load_tap_pair`` (the
-A operand: two shifted windows of an NHWC map, zero padding by mask), ``load_tap_pair_weights`` (the
-B operand, transposed within the group for dgrad), ``gconv_tile`` (the five-step product of one tile)
-and ``wgrad_pair_product`` (one tap pair's contribution of a tile to the weight gradient).
+build on them): ``tile_pixels`` (a program's image and TH x TW pixel tile), ``group_ok`` (masked
+groups of a partial channel block), ``tap_window`` + ``load_tap_pair`` (the A operand: two shifted
+windows of an NHWC map, zero padding by mask), ``tap_weights`` + ``load_tap_pair_weights`` (the B
+operand, transposed within the group for dgrad), ``gconv_tile`` (the five-step product of one tile),
+``wgrad_pair_product`` (one tap pair's contribution of a tile to the weight gradient),
+``store_group_tile`` / ``load_group_tile`` and ``store_wgrad_pair``.
 
 Forward (``_gconv_fwd_kernel``)
 -------------------------------
-Grid (N x tiles per image, C / 8G): a program owns a TH x TW tile of output pixels of one image and
-a block of G groups (8G channels). x is read through its strides (unit channel stride, pixel strides
-multiples of 8 elements: one 16-byte vector per group and tap); the nine shifted windows of a tile
-overlap, so the tap loads carry ``cache_modifier=".ca"``: the software pipeliner then issues them as
-``cp.async.ca`` (LDGSTS without .BYPASS, L1-allocating) and the halo re-reads hit L1; the compile
-test pins that. Each input element is read from DRAM about once (neighbouring tiles' halos from
-L2), y is written once. Pixels outside the map and the padding ring are masked.
+Grid (N x tiles per image, ceil(C / 8G)): a program owns a TH x TW tile of output pixels of one image
+and a block of G groups (8G channels; the groups past C of a last partial block are masked, MASK_C).
+x is read through its strides: unit channel stride and pixel strides in units of 8 elements, so each
+(group, pixel, tap) is one aligned 16-byte vector. The nine shifted windows of a tile overlap; the
+tap loads are plain ``ld.global`` (PTX's default cache operator is .ca: SASS ``LDG.E.128``, allocated
+in L1), so the re-reads of a tile's halo hit L1, and neighbouring tiles' halos come from L2. They are
+not software-pipelined: Triton turns pipelined loads into 16-byte ``cp.async``, which is always .cg
+(``LDGSTS.E.BYPASS``, L2 only) whatever ``cache_modifier`` says (checked on the compiled code: the
+compile test pins LDG.E.128 and no LDGSTS). The five steps are unrolled by the compiler; latency is
+hidden by the 3-7 programs resident per SM (72-168 registers). Each input element is read from DRAM
+about once, y is written once. Pixels outside the map and the padding ring are masked.
 
 Dgrad (input gradient)
 ----------------------
@@ -51,22 +58,23 @@ the four parity classes one after another, each from the dy windows at (a, b) ..
     (1, 1): taps 0 at (+1, +1), 2 at (+1, 0); 6 at (0, +1), 8   2 steps
 
 five steps for four input pixels, 10/9 of the useful MACs as in the forward. One accumulator is
-live at a time; each class is stored (stride-2 pixels, 16-byte vectors per group) as it finishes.
+live at a time; each class is stored (stride-2 pixels, 16-byte vectors per group) as it finishes. The
+model's training form never runs this one (its stride-2 blocks convolve at stride 1, then BlurPool).
 
 Wgrad (``_gconv_wgrad_kernel`` + ``_wgrad_reduce_kernel``), deterministic by default
 ------------------------------------------------------------------------------------
 dw[8g + j, k, t] = sum over pixels p of x_t[p, 8g + k] dy[p, 8g + j], a reduction over N x H' x W'
 pixels. Per tap pair: acc[G, 16, 8] += A^T @ dy with A the [G, BM, 16] window of the forward
 (permuted to [G, 16, BM]) and dy the tile's [G, BM, 8] gradient: K = BM pixels per dot, five fp32
-accumulators per program. Grid (shares, C / 8G): the tiles of the whole batch, numbered image by
-image, are cut into shares of TILES_PER_SHARE consecutive tiles; a program sums its share in tile
+accumulators per program. Grid (shares, ceil(C / 8G)): the tiles of the whole batch, numbered image
+by image, are cut into shares of TILES_PER_SHARE consecutive tiles; a program sums its share in tile
 order and writes its five accumulators as an fp32 partial (share, C, 8, 9) (the tenth slot dropped).
 A second launch sums the partials over the shares in a fixed order (blocks of SB shares, each summed
-by a fixed tree, then block after block) and writes dw in its dtype. Every
-sum runs in an order fixed by the shapes, so two identical calls give bitwise-equal gradients (on
-the same GPU and Triton version). ATOMIC (``deterministic=False``): the programs add their partials
-with fp32 atomics into a zeroed fp32 buffer instead (one launch, no partials buffer, order-dependent
-rounding).
+by a fixed tree, then block after block) and writes dw in its dtype. Every sum runs in an order fixed
+by the shapes (the shares do not depend on the device), so two identical calls give bitwise-equal
+gradients (for one compiled kernel: GPU architecture and Triton version). ATOMIC
+(``deterministic=False``): the programs add their partials with fp32 atomics into a zeroed fp32
+buffer instead (one launch, no partials buffer, order-dependent rounding).
 
 Accumulation and precision
 --------------------------
@@ -76,6 +84,32 @@ the tensor cores as they are; fp32 operands use ``input_precision="tf32x3"`` (~f
 interpreter computes exact fp32). Weights may be fp32 with 16-bit activations (autocast keeps the
 master weights in fp32): they are rounded to the activation dtype as they are loaded, exactly what
 autocast's cast would do. Outputs are rounded once.
+
+As compiled (fp16, batch 128, 224 x 224 training maps, sm_90; ``t_dram`` = x and y (dy, dx) once at
+3.35 TB/s, ``t_issue`` = SASS instructions per warp weighted by the declared loops, x warps x programs,
+at 4 per clock per SM on 132 SMs at 1.83 GHz; tests/kernels/_recorded.py ``bounds``)
+
+    layer (C, map)      kernel   G  tile   regs  smem   SASS/warp   t_dram  t_issue  (us)
+    Small 32, 112^2     forward  4  8x16     96  17 KB      705       61.4    37.0
+                        dgrad    4  8x16    128  17 KB      827       61.4    43.4
+                        wgrad    4  8x16    127  16 KB     7435       64.0    32.5    (+ reduction 1.2)
+    Nano 24, 112^2      forward  4  8x16     96  17 KB      785       46.0    41.2    (one masked group)
+                        dgrad    4  8x16    102  17 KB      932       46.0    48.9
+    Pico 48, 56^2       dgrad    2  16x16   128  17 KB     1016       23.0    26.1    (G = 2)
+    Pico 512, 14^2      forward  8  8x8     128  18 KB      731       15.4    12.8
+                        dgrad    8  8x8     128  18 KB      911       15.4    15.9
+                        wgrad    8  8x8     128  16 KB     8815       16.7     9.6
+
+Every fp16/bf16 variant of the four models' shapes (stride 1 and 2, 224 and 256 inputs, forward,
+dgrad, wgrad, reduction) compiles without stack for sm_90 and sm_80, all dots as mma.sync, shared
+memory <= 18 KB (the dot operands' layout conversion), 72-168 registers. At the models' stride-1
+shapes t_tensor is 13-24 % of t_dram on sm_90 (25-46 % on sm_80), and t_issue stays under t_dram
+except where the per-pixel work is shared by few channels: dgrad (~20 % more instructions than the
+forward, its transposed weight loads) at G = 2 and with masked groups, and Tiny's 72-channel layer
+(up to 1.42x t_dram on sm_90). Stride 2 on 7 x 7 maps (no model shape) is issue-bound (wgrad 2.3x).
+Not in this model: L1 and L2 bandwidth for the nine overlapping windows (10 tap slots x 2 bytes per
+element and channel from L1, the halos from L2), load latency. A GPU run must confirm that the
+windows hit L1 and that the kernels run near DRAM bandwidth.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ CPU) against autograd of F.conv2d, the autograd registration, torch.compile, bad
 Run: pytest tests/kernels/test_gconv.py --durations=10
 
 Coverage of the kernels' loops and masks (kernels/gconv/kernel.py): the shapes below run at the model's
-channel widths (16 ... 1024: channel blocks of G = 1, 2, 4 and 8 groups, one to sixteen blocks per
-program column), maps of two to four tiles per image with partial tiles (odd sizes, masked rows and
-columns), stride 1 and 2 (the stride-2 dgrad's four parity classes with odd input sizes, whose last
+channel widths (16 ... 1024: channel blocks of G = 2, 4 and 8 groups, one to sixteen blocks per
+program column, masked groups at 24 and 72), maps of two to six tiles per image with partial tiles
+(odd sizes, masked rows and columns), stride 1 and 2 (the stride-2 dgrad's four parity classes with odd input sizes, whose last
 row / column of classes falls outside the map). The forward's tap loop always runs five steps. Under
 the interpreter a wgrad share is two tiles and the reduction adds two shares per step
 (launcher.INTERPRETER_*), so the shapes below run the share loop twice and the reduction over 2-16
