@@ -62,6 +62,8 @@ def check_input(x: object, in_chans: int, weight: torch.Tensor) -> None:
 
 
 def _gconv3x3(channels: int, stride: int = 1) -> nn.Conv2d:
+    # The same layer on the Triton op (forward, dgrad, wgrad; same parameters, init and state_dict) is
+    # ``GroupConv3x3(channels, stride)`` (convfirstnet.gconv): returning it switches the training form.
     return nn.Conv2d(channels, channels, 3, stride, 1, groups=channels // GROUP_WIDTH, bias=False)
 
 

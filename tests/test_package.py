@@ -27,6 +27,8 @@ def test_wheel_layout(wheel):
     for block in ("stem", "convfirst", "mbconv", "head"):
         for part in ("reference.py", "op.py", "kernel.py"):
             assert f"convfirstnet/kernels/{block}/{part}" in names
+    for part in ("reference.py", "op.py", "kernel.py", "launcher.py"):
+        assert f"convfirstnet/kernels/gconv/{part}" in names
     assert "convfirstnet/kernels/_launch.py" in names
     assert "convfirstnet/weights_manifest/manifest.json" in names
     assert not [n for n in names if n.startswith("kernels/")], "kernels/ must not install as a top-level module"
@@ -43,6 +45,8 @@ def test_wheel_imports_outside_checkout(wheel, tmp_path):
         "assert k.__file__.startswith(%r), k.__file__;"
         "assert importlib.util.find_spec('kernels') is None or 'convfirstnet' not in str(importlib.util.find_spec('kernels').origin);"
         "assert hasattr(torch.ops.convfirstnet, 'convfirst');"
+        "assert hasattr(torch.ops.convfirstnet, 'gconv3x3_wgrad');"
+        "from convfirstnet.gconv import GroupConv3x3;"
         "from convfirstnet.weights import manifest; assert manifest()['models'] == {};"
         "print('ok')"
     ) % str(target)

@@ -1,0 +1,324 @@
+"""Host side of the group-width-8 3x3 convolution kernels (kernel.py): tile configs, kernel limits,
+launches with their cost declarations.
+
+Every function here assumes the op's checks passed (shapes, dtypes, devices: op.py). Inputs whose
+layout the kernels cannot read in place (channel stride 1, pixel strides and offset multiples of 8
+elements: channels-last tensors and their crops) are copied to channels-last once; outputs are
+contiguous NHWC (y, dx) or contiguous (C, 8, 3, 3) (dw). Pixel strides and C go to the kernels in
+units of 8 elements, so that the compiler can prove each group's 8 channels one aligned 16-byte vector
+(``tl.multiple_of`` on a scalar argument has no effect in Triton 3.8: C = 24 compiled to 2-byte
+loads and stores and spilled).
+
+Tiles (``tile_config``)
+-----------------------
+* Channel block: G groups (8G channels) per program, G chosen by ``groups_per_program`` from the
+  issue cost per output of each G as compiled (G_ISSUE) and the masked groups it would pad:
+  ConvFirstNet's widths give G = 8 for multiples of 64, G = 4 for 24 (one masked group), 32, 72 (3
+  masked of 12), 96 and 288, G = 2 for 16 and 48.
+* Pixels: BM = TILE_ELEMS / G rows per program, so that the [G, BM, 16] tap-pair operand is 16 KB
+  whatever G: 64 pixels at G = 8, 128 at G = 4, 256 at G = 2 (fp32: half). The tile is TH x TW with
+  TW the map width rounded up to a power of two, at most 8 columns for 64 pixels and 16 above (halo
+  re-reads (TH + 2)(TW + 2) / (TH TW) <= 1.56, served by L1), and TH no taller than the map.
+* 4 warps, no software pipelining (num_stages = 1): the tap windows are plain L1-allocating loads
+  (kernel.py); latency is hidden by the other resident programs (72-168 registers: 3-7 per SM).
+
+Wgrad shares (``wgrad_shares``)
+-------------------------------
+The tiles of the batch (per channel block) are cut into shares of TILES_PER_SHARE consecutive tiles,
+one program each: at least MIN_SHARE_PIXELS output pixels per share (an fp32 partial of 8G x 72
+values costs 72 x 4 bytes per channel against 4 bytes per pixel and channel of 16-bit x and dy read,
+so >= 1024 pixels keep the partials under 7 % of the traffic), and more per share when that still
+leaves more than WGRAD_PROGRAMS programs (about 8 per SM of an H100). The shares depend only on the
+shapes, never on the device, so the reduction order (and the bits of dw) is the same on any GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .._cost import KernelCost, Loop
+from .._launch import GROUP_WIDTH, launch
+from .kernel import _gconv_dgrad_s2_kernel, _gconv_fwd_kernel, _gconv_wgrad_kernel, _wgrad_reduce_kernel
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TILE_ELEMS = {2: 512, 4: 256}  # G x BM by element size: a 16 KB [G, BM, 16] tap-pair operand
+# fp32 wgrad: an eighth of that. Its five accumulators plus 3xTF32 operands (each split in two) spilled
+# 8-232 B at 256 elements and up to 32 B at 128 (sm_90 and sm_80); fp32 is the checking path.
+WGRAD_FP32_ELEMS = 64
+NUM_WARPS = 4
+NUM_STAGES = 1  # no cp.async: a 16-byte cp.async is always .cg (L2 only), the windows must hit L1
+MIN_SHARE_PIXELS = 1024  # output pixels per wgrad share at least (partials <= ~7 % of the traffic)
+WGRAD_PROGRAMS = 1024  # wgrad shares x channel blocks at most, unless a share would fall below the minimum
+# Partials reduction: BLOCK dw elements per program, SB shares per step ([SB, BLOCK] = 4096 fp32, 32 per
+# thread): up to 1024 shares take 16 steps of independent loads (a share-by-share loop would be a chain
+# of 1024 dependent load latencies).
+REDUCE_BLOCK = 64
+REDUCE_SB = 64
+# Under the interpreter (CPU tensors) programs run one after another at ~10 ms each whatever their
+# size: one wide program per 2048 dw elements. Shares of 2 tiles and reduction steps of 2 shares, so
+# that the small maps the tests can afford run every wgrad loop more than once (the same code as the
+# GPU's, other constexprs).
+INTERPRETER_REDUCE_BLOCK = 2048
+INTERPRETER_REDUCE_SB = 2
+INTERPRETER_SHARE_TILES = 2
+
+# The grouped 3x3 convs of the four models' training form, (channels, map side) at a 224 x 224 input
+# (tests check this against the models). All run at stride 1: the stride-2 blocks convolve at their
+# input resolution before BlurPool. ConvFirst blocks convolve their input width (stages 1-3), MBConv
+# blocks their hidden width 4C (stages 4-5). At 256 x 256 (evaluation) every side is 8/7 of these.
+MODEL_SHAPES: dict[str, tuple[tuple[int, int], ...]] = {
+    "pico": ((16, 112), (32, 56), (48, 28), (192, 28), (512, 14), (512, 7)),
+    "nano": ((24, 112), (48, 56), (64, 28), (256, 28), (640, 14), (640, 7)),
+    "tiny": ((24, 112), (48, 56), (72, 28), (288, 28), (768, 14), (768, 7)),
+    "small": ((32, 112), (64, 56), (96, 28), (384, 28), (1024, 14), (1024, 7)),
+}
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One compiled variant of a kernel: the constexprs and launch options."""
+
+    g: int  # groups per program (8g channels)
+    tile_h: int
+    tile_w: int
+    num_warps: int
+    num_stages: int
+    precision: str  # tl.dot input_precision
+
+    @property
+    def block_m(self) -> int:
+        return self.tile_h * self.tile_w
+
+    @property
+    def channels(self) -> int:
+        return GROUP_WIDTH * self.g
+
+
+# Relative issue cost per output element of a block of G groups (fp16 forward, sm_90 SASS weighted by
+# the static cost model: 0.71, 0.68, 0.85 and 2.05 warp-instructions per output at G = 8, 4, 2, 1):
+# per-pixel work (addresses, masks) is shared by the G groups of a block, so small blocks cost more.
+G_ISSUE = {8: 1.0, 4: 1.0, 2: 1.2, 1: 2.9}
+
+
+def groups_per_program(c: int) -> int:
+    """Groups per channel block: the G with the least issue per real output, G_ISSUE[G] times the
+    padding of C / 8 groups up to a multiple of G (masked groups): 16 -> 2, 24 -> 4 (one masked group),
+    48 -> 2, 72 -> 4 (three masked), 96 -> 4, 288 -> 4, multiples of 64 -> 8."""
+    groups = c // GROUP_WIDTH
+    return min(G_ISSUE, key=lambda g: (G_ISSUE[g] * triton.cdiv(groups, g) * g / groups, -g))
+
+
+def precision_for(dtype: torch.dtype) -> str:
+    # fp32 operands: 3xTF32 (~fp32 accuracy); 16-bit operands ignore it
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def tile_config(c: int, ho: int, wo: int, dtype: torch.dtype, wgrad: bool = False) -> TileConfig:
+    """Tiles for a C-channel conv over HO x WO positions (output pixels; stride-2 dgrad: 2x2 quads)."""
+    g = groups_per_program(c)
+    elems = WGRAD_FP32_ELEMS if wgrad and dtype == torch.float32 else TILE_ELEMS[dtype.itemsize]
+    bm = max(16, elems // g)
+    tw = min(8 if bm <= 64 else 16, max(8, triton.next_power_of_2(wo)))
+    th = min(bm // tw, max(2, triton.next_power_of_2(ho)))
+    return TileConfig(g, th, tw, NUM_WARPS, NUM_STAGES, precision_for(dtype))
+
+
+def _tiles(n: int, ho: int, wo: int, cfg: TileConfig) -> int:
+    return n * triton.cdiv(ho, cfg.tile_h) * triton.cdiv(wo, cfg.tile_w)
+
+
+def wgrad_shares(tiles: int, cblocks: int, block_m: int, interpreter: bool = False) -> tuple[int, int]:
+    """(tiles per share, shares) for ``tiles`` tiles of ``block_m`` pixels and ``cblocks`` channel blocks."""
+    if interpreter and INTERPRETER_SHARE_TILES:
+        per_share = INTERPRETER_SHARE_TILES
+    else:
+        per_share = max(triton.cdiv(MIN_SHARE_PIXELS, block_m),
+                        triton.cdiv(tiles * cblocks, WGRAD_PROGRAMS))
+    per_share = min(per_share, max(1, tiles))
+    return per_share, triton.cdiv(tiles, per_share)
+
+
+# ------------------------------------------------------------------------------------------------
+# Checks and layouts
+# ------------------------------------------------------------------------------------------------
+
+
+def check_supported(op: str, x: torch.Tensor) -> None:
+    """Kernel limits beyond the op's checks, raised before any allocation or launch."""
+    if x.dtype not in DTYPES:
+        raise TypeError(f"convfirstnet.{op}: the Triton kernels run float16, bfloat16 and float32, "
+                        f"got {x.dtype}")
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        # Triton's interpreter computes bf16 tl.dot wrongly (KERNEL-NOTES)
+        raise TypeError(
+            f"convfirstnet.{op}: bfloat16 through the Triton interpreter gives wrong tl.dot results; "
+            "use float16/float32, or CONVFIRSTNET_KERNELS=reference on CPU"
+        )
+
+
+def reads_in_place(x: torch.Tensor) -> bool:
+    """True when the kernels read x through its strides: unit channel stride, the other strides and the
+    storage offset multiples of 8 elements (16-byte vectors of 8 channels): channels-last and its crops."""
+    s = x.stride()
+    return s[1] == 1 and s[0] % 8 == 0 and s[2] % 8 == 0 and s[3] % 8 == 0 and x.storage_offset() % 8 == 0
+
+
+def _nhwc(x: torch.Tensor) -> torch.Tensor:
+    return x if reads_in_place(x) else x.contiguous(memory_format=torch.channels_last)
+
+
+def _vector_strides(x: torch.Tensor) -> tuple[int, int, int]:
+    """x's N, H, W strides in units of 8 elements (the kernels' 16-byte channel vectors; reads_in_place)."""
+    return x.stride(0) // 8, x.stride(2) // 8, x.stride(3) // 8
+
+
+def _out_hw(h: int, w: int, stride: int) -> tuple[int, int]:
+    return (h + stride - 1) // stride, (w + stride - 1) // stride
+
+
+# ------------------------------------------------------------------------------------------------
+# Launches
+# ------------------------------------------------------------------------------------------------
+
+
+def _meta(cfg: TileConfig, c: int) -> dict:
+    """The constexprs and launch options every conv kernel takes."""
+    return dict(G=cfg.g, MASK_C=c % cfg.channels != 0, TH=cfg.tile_h, TW=cfg.tile_w, PRECISION=cfg.precision,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def gconv3x3_triton(x: torch.Tensor, w: torch.Tensor, stride: int) -> torch.Tensor:
+    """Forward: (N, C, H, W) -> (N, C, H', W') NHWC in x's dtype."""
+    check_supported("gconv3x3", x)
+    n, c, h, wd = x.shape
+    ho, wo = _out_hw(h, wd, stride)
+    y = torch.empty((n, c, ho, wo), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
+    if y.numel() == 0:
+        return y
+    x = _nhwc(x)
+    cfg = tile_config(c, ho, wo, x.dtype)
+    grid = (_tiles(n, ho, wo, cfg), triton.cdiv(c, cfg.channels))
+    launch(_gconv_fwd_kernel, grid, x, w, y, h, wd, ho, wo, c // GROUP_WIDTH, *_vector_strides(x),
+           *w.stride(), STRIDE=stride, FLIP=False, **_meta(cfg, c),
+           cost=lambda: conv_cost("forward", cfg, n, c, h, wd, stride, x.element_size(), w.element_size()))
+    return y
+
+
+def gconv3x3_dgrad_triton(dy: torch.Tensor, w: torch.Tensor, h: int, wd: int, stride: int) -> torch.Tensor:
+    """Input gradient: dy (N, C, H', W') -> dx (N, C, H, W) NHWC in dy's dtype."""
+    check_supported("gconv3x3_dgrad", dy)
+    n, c, ho, wo = dy.shape
+    dx = torch.empty((n, c, h, wd), dtype=dy.dtype, device=dy.device, memory_format=torch.channels_last)
+    if dx.numel() == 0:
+        return dx
+    dy = _nhwc(dy)
+    args = (dy, w, dx, h, wd, ho, wo, c // GROUP_WIDTH, *_vector_strides(dy), *w.stride())
+    # stride 1: tiles of dx pixels; stride 2: tiles of positions (a, b), each the 2x2 input pixels
+    # (2a + py, 2b + px), i.e. tiles over the H' x W' map
+    cfg = tile_config(c, ho, wo, dy.dtype)
+    grid = (_tiles(n, ho, wo, cfg), triton.cdiv(c, cfg.channels))
+    eb, wb = dy.element_size(), w.element_size()
+    cost = lambda: conv_cost(f"dgrad s{stride}", cfg, n, c, h, wd, stride, eb, wb)
+    if stride == 1:
+        launch(_gconv_fwd_kernel, grid, *args, STRIDE=1, FLIP=True, **_meta(cfg, c), cost=cost)
+    else:
+        launch(_gconv_dgrad_s2_kernel, grid, *args, **_meta(cfg, c), cost=cost)
+    return dx
+
+
+def gconv3x3_wgrad_triton(
+    dy: torch.Tensor, x: torch.Tensor, stride: int, out_dtype: torch.dtype, deterministic: bool = True
+) -> torch.Tensor:
+    """Weight gradient (C, 8, 3, 3) in ``out_dtype`` from x (N, C, H, W) and dy (N, C, H', W'): fp32
+    partial sums per share (module docstring), reduced in a fixed order by a second launch, or (not
+    ``deterministic``) added with fp32 atomics into a zeroed fp32 buffer."""
+    check_supported("gconv3x3_wgrad", x)
+    n, c, h, wd = x.shape
+    ho, wo = dy.shape[2:]
+    if n * ho * wo == 0:
+        return torch.zeros((c, GROUP_WIDTH, 3, 3), dtype=out_dtype, device=x.device)
+    x, dy = _nhwc(x), _nhwc(dy)
+    cfg = tile_config(c, ho, wo, x.dtype, wgrad=True)
+    tiles = _tiles(n, ho, wo, cfg)
+    cblocks = triton.cdiv(c, cfg.channels)
+    interpreter = x.device.type == "cpu"
+    per_share, shares = wgrad_shares(tiles, cblocks, cfg.block_m, interpreter)
+    total = c * GROUP_WIDTH * 9
+    args = (h, wd, ho, wo, c // GROUP_WIDTH, tiles, per_share, *_vector_strides(x), *_vector_strides(dy))
+    cost = lambda: wgrad_cost(cfg, n, c, h, wd, stride, x.element_size(), per_share, shares, deterministic)
+    if not deterministic:
+        dw32 = torch.zeros((c, GROUP_WIDTH, 3, 3), dtype=torch.float32, device=x.device)
+        launch(_gconv_wgrad_kernel, (shares, cblocks), x, dy, dw32, *args, STRIDE=stride, ATOMIC=True,
+               **_meta(cfg, c), cost=cost)
+        return dw32.to(out_dtype)
+    partials = torch.empty((shares, c, GROUP_WIDTH, 3, 3), dtype=torch.float32, device=x.device)
+    dw = torch.empty((c, GROUP_WIDTH, 3, 3), dtype=out_dtype, device=x.device)
+    launch(_gconv_wgrad_kernel, (shares, cblocks), x, dy, partials, *args, STRIDE=stride, ATOMIC=False,
+           **_meta(cfg, c), cost=cost)
+    block, sb = (INTERPRETER_REDUCE_BLOCK, INTERPRETER_REDUCE_SB) if interpreter else (REDUCE_BLOCK,
+                                                                                       REDUCE_SB)
+    launch(_wgrad_reduce_kernel, (triton.cdiv(total, block),), partials, dw, shares, total, SB=sb,
+           BLOCK=block, num_warps=NUM_WARPS, cost=lambda: reduce_cost(shares, total, sb, out_dtype.itemsize))
+    return dw
+
+
+# ------------------------------------------------------------------------------------------------
+# Cost declarations (kernels/_cost.py)
+# ------------------------------------------------------------------------------------------------
+
+
+def _passes(cfg: TileConfig) -> int:
+    """Tensor-core products per dot: 3xTF32 (fp32 operands) issues three (hi x hi, hi x lo, lo x hi)."""
+    return 3 if cfg.precision == "tf32x3" else 1
+
+
+def useful_macs(n: int, c: int, h: int, w: int, stride: int) -> int:
+    """72 MACs per output element (9 taps x 8 channels): the forward's count, and dgrad's and wgrad's
+    (each multiplies every output-gradient element by the same 72 weights or inputs)."""
+    ho, wo = _out_hw(h, w, stride)
+    return n * ho * wo * c * 9 * GROUP_WIDTH
+
+
+def conv_cost(kind: str, cfg: TileConfig, n: int, c: int, h: int, w: int, stride: int, eb: int, wb: int
+              ) -> KernelCost:
+    """Forward or dgrad: x (dy) read once, y (dx) written once, the weights once; five [G, BM, 16] x
+    [G, 16, 8] steps per program (per tile of positions for stride-2 dgrad)."""
+    ho, wo = _out_hw(h, w, stride)
+    programs = _tiles(n, ho, wo, cfg) * triton.cdiv(c, cfg.channels)
+    loops = () if kind == "dgrad s2" else (Loop("taps", 5),)
+    return KernelCost(
+        useful_macs=useful_macs(n, c, h, w, stride),
+        mma_macs=programs * 5 * cfg.g * cfg.block_m * 16 * 8 * _passes(cfg),
+        dram_bytes=eb * n * c * (h * w + ho * wo) + wb * c * GROUP_WIDTH * 9,
+        loops=loops,
+        note=f"gconv3x3 {kind} C={c} G={cfg.g} tile {cfg.tile_h}x{cfg.tile_w}",
+    )
+
+
+def wgrad_cost(cfg: TileConfig, n: int, c: int, h: int, w: int, stride: int, eb: int, per_share: int,
+               shares: int, deterministic: bool) -> KernelCost:
+    """Wgrad partials: x and dy read once, the fp32 partials written once (atomics: added in L2, the fp32
+    dw written once); five [G, 16, BM] x [G, BM, 8] dots per tile."""
+    ho, wo = _out_hw(h, w, stride)
+    tiles = _tiles(n, ho, wo, cfg)
+    cblocks = triton.cdiv(c, cfg.channels)
+    partials = shares if deterministic else 1
+    return KernelCost(
+        useful_macs=useful_macs(n, c, h, w, stride),
+        mma_macs=tiles * cblocks * 5 * cfg.g * 16 * cfg.block_m * 8 * _passes(cfg),
+        dram_bytes=eb * n * c * (h * w + ho * wo) + 4 * partials * c * GROUP_WIDTH * 9,
+        loops=(Loop("tiles", per_share),),
+        note=f"gconv3x3 wgrad C={c} G={cfg.g} tile {cfg.tile_h}x{cfg.tile_w}, {shares} shares of "
+             f"{per_share} tiles"
+             + ("" if deterministic else " (atomics)"),
+    )
+
+
+def reduce_cost(shares: int, total: int, sb: int, out_bytes: int) -> KernelCost:
+    """The partials read once, dw written once; no MACs."""
+    return KernelCost(useful_macs=0, mma_macs=0, dram_bytes=4 * shares * total + out_bytes * total,
+                      loops=(Loop("share blocks", triton.cdiv(shares, sb)),),
+                      note=f"gconv3x3 wgrad: reduction of {shares} partials, {sb} at a time")

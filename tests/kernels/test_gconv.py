@@ -1,0 +1,643 @@
+"""torch.ops.convfirstnet.gconv3x3 (+ _dgrad, _wgrad) and GroupConv3x3: the Triton kernels (interpreter on
+CPU) against autograd of F.conv2d, the autograd registration, torch.compile, bad input, compiled code.
+
+Run: pytest tests/kernels/test_gconv.py --durations=10
+
+Coverage of the kernels' loops and masks (kernels/gconv/kernel.py): the shapes below run at the model's
+channel widths (16 ... 1024: channel blocks of G = 2, 4 and 8 groups, one to sixteen blocks per
+program column, masked groups at 24 and 72), maps of up to six tiles per image with partial tiles
+(odd sizes, masked rows and columns), stride 1 and 2 (the stride-2 dgrad's four parity classes with
+odd input sizes, whose last row / column of classes falls outside the map). The forward's tap loop
+always runs five steps. Under the interpreter a wgrad share is two tiles and the reduction adds two
+shares per step (launcher.INTERPRETER_*), so the fp32 cases run the share loop twice and the reduction
+over 2-15 shares; test_wgrad_default_shares runs the GPU's share rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from convfirstnet.kernels.gconv import launcher as L
+from convfirstnet.kernels.gconv.reference import (
+    gconv3x3_dgrad_reference,
+    gconv3x3_reference,
+    gconv3x3_wgrad_reference,
+)
+
+from convfirstnet.gconv import GroupConv3x3
+
+from ..conftest import cuda
+
+OPS = torch.ops.convfirstnet
+CL = torch.channels_last
+
+# Tolerances from rounding. Every output element is a sum of K products: K = 72 (9 taps x 8 channels) for
+# the forward, at most 72 for dgrad, K = N x H' x W' for wgrad. The kernels' inputs are the reference's
+# inputs (the same rounded values), their products are exact in fp32 (16-bit x 16-bit products fit in
+# 24 bits; fp32 operands in the interpreter are multiplied in fp32), and sums run in fp32 in some order.
+# Any order obeys |fl(sum) - sum| <= K u32 sum|terms| (u32 = 2^-24), and a 16-bit output adds one
+# rounding, u_out |ref|. So the check is, element-wise against the fp64 reference,
+#     |out - ref| <= U_OUT[dtype] |ref| + K ACC[device] sum|terms|
+# with sum|terms| from the same reference applied to |x|, |w|, |dy|. On a GPU the fp32 dots are 3xTF32
+# (each product to ~2^-22 relative: 4 u32) and the tensor cores may truncate their fp32 partial sums:
+# ACC["cuda"] allows 4x. A dropped tap, channel block, tile or share changes an output by a whole term
+# (~sum|terms| / K, far above K u32 sum|terms|), so these bounds still catch every bug below.
+U_OUT = {torch.float32: 2.0**-24, torch.float64: 2.0**-53, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+ACC = {"cpu": 2.0**-24, "cuda": 4 * 2.0**-24}
+
+
+def assert_bounded(out, ref, abs_ref, k_terms, what=""):
+    """out within the rounding bound of the fp64 reference (module docstring)."""
+    assert out.shape == ref.shape, (what, out.shape, ref.shape)
+    err = (out.double() - ref).abs()
+    bound = U_OUT[out.dtype] * ref.abs() + k_terms * ACC[out.device.type] * abs_ref + 1e-30
+    worst = (err / bound).max().item() if err.numel() else 0.0
+    assert worst <= 1.0, f"{what}: error {worst:.3g}x the rounding bound (max |err| {err.max().item():.3g})"
+
+
+def make_case(n, c, h, w, stride, dtype, device="cpu", seed=0, w_dtype=None):
+    """x ~ N(0, 1) channels-last, weights fan-in scaled (unit gain), dy ~ N(0, 1) channels-last."""
+    g = torch.Generator().manual_seed(seed)
+    ho, wo = -(-h // stride), -(-w // stride)
+    x = torch.randn(n, c, h, w, generator=g).to(device, dtype).contiguous(memory_format=CL)
+    wt = (torch.randn(c, 8, 3, 3, generator=g) / 72**0.5).to(device, w_dtype or dtype)
+    dy = torch.randn(n, c, ho, wo, generator=g).to(device, dtype).contiguous(memory_format=CL)
+    return x, wt, dy
+
+
+def reference_grads(x, wt, dy, stride):
+    """y, dx, dw by autograd of F.conv2d in fp64 on the same (rounded) values, and the same maps of the
+    absolute values (sum|terms| per element)."""
+
+    def run(xx, ww, gg):
+        xx = xx.detach().double().requires_grad_()
+        ww = ww.detach().to(x.dtype).double().requires_grad_()  # an fp32 weight is rounded like autocast's
+        y = F.conv2d(xx, ww, stride=stride, padding=1, groups=x.shape[1] // 8)
+        y.backward(gg.double())
+        return y.detach(), xx.grad, ww.grad
+
+    return run(x, wt, dy), run(x.abs(), wt.abs(), dy.abs())
+
+
+def check_all(x, wt, dy, stride, deterministic=True):
+    """Forward, dgrad and wgrad through the ops against autograd of F.conv2d."""
+    n, c, h, w = x.shape
+    y = OPS.gconv3x3(x, wt, stride)
+    dx = OPS.gconv3x3_dgrad(dy, wt, h, w, stride)
+    dw = OPS.gconv3x3_wgrad(dy, x, wt.dtype, stride, deterministic)
+    (y_ref, dx_ref, dw_ref), (y_abs, dx_abs, dw_abs) = reference_grads(x, wt, dy, stride)
+    assert y.dtype == x.dtype and dx.dtype == x.dtype and dw.dtype == wt.dtype
+    assert y.is_contiguous(memory_format=CL) and dx.is_contiguous(memory_format=CL)
+    assert_bounded(y, y_ref, y_abs, 72, "forward")
+    assert_bounded(dx, dx_ref, dx_abs, 72, "dgrad")
+    assert_bounded(dw, dw_ref, dw_abs, max(1, n * dy.shape[2] * dy.shape[3]), "wgrad")
+    return y, dx, dw
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_reference_is_autograd_of_conv2d(stride):
+    """reference.py (what the ops run on CPU and the kernels are specified by) against autograd."""
+    x, wt, dy = make_case(2, 24, 9, 8, stride, torch.float64)
+    (y, dx, dw), _ = reference_grads(x, wt, dy, stride)
+    torch.testing.assert_close(gconv3x3_reference(x, wt, stride), y)
+    torch.testing.assert_close(gconv3x3_dgrad_reference(dy, wt, 9, 8, stride), dx)
+    torch.testing.assert_close(gconv3x3_wgrad_reference(dy, x, stride, torch.float64), dw)
+
+
+# (N, C, H, W, stride). Channel blocks (launcher.groups_per_program) and tiles (fp32 / fp16):
+# G = 8: 4x8 / 8x8 pixels; G = 4: 8x8 / 8x16; G = 2: 8x16 / 16x16 (wgrad in fp32: 16-32 pixels). Most maps
+# span 2-6 tiles per image with partial ones; 24 and 72 channels leave masked groups in their last block.
+SHAPES = [
+    pytest.param(2, 16, 19, 21, 1, id="c16-G2-2x19x21"),
+    pytest.param(1, 24, 10, 35, 1, id="c24-G4-masked-10x35"),
+    pytest.param(1, 48, 17, 20, 1, id="c48-G2x3-17x20"),
+    pytest.param(1, 72, 13, 12, 2, id="c72-G4x3-masked-s2-13x12"),
+    pytest.param(1, 96, 21, 19, 2, id="c96-G4x3-s2-21x19"),
+    pytest.param(1, 64, 17, 19, 2, id="c64-G8-s2-17x19"),
+    pytest.param(1, 256, 9, 11, 1, id="c256-G8x4-9x11"),
+    pytest.param(2, 512, 5, 7, 2, id="c512-G8x8-s2-5x7-one-tile"),
+    pytest.param(1, 1024, 4, 9, 1, id="c1024-G8x16-4x9"),
+]
+
+
+@pytest.mark.parametrize("n,c,h,w,stride", SHAPES)
+def test_fp32_matches_autograd(interpreter_backend, n, c, h, w, stride):
+    check_all(*make_case(n, c, h, w, stride, torch.float32), stride)
+
+
+@pytest.mark.parametrize("n,c,h,w,stride", [SHAPES[0], SHAPES[1], SHAPES[4], SHAPES[6]])
+def test_fp16_matches_autograd(interpreter_backend, n, c, h, w, stride):
+    check_all(*make_case(n, c, h, w, stride, torch.float16), stride)
+
+
+def test_fp32_weight_with_fp16_activations(interpreter_backend):
+    """Autocast's form: fp32 master weight, fp16 activations. The kernels round the weight to fp16 as
+    they load it (the reference does the same) and return dw in fp32, summed in fp32."""
+    x, wt, dy = make_case(1, 32, 13, 11, 1, torch.float16, w_dtype=torch.float32)
+    _, _, dw = check_all(x, wt, dy, 1)
+    assert dw.dtype == torch.float32
+
+
+def test_wgrad_is_deterministic_and_atomics_agree(interpreter_backend):
+    """Two identical calls give bitwise-equal gradients; the atomic option gives the same values to
+    rounding (its order is not fixed)."""
+    x, wt, dy = make_case(2, 32, 15, 17, 2, torch.float32)
+    a = OPS.gconv3x3_wgrad(dy, x, torch.float32, 2)
+    b = OPS.gconv3x3_wgrad(dy, x, torch.float32, 2)
+    assert torch.equal(a, b)
+    (_, _, dw_ref), (_, _, dw_abs) = reference_grads(x, wt, dy, 2)
+    atomic = OPS.gconv3x3_wgrad(dy, x, torch.float32, 2, False)
+    assert_bounded(atomic, dw_ref, dw_abs, 2 * 8 * 9, "wgrad (atomics)")
+
+
+def test_wgrad_default_shares(interpreter_backend, monkeypatch):
+    """The GPU's share rule (at least MIN_SHARE_PIXELS pixels per share), lowered so that this map makes
+    several shares of several tiles, and the GPU's reduction step of 64 shares."""
+    monkeypatch.setattr(L, "INTERPRETER_SHARE_TILES", 0)
+    monkeypatch.setattr(L, "INTERPRETER_REDUCE_SB", L.REDUCE_SB)
+    monkeypatch.setattr(L, "MIN_SHARE_PIXELS", 3 * 64)
+    x, wt, dy = make_case(3, 64, 17, 16, 1, torch.float32)
+    cfg = L.tile_config(64, 17, 16, torch.float32, wgrad=True)
+    tiles = 3 * math.ceil(17 / cfg.tile_h) * math.ceil(16 / cfg.tile_w)
+    assert (tiles, cfg.block_m) == (54, 16)
+    assert L.wgrad_shares(tiles, 1, cfg.block_m) == (12, 5)  # >= 192 pixels a share: 4 of 12 tiles, 1 of 6
+    (_, _, dw_ref), (_, _, dw_abs) = reference_grads(x, wt, dy, 1)
+    assert_bounded(OPS.gconv3x3_wgrad(dy, x, torch.float32, 1), dw_ref, dw_abs, 3 * 17 * 16, "wgrad")
+
+
+def test_batch_zero_and_one(interpreter_backend):
+    for stride in (1, 2):
+        x, wt, dy = make_case(0, 16, 9, 7, stride, torch.float32)
+        y = OPS.gconv3x3(x, wt, stride)
+        assert y.shape == (0, 16, -(-9 // stride), -(-7 // stride))
+        assert OPS.gconv3x3_dgrad(dy, wt, 9, 7, stride).shape == x.shape
+        assert torch.equal(OPS.gconv3x3_wgrad(dy, x, torch.float32, stride), torch.zeros_like(wt))
+        check_all(*make_case(1, 16, 9, 7, stride, torch.float32), stride)
+
+
+def nan_banded(x: torch.Tensor) -> torch.Tensor:
+    """x as a channels-last view into a larger NaN-filled buffer whose strides and offset stay multiples
+    of 8 (so the kernels read it in place): a missing mask reads NaN and the check fails loudly."""
+    n, c, h, w = x.shape
+    big = torch.full((n + 1, c + 16, h + 2, w + 3), float("nan"), dtype=x.dtype)
+    view = big.contiguous(memory_format=torch.channels_last)[:n, 8 : c + 8, 1 : h + 1, 2 : w + 2]
+    view.copy_(x)
+    return view
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_strided_views_are_read_in_place_and_masked(interpreter_backend, stride):
+    x, wt, dy = make_case(2, 32, 11, 13, stride, torch.float32)
+    xv, dyv = nan_banded(x), nan_banded(dy)
+    assert L.reads_in_place(xv) and L.reads_in_place(dyv) and not xv.is_contiguous(memory_format=CL)
+    wv = wt.permute(2, 3, 1, 0).contiguous().permute(3, 2, 0, 1)  # tap-major, as the fused blocks store it
+    check_all(xv, wv, dyv, stride)
+
+
+def test_nchw_inputs_are_converted(interpreter_backend):
+    """Layouts the kernels cannot read in place (NCHW, odd channel offsets) are copied to channels-last
+    once by the launcher; the results are the same."""
+    x, wt, dy = make_case(1, 16, 9, 10, 2, torch.float32)
+    assert not L.reads_in_place(x.contiguous())
+    check_all(x.contiguous(), wt, dy.contiguous(), 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: one clear error before any launch
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("a kernel was launched")
+
+    monkeypatch.setattr(L, "launch", fail)
+
+
+def test_bad_input_refused_before_launch(interpreter_backend, no_launch):
+    x, wt, dy = make_case(1, 16, 5, 5, 1, torch.float32)
+    cases = [
+        (ValueError, "group width 4", lambda: OPS.gconv3x3(x, torch.randn(16, 4, 3, 3), 1)),
+        (ValueError, "kernel size 5x5", lambda: OPS.gconv3x3(x, torch.randn(16, 8, 5, 5), 1)),
+        (ValueError, "multiple of 8", lambda: OPS.gconv3x3(torch.randn(1, 12, 5, 5), torch.randn(12, 8, 3, 3),
+                                                           1)),
+        (ValueError, "stride must be 1 or 2", lambda: OPS.gconv3x3(x, wt, 3)),
+        (ValueError, "4-D", lambda: OPS.gconv3x3(x[0], wt, 1)),
+        (TypeError, "dtype", lambda: OPS.gconv3x3(x.to(torch.int32), wt, 1)),
+        (TypeError, "weight dtype", lambda: OPS.gconv3x3(x, wt.half(), 1)),
+        (TypeError, "do not run torch.float64", lambda: OPS.gconv3x3(x.double(), wt.double(), 1)),
+        (TypeError, "bfloat16 through the Triton interpreter",
+         lambda: OPS.gconv3x3(x.bfloat16(), wt.bfloat16(), 1)),
+        (ValueError, "does not match a 6x5 input", lambda: OPS.gconv3x3_dgrad(dy, wt, 6, 5, 1)),
+        (ValueError, "does not match x", lambda: OPS.gconv3x3_wgrad(dy, x, torch.float32, 2)),
+        (TypeError, "same dtype", lambda: OPS.gconv3x3_wgrad(dy.half(), x, torch.float32, 1)),
+    ]
+    for exc, match, call in cases:
+        with pytest.raises(exc, match=match):
+            call()
+
+
+def test_bf16_refused_in_interpreter(interpreter_backend):
+    x, wt, dy = make_case(1, 16, 5, 5, 1, torch.float32)
+    with pytest.raises(TypeError, match="bfloat16 through the Triton interpreter"):
+        OPS.gconv3x3_wgrad(dy.bfloat16(), x.bfloat16(), torch.float32, 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# The drop-in module
+# ------------------------------------------------------------------------------------------------
+
+
+def test_module_is_the_conv_it_replaces():
+    torch.manual_seed(0)
+    conv = nn.Conv2d(32, 32, 3, 2, 1, groups=4, bias=False)
+    torch.manual_seed(0)
+    gc = GroupConv3x3(32, 2)
+    assert isinstance(gc, nn.Conv2d) and gc.groups == 4 and gc.bias is None
+    assert list(gc.state_dict()) == list(conv.state_dict()) == ["weight"]
+    assert torch.equal(gc.weight, conv.weight)  # nn.Conv2d's initialisation
+    swapped = GroupConv3x3.from_conv(conv)
+    assert swapped.weight is conv.weight and swapped.stride == (2, 2)
+    x = torch.randn(2, 32, 9, 8).contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(swapped(x), conv(x), atol=1e-5, rtol=1e-5)
+
+
+def test_model_switch_keeps_state_dict(monkeypatch):
+    """The training form with every grouped conv swapped for GroupConv3x3 (the one-line switch in
+    blocks._gconv3x3): the same state_dict keys and the same outputs and gradients."""
+    from convfirstnet import blocks
+    from convfirstnet.model import SIZES, ConvFirstNet
+
+    size = SIZES["pico"]
+    stages = [*size.stages[:3], dataclasses.replace(size.stages[3], depth=2)]  # ConvFirst and MBConv
+    torch.manual_seed(0)
+    ref = ConvFirstNet(size.stem, stages, num_classes=10)
+    monkeypatch.setattr(blocks, "_gconv3x3", lambda c, stride=1: GroupConv3x3(c, stride))
+    model = ConvFirstNet(size.stem, stages, num_classes=10)
+    n_grouped = sum(isinstance(m, nn.Conv2d) and m.groups > 1 for m in ref.modules())
+    assert n_grouped == 1 + 2 + 3 + 2
+    assert sum(isinstance(m, GroupConv3x3) for m in model.modules()) == n_grouped
+    assert list(model.state_dict()) == list(ref.state_dict())
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 3, 64, 64)
+    out, out_ref = model(x), ref(x)
+    torch.testing.assert_close(out, out_ref, atol=1e-4, rtol=1e-4)
+    out.sum().backward()
+    out_ref.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3, msg=name)
+
+
+def test_module_refuses_under_triton(triton_backend):
+    gc = GroupConv3x3(16)
+    x = torch.randn(1, 16, 6, 6)
+    with pytest.raises(ValueError, match="not channels-last"):
+        gc(x)  # NCHW
+    with pytest.raises(TypeError, match="dtype torch.float64"):
+        gc.double()(x.double().contiguous(memory_format=torch.channels_last))
+    with pytest.raises(ValueError, match="group width 4"):
+        GroupConv3x3.from_conv(nn.Conv2d(16, 16, 3, 1, 1, groups=4, bias=False))
+    with pytest.raises(ValueError, match="kernel size"):
+        GroupConv3x3.from_conv(nn.Conv2d(16, 16, 5, 1, 2, groups=2, bias=False))
+
+
+def test_from_conv_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "auto")
+    conv = nn.Conv2d(16, 16, 3, 1, 1, groups=2, bias=True)
+    with pytest.warns(UserWarning, match="bias"):
+        assert GroupConv3x3.from_conv(conv) is conv
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert GroupConv3x3.from_conv(conv) is conv  # the same problem warns once
+
+
+def test_module_interpreter_matches_conv(interpreter_backend):
+    conv = nn.Conv2d(32, 32, 3, 1, 1, groups=4, bias=False)
+    gc = GroupConv3x3.from_conv(conv)
+    x = torch.randn(2, 32, 9, 11).contiguous(memory_format=torch.channels_last).requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    gc(x).square().sum().backward()
+    g_w = conv.weight.grad.clone()
+    conv.weight.grad = None
+    conv(x2).square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(g_w, conv.weight.grad, atol=1e-3, rtol=1e-4)
+
+
+def test_compiled_training_step_cpu():
+    """torch.compile(fullgraph=True) of a small net of GroupConv3x3 layers (the op's reference branch on
+    CPU), forward + backward (dgrad and wgrad ops in the backward graph) + an SGD step: the same losses
+    and parameters as the same net of nn.Conv2d in eager mode."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = nn.Sequential(GroupConv3x3(16), nn.BatchNorm2d(16), nn.ReLU(), GroupConv3x3(16, 2))
+    ref = nn.Sequential(nn.Conv2d(16, 16, 3, 1, 1, groups=2, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                        nn.Conv2d(16, 16, 3, 2, 1, groups=2, bias=False))
+    ref.load_state_dict(net.state_dict())
+    compiled = torch.compile(net, fullgraph=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (net, ref)]
+    x = torch.randn(2, 16, 9, 9).contiguous(memory_format=torch.channels_last)
+    for _ in range(2):
+        losses = []
+        for model, opt in zip((compiled, ref), opts):
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss)
+        torch.testing.assert_close(losses[0], losses[1], atol=1e-6, rtol=1e-5)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Registration: opcheck, gradients of gradients, the traced Triton branch
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_opcheck(reference_backend, stride):
+    x, wt, dy = make_case(2, 16, 7, 9, stride, torch.float32)
+    x.requires_grad_()
+    wt.requires_grad_()
+    torch.library.opcheck(OPS.gconv3x3, (x, wt, stride))
+    torch.library.opcheck(OPS.gconv3x3, (x, wt, stride, False))
+    torch.library.opcheck(OPS.gconv3x3_dgrad, (dy, wt, 7, 9, stride))
+    torch.library.opcheck(OPS.gconv3x3_wgrad, (dy, x.detach(), torch.float32, stride))
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_gradcheck_and_double_backward(reference_backend, stride):
+    x = torch.randn(1, 8, 5, 4, dtype=torch.float64, requires_grad=True)
+    wt = torch.randn(8, 8, 3, 3, dtype=torch.float64, requires_grad=True)
+
+    def f(a, b):
+        return OPS.gconv3x3(a, b, stride)
+
+    assert torch.autograd.gradcheck(f, (x, wt), fast_mode=True)
+    assert torch.autograd.gradgradcheck(f, (x, wt), fast_mode=True)
+
+
+_TRACE_SCRIPT = r"""
+import json, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import torch
+import triton
+import convfirstnet.kernels  # noqa: F401  (kernels decorated as JITFunctions: no interpreter)
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from triton.backends.compiler import GPUTarget
+
+os.environ["TRITON_INTERPRET"] = "1"  # only so that use_triton() takes the Triton branch on CPU
+os.environ["CONVFIRSTNET_KERNELS"] = "triton"
+
+
+class TargetOnly:  # no GPU here: torch's mutation analysis of the kernels needs a target for the TTIR
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+triton.runtime.driver.set_active(TargetOnly())
+graphs = {}
+
+
+def capture(name):
+    def compiler(gm, example_inputs):
+        graphs[name] = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        outs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+        vals = [None if o is None else o.meta["val"] for o in outs]
+        # the graph would launch CUDA kernels: give back empty tensors of the right metadata instead
+        return make_boxed_func(lambda *a: [None if v is None else torch.empty_strided(v.shape, v.stride(),
+                                                                                      dtype=v.dtype)
+                                           for v in vals])
+    return compiler
+
+
+for stride in (1, 2):
+    x = torch.randn(2, 16, 9, 7).contiguous(memory_format=torch.channels_last).requires_grad_()
+    w = torch.randn(16, 8, 3, 3).requires_grad_()
+    backend = aot_autograd(fw_compiler=capture(f"forward s{stride}"),
+                           bw_compiler=capture(f"backward s{stride}"))
+    f = torch.compile(lambda x, w: torch.ops.convfirstnet.gconv3x3(x, w, stride), fullgraph=True,
+                      backend=backend)
+    f(x, w).sum().backward()
+print(json.dumps(graphs))
+"""
+
+
+def test_torch_compile_traces_triton_branch():
+    """torch.compile(fullgraph=True) of forward + backward through the Triton branch (real JITFunctions,
+    in a subprocess without the interpreter): the forward kernel in the forward graph; dgrad and the two
+    wgrad launches in the backward graph, as user-defined Triton kernels (what Inductor receives on a
+    GPU), with no copies of the inputs (torch's analysis finds that only the outputs are written)."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    proc = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    graphs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(graphs) == 4, list(graphs)
+    for name, targets in graphs.items():
+        launches = 1 if name.startswith("forward") else 3
+        assert targets.count("triton_kernel_wrapper_functional") == launches, (name, targets)
+        assert not any("clone" in t or "copy" in t for t in targets), (name, targets)
+
+
+# ------------------------------------------------------------------------------------------------
+# Tables and cost declarations
+# ------------------------------------------------------------------------------------------------
+
+
+def test_model_shapes_table_matches_the_models():
+    import timm
+
+    for name, shapes in L.MODEL_SHAPES.items():
+        model = timm.create_model(f"convfirstnet_{name}").to("meta")
+        seen = set()
+        for m in model.modules():
+            if isinstance(m, nn.Conv2d) and m.groups > 1:
+                m.register_forward_hook(lambda mod, inp, out: seen.add((mod.in_channels, inp[0].shape[2],
+                                                                        mod.stride[0], mod.groups)))
+        model(torch.empty(1, 3, 224, 224, device="meta"))
+        assert seen == {(c, hw, 1, c // 8) for c, hw in shapes}, name
+
+
+def test_channel_blocks_of_the_model_widths():
+    """G per width (launcher.groups_per_program): exact blocks where the width allows a cheap one, masked
+    groups for 24 (3 of 4) and 72 (9 of 12)."""
+    widths = sorted({c for shapes in L.MODEL_SHAPES.values() for c, _ in shapes})
+    expect = {16: 2, 24: 4, 32: 4, 48: 2, 72: 4, 96: 4, 288: 4}
+    assert {c: L.groups_per_program(c) for c in widths} == {c: expect.get(c, 8) for c in widths}
+
+
+def _record(kind, n, c, h, w, stride, dtype=torch.float16, deterministic=True, sms=None):
+    from convfirstnet.kernels._cost import recording
+
+    ho, wo = -(-h // stride), -(-w // stride)
+    x = torch.empty(n, c, h, w, device="meta", dtype=dtype).contiguous(memory_format=torch.channels_last)
+    wt = torch.empty(c, 8, 3, 3, device="meta", dtype=dtype)
+    dy = torch.empty(n, c, ho, wo, device="meta", dtype=dtype).contiguous(memory_format=torch.channels_last)
+    with recording(sms=sms) as rec:
+        if kind == "forward":
+            OPS.gconv3x3(x, wt, stride)
+        elif kind == "dgrad":
+            OPS.gconv3x3_dgrad(dy, wt, h, w, stride)
+        else:
+            OPS.gconv3x3_wgrad(dy, x, dtype, stride, deterministic)
+    return rec.launches
+
+
+@pytest.mark.parametrize("kind", ["forward", "dgrad", "wgrad"])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_cost_declarations(kind, stride):
+    """Small's widest layer (1024 channels, 14 x 14, batch 128) and its stage-1 layer (32 at 112 x 112):
+    72 useful MACs per output element, 10/9 of them issued plus the masked rows of partial tiles, x
+    and y (or dy) once in DRAM, fp32 partials for wgrad."""
+    for c, hw in ((1024, 14), (32, 112)):
+        launches = _record(kind, 128, c, hw, hw, stride)
+        ho = -(-hw // stride)
+        outputs = 128 * c * ho * ho
+        cost = launches[0].cost
+        assert cost.useful_macs == 72 * outputs
+        assert 10 / 9 <= cost.mma_macs / cost.useful_macs < 10 / 9 * 1.7
+        assert cost.dram_bytes >= 2 * 128 * c * (hw * hw + ho * ho)
+        if kind == "wgrad":
+            shares, cblocks = launches[0].grid
+            assert cost.dram_bytes == 2 * 128 * c * (hw * hw + ho * ho) + 4 * shares * c * 72
+            assert launches[1].cost.dram_bytes == 4 * shares * c * 72 + 2 * c * 72
+            assert shares * cblocks <= L.WGRAD_PROGRAMS + cblocks
+
+
+def test_deterministic_shares_do_not_depend_on_the_device():
+    """The share count (hence the reduction order and dw's bits) is a function of the shapes only."""
+    a = _record("wgrad", 128, 256, 28, 28, 1)  # an H100 (132 SMs)
+    b = _record("wgrad", 128, 256, 28, 28, 1, sms=108)  # an A100
+    assert a[0].grid == b[0].grid and a[0].args[9] == b[0].args[9]  # shares, tiles per share
+
+
+# ------------------------------------------------------------------------------------------------
+# Compiled for the GPU (no GPU needed): a sample of the shipped variants, sm_90 and sm_80
+# ------------------------------------------------------------------------------------------------
+
+# (kind, N, C, H, W, stride, dtype, arch): Small's widest layer (G = 8), Tiny's 72-channel layer (G = 1),
+# the stride-2 dgrad and the wgrad pair in bf16 / fp32, on both targets.
+COMPILE_SAMPLE = [
+    ("forward", 128, 1024, 14, 14, 1, torch.float16, 90),
+    ("dgrad", 128, 72, 28, 28, 1, torch.float16, 80),
+    ("dgrad", 128, 256, 28, 28, 2, torch.bfloat16, 90),
+    ("wgrad", 128, 32, 112, 112, 1, torch.float16, 90),
+    ("wgrad", 128, 96, 28, 28, 2, torch.float32, 80),
+]
+
+
+@pytest.fixture(scope="module")
+def compiled_sample():
+    from convfirstnet.analysis.compiled import compile_variants, variant_of
+
+    rows = []
+    for kind, n, c, h, w, stride, dtype, arch in COMPILE_SAMPLE:
+        for launch in _record(kind, n, c, h, w, stride, dtype):
+            rows.append(((kind, c, stride, dtype, arch), launch, variant_of(launch, arch)))
+    compiled = compile_variants([v for _, _, v in rows])
+    return [(what, launch, comp) for (what, launch, _), comp in zip(rows, compiled)]
+
+
+@pytest.mark.slow
+def test_sample_compiles_without_spills(compiled_sample):
+    from convfirstnet.analysis.compiled import weigh
+    from tests.kernels._recorded import SMEM_LIMIT
+
+    for what, launch, comp in compiled_sample:
+        name = f"{comp.variant.name} {what}"
+        assert comp.stack == 0, f"{name}: {comp.stack} B of stack (register spills)"
+        assert comp.shared <= SMEM_LIMIT[comp.variant.arch], f"{name}: {comp.shared} B of shared memory"
+        insns, loops = comp.listing()
+        per_program = launch.cost.mma_macs / math.prod(launch.grid)
+        if "wgrad_kernel" in comp.variant.name:  # a full share (the last one may be shorter)
+            tiles, per_share = launch.args[8], launch.args[9]
+            per_program = launch.cost.mma_macs / (tiles * launch.grid[1]) * per_share
+        # the declared loops are the compiled loops, and the weighted tensor-core instructions issue
+        # exactly the declared MACs
+        w = weigh(insns, loops, launch.cost.loops, num_warps=comp.num_warps, mma_macs_per_program=per_program,
+                  what=name)
+        assert w.tensor_macs == pytest.approx(per_program), name
+        opcodes = {i.opcode for i in insns}
+        if "reduce" not in comp.variant.name:
+            # the two-tap dots are batched mma.sync; the tap windows are plain L1-allocating loads
+            assert comp.mma_kind == "mma.sync", name
+            assert "LDG.E.128" in opcodes, name
+            assert not any(op.startswith("LDGSTS") for op in opcodes), name
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU only (skipped without CUDA): fp16 / bf16 / fp32 against the fp32 reference at the model's shapes
+# ------------------------------------------------------------------------------------------------
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32],
+                         ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("model", list(L.MODEL_SHAPES))
+def test_model_shapes_gpu(triton_backend, monkeypatch, model, dtype):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    for c, hw in L.MODEL_SHAPES[model]:
+        for n, side, stride in ((128 if c <= 256 else 32, hw, 1), (8, hw + 1, 2)):
+            check_all(*make_case(n, c, side, side, stride, dtype, "cuda"), stride)
+
+
+@cuda
+@pytest.mark.gpu
+def test_wgrad_bitwise_deterministic_gpu(triton_backend):
+    x, wt, dy = make_case(128, 64, 56, 56, 1, torch.float16, "cuda")
+    a = OPS.gconv3x3_wgrad(dy, x, torch.float32, 1)
+    b = OPS.gconv3x3_wgrad(dy, x, torch.float32, 1)
+    assert torch.equal(a, b)
+
+
+@cuda
+@pytest.mark.gpu
+def test_module_training_step_gpu(triton_backend):
+    """Autocast fp16, channels-last, torch.compile(fullgraph=True): the same loss and gradients as the
+    same net of nn.Conv2d (cuDNN)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = nn.Sequential(GroupConv3x3(64), nn.BatchNorm2d(64), nn.ReLU(), GroupConv3x3(64, 2)).cuda()
+    ref = nn.Sequential(nn.Conv2d(64, 64, 3, 1, 1, groups=8, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                        nn.Conv2d(64, 64, 3, 2, 1, groups=8, bias=False)).cuda()
+    ref.load_state_dict(net.state_dict())
+    net, ref = (m.to(memory_format=torch.channels_last) for m in (net, ref))
+    x = torch.randn(32, 64, 56, 56, device="cuda").contiguous(memory_format=torch.channels_last)
+    compiled = torch.compile(net, fullgraph=True)
+    with torch.autocast("cuda", torch.float16):
+        loss = compiled(x).float().square().mean()
+        loss_ref = ref(x).float().square().mean()
+    loss.backward()
+    loss_ref.backward()
+    torch.testing.assert_close(loss, loss_ref, atol=1e-3, rtol=2e-3)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-3, rtol=1e-2)
+
+
+@cuda
+@pytest.mark.gpu
+def test_module_auto_fallback_warns_once_gpu(monkeypatch):
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "auto")
+    gc = GroupConv3x3(16).cuda()
+    x = torch.randn(2, 16, 8, 8, device="cuda")  # NCHW
+    with pytest.warns(UserWarning, match="not channels-last"):
+        y = gc(x)
+    torch.testing.assert_close(y, F.conv2d(x, gc.weight, padding=1, groups=2))
