@@ -45,7 +45,9 @@ the end ``<model_name>.safetensors``: the EMA weights, written by ``convert_chec
 ``create_model(name, pretrained=True)`` via ``$CONVFIRSTNET_WEIGHTS_DIR``. A checkpoint holds the model, EMA, optimizer, GradScaler and scheduler
 states and the position (epoch, step in the epoch, global step); ``--resume auto`` continues from the
 most advanced one, mid-epoch included, with the same sample order. Every input is checked before the
-output folder is created; a run that fails before its first checkpoint removes what it created.
+output folder is created; a run that fails before its first checkpoint removes what it created. An
+output folder that holds an earlier run (any of the files above) is refused unless ``--resume`` continues
+it or ``--overwrite`` starts over, which first removes exactly those files (other files stay).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ import argparse
 import csv
 import itertools
 import json
+import re
 import sys
 import time
 from contextlib import nullcontext
@@ -76,6 +79,9 @@ LR_BASE, LR_BASE_SIZE = 0.128, 2048  # paper 6.3: lr 0.128 at a global batch of 
 CHECKPOINT_EXT = ".pth.tar"  # timm CheckpointSaver's extension
 WORKERS = 8  # data-loading processes per training process, at most; fewer on machines with fewer cores
 RUN_FILES = ("args.yaml", "log.jsonl", "summary.csv")  # what a run writes before its first checkpoint
+# The checkpoints a run writes: timm CheckpointSaver's last, model_best, checkpoint-<epoch>,
+# recovery-<epoch>-<step> and the temporary files it renames from.
+CHECKPOINT_NAME = re.compile(r"(last|model_best|tmp|recovery_tmp|checkpoint-\d+|recovery-\d+-\d+)\.pth\.tar")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,6 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("checkpoints, validation, logging")
     g.add_argument("--resume", default="", help="'auto' (the most advanced checkpoint in --output) or a path")
     g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in an --output folder that holds an earlier run: its run files are removed "
+        "first (args.yaml, log.jsonl, summary.csv, *.pth.tar checkpoints, the model's weight file)",
+    )
+    g.add_argument(
         "--max-steps",
         type=int,
         help="stop after this many optimizer steps in all (a later --resume continues)",
@@ -286,6 +298,32 @@ def find_resume(resume: str, output: Path) -> Path | None:
         if best_key is None or key > best_key:
             best, best_key = path, key
     return best
+
+
+def run_files(output: Path, name: str) -> list[Path]:
+    """The files of an earlier run in ``output``: exactly the names this command writes there (the run
+    files, the checkpoints and ``<name>.safetensors``), nothing else."""
+    if not output.is_dir():
+        return []
+    ours = (*RUN_FILES, f"{name}.safetensors")
+    found = [p for p in output.iterdir() if p.name in ours or CHECKPOINT_NAME.fullmatch(p.name)]
+    return sorted(p for p in found if p.is_file())
+
+
+def check_output(args: argparse.Namespace, output: Path, name: str) -> None:
+    """An --output folder holding an earlier run is continued (--resume) or started over (--overwrite),
+    never silently written over."""
+    if args.resume and args.overwrite:
+        raise TrainError("give --resume or --overwrite, not both")
+    if output.exists() and not output.is_dir():
+        raise TrainError(f"--output {str(output)!r} is not a folder")
+    found = [] if args.resume or args.overwrite else run_files(output, name)
+    if found:
+        names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
+        raise TrainError(
+            f"--output {str(output)!r} holds an earlier run ({names}): continue it with --resume auto, "
+            "or start over with --overwrite (removes those files)"
+        )
 
 
 def train_transforms(args: argparse.Namespace, data_cfg: dict[str, Any]):
@@ -548,6 +586,8 @@ def prepare(args: argparse.Namespace) -> Run:
 
     name = canonical_name(args.model)
     check_args(args)
+    output = args.output or Path("output") / "train" / name
+    check_output(args, output, name)
     if not args.data.is_dir():
         raise TrainError(f"--data {str(args.data)!r} is not a directory")
     train_dir = split_folder(args.data, args.train_split)
@@ -561,7 +601,6 @@ def prepare(args: argparse.Namespace) -> Run:
     if train_dir.resolve() == val_dir.resolve():
         raise TrainError(f"--train-split and --val-split are the same folder {str(train_dir)!r}")
     init_ckpt = initial_weights(args, name)
-    output = args.output or Path("output") / "train" / name
     resume_path = find_resume(args.resume, output)
     if resume_path is not None and args.resume != "auto":
         check_resume_file(resume_path)
@@ -715,6 +754,13 @@ def train(args: argparse.Namespace) -> int:
     before its first checkpoint removes the files and folders it created."""
     run = prepare(args)
     dirs, created = CreatedDirs(), set()
+    if run.primary and args.overwrite:
+        removed = run_files(run.output, run.name)
+        for p in removed:
+            p.unlink()
+        if removed:
+            print(f"--overwrite: removed {len(removed)} file(s) of an earlier run from {run.output}",
+                  flush=True)
     if run.primary:
         dirs.make(run.output)
         created = {f for f in RUN_FILES if not (run.output / f).exists()}
