@@ -426,6 +426,7 @@ def dot_loop_estimate(compiled_cache):
     return launches.estimate_launches(recorded, "sm_90", compiled=compiled_cache)
 
 
+@pytest.mark.compile
 def test_real_kernel_issue_count_by_hand(dot_loop_estimate):
     est = dot_loop_estimate
     (v,) = est.variants
@@ -438,6 +439,15 @@ def test_real_kernel_issue_count_by_hand(dot_loop_estimate):
     assert e.waves == 33 and e.t_issue == pytest.approx(33 * 4 * 4 * weighted / (4 * 132 * H100.clock_hz))
 
 
+@pytest.mark.compile
+def test_the_run_compiles_a_variant_once(dot_loop_estimate):
+    """The test run is one ``compile_session`` (conftest): a variant compiled before comes back as it was,
+    and a variant given twice is compiled once."""
+    first = dot_loop_estimate.compiled[0]
+    assert all(c is first for c in cc.compile_variants([first.variant, first.variant]))
+
+
+@pytest.mark.compile
 def test_real_kernel_errors(dot_loop_estimate, compiled_cache):
     with pytest.raises(
         ValueError, match=r"no cost declaration for tests\.test_kernel_report\._dot_loop_kernel"
@@ -464,6 +474,7 @@ def stack_report():
     return model, rep, lines
 
 
+@pytest.mark.compile
 def test_end_to_end_stack(stack_report, tmp_path):
     from convfirstnet.profile import count_macs
 
