@@ -1,4 +1,4 @@
-"""convfirstnet/commands/train.py on CPU: recipe defaults, a smoke run, exact resume, DDP (gloo)
+"""convfirstnet/commands/train/ on CPU: recipe defaults, a smoke run, exact resume, DDP (gloo)
 and an end-to-end run whose weight file loads with ``pretrained=True`` and evaluates the same fused and
 unfused."""
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from convfirstnet.commands import train as train_imagenet
+from convfirstnet.commands.train import loop
 
 from ._imagefolder import make_image_folder
 
@@ -118,7 +119,7 @@ def test_failed_run_removes_what_it_created(tiny_data, tmp_path, monkeypatch, ca
     def failing_validate(*args, **kwargs):
         raise RuntimeError("simulated failure")
 
-    monkeypatch.setattr(train_imagenet, "validate", failing_validate)
+    monkeypatch.setattr(loop, "validate", failing_validate)
     (tmp_path / "existing").mkdir()
     out = tmp_path / "existing" / "new" / "run"
     with pytest.raises(RuntimeError, match="simulated failure"):
@@ -133,7 +134,7 @@ def test_failed_run_removes_what_it_created(tiny_data, tmp_path, monkeypatch, ca
             raise RuntimeError("simulated failure")
         return {"loss": 1.0, "top1": 50.0, "top5": 100.0}
 
-    monkeypatch.setattr(train_imagenet, "validate", fails_second_time)
+    monkeypatch.setattr(loop, "validate", fails_second_time)
     with pytest.raises(RuntimeError, match="simulated failure"):
         train_imagenet.main([*argv, "--epochs", "2", "--output", str(out)])
     assert {"last.pth.tar", "args.yaml", "log.jsonl", "summary.csv"} <= {p.name for p in out.iterdir()}
