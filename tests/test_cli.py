@@ -54,7 +54,9 @@ def test_time_forward_times_enough_iterations(monkeypatch):
     monkeypatch.setattr(info, "WARMUP_SECONDS", 0.01)
     model = _Sleeper()
     t = info.time_forward(model, torch.zeros(1), min_iters=7, min_seconds=0.1)
-    assert t["n"] >= 40  # 0.1 s of 2 ms calls
+    # 0.1 s of calls of at least 2 ms: more than the 7 minimum calls, at most 51 (a loaded machine stretches
+    # the sleeps, so no tighter lower bound)
+    assert 7 < t["n"] <= 51
     assert t["p10"] <= t["median"] <= t["p90"] and t["median"] >= 0.002
     assert model.calls >= t["n"] + 1  # warm-up calls are not timed
     assert info.time_forward(_Sleeper(), torch.zeros(1), iters=3)["n"] == 3
