@@ -12,7 +12,10 @@ Compile matrices are sampled (``sampled``) unless CONVFIRSTNET_FULL_MATRIX=1.
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+from pathlib import Path
 from typing import Callable, Iterable, TypeVar
 
 import pytest
@@ -37,10 +40,33 @@ def sampled(cases: Iterable[T], keep: Callable[[T], bool]) -> list[T]:
     return cases if FULL_MATRIX else [c for c in cases if keep(c)]
 
 
+def pinned_triton() -> str:
+    """The Triton the test extra pins (pyproject.toml): the compiler that the register, spill and SASS
+    figures of the ``compile`` tests were measured with."""
+    text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    return re.search(r'"triton==([^";\s]+)', text).group(1)
+
+
+@functools.cache
+def _triton_mismatch() -> str | None:
+    """Why ``compile`` tests cannot run here (no Triton, or another version than the pin), or None."""
+    try:
+        import triton
+    except ImportError:
+        return "needs Triton"
+    pinned, installed = pinned_triton(), triton.__version__.split("+")[0]
+    if installed != pinned:
+        return (f"register, spill and SASS figures measured with Triton {pinned} (the test extra's pin); "
+                f"this is Triton {installed}: pip install -e '.[test]'")
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "interpreter_backend" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.interpreter)
+        if item.get_closest_marker("compile") is not None and _triton_mismatch():
+            item.add_marker(pytest.mark.skip(reason=_triton_mismatch()))
 
 
 @pytest.fixture(scope="session", autouse=True)
