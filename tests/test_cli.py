@@ -88,6 +88,7 @@ def test_unknown_command_lists_the_commands(capsys):
     )
 
 
+@pytest.mark.subprocess
 def test_python_dash_m_and_unknown_model():
     res = subprocess.run(
         [sys.executable, "-m", "convfirstnet", "--models", "huge", "--img-size", "32"],
@@ -173,6 +174,7 @@ TIMM_STYLE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.subprocess
 def test_timm_script_runs_a_timm_style_script_with_the_models(tmp_path, capsys):
     script = tmp_path / "validate.py"
     script.write_text(TIMM_STYLE_SCRIPT)
@@ -194,6 +196,7 @@ def test_timm_script_runs_a_timm_style_script_with_the_models(tmp_path, capsys):
     assert "script" in capsys.readouterr().err
 
 
+@pytest.mark.subprocess
 def test_timm_script_as_installed_command(tmp_path):
     script = tmp_path / "bench.py"
     script.write_text(TIMM_STYLE_SCRIPT)

@@ -666,6 +666,7 @@ def test_cuda_requested_without_gpu(capsys, checkpoints, data7):
     assert code == 1 and err.count("\n") == 1 and "no CUDA device" in err and out == ""
 
 
+@pytest.mark.subprocess
 def test_script_error_exit_without_traceback(tmp_path):
     """The scripts/ wrapper, as a user runs it: exit status 1, one line on stderr."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -690,6 +691,7 @@ def test_script_error_exit_without_traceback(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- distributed
+@pytest.mark.subprocess
 def test_two_process_gloo_equals_single_process(capsys, tmp_path, checkpoints):
     """torchrun, 2 CPU processes (gloo): 13 images in batches of 2 leave one padded sample on rank 1.
     Every image gets the same predictions as in one process."""

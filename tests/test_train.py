@@ -340,6 +340,7 @@ def test_mixup_and_cutmix_mix_the_targets(tiny_data, tmp_path, monkeypatch, caps
         assert ((t > 0).sum(dim=1) >= 2).any()  # some targets are mixtures of two classes
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_distributed_gloo(tiny_data, tmp_path):
     """torchrun with two CPU processes (gloo): sharded batches, stop, resume, weight file."""
