@@ -447,6 +447,26 @@ def test_the_run_compiles_a_variant_once(dot_loop_estimate):
     assert all(c is first for c in cc.compile_variants([first.variant, first.variant]))
 
 
+@triton.jit
+def _refused_kernel(out_ptr, BLOCK: tl.constexpr):
+    """Test-only: does not compile for BLOCK != 32 (a static assertion)."""
+    tl.static_assert(BLOCK == 32)
+    tl.store(out_ptr + tl.arange(0, BLOCK), tl.zeros((BLOCK,), dtype=tl.float32))
+
+
+@pytest.mark.compile
+def test_a_variant_that_does_not_compile_is_named_and_the_workers_carry_on(dot_loop_estimate):
+    out = torch.empty(64, device="meta", dtype=torch.float32)
+    with recording() as rec:
+        launch(_refused_kernel, (1,), out, BLOCK=64, cost=None)
+    refused = cc.variant_of(rec.launches[0], 90)
+    with pytest.raises(RuntimeError, match=r"_refused_kernel \{'BLOCK': 64\} for sm_90 does not compile: "):
+        cc.compile_variants([refused])
+    first = dot_loop_estimate.compiled[0]  # the session's workers still compile, and remember
+    (again,) = cc.compile_variants([cc.variant_of(_record_dot_loop(80, ())[0], 80)])
+    assert again.variant.arch == 80 and cc.compile_variants([first.variant]) == [first]
+
+
 @pytest.mark.compile
 def test_real_kernel_errors(dot_loop_estimate, compiled_cache):
     with pytest.raises(
