@@ -664,22 +664,21 @@ def compile_variants(
     Raises ``RuntimeError`` naming the variant if one fails to compile.
     """
     session = _SESSION
-    known = session.compiled if session is not None else {}
+    known: dict[str, Compiled] = session.compiled if session is not None else {}
     todo = list({v.key: v for v in variants if v.key not in known}.values())
     if todo:
-        known = {**known} if session is None else known
-        known.update(_compile(todo, jobs, progress, session))
+        _compile(todo, jobs, progress, session, known)
     return [known[v.key] for v in variants]
 
 
 def _compile(
     variants: list[Variant], jobs: int | None, progress: Callable[[int, int, Compiled], None] | None,
-    session: CompileSession | None,
-) -> dict[str, Compiled]:
+    session: CompileSession | None, results: dict[str, Compiled],
+) -> None:
+    """Compile ``variants`` into ``results`` (by key), with the session's idle workers if there is one."""
     jobs = max(1, min(jobs or min(2, os.cpu_count() or 1), len(variants)))
     env = _worker_env()
     pending = list(range(len(variants)))
-    results: dict[str, Compiled] = {}
     errors: list[tuple[int, str]] = []
     done = [0]
     lock = threading.Lock()
@@ -728,7 +727,6 @@ def _compile(
         t.join()
     if errors:
         raise RuntimeError(min(errors)[1])
-    return results
 
 
 if __name__ == "__main__":
