@@ -99,7 +99,7 @@ def active_recording() -> Recording | None:
 
 
 @contextlib.contextmanager
-def recording(sms: int | None = None, l2_bytes: int | None = None) -> Iterator[Recording]:
+def recording(*, sms: int | None = None, l2_bytes: int | None = None) -> Iterator[Recording]:
     """Record launches instead of running them. Inside, every op takes its Triton path whatever the
     device (meta tensors are the intended input: shapes without memory), and each ``launch`` appends
     a :class:`Launch` with its cost declaration. ``sms`` and ``l2_bytes``: the target GPU, for

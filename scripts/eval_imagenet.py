@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Evaluate a ConvFirstNet on ImageNet (see convfirstnet/commands/eval.py; also available as
+"""Evaluate a ConvFirstNet on ImageNet (see convfirstnet/commands/eval/; also available as
 `convfirstnet eval`). Several GPUs: torchrun --nproc_per_node=N scripts/eval_imagenet.py ..."""
 
 import sys

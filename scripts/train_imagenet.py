@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train a ConvFirstNet with the paper's ImageNet recipe (see convfirstnet/commands/train.py; also
+"""Train a ConvFirstNet with the paper's ImageNet recipe (see convfirstnet/commands/train/; also
 available as `convfirstnet train`). Several GPUs: torchrun --nproc_per_node=N scripts/train_imagenet.py ..."""
 
 import sys

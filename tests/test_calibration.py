@@ -24,6 +24,7 @@ def table():
     return calibration.predict()
 
 
+@pytest.mark.compile
 def test_predictions_match_the_committed_table(table):
     committed = json.loads(TABLE.read_text())
     assert committed["format"] == table["format"] == calibration.FORMAT
@@ -36,6 +37,7 @@ def test_predictions_match_the_committed_table(table):
     assert table["band"] == pytest.approx(committed["band"], rel=1e-6)
 
 
+@pytest.mark.compile
 def test_measured_times_lie_within_the_band(table):
     band = table["band"]
     # the report's constants: the table's band rounded outwards to two decimals

@@ -285,6 +285,7 @@ def test_safetensors_of_another_architecture(tmp_path):
         convert_checkpoint(path, tmp_path / "out.safetensors", "pico")
 
 
+@pytest.mark.subprocess
 def test_script_runs_from_a_checkout(tmp_path, timm_checkpoint):
     out = tmp_path / "w.safetensors"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}

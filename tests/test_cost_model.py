@@ -216,6 +216,7 @@ def _ffma_chain_kernel(x_ptr, out_ptr, a, b, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, v)
 
 
+@pytest.mark.compile
 def test_decoded_stalls_of_a_compiled_dependent_ffma_chain():
     x = torch.empty(128, device="meta", dtype=torch.float32)
     with recording() as rec:
@@ -243,6 +244,7 @@ def test_decoded_stalls_of_a_compiled_dependent_ffma_chain():
     assert ldg.control.write_barrier < 6 and chain[0].control.wait_mask >> ldg.control.write_barrier & 1
 
 
+@pytest.mark.compile
 def test_convfirst_tap_loads_bypass_l1():
     # issue 18: the stage-1 ConvFirst tap loads (C = 32), written with cache_modifier=".ca", compile to
     # cp.async.cg, SASS LDGSTS.E.BYPASS.128, which skips L1: every byte they request is L2 traffic

@@ -1,4 +1,4 @@
-"""ImageNet evaluation tool (convfirstnet/commands/eval.py) on small generated ImageFolders.
+"""ImageNet evaluation tool (convfirstnet/commands/eval/) on small generated ImageFolders.
 
 The real Pico runs at 32x32 with a few images per class; models are built with ``num_classes`` equal to
 the folder count and passed as checkpoint files. Two kinds of checkpoints:
@@ -27,8 +27,9 @@ import pytest
 import torch
 
 import convfirstnet
-from convfirstnet.commands import eval as eval_imagenet
-from convfirstnet.commands.eval import Counts, evaluate, main, shard_size
+from convfirstnet.commands.eval import build_parser, main
+from convfirstnet.commands.eval.jobs import model_names
+from convfirstnet.commands.eval.loop import Counts, evaluate, real_hits, shard_size, topk_hits
 from convfirstnet.weights import save_weights, sha256_file
 
 REPO = Path(__file__).resolve().parent.parent
@@ -179,16 +180,16 @@ def test_exact_metrics_loss_and_label_order(capsys, tmp_path, checkpoints, data7
 
 def test_topk_hits_and_fewer_classes_than_k():
     logits = torch.tensor([[0.1, 0.9, 0.0], [0.8, 0.1, 0.3], [0.2, 0.3, 0.5]])
-    c1, c5 = eval_imagenet.topk_hits(logits, torch.tensor([1, 2, 0]))
+    c1, c5 = topk_hits(logits, torch.tensor([1, 2, 0]))
     assert (int(c1), int(c5)) == (1, 3)  # 3 classes: top-5 covers all
-    c1, c2 = eval_imagenet.topk_hits(logits, torch.tensor([1, 2, 0]), k=2)
+    c1, c2 = topk_hits(logits, torch.tensor([1, 2, 0]), k=2)
     assert (int(c1), int(c2)) == (1, 2)
 
 
 def test_real_hits_skip_unlabelled_images():
     pred = torch.tensor([[1, 2, 3, 4, 5], [7, 1, 2, 3, 4], [9, 8, 7, 6, 5], [0, 1, 2, 3, 4]])
     real = [[1], [1, 2], [], [6]]
-    assert eval_imagenet.real_hits(pred, real) == (1, 2, 3)
+    assert real_hits(pred, real) == (1, 2, 3)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -510,8 +511,8 @@ def test_results_file_csv_json_and_several_models(capsys, tmp_path, checkpoints,
     assert main([str(a) for a in args[:4]] + FAST + ["--results-file", str(json_path)]) == 0
     assert json.loads(json_path.read_text())["top1_correct"] == 6  # one model: a dict, as timm writes it
     # 'all' is every size; a model list and a checkpoint list of different lengths is an error.
-    assert eval_imagenet.model_names(["all"]) == convfirstnet.list_models()
-    assert eval_imagenet.model_names(["small", "pico"]) == ["convfirstnet_small", "convfirstnet_pico"]
+    assert model_names(["all"]) == convfirstnet.list_models()
+    assert model_names(["small", "pico"]) == ["convfirstnet_small", "convfirstnet_pico"]
     capsys.readouterr()
     code, _, err = run_eval(
         capsys, "--model", "pico", "nano", "--data", data7, "--checkpoint", checkpoints["bias7"], *FAST
@@ -523,7 +524,7 @@ def test_default_workers_fit_the_machine(monkeypatch):
     """--workers defaults to at most the cores available per process (no DataLoader warning on 2 cores)."""
     from convfirstnet.commands import _cli
 
-    assert eval_imagenet.build_parser().parse_args(["--data", "x"]).workers is None
+    assert build_parser().parse_args(["--data", "x"]).workers is None
     monkeypatch.setattr(_cli, "available_cpus", lambda: 2)
     assert _cli.default_workers(4) == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two torchrun processes share the two cores
@@ -533,7 +534,7 @@ def test_default_workers_fit_the_machine(monkeypatch):
 
 
 def test_timm_short_flags():
-    args = eval_imagenet.build_parser().parse_args("-m pico nano --data-dir d -b 8 -j 2".split())
+    args = build_parser().parse_args("-m pico nano --data-dir d -b 8 -j 2".split())
     assert (args.model, str(args.data), args.batch_size, args.workers) == (["pico", "nano"], "d", 8, 2)
 
 
@@ -665,6 +666,7 @@ def test_cuda_requested_without_gpu(capsys, checkpoints, data7):
     assert code == 1 and err.count("\n") == 1 and "no CUDA device" in err and out == ""
 
 
+@pytest.mark.subprocess
 def test_script_error_exit_without_traceback(tmp_path):
     """The scripts/ wrapper, as a user runs it: exit status 1, one line on stderr."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -689,6 +691,7 @@ def test_script_error_exit_without_traceback(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- distributed
+@pytest.mark.subprocess
 def test_two_process_gloo_equals_single_process(capsys, tmp_path, checkpoints):
     """torchrun, 2 CPU processes (gloo): 13 images in batches of 2 leave one padded sample on rank 1.
     Every image gets the same predictions as in one process."""

@@ -52,6 +52,7 @@ def test_pt2_keeps_one_op_per_block_and_a_dynamic_batch(pico, pt2_file):
             assert rel_err(out, pico(x)) < 1e-5  # and it is the model
 
 
+@pytest.mark.subprocess
 def test_pt2_loads_in_a_fresh_process(pt2_file):
     """Deployment: another process imports convfirstnet (which registers the ops) and loads the file."""
     code = (

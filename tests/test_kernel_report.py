@@ -426,6 +426,7 @@ def dot_loop_estimate(compiled_cache):
     return launches.estimate_launches(recorded, "sm_90", compiled=compiled_cache)
 
 
+@pytest.mark.compile
 def test_real_kernel_issue_count_by_hand(dot_loop_estimate):
     est = dot_loop_estimate
     (v,) = est.variants
@@ -438,6 +439,35 @@ def test_real_kernel_issue_count_by_hand(dot_loop_estimate):
     assert e.waves == 33 and e.t_issue == pytest.approx(33 * 4 * 4 * weighted / (4 * 132 * H100.clock_hz))
 
 
+@pytest.mark.compile
+def test_the_run_compiles_a_variant_once(dot_loop_estimate):
+    """The test run is one ``compile_session`` (conftest): a variant compiled before comes back as it was,
+    and a variant given twice is compiled once."""
+    first = dot_loop_estimate.compiled[0]
+    assert all(c is first for c in cc.compile_variants([first.variant, first.variant]))
+
+
+@triton.jit
+def _refused_kernel(out_ptr, BLOCK: tl.constexpr):
+    """Test-only: does not compile for BLOCK != 32 (a static assertion)."""
+    tl.static_assert(BLOCK == 32)
+    tl.store(out_ptr + tl.arange(0, BLOCK), tl.zeros((BLOCK,), dtype=tl.float32))
+
+
+@pytest.mark.compile
+def test_a_variant_that_does_not_compile_is_named_and_the_workers_carry_on(dot_loop_estimate):
+    out = torch.empty(64, device="meta", dtype=torch.float32)
+    with recording() as rec:
+        launch(_refused_kernel, (1,), out, BLOCK=64, cost=None)
+    refused = cc.variant_of(rec.launches[0], 90)
+    with pytest.raises(RuntimeError, match=r"_refused_kernel \{'BLOCK': 64\} for sm_90 does not compile: "):
+        cc.compile_variants([refused])
+    first = dot_loop_estimate.compiled[0]  # the session's workers still compile, and remember
+    (again,) = cc.compile_variants([cc.variant_of(_record_dot_loop(80, ())[0], 80)])
+    assert again.variant.arch == 80 and cc.compile_variants([first.variant]) == [first]
+
+
+@pytest.mark.compile
 def test_real_kernel_errors(dot_loop_estimate, compiled_cache):
     with pytest.raises(
         ValueError, match=r"no cost declaration for tests\.test_kernel_report\._dot_loop_kernel"
@@ -464,6 +494,7 @@ def stack_report():
     return model, rep, lines
 
 
+@pytest.mark.compile
 def test_end_to_end_stack(stack_report, tmp_path):
     from convfirstnet.profile import count_macs
 

@@ -1,4 +1,4 @@
-"""convfirstnet/commands/train.py on CPU: recipe defaults, a smoke run, exact resume, DDP (gloo)
+"""convfirstnet/commands/train/ on CPU: recipe defaults, a smoke run, exact resume, DDP (gloo)
 and an end-to-end run whose weight file loads with ``pretrained=True`` and evaluates the same fused and
 unfused."""
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from convfirstnet.commands import train as train_imagenet
+from convfirstnet.commands.train import loop
 
 from ._imagefolder import make_image_folder
 
@@ -118,7 +119,7 @@ def test_failed_run_removes_what_it_created(tiny_data, tmp_path, monkeypatch, ca
     def failing_validate(*args, **kwargs):
         raise RuntimeError("simulated failure")
 
-    monkeypatch.setattr(train_imagenet, "validate", failing_validate)
+    monkeypatch.setattr(loop, "validate", failing_validate)
     (tmp_path / "existing").mkdir()
     out = tmp_path / "existing" / "new" / "run"
     with pytest.raises(RuntimeError, match="simulated failure"):
@@ -133,10 +134,41 @@ def test_failed_run_removes_what_it_created(tiny_data, tmp_path, monkeypatch, ca
             raise RuntimeError("simulated failure")
         return {"loss": 1.0, "top1": 50.0, "top5": 100.0}
 
-    monkeypatch.setattr(train_imagenet, "validate", fails_second_time)
+    monkeypatch.setattr(loop, "validate", fails_second_time)
     with pytest.raises(RuntimeError, match="simulated failure"):
         train_imagenet.main([*argv, "--epochs", "2", "--output", str(out)])
     assert {"last.pth.tar", "args.yaml", "log.jsonl", "summary.csv"} <= {p.name for p in out.iterdir()}
+
+
+def test_earlier_run_is_refused_unless_resumed_or_overwritten(tiny_data, tmp_path, capsys):
+    """A second run into a folder holding a run is refused in one line, before any work, and nothing is
+    touched; --overwrite starts clean (no stale checkpoint, one summary row) and keeps other files."""
+    out = tmp_path / "run"
+    argv = [*SMALL, "--data", str(tiny_data), "--output", str(out), "--no-weights", "--no-ema"]
+    argv += "--aug none --batch-size 16 --warmup-epochs 0".split()
+    assert train_imagenet.main([*argv, "--epochs", "2"]) == 0
+    (out / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert {"checkpoint-0.pth.tar", "checkpoint-1.pth.tar", "summary.csv"} <= before.keys()
+    capsys.readouterr()
+
+    for extra, message in (
+        ([], "holds an earlier run (args.yaml, checkpoint-0.pth.tar, checkpoint-1.pth.tar, last.pth.tar, "
+             "...): continue it with --resume auto, or start over with --overwrite"),
+        (["--resume", "auto", "--overwrite"], "give --resume or --overwrite, not both"),
+    ):
+        assert train_imagenet.main([*argv, "--epochs", "1", *extra]) == 1
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1 and message in captured.err, captured
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+    assert train_imagenet.main([*argv, "--epochs", "1", "--overwrite"]) == 0
+    assert "--overwrite: removed" in capsys.readouterr().out
+    assert {p.name for p in out.glob("*.pth.tar")} == {"last.pth.tar", "model_best.pth.tar",
+                                                        "checkpoint-0.pth.tar"}
+    assert (out / "summary.csv").read_text().count("\n") == 2  # header and epoch 0 of this run
+    assert [r["epoch"] for r in read_log(out) if r["kind"] == "epoch"] == [0]
+    assert (out / "notes.txt").read_text() == "mine"
 
 
 def test_smoke(tiny_data, tmp_path, capsys):
@@ -308,6 +340,7 @@ def test_mixup_and_cutmix_mix_the_targets(tiny_data, tmp_path, monkeypatch, caps
         assert ((t > 0).sum(dim=1) >= 2).any()  # some targets are mixtures of two classes
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_distributed_gloo(tiny_data, tmp_path):
     """torchrun with two CPU processes (gloo): sharded batches, stop, resume, weight file."""

@@ -25,6 +25,7 @@ its counter and weighted trips // k and trips % k.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -36,7 +37,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from convfirstnet.kernels._cost import Launch, Loop
 
@@ -584,22 +585,100 @@ def _worker_env() -> dict:
     return env
 
 
+class _Worker:
+    """One compile process (``python -m convfirstnet.analysis.compiled``) and its stderr log."""
+
+    def __init__(self, env: dict) -> None:
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "convfirstnet.analysis.compiled"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=env)
+
+    def compile(self, variant: Variant) -> dict | None:
+        """The worker's JSON answer for ``variant``; None if the worker died (see :meth:`failure`)."""
+        try:
+            self.proc.stdin.write(json.dumps(variant.to_json()) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            return None
+        line = self.proc.stdout.readline()
+        return json.loads(line) if line else None
+
+    def failure(self) -> tuple[str, str]:
+        """What to report for a worker that died: its exit status and the end of its stderr."""
+        self.proc.wait()
+        self.log.seek(0)
+        return f"kernel compile worker failed (exit {self.proc.returncode})", self.log.read()[-4000:]
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        self.proc.wait()
+        self.log.close()
+
+
+class CompileSession:
+    """What :func:`compile_session` keeps: the variants compiled, by key, and the idle workers."""
+
+    def __init__(self) -> None:
+        self.compiled: dict[str, Compiled] = {}
+        self.idle: list[_Worker] = []
+
+    def close(self) -> None:
+        while self.idle:
+            self.idle.pop().close()
+
+
+_SESSION: CompileSession | None = None
+
+
+@contextlib.contextmanager
+def compile_session() -> Iterator[CompileSession]:
+    """Within it, :func:`compile_variants` compiles each distinct variant once in this process (a later
+    request gets the first result) and keeps its worker processes between calls instead of starting
+    new ones (each imports torch and Triton: seconds). The test suite runs inside one, so the kernel
+    tests and the report tests share one compiled set. Nested, the outer session is used."""
+    global _SESSION
+    outer = _SESSION
+    session = outer or CompileSession()
+    _SESSION = session
+    try:
+        yield session
+    finally:
+        _SESSION = outer
+        if outer is None:
+            session.close()
+
+
 def compile_variants(
     variants: Sequence[Variant], jobs: int | None = None,
     progress: Callable[[int, int, Compiled], None] | None = None,
 ) -> list[Compiled]:
     """Compile each variant in ``jobs`` worker processes without the Triton interpreter (default: 2, or
-    fewer CPUs); results in the order given. Each worker takes the next variant when it is done with
-    one, and ``progress(done, total, compiled)`` is called as each finishes.
+    fewer CPUs); results in the order given, a variant given twice compiled once. Each worker takes
+    the next variant when it is done with one, and ``progress(done, total, compiled)`` is called as
+    each finishes. Inside :func:`compile_session`, variants compiled before are not compiled again.
 
     Raises ``RuntimeError`` naming the variant if one fails to compile.
     """
-    if not variants:
-        return []
+    session = _SESSION
+    known: dict[str, Compiled] = session.compiled if session is not None else {}
+    todo = list({v.key: v for v in variants if v.key not in known}.values())
+    if todo:
+        _compile(todo, jobs, progress, session, known)
+    return [known[v.key] for v in variants]
+
+
+def _compile(
+    variants: list[Variant], jobs: int | None, progress: Callable[[int, int, Compiled], None] | None,
+    session: CompileSession | None, results: dict[str, Compiled],
+) -> None:
+    """Compile ``variants`` into ``results`` (by key), with the session's idle workers if there is one."""
     jobs = max(1, min(jobs or min(2, os.cpu_count() or 1), len(variants)))
     env = _worker_env()
     pending = list(range(len(variants)))
-    results: list[Compiled | None] = [None] * len(variants)
     errors: list[tuple[int, str]] = []
     done = [0]
     lock = threading.Lock()
@@ -607,49 +686,47 @@ def compile_variants(
     def describe(i: int) -> str:
         return f"{variants[i].name} {variants[i].meta} for sm_{variants[i].arch}"
 
-    def work() -> None:
-        with tempfile.TemporaryFile("w+") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "convfirstnet.analysis.compiled"],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-                                    env=env)
-            try:
-                while True:
-                    with lock:
-                        if errors or not pending:
-                            return
-                        i = pending.pop(0)
-                    proc.stdin.write(json.dumps(variants[i].to_json()) + "\n")
-                    proc.stdin.flush()
-                    line = proc.stdout.readline()
-                    if not line:
-                        proc.wait()
-                        log.seek(0)
-                        with lock:
-                            errors.append((i, f"kernel compile worker failed (exit {proc.returncode}) "
-                                              f"compiling {describe(i)}:\n{log.read()[-4000:]}"))
+    def work(worker: _Worker) -> None:
+        healthy = True
+        try:
+            while True:
+                with lock:
+                    if errors or not pending:
                         return
-                    r = json.loads(line)
-                    if not r.pop("ok"):
-                        with lock:
-                            errors.append((i, f"{describe(i)} does not compile: {r['error']}"))
-                        return
-                    results[i] = Compiled(variant=variants[i], **r)
+                    i = pending.pop(0)
+                r = worker.compile(variants[i])
+                if r is None:
+                    healthy = False
+                    what, log = worker.failure()
                     with lock:
-                        done[0] += 1
-                        if progress is not None:
-                            progress(done[0], len(variants), results[i])
-            finally:
-                proc.stdin.close()
-                proc.wait()
+                        errors.append((i, f"{what} compiling {describe(i)}:\n{log}"))
+                    return
+                if not r.pop("ok"):
+                    with lock:
+                        errors.append((i, f"{describe(i)} does not compile: {r['error']}"))
+                    return
+                c = Compiled(variant=variants[i], **r)
+                with lock:
+                    results[variants[i].key] = c
+                    done[0] += 1
+                    if progress is not None:
+                        progress(done[0], len(variants), c)
+        finally:
+            if session is not None and healthy:
+                with lock:
+                    session.idle.append(worker)
+            else:
+                worker.close()
 
-    threads = [threading.Thread(target=work, daemon=True) for _ in range(jobs)]
+    idle = session.idle if session is not None else []
+    workers = [idle.pop() if idle else _Worker(env) for _ in range(jobs)]
+    threads = [threading.Thread(target=work, args=(w,), daemon=True) for w in workers]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
         raise RuntimeError(min(errors)[1])
-    return results  # type: ignore[return-value]
 
 
 if __name__ == "__main__":

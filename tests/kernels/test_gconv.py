@@ -436,6 +436,7 @@ print(json.dumps(graphs))
 """
 
 
+@pytest.mark.subprocess
 def test_torch_compile_traces_triton_branch():
     """torch.compile(fullgraph=True) of forward + backward through the Triton branch (real JITFunctions,
     in a subprocess without the interpreter): the forward kernel in the forward graph; dgrad and the two
@@ -554,6 +555,7 @@ def compiled_sample():
     return [(what, launch, comp) for (what, launch, _), comp in zip(rows, compiled)]
 
 
+@pytest.mark.compile
 @pytest.mark.slow
 def test_sample_compiles_without_spills(compiled_sample):
     from convfirstnet.analysis.compiled import weigh

@@ -161,6 +161,7 @@ def test_split_k():
     assert K.split_k(16) == (16, 0) and K.split_k(8) == (16, 0) and K.split_k(48) == (32, 16)
 
 
+@pytest.mark.subprocess
 def test_torch_compile_traces_triton_branch():
     """torch.compile(fullgraph=True) captures the head as one user-defined kernel (CPU trace; see
     test_mbconv.test_torch_compile_fullgraph_reference_on_cpu for why not in the interpreter)."""
@@ -206,6 +207,7 @@ def _case(compiled_head, case, arch):
     return launches[i], compiled[(i, arch)]
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("arch", [90, 80], ids=["sm90", "sm80"])
 @pytest.mark.parametrize("case", SHIPPED, ids=[c[0] for c in SHIPPED])
 def test_compiles_for_gpu(compiled_head, case, arch):
@@ -232,6 +234,7 @@ def _ldg_bytes(ins) -> int:
     return next((_LDG_BYTES[p] for p in parts[1:] if p in _LDG_BYTES), 4)
 
 
+@pytest.mark.compile
 def test_weight_slice_is_loaded_once_per_program(compiled_head):
     """The [128, 256] weight slice (64 KB) is loaded before the image loop and stays on chip; inside the
     loop each thread loads only its share of the image's x tile (256 x 64 fp16 = 32 KB)."""
@@ -245,6 +248,7 @@ def test_weight_slice_is_loaded_once_per_program(compiled_head):
     assert before * threads >= 128 * 256 * 2
 
 
+@pytest.mark.compile
 def test_tensor_core_bound_at_batch_128(compiled_head):
     """Small's head at batch 128 (C = 256, 8x8, fp16, sm_90): issued MMA work equals the useful MACs,
     and neither the instructions nor DRAM cost more time than the tensor cores (~5.5 us; the layer-wise

@@ -192,6 +192,7 @@ def compiled_stem():
     return launches, compile_launches(launches)
 
 
+@pytest.mark.compile
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", [90, 80], ids=["sm90", "sm80"])
 @pytest.mark.parametrize("case", SHIPPED, ids=[c[0] for c in SHIPPED])
@@ -206,6 +207,7 @@ def test_shipped_configs_compile_for_gpu(compiled_stem, case, arch):
         assert c.variant.meta["NHWC"] and c.variant.meta["W_CONTIG"]
 
 
+@pytest.mark.compile
 @pytest.mark.slow
 @pytest.mark.parametrize("c0", [c0 for _, c0 in S.MODEL_SHAPES])
 def test_issue_estimate_below_dram_bound(compiled_stem, c0):

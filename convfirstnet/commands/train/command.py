@@ -1,0 +1,43 @@
+"""``convfirstnet train``: prepare the run, then train in the output folder; a run that fails before its
+first checkpoint removes what it created."""
+
+from __future__ import annotations
+
+import argparse
+
+from .._cli import CreatedDirs, run_reporting
+from .checkpoints import CHECKPOINT_EXT
+from .loop import run_training
+from .options import build_parser
+from .output import RUN_FILES, run_files
+from .prepare import prepare
+
+
+def train(args: argparse.Namespace) -> int:
+    """Train; the output folder is created only after every input was checked, and a run that fails
+    before its first checkpoint removes the files and folders it created."""
+    run = prepare(args)
+    dirs, created = CreatedDirs(), set()
+    if run.primary and args.overwrite:
+        removed = run_files(run.output, run.name)
+        for p in removed:
+            p.unlink()
+        if removed:
+            print(f"--overwrite: removed {len(removed)} file(s) of an earlier run from {run.output}",
+                  flush=True)
+    if run.primary:
+        dirs.make(run.output)
+        created = {f for f in RUN_FILES if not (run.output / f).exists()}
+    try:
+        return run_training(args, run)
+    except BaseException:
+        if run.primary and not any(run.output.glob(f"*{CHECKPOINT_EXT}")):
+            for f in created:  # nothing to resume from: remove what this run wrote, and its folders
+                (run.output / f).unlink(missing_ok=True)
+            dirs.remove_empty()
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_reporting("convfirstnet train", lambda: train(args))
