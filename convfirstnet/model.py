@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import timm.models._factory
 import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
@@ -243,6 +244,26 @@ def _create(variant: str, pretrained: bool = False, **kwargs: Any) -> ConvFirstN
         stages=size.stages,
         **kwargs,
     )
+
+
+def _load_checkpoint(model: nn.Module, checkpoint_path: str, *args: Any, **kwargs: Any) -> Any:
+    """``timm.create_model(name, checkpoint_path=F)`` loads ``F`` into the built model with timm's
+    ``load_checkpoint``, which reads it with ``torch.load`` (a text file renamed ``.pth`` fails there with
+    a bare ``KeyError``). For a ConvFirstNet the file goes through the package's one reader instead
+    (``weights.read_checkpoint``: every format by its first bytes, "not a checkpoint" and the other
+    :class:`~convfirstnet.weights.CheckpointError` messages), loaded as timm loads it: EMA weights
+    first, strictly (the model is built before the file is read, so pass the file's ``num_classes``).
+    Any other model, or a call with timm's own options, keeps timm's loader."""
+    if isinstance(model, ConvFirstNet) and not args and not kwargs:
+        load_weights(model, checkpoint_path, use_ema=True, strict=True)
+        return None
+    return _timm_load_checkpoint(model, checkpoint_path, *args, **kwargs)
+
+
+_timm_load_checkpoint = getattr(timm.models._factory.load_checkpoint, "timm_load_checkpoint",
+                                timm.models._factory.load_checkpoint)  # the original, on a re-import too
+_load_checkpoint.timm_load_checkpoint = _timm_load_checkpoint  # type: ignore[attr-defined]
+timm.models._factory.load_checkpoint = _load_checkpoint  # the name timm.create_model calls
 
 
 def _cfg(**kwargs: Any) -> dict[str, Any]:

@@ -463,7 +463,12 @@ def load_checkpoint(
 
 
 def load_weights(
-    model: nn.Module, path: str | os.PathLike, *, name: str | None = None, use_ema: bool = True
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    name: str | None = None,
+    use_ema: bool = True,
+    strict: bool = False,
 ) -> None:
     """Load a weight file or checkpoint into a training-form ConvFirstNet: the loader behind
     ``pretrained=True`` and ``checkpoint_path`` (``ConvFirstNet.load_pretrained``).
@@ -476,6 +481,8 @@ def load_weights(
     checkpoint's is adapted with timm's ``adapt_input_conv``. Anything else that does not fit raises
     :class:`CheckpointError` naming the keys. The entry points take the class count from the checkpoint
     when the caller does not give one (:func:`checkpoint_num_classes`), so a fine-tuned file loads whole.
+    ``strict=True`` makes neither adaptation: every tensor must fit, as timm's ``load_checkpoint`` (what
+    ``timm.create_model(..., checkpoint_path=F)`` asks for).
     """
     ckpt = read_checkpoint(path, use_ema=use_ema)
     if name is None:
@@ -483,7 +490,7 @@ def load_weights(
     recorded = ckpt.metadata.get("architecture")
     if recorded and name and recorded != name:
         raise CheckpointError(f"{ckpt.where} is for {recorded}, not {name}")
-    kept = load_checkpoint(model, ckpt, name, new_classifier_ok=True, adapt_in_chans=True)
+    kept = load_checkpoint(model, ckpt, name, new_classifier_ok=not strict, adapt_in_chans=not strict)
     if kept:
         warnings.warn(
             f"{ckpt.where} has a {ckpt.num_classes}-class classifier but the model has "
