@@ -43,6 +43,12 @@ class ConvFirstNet(nn.Module):
     ):
         super().__init__()
         _check_global_pool(global_pool)
+        _check_num_classes(num_classes)
+        if in_chans < 1:
+            raise ValueError(f"ConvFirstNet: in_chans must be at least 1, got {in_chans}")
+        for arg, rate in (("drop_rate", drop_rate), ("drop_path_rate", drop_path_rate)):
+            if not 0.0 <= rate < 1.0:
+                raise ValueError(f"ConvFirstNet: {arg} must be in [0, 1), got {rate}")
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.drop_rate = drop_rate
@@ -110,6 +116,7 @@ class ConvFirstNet(nn.Module):
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         if global_pool is not None:
             _check_global_pool(global_pool)
+        _check_num_classes(num_classes)
         self.num_classes = num_classes
         device, dtype = self.head_device_dtype()
         self.classifier = (
@@ -201,6 +208,11 @@ class ConvFirstNet(nn.Module):
 def _check_global_pool(global_pool: str) -> None:
     if global_pool != "avg":
         raise ValueError(f"ConvFirstNet's head fuses average pooling; global_pool={global_pool!r} is not supported")
+
+
+def _check_num_classes(num_classes: int) -> None:
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
+        raise ValueError(f"ConvFirstNet: num_classes must be an integer >= 0 (0: no classifier), got {num_classes!r}")
 
 
 def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
