@@ -38,18 +38,40 @@ def pt2_file(pico, tmp_path_factory):
     return path
 
 
-def test_pt2_keeps_one_op_per_block_and_a_dynamic_batch(pico, pt2_file):
+def test_pt2_keeps_one_op_per_block_and_dynamic_shapes(pico, pt2_file):
     program = load_pt2(pt2_file)
     targets = Counter(str(n.target) for n in program.graph.nodes if n.op == "call_function")
     assert {k: v for k, v in targets.items() if k.startswith("convfirstnet.")} == BLOCK_OPS
     assert not [t for t in targets if "convolution" in t or "batch_norm" in t]  # no layer outside the ops
     fused = convfirstnet.fuse(pico)
-    for batch in (1, 5):
-        x = torch.randn(batch, 3, 64, 64)
+    # traced at 2x3x64x64: batch, height and width are dynamic (height and width from 33 up)
+    for batch, h, w in ((1, 64, 64), (5, 64, 64), (2, 96, 40), (1, 33, 47)):
+        x = torch.randn(batch, 3, h, w)
         with torch.no_grad():
             out = program.module()(x)
             assert torch.equal(out, fused(x))
             assert rel_err(out, pico(x)) < 1e-5  # and it is the model
+    with pytest.raises(AssertionError, match=r"x.size\(\)\[2\] >= 33"):  # torch.export's guard, documented
+        program.module()(torch.randn(1, 3, 32, 64))
+
+
+def test_export_pt2_needs_no_prior_import(tmp_path):
+    """convfirstnet.export is usable on its own: importing it registers the ops and the timm models. A
+    size of 32, whose last map is 1x1, keeps the size fixed; the check runs at 32x32 then."""
+    code = (
+        "import sys\n"
+        "from convfirstnet.export import export_pt2, load_pt2, pt2_check_size\n"
+        "import timm\n"
+        "print(export_pt2(timm.create_model('convfirstnet_pico'), sys.argv[1], img_size=32), pt2_check_size(32))\n"
+        "print(load_pt2(sys.argv[1]).range_constraints)\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "p.pt2")], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert res.returncode == 0, res.stderr
+    first, constraints = res.stdout.strip().splitlines()
+    assert first == "0.0 (32, 32)"
+    assert constraints.count("VR[") == 1  # the batch only
 
 
 def test_pt2_loads_in_a_fresh_process(pt2_file):
@@ -94,7 +116,8 @@ def test_export_command(pico, tmp_path, capsys):
     assert cli.main(argv + ["--output", str(out)]) == 0
     printed = capsys.readouterr().out
     assert f"wrote {out} (convfirstnet_pico, weights {ckpt}" in printed
-    assert "checked with torch.export.load at batch 3: max relative error vs PyTorch 0.00e+00" in printed
+    assert "input (batch, 3, height, width), height and width >= 33, traced at 64)" in printed
+    assert "checked with torch.export.load at batch 3, 96x80: max relative error vs PyTorch 0.00e+00" in printed
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         assert rel_err(load_pt2(out).module()(x), pico(x)) < 1e-5
