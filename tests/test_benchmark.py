@@ -432,10 +432,10 @@ def test_gpu_backends_smoke(tmp_path, monkeypatch):
         assert r["peak_mem_mb"] > 0
 
 
-def test_readme_results_match_committed_records():
-    """The README's results block is exactly what the generator makes of benchmarks/results/."""
+def test_documented_results_match_committed_records():
+    """The results block of docs/bench.md is exactly what the generator makes of benchmarks/results/."""
     root = Path(__file__).resolve().parent.parent
     text = bench_report.results_markdown(bench_report.load_records(root / "benchmarks" / "results"))
-    readme = (root / "README.md").read_text()
+    readme = (root / "docs" / "bench.md").read_text()
     block = readme.split(bench_report.START, 1)[1].split(bench_report.END, 1)[0]
     assert text.strip() in block
