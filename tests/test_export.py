@@ -93,6 +93,8 @@ def test_onnx_standard_operators_checked_with_onnxruntime(pico, tmp_path):
     path = tmp_path / "pico.onnx"
     err = export_onnx(pico, path, img_size=64)
     assert err < 1e-5  # fp32 both sides; the ONNX form folds BatchNorm like the fused form
+    # the exporter writes the weights as ONNX external data beside the graph (docs/export.md says so)
+    assert (tmp_path / "pico.onnx.data").stat().st_size > 4 * 5_000_000
     proto = onnx.load(str(path))
     assert {n.domain for n in proto.graph.node} <= {"", "ai.onnx"}
     assert {n.op_type for n in proto.graph.node} >= {"Conv", "Relu", "Sigmoid", "Pad", "Gemm"}

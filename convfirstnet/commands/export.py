@@ -109,6 +109,9 @@ def run(args: argparse.Namespace) -> str:
         what = "BatchNorm-folded layer-wise form, ONNX, float32"
         shape = f"(batch, {c}, {img_size}, {img_size}), dynamic batch"
         check = f"onnxruntime (CPU) at batch {CHECK_BATCH}"
+        data = output.with_name(output.name + ".data")  # ONNX external data: the exporter puts weights here
+        if data.is_file():
+            what += f"; the weights in {data}, which must stay beside it"
     return (
         f"wrote {output} ({name}, {weights}; {what}; input {shape})\n"
         f"checked with {check}: max relative error vs PyTorch {err:.2e}"
