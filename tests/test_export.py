@@ -55,6 +55,7 @@ def test_pt2_keeps_one_op_per_block_and_dynamic_shapes(pico, pt2_file):
         program.module()(torch.randn(1, 3, 32, 64))
 
 
+@pytest.mark.subprocess  # starts a Python process
 def test_export_pt2_needs_no_prior_import(tmp_path):
     """convfirstnet.export is usable on its own: importing it registers the ops and the timm models. A
     size of 32, whose last map is 1x1, keeps the size fixed; the check runs at 32x32 then."""
