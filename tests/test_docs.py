@@ -60,6 +60,8 @@ FOREIGN = {
     "--reparam": "timm validate.py / benchmark.py",
     "--amp": "timm validate.py / train.py / benchmark.py",
     "--bench": "timm benchmark.py",
+    "--durations": "pytest",
+    "--index-url": "pip",
 }
 OPTION = re.compile(r"(?<![\w./-])(--?[A-Za-z][\w-]*)")
 
