@@ -212,7 +212,9 @@ def _check_global_pool(global_pool: str) -> None:
 
 def _check_num_classes(num_classes: int) -> None:
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
-        raise ValueError(f"ConvFirstNet: num_classes must be an integer >= 0 (0: no classifier), got {num_classes!r}")
+        raise ValueError(
+            f"ConvFirstNet: num_classes must be an integer >= 0 (0: no classifier), got {num_classes!r}"
+        )
 
 
 def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:

@@ -209,7 +209,7 @@ def test_the_readme_lists_every_command():
 
 def test_the_checker_catches_a_renamed_option():
     """A planted bug: an option the parser does not have, and a command that does not exist."""
-    assert _commands_in("convfirstnet bench small --batch-size 128") == [("bench", ["small", "--batch-size", "128"])]
+    assert _commands_in("convfirstnet bench --batch-size 1") == [("bench", ["--batch-size", "1"])]
     assert "--batch-size" not in options("bench") and "--batch-sizes" in options("bench")
     assert _commands_in("python -m convfirstnet kernels --arch sm_80") == [("kernels", ["--arch", "sm_80"])]
     assert _commands_in("torchrun --nproc_per_node 8 scripts/train_imagenet.py --model pico") == [

@@ -63,7 +63,8 @@ def test_export_pt2_needs_no_prior_import(tmp_path):
         "import sys\n"
         "from convfirstnet.export import export_pt2, load_pt2, pt2_check_size\n"
         "import timm\n"
-        "print(export_pt2(timm.create_model('convfirstnet_pico'), sys.argv[1], img_size=32), pt2_check_size(32))\n"
+        "model = timm.create_model('convfirstnet_pico')\n"
+        "print(export_pt2(model, sys.argv[1], img_size=32), pt2_check_size(32))\n"
         "print(load_pt2(sys.argv[1]).range_constraints)\n"
     )
     res = subprocess.run(
@@ -120,7 +121,9 @@ def test_export_command(pico, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"wrote {out} (convfirstnet_pico, weights {ckpt}" in printed
     assert "input (batch, 3, height, width), height and width >= 33, traced at 64)" in printed
-    assert "checked with torch.export.load at batch 3, 96x80: max relative error vs PyTorch 0.00e+00" in printed
+    assert "checked with torch.export.load at batch 3, 96x80: max relative error vs PyTorch 0.00e+00" in (
+        printed
+    )
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         assert rel_err(load_pt2(out).module()(x), pico(x)) < 1e-5

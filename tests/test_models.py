@@ -269,9 +269,9 @@ def test_input_type_errors(form):
 )
 def test_model_arguments_are_checked(kwargs, message):
     """Arguments that cannot make a model are refused where the model is built, by every entry point."""
-    for build in (lambda: convfirstnet.pico(**kwargs), lambda: timm.create_model("convfirstnet_pico", **kwargs)):
+    for build in (convfirstnet.pico, lambda **kw: timm.create_model("convfirstnet_pico", **kw)):
         with pytest.raises(ValueError, match=message):
-            build()
+            build(**kwargs)
     with pytest.raises(ValueError, match="num_classes must be an integer >= 0"):
         convfirstnet.pico(num_classes=0).reset_classifier(-5)
 

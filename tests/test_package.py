@@ -64,9 +64,8 @@ def test_wheel_weights_not_found_names_only_installed_places(wheel, tmp_path):
     """A wheel has no weights/ folder beside site-packages and ships no weights/README.md: the message
     names the places that exist for the installed package and points to the docs."""
     target = tmp_path / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)], check=True
-    )
+    pip = [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)]
+    subprocess.run(pip, check=True)
     code = (
         "import convfirstnet\n"
         "try:\n    convfirstnet.pico(pretrained=True)\n"

@@ -79,7 +79,7 @@ def macs_by_hand(size: str, res: int, num_classes: int = 1000) -> int:
 
 
 def test_cost_by_hand_matches_the_documented_table():
-    """The hand count reproduces the docs/models.md / SPEC GMACs at 256x256, so it can stand as the reference."""
+    """The hand count reproduces the GMACs at 256x256 of docs/models.md and SPEC: it can be the reference."""
     for size, gmacs in (("pico", 0.863), ("nano", 1.816), ("tiny", 3.230), ("small", 5.498)):
         assert round(macs_by_hand(size, 256) / 1e9, 3) == gmacs
 

@@ -187,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = ArgumentParser(prog="convfirstnet results", description=__doc__.splitlines()[0])
     p.add_argument("--records", default="benchmarks/results", help="folder of JSON records")
     p.add_argument(
-        "--write", default=None, metavar="FILE.md", help="replace the text between the markers (docs/bench.md)"
+        "--write", default=None, metavar="FILE.md", help="replace the text between its markers: docs/bench.md"
     )
     p.add_argument("--include-cpu", action="store_true", help="also list CPU records")
     args = p.parse_args(sys.argv[1:] if argv is None else list(argv))
