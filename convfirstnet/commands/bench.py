@@ -25,7 +25,8 @@ kernels, and says so; its defaults are CPU-sized (``CPU_DEFAULTS``: batch 1, 1 +
 the GPU defaults (batch 1 to 256, 10 + 50 iterations) take a CPU far longer. Throughput is batch /
 median; achieved TFLOP/s is 2 x MACs x img/s with MACs counted by ``convfirstnet.profile.count_macs``
 (PyTorch's FLOP counter on the unfused model); % of peak uses the device's dense fp16/bf16
-tensor-core peak from ``convfirstnet.analysis.devices`` (or ``--peak-tflops``, or the matmul peak measured with ``--measure-peak``).
+tensor-core peak from ``convfirstnet.analysis.devices`` (or ``--peak-tflops``, or the matmul peak
+measured with ``--measure-peak``).
 
 A backend that cannot run here (CUDA graphs on CPU, fused kernels for a non-ConvFirstNet model, an
 out-of-memory batch, a compiler error) is reported as skipped with the reason; the run goes on.
