@@ -68,16 +68,20 @@ class NonFiniteInputWarning(UserWarning):
     """An input batch holds NaN or Inf values (see :func:`warn_non_finite`)."""
 
 
+_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda x: False)
+
+
 def finite_check_enabled(x: torch.Tensor) -> bool:
     """Whether :func:`warn_non_finite` looks at ``x``: on CPU tensors, and on every device with
-    ``CONVFIRSTNET_CHECK_FINITE=1``; never under ``torch.compile`` or ``torch.export`` tracing.
+    ``CONVFIRSTNET_CHECK_FINITE=1``; never under ``torch.compile`` or ``torch.export`` tracing, nor inside
+    a ``torch.func`` transform (``vmap`` refuses a branch on a tensor's value).
 
     The check is one ``isfinite`` reduction over the input and a branch on its result. On a CPU that is a
     small fraction of the forward pass. On a GPU the branch makes the host wait for the GPU on every
     forward and cannot be captured in a CUDA graph, so it is off there unless asked for; compiled and
     exported graphs (a data-dependent branch) never hold it.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _functorch_wrapped(x):
         return False
     if os.environ.get("CONVFIRSTNET_CHECK_FINITE", "") == "1":
         return x.device.type != "meta"

@@ -319,6 +319,15 @@ def test_non_finite_check_placement(monkeypatch):
     assert finite_check_enabled(cpu) and not finite_check_enabled(meta)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert not finite_check_enabled(cpu)
+    monkeypatch.undo()
+    # inside torch.func transforms (per-sample gradients with vmap) the check stays out of the way
+    model, x = trained_like("pico").eval(), torch.randn(2, 1, 3, 32, 32)
+    x[1, 0, 0, 0, 0] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = torch.func.vmap(model)(x)
+    with torch.no_grad():
+        assert rel_err(out[0], model(x[0])) < 1e-5  # vmap batches the convolutions: rounding differs
 
 
 def test_features_only_checks_input():
