@@ -15,6 +15,9 @@ gone, so what trains is the folded convolution (there are no batch statistics to
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 import torch.nn as nn
 from timm.layers import BlurPool2d, DropPath, SEModule
@@ -58,6 +61,45 @@ def check_input(x: object, in_chans: int, weight: torch.Tensor) -> None:
         raise TypeError(
             f"input dtype {x.dtype} differs from the model's {weight.dtype}; "
             "cast the input (or use torch.autocast)"
+        )
+
+
+class NonFiniteInputWarning(UserWarning):
+    """An input batch holds NaN or Inf values (see :func:`warn_non_finite`)."""
+
+
+_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda x: False)
+
+
+def finite_check_enabled(x: torch.Tensor) -> bool:
+    """Whether :func:`warn_non_finite` looks at ``x``: on CPU tensors, and on every device with
+    ``CONVFIRSTNET_CHECK_FINITE=1``; never under ``torch.compile`` or ``torch.export`` tracing, nor inside
+    a ``torch.func`` transform (``vmap`` refuses a branch on a tensor's value).
+
+    The check is one ``isfinite`` reduction over the input and a branch on its result. On a CPU that is a
+    small fraction of the forward pass. On a GPU the branch makes the host wait for the GPU on every
+    forward and cannot be captured in a CUDA graph, so it is off there unless asked for; compiled and
+    exported graphs (a data-dependent branch) never hold it.
+    """
+    if torch.compiler.is_compiling() or _functorch_wrapped(x):
+        return False
+    if os.environ.get("CONVFIRSTNET_CHECK_FINITE", "") == "1":
+        return x.device.type != "meta"
+    return x.device.type == "cpu"
+
+
+def warn_non_finite(x: torch.Tensor, owner: nn.Module) -> None:
+    """Warn once per ``owner`` (the model's stem) when the input holds NaN or Inf values: the outputs of
+    those images are NaN. Only where :func:`finite_check_enabled`; it never changes the result."""
+    if getattr(owner, "_non_finite_warned", False) or not finite_check_enabled(x):
+        return
+    if not bool(torch.isfinite(x).all()):
+        owner._non_finite_warned = True
+        warnings.warn(
+            f"ConvFirstNet input holds NaN or Inf values (shape {tuple(x.shape)}): the outputs of those "
+            "images will be NaN; check how the images are loaded and normalised (warned once per model)",
+            NonFiniteInputWarning,
+            stacklevel=2,
         )
 
 
@@ -108,6 +150,7 @@ class Stem(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_input(x, self.conv.in_channels, self.conv.weight)
+        warn_non_finite(x, self)
         return self.act(self.bn(self.conv(x)))
 
     def fuse(self) -> "FusedStem":
@@ -123,6 +166,7 @@ class FusedStem(FusedBlock):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_input(x, self.w.shape[1], self.w)
+        warn_non_finite(x, self)
         x, (w, b) = self._cast(x)
         return torch.ops.convfirstnet.stem(x, w, b)
 

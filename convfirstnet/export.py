@@ -4,7 +4,8 @@ The command ``convfirstnet export`` (``convfirstnet/commands/export.py``) runs t
 
 * ``pt2`` (:func:`export_pt2`): ``torch.export`` of the fused inference form, saved with
   ``torch.export.save``. The graph holds one ``torch.ops.convfirstnet`` op per block (the Triton kernels
-  on CUDA, the PyTorch reference on CPU) and the batch dimension is dynamic. Load it with
+  on CUDA, the PyTorch reference on CPU); the batch, height and width are dynamic, the height and width
+  from ``MIN_DYNAMIC_SIZE`` (33) up (see there). Load it with
   :func:`load_pt2` (``import convfirstnet`` then ``torch.export.load``: the ops must be registered).
   This is the form to deploy on NVIDIA GPUs through PyTorch; export it on the device and in the dtype
   it will run in (``--device cuda --dtype float16``).
@@ -15,9 +16,10 @@ The command ``convfirstnet export`` (``convfirstnet/commands/export.py``) runs t
   onnxscript and onnxruntime are the optional extra ``pip install "convfirstnet[onnx]"``.
 
 Both exports are verified after writing: the saved file is loaded back and run at a batch size other
-than the one traced, and the maximum relative error against the PyTorch model (``max |a - b| / max |b|``)
-is printed; above ``MAX_REL_ERR`` the export fails. ``torch.jit.script`` is not supported (the models use
-Python control flow and custom ops that TorchScript cannot compile); ``torch.export`` replaces it.
+than the one traced (pt2: and at another height and width), and the maximum relative error against the
+PyTorch model (``max |a - b| / max |b|``) is printed; above ``MAX_REL_ERR`` the export fails.
+``torch.jit.script`` is not supported (the models use Python control flow and custom ops that
+TorchScript cannot compile); ``torch.export`` replaces it.
 """
 
 from __future__ import annotations
@@ -29,13 +31,18 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .blocks import FusedBlock
+from .blocks import MIN_INPUT_SIZE, FusedBlock
 from .factory import fuse
 from .folding import fold_batchnorm
 
 FORMATS = ("pt2", "onnx")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TRACE_BATCH, CHECK_BATCH = 2, 3  # traced with one batch size, checked with another: the batch is dynamic
+# pt2: height and width are dynamic from 33 up. At 32x32 the last stage's map is 1x1, and torch.export
+# specialises size-1 dimensions (the program guards on the last map being larger than 1x1), so one
+# program cannot cover 32 and larger sizes: an export traced at 32 keeps its size fixed.
+MIN_DYNAMIC_SIZE = MIN_INPUT_SIZE + 1
+CHECK_GROWTH = (32, 16)  # pt2 is checked at (height + 32, width + 16) when the size is dynamic
 # fp32 in both programs: rounding-level differences only (ONNX Runtime's convolutions sum in another
 # order, and the ONNX form folds BatchNorm the way the fused form does); fp16/bf16 pt2 checks compare
 # like with like (the same ops in the same dtype).
@@ -51,9 +58,10 @@ def _is_fused(model: nn.Module) -> bool:
     return any(isinstance(m, FusedBlock) for m in model.modules())
 
 
-def _input(model: nn.Module, batch: int, img_size: int, device, dtype) -> torch.Tensor:
+def _input(model: nn.Module, batch: int, img_size: int | tuple[int, int], device, dtype) -> torch.Tensor:
+    h, w = (img_size, img_size) if isinstance(img_size, int) else img_size
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, model.in_chans, img_size, img_size, generator=g)
+    x = torch.randn(batch, model.in_chans, h, w, generator=g)
     return x.to(device=device, dtype=dtype)
 
 
@@ -73,13 +81,18 @@ def export_pt2(
     dtype: torch.dtype = torch.float32,
 ) -> float:
     """Save ``torch.export`` of the fused form of ``model`` (a training-form or fused ConvFirstNet) to
-    ``path`` with a dynamic batch dimension, load it back, run it and return the max relative error
-    against the eager fused model."""
+    ``path``, traced at ``img_size`` with the batch, height and width dynamic (height and width from
+    ``MIN_DYNAMIC_SIZE`` up; an ``img_size`` below that keeps the size fixed), load it back, run it at
+    another batch size and height and width, and return the max relative error against the eager fused
+    model. The program refuses a smaller input with PyTorch's guard error (``x.size()[2] >= 33``)."""
     fused = (model if _is_fused(model) else fuse(model)).eval().to(device=device, dtype=dtype)
     x = _input(fused, TRACE_BATCH, img_size, device, dtype)
-    batch = torch.export.Dim("batch")
+    dims: dict[int, Any] = {0: torch.export.Dim("batch")}
+    if dynamic_size(img_size):
+        dims[2] = torch.export.Dim("height", min=MIN_DYNAMIC_SIZE)
+        dims[3] = torch.export.Dim("width", min=MIN_DYNAMIC_SIZE)
     with torch.no_grad():
-        program = torch.export.export(fused, (x,), dynamic_shapes={"x": {0: batch}})
+        program = torch.export.export(fused, (x,), dynamic_shapes={"x": dims})
     targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
     ops = {t.split(".")[1] for t in targets if t.startswith("convfirstnet.")}
     if ops != {"stem", "convfirst", "mbconv", "head"}:
@@ -88,12 +101,24 @@ def export_pt2(
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.export.save(program, str(path))
     loaded = load_pt2(path).module()
-    x = _input(fused, CHECK_BATCH, img_size, device, dtype)
+    x = _input(fused, CHECK_BATCH, pt2_check_size(img_size), device, dtype)
     with torch.no_grad():
         err = max_rel_err(loaded(x), fused(x))
     if not err <= MAX_REL_ERR:
         raise ExportError(f"{path}: the loaded program differs from the model (max relative error {err:.2e})")
     return err
+
+
+def dynamic_size(img_size: int) -> bool:
+    """Whether an export traced at ``img_size`` keeps height and width dynamic (see ``MIN_DYNAMIC_SIZE``)."""
+    return img_size >= MIN_DYNAMIC_SIZE
+
+
+def pt2_check_size(img_size: int) -> tuple[int, int]:
+    """The (height, width) :func:`export_pt2` checks the loaded program at."""
+    if not dynamic_size(img_size):
+        return img_size, img_size
+    return img_size + CHECK_GROWTH[0], img_size + CHECK_GROWTH[1]
 
 
 def load_pt2(path: str | os.PathLike) -> torch.export.ExportedProgram:

@@ -8,7 +8,10 @@ from typing import Any
 import timm
 import torch.nn as nn
 
+from .blocks import ConvFirst, FusedBlock, Head, MBConv, Stem
 from .model import ConvFirstNet
+
+FUSABLE = (Stem, ConvFirst, MBConv, Head, FusedBlock)  # training blocks, and fused ones (fuse is idempotent)
 from .registry import canonical_name, list_models  # noqa: F401  (list_models: part of the entry points)
 
 
@@ -17,8 +20,16 @@ def fuse(model: nn.Module) -> nn.Module:
     every block replaced by one ``torch.ops.convfirstnet`` op on NHWC activations, in eval mode.
 
     Equivalent to ``timm.utils.reparameterize_model(model)`` (each block's ``fuse()``) plus ``eval()``.
+    ``model`` is a ConvFirstNet, or a module built from its blocks (a stage, a block); anything else
+    (which ``reparameterize_model`` would return unchanged) raises a ``TypeError``.
     """
     from timm.utils import reparameterize_model
+
+    if not isinstance(model, nn.Module) or not any(isinstance(m, FUSABLE) for m in model.modules()):
+        raise TypeError(
+            f"convfirstnet.fuse takes a ConvFirstNet (or a module built from its blocks), got "
+            f"{type(model).__module__}.{type(model).__qualname__}, which has no ConvFirstNet block to fuse"
+        )
 
     return reparameterize_model(model).eval()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import timm.models._factory
 import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
@@ -42,6 +43,12 @@ class ConvFirstNet(nn.Module):
     ):
         super().__init__()
         _check_global_pool(global_pool)
+        _check_num_classes(num_classes)
+        if in_chans < 1:
+            raise ValueError(f"ConvFirstNet: in_chans must be at least 1, got {in_chans}")
+        for arg, rate in (("drop_rate", drop_rate), ("drop_path_rate", drop_path_rate)):
+            if not 0.0 <= rate < 1.0:
+                raise ValueError(f"ConvFirstNet: {arg} must be in [0, 1), got {rate}")
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.drop_rate = drop_rate
@@ -109,6 +116,7 @@ class ConvFirstNet(nn.Module):
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         if global_pool is not None:
             _check_global_pool(global_pool)
+        _check_num_classes(num_classes)
         self.num_classes = num_classes
         device, dtype = self.head_device_dtype()
         self.classifier = (
@@ -202,6 +210,13 @@ def _check_global_pool(global_pool: str) -> None:
         raise ValueError(f"ConvFirstNet's head fuses average pooling; global_pool={global_pool!r} is not supported")
 
 
+def _check_num_classes(num_classes: int) -> None:
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
+        raise ValueError(
+            f"ConvFirstNet: num_classes must be an integer >= 0 (0: no classifier), got {num_classes!r}"
+        )
+
+
 def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
     """timm hook for ``pretrained_cfg`` loads: strip wrapper prefixes (DDP ``module.``, compile ``_orig_mod.``)."""
     return clean_state_dict(state_dict)
@@ -243,6 +258,26 @@ def _create(variant: str, pretrained: bool = False, **kwargs: Any) -> ConvFirstN
         stages=size.stages,
         **kwargs,
     )
+
+
+def _load_checkpoint(model: nn.Module, checkpoint_path: str, *args: Any, **kwargs: Any) -> Any:
+    """``timm.create_model(name, checkpoint_path=F)`` loads ``F`` into the built model with timm's
+    ``load_checkpoint``, which reads it with ``torch.load`` (a text file renamed ``.pth`` fails there with
+    a bare ``KeyError``). For a ConvFirstNet the file goes through the package's one reader instead
+    (``weights.read_checkpoint``: every format by its first bytes, "not a checkpoint" and the other
+    :class:`~convfirstnet.weights.CheckpointError` messages), loaded as timm loads it: EMA weights
+    first, strictly (the model is built before the file is read, so pass the file's ``num_classes``).
+    Any other model, or a call with timm's own options, keeps timm's loader."""
+    if isinstance(model, ConvFirstNet) and not args and not kwargs:
+        load_weights(model, checkpoint_path, use_ema=True, strict=True)
+        return None
+    return _timm_load_checkpoint(model, checkpoint_path, *args, **kwargs)
+
+
+_timm_load_checkpoint = getattr(timm.models._factory.load_checkpoint, "timm_load_checkpoint",
+                                timm.models._factory.load_checkpoint)  # the original, on a re-import too
+_load_checkpoint.timm_load_checkpoint = _timm_load_checkpoint  # type: ignore[attr-defined]
+timm.models._factory.load_checkpoint = _load_checkpoint  # the name timm.create_model calls
 
 
 def _cfg(**kwargs: Any) -> dict[str, Any]:

@@ -6,9 +6,10 @@ with metadata ``architecture`` naming the model. Resolution order for ``<name>``
 
 1. an explicit ``checkpoint_path``;
 2. ``$CONVFIRSTNET_WEIGHTS_DIR/<name>.safetensors``;
-3. ``weights/<name>.safetensors`` of a source checkout;
+3. ``weights/<name>.safetensors`` of a source checkout (a wheel install has no such folder);
 4. the cache, ``$CONVFIRSTNET_CACHE`` or ``~/.cache/convfirstnet``;
-5. a URL listed in ``weights/manifest.json``, downloaded into the cache and verified by sha256.
+5. a URL listed in the weight manifest (:func:`manifest_path`), downloaded into the cache and verified
+   by sha256.
 
 timm training checkpoints (``.pth`` / ``.pth.tar``, ``module.`` prefixes) load too. One reader,
 :func:`read_checkpoint`, reads every format; its ``use_ema`` says which weights of a training checkpoint
@@ -33,17 +34,16 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .paths import source_checkout
 from .registry import SIZES, canonical_name
 
-SOURCE_WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
-SOURCE_MANIFEST = SOURCE_WEIGHTS_DIR / "manifest.json"  # fixed at import: the lookup dir may be redirected
+_CHECKOUT = source_checkout()
+# weights/ of a source checkout (None for a wheel install, which ships only the manifest)
+SOURCE_WEIGHTS_DIR: Path | None = _CHECKOUT / "weights" if _CHECKOUT is not None else None
+# fixed at import (the lookup dir may be redirected): the checkout's manifest, else the installed copy
+SOURCE_MANIFEST: Path | None = SOURCE_WEIGHTS_DIR / "manifest.json" if SOURCE_WEIGHTS_DIR else None
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-PRODUCE_HINT = (
-    "No ConvFirstNet ImageNet weights are published yet. Produce a weight file with "
-    "`convfirstnet train` (scripts/train_imagenet.py) and `convfirstnet convert`, then pass "
-    "checkpoint_path=..., or place it as <name>.safetensors in $CONVFIRSTNET_WEIGHTS_DIR "
-    "(see weights/README.md)."
-)
+DOCS = "docs/weights.md in the convfirstnet source repository"
 
 
 class WeightsNotFoundError(FileNotFoundError):
@@ -59,15 +59,19 @@ def cache_dir() -> Path:
     return Path(os.environ.get("CONVFIRSTNET_CACHE") or Path.home() / ".cache" / "convfirstnet")
 
 
-def manifest() -> dict[str, Any]:
-    """``weights/manifest.json``: the source checkout's copy, else the one installed with the package."""
-    if SOURCE_MANIFEST.is_file():
-        text = SOURCE_MANIFEST.read_text()
-    else:
-        from importlib.resources import files
+def manifest_path() -> Path:
+    """The weight manifest read by :func:`manifest`: the source checkout's ``weights/manifest.json``, else
+    the copy installed with the package (``convfirstnet/weights_manifest/manifest.json``)."""
+    if SOURCE_MANIFEST is not None and SOURCE_MANIFEST.is_file():
+        return SOURCE_MANIFEST
+    from importlib.resources import files
 
-        text = files("convfirstnet.weights_manifest").joinpath("manifest.json").read_text()
-    return json.loads(text)
+    return Path(str(files("convfirstnet.weights_manifest").joinpath("manifest.json")))
+
+
+def manifest() -> dict[str, Any]:
+    """The weight manifest (:func:`manifest_path`)."""
+    return json.loads(manifest_path().read_text())
 
 
 def resolve_weights(name: str, checkpoint_path: str | os.PathLike | None = None) -> Path:
@@ -81,17 +85,24 @@ def resolve_weights(name: str, checkpoint_path: str | os.PathLike | None = None)
     candidates = []
     if os.environ.get("CONVFIRSTNET_WEIGHTS_DIR"):
         candidates.append(Path(os.environ["CONVFIRSTNET_WEIGHTS_DIR"]).expanduser() / filename)
-    candidates += [SOURCE_WEIGHTS_DIR / filename, cache_dir() / filename]
+    if SOURCE_WEIGHTS_DIR is not None:
+        candidates.append(SOURCE_WEIGHTS_DIR / filename)
+    candidates.append(cache_dir() / filename)
     for path in candidates:
         if path.is_file():
             return path
     entry = manifest().get("models", {}).get(name)
     if entry and entry.get("url"):
         return download(entry["url"], cache_dir() / entry.get("file", filename), entry["sha256"])
-    searched = "\n  ".join(str(p) for p in candidates)
+    searched = [str(p) for p in candidates]
+    if not os.environ.get("CONVFIRSTNET_WEIGHTS_DIR"):
+        searched.insert(0, "$CONVFIRSTNET_WEIGHTS_DIR (not set)")
+    searched.append(f"the weight manifest {manifest_path()} (no entry for {name})")
     raise WeightsNotFoundError(
-        f"no weights for {name}. Searched:\n  {searched}\n  weights/manifest.json (no entry for {name})\n"
-        + PRODUCE_HINT
+        f"no weights for {name}. Searched:\n  " + "\n  ".join(searched) + "\n"
+        "No ConvFirstNet ImageNet weights are published yet. Produce a weight file with `convfirstnet train` "
+        "or `convfirstnet convert`, then pass checkpoint_path=... (--checkpoint on the command line), or put "
+        f"it as {filename} in $CONVFIRSTNET_WEIGHTS_DIR or {cache_dir()}. See {DOCS}."
     )
 
 
@@ -452,7 +463,12 @@ def load_checkpoint(
 
 
 def load_weights(
-    model: nn.Module, path: str | os.PathLike, *, name: str | None = None, use_ema: bool = True
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    name: str | None = None,
+    use_ema: bool = True,
+    strict: bool = False,
 ) -> None:
     """Load a weight file or checkpoint into a training-form ConvFirstNet: the loader behind
     ``pretrained=True`` and ``checkpoint_path`` (``ConvFirstNet.load_pretrained``).
@@ -465,6 +481,8 @@ def load_weights(
     checkpoint's is adapted with timm's ``adapt_input_conv``. Anything else that does not fit raises
     :class:`CheckpointError` naming the keys. The entry points take the class count from the checkpoint
     when the caller does not give one (:func:`checkpoint_num_classes`), so a fine-tuned file loads whole.
+    ``strict=True`` makes neither adaptation: every tensor must fit, as timm's ``load_checkpoint`` (what
+    ``timm.create_model(..., checkpoint_path=F)`` asks for).
     """
     ckpt = read_checkpoint(path, use_ema=use_ema)
     if name is None:
@@ -472,7 +490,7 @@ def load_weights(
     recorded = ckpt.metadata.get("architecture")
     if recorded and name and recorded != name:
         raise CheckpointError(f"{ckpt.where} is for {recorded}, not {name}")
-    kept = load_checkpoint(model, ckpt, name, new_classifier_ok=True, adapt_in_chans=True)
+    kept = load_checkpoint(model, ckpt, name, new_classifier_ok=not strict, adapt_in_chans=not strict)
     if kept:
         warnings.warn(
             f"{ckpt.where} has a {ckpt.num_classes}-class classifier but the model has "

@@ -1,7 +1,7 @@
-"""Regenerate the README results table from the committed records in benchmarks/results/.
+"""Regenerate the results table of docs/bench.md from the committed records in benchmarks/results/.
 
-python scripts/results_table.py                    # print it
-python scripts/results_table.py --write README.md  # between <!-- results:start --> and <!-- results:end -->
+python scripts/results_table.py                        # print it
+python scripts/results_table.py --write docs/bench.md  # between the results:start and results:end markers
 """
 
 import sys

@@ -228,22 +228,67 @@ def test_dtype_note_only_when_asked(tmp_path, capsys):
     assert "[bench] --dtype float16 ignored: CPU runs use float32" in capsys.readouterr().err
 
 
-def test_unknown_model_is_skipped(tmp_path):
-    argv = [
-        "no_such_model_xyz",
-        "--device",
-        "cpu",
-        "--batch-sizes",
-        "1",
-        "--iters",
-        "1",
-        "--out-dir",
-        str(tmp_path),
-    ]
-    assert benchmark.main(argv) == 1
-    _, rec = _only_record(tmp_path)
-    assert rec["results"][0]["status"] == "skipped"
-    assert "unknown model 'no_such_model_xyz'" in rec["results"][0]["reason"]
+def test_unknown_model_is_an_error_before_any_work(tmp_path, capsys):
+    """A name that is neither a ConvFirstNet nor a timm model stops the run before anything is built,
+    timed, printed or written."""
+    argv = ["pico", "no_such_model_xyz", "--device", "cpu", "--batch-sizes", "1", "--iters", "1"]
+    assert benchmark.main(argv + ["--out-dir", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and not list(tmp_path.iterdir())
+    assert err == (
+        "convfirstnet bench: error: unknown model 'no_such_model_xyz': not a ConvFirstNet size (pico, nano, "
+        "tiny, small) nor a timm model (timm.list_models() lists those)\n"
+    )
+
+
+@pytest.fixture
+def no_timing(monkeypatch):
+    """bench.run with the timing left out: the arguments it would time, and no results."""
+    seen = {}
+
+    def run_network(args, device, dtype, peak, measured):
+        seen.update(vars(args))
+        return []
+
+    monkeypatch.setattr(benchmark, "run_network", run_network)
+    return seen
+
+
+def test_cpu_run_warns_and_takes_cpu_sized_defaults(no_timing, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(benchmark, "default_out_dir", lambda: tmp_path / "checkout-results")
+    assert benchmark.main(["--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert (
+        "[bench] warning: CPU run: the fused backend times PyTorch's reference ops in float32, not the GPU "
+        "kernels; CPU-sized defaults --batch-sizes 1 --warmup 1 --iters 5" in err
+    )
+    assert (no_timing["batch_sizes"], no_timing["warmup"], no_timing["iters"]) == ([1], 1, 5)
+    assert no_timing["backends"] == ["fused", "eager"]
+    assert len(list((tmp_path / "checkout-results").glob("*.json"))) == 1  # a source checkout keeps it
+    # what the user sets stays set, and only the rest is named as defaulted
+    assert benchmark.main(["--device", "cpu", "--iters", "3", "--batch-sizes", "2,4", "--no-save"]) == 0
+    assert "CPU-sized defaults --warmup 1\n" in capsys.readouterr().err
+    assert (no_timing["batch_sizes"], no_timing["warmup"], no_timing["iters"]) == ([2, 4], 1, 3)
+
+
+def test_record_outside_a_source_checkout(no_timing, tmp_path, capsys, monkeypatch):
+    """Installed from a wheel there is no benchmarks/results: no record unless --out-dir, and the output
+    says so; nothing is written into the working directory."""
+    monkeypatch.setattr(benchmark, "default_out_dir", lambda: None)
+    monkeypatch.chdir(tmp_path)
+    assert benchmark.main(["pico", "--device", "cpu"]) == 0
+    assert "record not written: no source checkout (benchmarks/results) to keep it in; pass --out-dir DIR" in (
+        capsys.readouterr().out
+    )
+    assert not list(tmp_path.iterdir())
+    assert benchmark.main(["pico", "--device", "cpu", "--out-dir", "mine"]) == 0
+    (record,) = (tmp_path / "mine").glob("*.json")
+    assert f"record: mine/{record.name}" in capsys.readouterr().out
+
+
+def test_default_record_folder_is_the_checkouts():
+    root = Path(__file__).resolve().parent.parent  # the tests run from a source checkout
+    assert benchmark.default_out_dir() == root / "benchmarks" / "results"
 
 
 # -------------------------------------------------------------------------------- README results
@@ -387,10 +432,10 @@ def test_gpu_backends_smoke(tmp_path, monkeypatch):
         assert r["peak_mem_mb"] > 0
 
 
-def test_readme_results_match_committed_records():
-    """The README's results block is exactly what the generator makes of benchmarks/results/."""
+def test_documented_results_match_committed_records():
+    """The results block of docs/bench.md is exactly what the generator makes of benchmarks/results/."""
     root = Path(__file__).resolve().parent.parent
     text = bench_report.results_markdown(bench_report.load_records(root / "benchmarks" / "results"))
-    readme = (root / "README.md").read_text()
+    readme = (root / "docs" / "bench.md").read_text()
     block = readme.split(bench_report.START, 1)[1].split(bench_report.END, 1)[0]
     assert text.strip() in block

@@ -38,18 +38,42 @@ def pt2_file(pico, tmp_path_factory):
     return path
 
 
-def test_pt2_keeps_one_op_per_block_and_a_dynamic_batch(pico, pt2_file):
+def test_pt2_keeps_one_op_per_block_and_dynamic_shapes(pico, pt2_file):
     program = load_pt2(pt2_file)
     targets = Counter(str(n.target) for n in program.graph.nodes if n.op == "call_function")
     assert {k: v for k, v in targets.items() if k.startswith("convfirstnet.")} == BLOCK_OPS
     assert not [t for t in targets if "convolution" in t or "batch_norm" in t]  # no layer outside the ops
     fused = convfirstnet.fuse(pico)
-    for batch in (1, 5):
-        x = torch.randn(batch, 3, 64, 64)
+    # traced at 2x3x64x64: batch, height and width are dynamic (height and width from 33 up)
+    for batch, h, w in ((1, 64, 64), (5, 64, 64), (2, 96, 40), (1, 33, 47)):
+        x = torch.randn(batch, 3, h, w)
         with torch.no_grad():
             out = program.module()(x)
             assert torch.equal(out, fused(x))
             assert rel_err(out, pico(x)) < 1e-5  # and it is the model
+    with pytest.raises(AssertionError, match=r"x.size\(\)\[2\] >= 33"):  # torch.export's guard, documented
+        program.module()(torch.randn(1, 3, 32, 64))
+
+
+@pytest.mark.subprocess  # starts a Python process
+def test_export_pt2_needs_no_prior_import(tmp_path):
+    """convfirstnet.export is usable on its own: importing it registers the ops and the timm models. A
+    size of 32, whose last map is 1x1, keeps the size fixed; the check runs at 32x32 then."""
+    code = (
+        "import sys\n"
+        "from convfirstnet.export import export_pt2, load_pt2, pt2_check_size\n"
+        "import timm\n"
+        "model = timm.create_model('convfirstnet_pico')\n"
+        "print(export_pt2(model, sys.argv[1], img_size=32), pt2_check_size(32))\n"
+        "print(load_pt2(sys.argv[1]).range_constraints)\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "p.pt2")], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert res.returncode == 0, res.stderr
+    first, constraints = res.stdout.strip().splitlines()
+    assert first == "0.0 (32, 32)"
+    assert constraints.count("VR[") == 1  # the batch only
 
 
 @pytest.mark.subprocess
@@ -72,6 +96,8 @@ def test_onnx_standard_operators_checked_with_onnxruntime(pico, tmp_path):
     path = tmp_path / "pico.onnx"
     err = export_onnx(pico, path, img_size=64)
     assert err < 1e-5  # fp32 both sides; the ONNX form folds BatchNorm like the fused form
+    # the exporter writes the weights as ONNX external data beside the graph (docs/export.md says so)
+    assert (tmp_path / "pico.onnx.data").stat().st_size > 4 * 5_000_000
     proto = onnx.load(str(path))
     assert {n.domain for n in proto.graph.node} <= {"", "ai.onnx"}
     assert {n.op_type for n in proto.graph.node} >= {"Conv", "Relu", "Sigmoid", "Pad", "Gemm"}
@@ -95,7 +121,10 @@ def test_export_command(pico, tmp_path, capsys):
     assert cli.main(argv + ["--output", str(out)]) == 0
     printed = capsys.readouterr().out
     assert f"wrote {out} (convfirstnet_pico, weights {ckpt}" in printed
-    assert "checked with torch.export.load at batch 3: max relative error vs PyTorch 0.00e+00" in printed
+    assert "input (batch, 3, height, width), height and width >= 33, traced at 64)" in printed
+    assert "checked with torch.export.load at batch 3, 96x80: max relative error vs PyTorch 0.00e+00" in (
+        printed
+    )
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         assert rel_err(load_pt2(out).module()(x), pico(x)) < 1e-5

@@ -1,5 +1,6 @@
 """Training form, timm conventions, the fused inference form and torch.compile (CPU)."""
 
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -18,7 +19,9 @@ from convfirstnet.blocks import (
     FusedStem,
     Head,
     MBConv,
+    NonFiniteInputWarning,
     Stem,
+    finite_check_enabled,
 )
 from convfirstnet.registry import PAPER, SIZES
 from convfirstnet.profile import count_macs, count_params
@@ -27,6 +30,7 @@ from ._models import rel_err, trained_like
 
 NAMES = convfirstnet.list_models()
 README = Path(__file__).resolve().parent.parent / "README.md"
+MODELS_DOC = README.parent / "docs" / "models.md"
 
 
 def test_registry():
@@ -54,10 +58,11 @@ def test_params_and_macs_match_paper(size):
     gmacs = count_macs(model, (3, 256, 256)) / 1e9
     assert params == pytest.approx(PAPER[size]["params_m"], rel=0.005)
     assert gmacs == pytest.approx(PAPER[size]["gmacs"], rel=0.005)
-    # The README's table states these same figures.
+    # docs/models.md and the README state these same figures.
     paper = PAPER[size]
     row = f"| convfirstnet_{size} | {params:.3f} | {paper['params_m']:g} | {gmacs:.3f} | {paper['gmacs']:g} | {paper['top1']:g} |"
-    assert row in README.read_text()
+    assert row in MODELS_DOC.read_text()
+    assert f"| convfirstnet_{size} | {params:.3f} | {gmacs:.3f} | {paper['top1']:g} |" in README.read_text()
 
 
 def test_architecture_rows():
@@ -250,6 +255,79 @@ def test_input_type_errors(form):
         model(torch.zeros(1, 3, 64, 64, dtype=torch.float64))
     with pytest.raises(ValueError, match="input is on meta but the model is on cpu"):
         model(torch.zeros(1, 3, 64, 64, device="meta"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_classes=-1), r"num_classes must be an integer >= 0 \(0: no classifier\), got -1"),
+        (dict(drop_path_rate=1.0), r"drop_path_rate must be in \[0, 1\), got 1.0"),
+        (dict(drop_path_rate=-0.1), r"drop_path_rate must be in \[0, 1\), got -0.1"),
+        (dict(drop_rate=1.0), r"drop_rate must be in \[0, 1\), got 1.0"),
+        (dict(in_chans=0), "in_chans must be at least 1, got 0"),
+    ],
+)
+def test_model_arguments_are_checked(kwargs, message):
+    """Arguments that cannot make a model are refused where the model is built, by every entry point."""
+    for build in (convfirstnet.pico, lambda **kw: timm.create_model("convfirstnet_pico", **kw)):
+        with pytest.raises(ValueError, match=message):
+            build(**kwargs)
+    with pytest.raises(ValueError, match="num_classes must be an integer >= 0"):
+        convfirstnet.pico(num_classes=0).reset_classifier(-5)
+
+
+def test_fuse_refuses_a_model_without_convfirstnet_blocks():
+    with pytest.raises(TypeError, match=r"takes a ConvFirstNet .* got timm.models.resnet.ResNet"):
+        convfirstnet.fuse(timm.create_model("resnet10t"))
+    with pytest.raises(TypeError, match="got builtins.str"):
+        convfirstnet.fuse("convfirstnet_pico")
+    # a module built from its blocks fuses (the benchmark's block stages), and fusing is idempotent
+    stage = nn.Sequential(ConvFirst(32, 32, 1, 3))
+    assert isinstance(convfirstnet.fuse(stage)[0], FusedConvFirst)
+    assert isinstance(convfirstnet.fuse(convfirstnet.fuse(stage))[0], FusedConvFirst)
+
+
+@pytest.mark.parametrize("form", ["training", "fused"])
+def test_non_finite_input_warns_once_per_model(form, monkeypatch):
+    """NaN/Inf in the input: one NonFiniteInputWarning per model (checked on CPU tensors; the output is
+    left as computed, NaN for those images), none for finite inputs."""
+    monkeypatch.delenv("CONVFIRSTNET_CHECK_FINITE", raising=False)
+    model = trained_like("pico")
+    model = convfirstnet.fuse(model) if form == "fused" else model.eval()
+    x = torch.randn(2, 3, 32, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x)  # finite: no warning
+    x[1, 0, 5, 5] = float("inf")
+    with pytest.warns(NonFiniteInputWarning, match="NaN or Inf values .*warned once per model") as record:
+        out = model(x)
+        model(x)
+    assert len(record) == 1
+    assert torch.isfinite(out[0]).all() and not torch.isfinite(out[1]).all()
+    with pytest.warns(NonFiniteInputWarning):  # another model warns on its own
+        trained_like("pico").eval()(x)
+
+
+def test_non_finite_check_placement(monkeypatch):
+    """Where the check runs: CPU tensors by default (on a GPU the branch would make the host wait on
+    every forward and cannot be captured in a CUDA graph), every device with CONVFIRSTNET_CHECK_FINITE=1,
+    never on meta tensors or while compiling."""
+    monkeypatch.delenv("CONVFIRSTNET_CHECK_FINITE", raising=False)
+    cpu, meta = torch.zeros(1), torch.zeros(1, device="meta")
+    assert finite_check_enabled(cpu) and not finite_check_enabled(meta)
+    monkeypatch.setenv("CONVFIRSTNET_CHECK_FINITE", "1")
+    assert finite_check_enabled(cpu) and not finite_check_enabled(meta)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not finite_check_enabled(cpu)
+    monkeypatch.undo()
+    # inside torch.func transforms (per-sample gradients with vmap) the check stays out of the way
+    model, x = trained_like("pico").eval(), torch.randn(2, 1, 3, 32, 32)
+    x[1, 0, 0, 0, 0] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = torch.func.vmap(model)(x)
+    with torch.no_grad():
+        assert rel_err(out[0], model(x[0])) < 1e-5  # vmap batches the convolutions: rounding differs
 
 
 def test_features_only_checks_input():

@@ -59,3 +59,27 @@ def test_wheel_imports_outside_checkout(wheel, tmp_path):
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().endswith("ok")
+
+
+def test_wheel_weights_not_found_names_only_installed_places(wheel, tmp_path):
+    """A wheel has no weights/ folder beside site-packages and ships no weights/README.md: the message
+    names the places that exist for the installed package and points to the docs."""
+    target = tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)]
+    subprocess.run(pip, check=True)
+    code = (
+        "import convfirstnet\n"
+        "try:\n    convfirstnet.pico(pretrained=True)\n"
+        "except convfirstnet.WeightsNotFoundError as e:\n    print(e)\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "CONVFIRSTNET_WEIGHTS_DIR"}
+    env.update(PYTHONPATH=str(target), CONVFIRSTNET_CACHE=str(tmp_path / "cache"))
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    msg = res.stdout
+    assert "no weights for convfirstnet_pico" in msg
+    assert str(target / "weights") not in msg and "README" not in msg
+    manifest = target / "convfirstnet" / "weights_manifest" / "manifest.json"
+    assert f"the weight manifest {manifest} " in msg and manifest.is_file()
+    assert str(tmp_path / "cache" / "convfirstnet_pico.safetensors") in msg
+    assert "$CONVFIRSTNET_WEIGHTS_DIR (not set)" in msg and "docs/weights.md" in msg

@@ -1,6 +1,7 @@
 """Waterline model: one layer by hand, totals against count_macs, the paper's figures, plots, CLI."""
 
 import json
+import sys
 
 import pytest
 
@@ -77,8 +78,8 @@ def macs_by_hand(size: str, res: int, num_classes: int = 1000) -> int:
     return macs + h * h * c * 1280 + 1280 * num_classes  # head 1x1 conv, classifier
 
 
-def test_cost_by_hand_matches_the_readme_table():
-    """The hand count reproduces the README / SPEC GMACs at 256x256, so it can stand as the reference."""
+def test_cost_by_hand_matches_the_documented_table():
+    """The hand count reproduces the GMACs at 256x256 of docs/models.md and SPEC: it can be the reference."""
     for size, gmacs in (("pico", 0.863), ("nano", 1.816), ("tiny", 3.230), ("small", 5.498)):
         assert round(macs_by_hand(size, 256) / 1e9, 3) == gmacs
 
@@ -297,3 +298,18 @@ def test_cli(tmp_path, capsys):
         assert waterline_command.main(argv) == 1
         err = capsys.readouterr().err
         assert err.startswith("convfirstnet waterline: error: ") and err.count("\n") == 1 and message in err
+
+
+def test_plot_errors_come_before_any_output(tmp_path, capsys, monkeypatch):
+    """Without matplotlib, --plot / --gap-plot end with one line before any table is printed or file
+    written; --plot without a model is refused the same way."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    for flag in ("--plot", "--gap-plot"):
+        argv = ["pico", "--resolution", "64", flag, str(tmp_path / "w.png"), "--json", str(tmp_path / "w.json")]
+        assert waterline_command.main(argv) == 1
+        out, err = capsys.readouterr()
+        assert out == "" and not list(tmp_path.iterdir())
+        assert err == "convfirstnet waterline: error: plots need matplotlib: pip install 'convfirstnet[plot]'\n"
+    assert waterline_command.main(["--blocks", "all", "--plot", str(tmp_path / "w.png")]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and "--plot draws one model: give a MODEL" in err

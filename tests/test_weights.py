@@ -240,6 +240,8 @@ def test_corrupt_checkpoint(isolated):
         convfirstnet.pico(checkpoint_path=bad_pth)
     with pytest.raises(CheckpointError, match=not_one):
         timm.create_model("convfirstnet_pico", pretrained=True, pretrained_cfg_overlay=dict(file=str(bad_pth)))
+    with pytest.raises(CheckpointError, match=not_one):  # timm's checkpoint_path: the same reader
+        timm.create_model("convfirstnet_pico", checkpoint_path=str(bad_pth))
     truncated = isolated / "truncated.safetensors"  # a safetensors header that does not parse
     truncated.write_bytes(struct.pack("<Q", 40) + b'{"a": ' + b"x" * 10)
     with pytest.raises(CheckpointError, match="cannot read checkpoint"):
@@ -314,11 +316,13 @@ def test_class_count_comes_from_the_checkpoint(isolated, three_class, no_network
         with torch.no_grad():
             assert rel_err(model.eval()(x), expected) < 1e-6, how
     assert models["timm file overlay"].pretrained_cfg["num_classes"] == 3
-    # timm's own checkpoint_path loader is strict and knows nothing of the file: it needs num_classes.
+    # timm's checkpoint_path loads after building the model, strictly (the package's reader, timm's
+    # semantics): it needs num_classes, and says which tensor does not fit.
     with torch.no_grad():
-        timm_loaded = timm.create_model("convfirstnet_pico", num_classes=3, checkpoint_path=str(st))
-        assert torch.equal(timm_loaded.eval()(x), expected)
-    with pytest.raises(RuntimeError, match="size mismatch for classifier.weight"):
+        for path in (st, pth):
+            timm_loaded = timm.create_model("convfirstnet_pico", num_classes=3, checkpoint_path=str(path))
+            assert torch.equal(timm_loaded.eval()(x), expected)
+    with pytest.raises(CheckpointError, match=r"classifier.weight: checkpoint \(3, 1280\) vs model \(1000, 1280\)"):
         timm.create_model("convfirstnet_pico", checkpoint_path=str(st))
 
 

@@ -2,8 +2,9 @@
 
 Network mode (default) times whole models; block mode (``--blocks``) times stages of 8 stride-1
 blocks with the configurations of the paper's Tables 1 and 2 and prints them beside the paper's
-A5000 numbers. Every run writes one JSON record to ``--out-dir`` (``benchmarks/results/``) and
-prints a Markdown table.
+A5000 numbers. Every run prints a Markdown table and writes one JSON record: to ``--out-dir`` when
+given, else to ``benchmarks/results/`` of the source checkout the package runs from (an editable
+install); a wheel install has no such folder, so there the record is written only to ``--out-dir``.
 
 Backends (``--backends``):
 
@@ -19,10 +20,13 @@ Backends (``--backends``):
 
 Models are cast to ``--dtype`` (no autocast); activations are channels-last. Timing: ``--warmup``
 untimed iterations, then ``--iters`` iterations each timed with CUDA events (``perf_counter`` on
-CPU); the record keeps median, p10 and p90. Throughput is batch / median; achieved TFLOP/s is
-2 x MACs x img/s with MACs counted by ``convfirstnet.profile.count_macs`` (PyTorch's FLOP counter
-on the unfused model); % of peak uses the device's dense fp16/bf16 tensor-core peak from
-``convfirstnet.analysis.devices`` (or ``--peak-tflops``, or the matmul peak measured with ``--measure-peak``).
+CPU); the record keeps median, p10 and p90. A CPU run times PyTorch's reference ops, not the Triton
+kernels, and says so; its defaults are CPU-sized (``CPU_DEFAULTS``: batch 1, 1 + 5 iterations), since
+the GPU defaults (batch 1 to 256, 10 + 50 iterations) take a CPU far longer. Throughput is batch /
+median; achieved TFLOP/s is 2 x MACs x img/s with MACs counted by ``convfirstnet.profile.count_macs``
+(PyTorch's FLOP counter on the unfused model); % of peak uses the device's dense fp16/bf16
+tensor-core peak from ``convfirstnet.analysis.devices`` (or ``--peak-tflops``, or the matmul peak
+measured with ``--measure-peak``).
 
 A backend that cannot run here (CUDA graphs on CPU, fused kernels for a non-ConvFirstNet model, an
 out-of-memory batch, a compiler error) is reported as skipped with the reason; the run goes on.
@@ -48,6 +52,7 @@ import torch.nn as nn
 from convfirstnet.analysis.devices import lookup_device
 from convfirstnet.analysis.paper import PAPER_BATCH, PAPER_DEVICE, PAPER_STAGE_DEPTH, BlockRow, block_rows
 from convfirstnet.analysis.provenance import command_line, device_info, git_info, software_info
+from convfirstnet.paths import source_checkout
 from convfirstnet.registry import canonical_name
 
 from ._cli import ArgumentParser, ToolError, run_reporting
@@ -56,6 +61,9 @@ from ._timing import measure_matmul_peak, summarize, throughput, time_iterations
 NETWORK_BACKENDS = ("fused", "fused-cudagraph", "eager", "inductor", "inductor-max-autotune")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 DEFAULT_MODELS = ("convfirstnet_pico", "convfirstnet_nano", "convfirstnet_tiny", "convfirstnet_small")
+# option -> (CUDA default, CPU default); block mode times batch PAPER_BATCH on either
+GPU_DEFAULTS = dict(batch_sizes=[1, 32, 128, 256], warmup=10, iters=50)
+CPU_DEFAULTS = dict(batch_sizes=[1], warmup=1, iters=5)
 SCHEMA = 1
 
 
@@ -106,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-sizes",
         type=_int_list,
         default=None,
-        help="comma list (default 1,32,128,256; block mode 128)",
+        help="comma list (default 1,32,128,256 on CUDA, 1 on CPU; block mode 128)",
     )
     p.add_argument("--resolution", type=int, default=256, help="input height = width (default 256)")
     p.add_argument(
@@ -116,8 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="float16 (default) or bfloat16 on CUDA; CPU runs use float32",
     )
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cuda, cuda:N or cpu")
-    p.add_argument("--warmup", type=int, default=10, help="untimed iterations before timing (default 10)")
-    p.add_argument("--iters", type=int, default=50, help="timed iterations (default 50; use >= 50 on GPU)")
+    p.add_argument(
+        "--warmup", type=int, default=None, help="untimed iterations before timing (default 10; CPU: 1)"
+    )
+    p.add_argument(
+        "--iters", type=int, default=None, help="timed iterations (default 50, use >= 50 on GPU; CPU: 5)"
+    )
     p.add_argument(
         "--blocks",
         choices=("convfirst", "mbconv", "all"),
@@ -148,7 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="dense fp16/bf16 peak TFLOP/s to use instead of the device table",
     )
-    p.add_argument("--out-dir", default="benchmarks/results", help="where the JSON record goes")
+    p.add_argument(
+        "--out-dir",
+        default=None,
+        help="where the JSON record goes (default: benchmarks/results of the source checkout; a wheel "
+        "install writes a record only here)",
+    )
     p.add_argument("--no-save", action="store_true", help="print the table only, write no record")
     p.add_argument("--tag", default="", help="free text stored in the record and its file name")
     return p
@@ -198,6 +215,28 @@ def canonical_convfirstnet(name: str) -> str | None:
         return canonical_name(name)
     except ValueError:
         return None
+
+
+def _option_value(value: object) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def check_model_name(name: str) -> None:
+    """A ConvFirstNet size or a registered timm model; anything else is a :class:`ToolError`, raised
+    before any model is built or timed."""
+    import timm
+
+    if canonical_convfirstnet(name) is None and not timm.is_model(name):
+        raise ToolError(
+            f"unknown model {name!r}: not a ConvFirstNet size (pico, nano, tiny, small) nor a timm model "
+            "(timm.list_models() lists those)"
+        )
+
+
+def default_out_dir() -> Path | None:
+    """``benchmarks/results`` of the source checkout the package runs from; None for a wheel install."""
+    root = source_checkout()
+    return root / "benchmarks" / "results" if root is not None else None
 
 
 def build_model(name: str) -> tuple[nn.Module, str, bool]:
@@ -639,12 +678,30 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 if device.type == "cuda"
                 else ["fused", "eager"]
             )
-    if args.batch_sizes is None:
-        args.batch_sizes = [PAPER_BATCH] if args.blocks else [1, 32, 128, 256]
+    defaults = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
+    defaulted = [k for k in ("batch_sizes", "warmup", "iters") if getattr(args, k) is None]
+    if args.blocks and args.batch_sizes is None:
+        args.batch_sizes = [PAPER_BATCH]
+        defaulted.remove("batch_sizes")
+    for key in defaulted:
+        setattr(args, key, defaults[key])
     if args.iters < 1 or args.warmup < 0:
         raise ToolError("--iters must be >= 1 and --warmup >= 0")
-    for spec in args.models:
-        parse_model_spec(spec, args.resolution)  # a malformed NAME@RES is an error before any timing
+    for spec in args.models:  # a malformed NAME@RES or an unknown name is an error before any work
+        check_model_name(parse_model_spec(spec, args.resolution)[0])
+    out_dir = None if args.no_save else Path(args.out_dir) if args.out_dir else default_out_dir()
+    if device.type == "cpu":
+        what = {
+            "reference": "PyTorch's reference ops",
+            "triton-interpreter": "the Triton kernels in Triton's interpreter (very slow)",
+        }.get(kernels_path(device), "PyTorch's reference ops")
+        why = " (no CUDA device)" if args.device == "auto" else ""
+        sized = " ".join(f"--{k.replace('_', '-')} {_option_value(getattr(args, k))}" for k in defaulted)
+        print(
+            f"[bench] warning: CPU run{why}: the fused backend times {what} in float32, not the GPU kernels"
+            + (f"; CPU-sized defaults {sized}" if sized else ""),
+            file=sys.stderr,
+        )
     if device.type == "cuda" and args.iters < 50:
         print(f"[bench] note: --iters {args.iters} < 50 timed iterations", file=sys.stderr)
 
@@ -722,9 +779,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     print(header)
     print()
     print(table)
-    if not args.no_save:
-        path = write_record(record, args.out_dir)
-        print(f"\nrecord: {path}")
+    if out_dir is not None:
+        print(f"\nrecord: {write_record(record, out_dir)}")
+    elif not args.no_save:
+        print(
+            "\nrecord not written: no source checkout (benchmarks/results) to keep it in; "
+            "pass --out-dir DIR to keep it"
+        )
     ok = [r for r in results if r.get("status") == "ok"]
     return 0 if ok or not results else 1
 

@@ -24,7 +24,7 @@ TOOLS = {
     "timm-script": ("timm_script", "run timm's validate.py / train.py / benchmark.py with these models"),
     "bench": ("bench", "throughput: fused kernels vs torch.compile"),
     "waterline": ("waterline", "waterline / efficiency-gap analysis of a model"),
-    "results": ("results", "README results table from benchmarks/results"),
+    "results": ("results", "results table of docs/bench.md from benchmarks/results"),
     "export": ("export", "export for deployment: pt2 (fused, torch.export) or onnx (BN-folded)"),
     "kernels": ("kernels", "static cost report of the fused kernels compiled for a GPU"),
 }

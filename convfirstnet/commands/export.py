@@ -16,7 +16,17 @@ from pathlib import Path
 import torch
 
 from convfirstnet.blocks import MIN_INPUT_SIZE
-from convfirstnet.export import CHECK_BATCH, DTYPES, FORMATS, ExportError, export_onnx, export_pt2
+from convfirstnet.export import (
+    CHECK_BATCH,
+    DTYPES,
+    FORMATS,
+    MIN_DYNAMIC_SIZE,
+    ExportError,
+    dynamic_size,
+    export_onnx,
+    export_pt2,
+    pt2_check_size,
+)
 from convfirstnet.factory import create_model
 from convfirstnet.registry import canonical_name
 from convfirstnet.weights import WeightsNotFoundError
@@ -36,7 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, help="weight file (default: the pretrained=True lookup)")
     p.add_argument("--random-weights", action="store_true", help="export randomly initialised weights")
     p.add_argument("--output", default=None, help="default: ./<model name>.<format>")
-    p.add_argument("--img-size", type=int, default=None, help="input size (default: the pretrained_cfg's, 256)")
+    p.add_argument(
+        "--img-size",
+        type=int,
+        default=None,
+        help="input size to trace at (default: the pretrained_cfg's, 256); pt2 keeps height and width "
+        f"dynamic from {MIN_DYNAMIC_SIZE} up, onnx fixes them",
+    )
     p.add_argument("--device", default="cpu", help="pt2: device to export on and for (cpu, cuda)")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="pt2: model dtype (onnx: fp32)")
     p.add_argument("--opset", type=int, default=None, help="onnx: opset version (default: the exporter's)")
@@ -76,18 +92,29 @@ def run(args: argparse.Namespace) -> str:
         raise ValueError(f"--img-size {img_size}: ConvFirstNet needs at least {MIN_INPUT_SIZE}")
     output = Path(args.output or f"{name}.{args.format}")
     weights = "random weights" if args.random_weights else f"weights {args.checkpoint or 'from the lookup'}"
+    c = model.in_chans
     if args.format == "pt2":
         err = export_pt2(model, output, img_size=img_size, device=args.device, dtype=DTYPES[args.dtype])
         what = f"fused form, torch.export, {args.device} {args.dtype}"
-        check = "torch.export.load"
+        if dynamic_size(img_size):
+            shape = f"(batch, {c}, height, width), height and width >= {MIN_DYNAMIC_SIZE}"
+            shape += f", traced at {img_size}"
+        else:
+            shape = f"(batch, {c}, {img_size}, {img_size}), dynamic batch, fixed size"
+            shape += f" (dynamic from --img-size {MIN_DYNAMIC_SIZE} up)"
+        h, w = pt2_check_size(img_size)
+        check = f"torch.export.load at batch {CHECK_BATCH}, {h}x{w}"
     else:
         err = export_onnx(model, output, img_size=img_size, opset=args.opset)
         what = "BatchNorm-folded layer-wise form, ONNX, float32"
-        check = "onnxruntime (CPU)"
-    shape = f"(batch, {model.in_chans}, {img_size}, {img_size})"
+        shape = f"(batch, {c}, {img_size}, {img_size}), dynamic batch"
+        check = f"onnxruntime (CPU) at batch {CHECK_BATCH}"
+        data = output.with_name(output.name + ".data")  # ONNX external data: the exporter puts weights here
+        if data.is_file():
+            what += f"; the weights in {data}, which must stay beside it"
     return (
-        f"wrote {output} ({name}, {weights}; {what}; input {shape}, dynamic batch)\n"
-        f"checked with {check} at batch {CHECK_BATCH}: max relative error vs PyTorch {err:.2e}"
+        f"wrote {output} ({name}, {weights}; {what}; input {shape})\n"
+        f"checked with {check}: max relative error vs PyTorch {err:.2e}"
     )
 
 

@@ -357,6 +357,10 @@ def run(args: argparse.Namespace) -> int:
         raise ToolError("--batch and --bytes must be at least 1")
     if args.resolution < MIN_INPUT_SIZE:
         raise ToolError(f"--resolution {args.resolution}: ConvFirstNet needs at least {MIN_INPUT_SIZE}")
+    if args.plot and args.model is None:
+        raise ToolError("--plot draws one model: give a MODEL (--gap-plot draws all four)")
+    if args.plot or args.gap_plot:
+        _pyplot()  # matplotlib missing: an error before anything is printed or written
     out: dict = {}
     text: list[str] = []
     if args.blocks:
