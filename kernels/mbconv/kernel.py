@@ -72,8 +72,11 @@ and never written again (later slices reuse the zeroed slots). Stride 2 adds the
 Scratch ordering: stores, then ``tl.debug_barrier()`` (bar.sync), then loads by other threads of
 the same program. That is safe because the scratch loads are plain ``ld.global``: the tile loops
 run with ``num_stages=1``, so Triton's pipeliner does not turn them into ``cp.async`` issued
-ahead of the barrier (a test checks the compiled PTX). The projection's gate-slot loads are
-pipelined (``cp.async``), but only inside the R loop, which starts after the barrier (also checked).
+ahead of the barrier. The projection's gate-slot loads are pipelined (``cp.async``), but only inside
+the R loop, which starts after the barrier. Each round trip has its own argument (``scr_ptr``: the
+``h`` slots, ``gscr_ptr``: the stride-2 ``g`` slots, ``ms_ptr``, ``gate_ptr``), so that the compile
+check (``convfirstnet.analysis.ordering``, tests/kernels/test_ordering.py) can follow each one's
+stores and loads through the control flow of the PTX and require a ``bar.sync`` between them.
 
 Numerics: all dots accumulate in fp32; ``h``, ``g`` and the gated ``g`` are rounded to the input
 dtype before they feed a tensor-core dot (as the two-pass kernel did); the pool, the SE MLP and the
@@ -358,7 +361,7 @@ def _tile(t, ncol, H, W, m, TW: tl.constexpr, TH: tl.constexpr, EXACT: tl.conste
 # IB is not specialized: at IB = 1 the specialized variant spilled 40 B (Small, 16x16, fp16, sm_90)
 @triton.jit(do_not_specialize=["IB"])
 def _mbconv_hidden_kernel(
-    x_ptr, wexp_ptr, bexp_ptr, wconv_ptr, bconv_ptr, w1_ptr, g_ptr, z_ptr, scr_ptr, ms_ptr,
+    x_ptr, wexp_ptr, bexp_ptr, wconv_ptr, bconv_ptr, w1_ptr, g_ptr, z_ptr, scr_ptr, gscr_ptr, ms_ptr,
     N, H, W_RT, OH, OW, C, R, S, NCHUNK, ITEMS, IB, SLOT, NZ,
     sxn, sxc, sxh, sxw, swe_r, swe_c, swc_r, swc_i, swc_y, swc_x, sw1_s, sw1_r,
     STRIDE: tl.constexpr, RB: tl.constexpr, CP: tl.constexpr, SP: tl.constexpr,
@@ -380,7 +383,7 @@ def _mbconv_hidden_kernel(
     PHW = (H + 2) * PW
     OHW = OH * OW
     hs = scr_ptr + pid.to(tl.int64) * SLOT
-    gs = hs + RB * PHW
+    gs = gscr_ptr + pid.to(tl.int64) * SLOT  # the same slot past h (its own argument: a separate round trip)
     ms = ms_ptr + pid * RB
 
     # Zero the h slot's border (the conv's zero padding, NZ = 2 padded rows + 2 columns of each row
@@ -748,7 +751,8 @@ def _launch_slice(x, out, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_s
                           note=f"{nprog} persistent programs, {items} items of {ib} image(s) x {rb} channels"
                           + label)
 
-    launch(_mbconv_hidden_kernel, (nprog,), x, w_exp, b_exp, w_conv, b_conv, w_se1, gbuf, zpart, scratch, mslot,
+    launch(_mbconv_hidden_kernel, (nprog,), x, w_exp, b_exp, w_conv, b_conv, w_se1, gbuf, zpart, scratch,
+           scratch[rb * phw:] if stride == 2 else scratch, mslot,
            n, h, w, oh, ow, c, r, s, nchunk, items, ib, slot, border if zero else 0,
            *x.stride(), *w_exp.stride(), *w_conv.stride(), *w_se1.stride(),
            SILU=silu, PREC=prec, cost=hidden_cost, **hc.constexprs())
