@@ -18,11 +18,10 @@ Formulation: features as the dot's M
 ``acc[BLOCK_F, BLOCK_P] = W[f-block, :] @ x[n]^T`` (features x pixels): the pool is then a sum
 along each thread's own accumulator row (wgmma gives a thread 2 rows x BLOCK_P / 4 columns per 64-row
 tile), finished by two shuffles within a quad, instead of a reduction across 128 threads.
-SiLU is ``h + h * tanh(h)`` with ``h = (acc + b) / 2`` (= y * sigmoid(y)): one FFMA, one MUFU.TANH
-and one FFMA per element on the GPU path (``FAST_SILU``: ``tanh.approx.f32`` through inline asm,
-max relative error 2^-10.99, used for fp16/bf16 outputs whose own rounding is 2^-11 / 2^-8). The
-interpreter cannot run inline asm, and fp32 outputs need more accuracy: there ``tanh(h)`` is
-``2 / (1 + exp(-2h)) - 1``, the same formula around it.
+SiLU is kernels/_activations.py's ``y / (1 + 2^(-y log2 e))``, y = acc + b: on the GPU path for
+fp16/bf16 (``FAST_SILU``) through ``ex2.approx`` and ``rcp.approx`` by inline asm (two MUFU and three
+fp32 instructions per element, ~2e-6 relative error); the interpreter, which cannot run inline asm,
+and fp32 outputs use ``tl.exp2`` and a division, the same formula.
 
 Pixels past H*W are not masked in the epilogue: they load x = 0, so their y is exactly b, and after
 the pixel loop the kernel subtracts (padded pixels) x SiLU(b) from the sum, computed by the same
@@ -78,6 +77,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._activations import silu
 from .._cost import KernelCost, Loop, active_recording
 from .._launch import launch
 
@@ -85,16 +85,6 @@ FP32_PRECISION = "tf32x3"  # dot precision for fp32 operands (the interpreter co
 MAX_RESIDENT_C = 256  # the resident weight slice: two K parts of at most 128 channels
 DEFAULT_SMS = 132  # H100 SXM: the program count when no CUDA device says otherwise (cost recording, CPU)
 PROGRAMS_PER_SM = 2
-
-
-@triton.jit
-def _tanh(h, FAST: tl.constexpr):
-    if FAST:  # MUFU.TANH: max relative error 2^-10.99 (PTX ISA, tanh.approx.f32)
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [h], dtype=tl.float32,
-                                      is_pure=True, pack=1)
-    else:
-        t = 2.0 / (1.0 + tl.exp(-2.0 * h)) - 1.0
-    return t
 
 
 @triton.jit
@@ -142,8 +132,8 @@ def _head_kernel(
             w2 = _w_tile(w_ptr, rf, f_ok, k2, swf, swc, C, MASK_K2)
     else:
         kk = tl.arange(0, BLOCK_K)
-    hb = 0.5 * tl.load(b_ptr + rf, mask=f_ok, other=0.0).to(tl.float32)
-    silu_b = hb + hb * _tanh(hb, FAST_SILU)  # SiLU(b): the value of every padded pixel
+    bias = tl.load(b_ptr + rf, mask=f_ok, other=0.0).to(tl.float32)
+    silu_b = silu(bias, FAST_SILU)  # the value of every padded pixel (x = 0: y = b exactly)
     n_pad = tl.cdiv(HW, BLOCK_P) * BLOCK_P - HW
     inv_hw = 1.0 / HW
 
@@ -165,8 +155,7 @@ def _head_kernel(
                     wk = _w_tile(w_ptr, rf, f_ok, k0 + kk, swf, swc, C, True)
                     xk = _x_tile(x_img, k0 + kk, poff, p_ok, sxc, C, True)
                     acc = tl.dot(wk, xk, acc, input_precision=PREC)
-            h = acc * 0.5 + hb[:, None]
-            total += tl.sum(h + h * _tanh(h, FAST_SILU), axis=1)
+            total += tl.sum(silu(acc + bias[:, None], FAST_SILU), axis=1)
         mean = (total - n_pad * silu_b) * inv_hw
         tl.store(out_ptr + tl.cast(n, tl.int64) * son + rf, mean.to(out_ptr.dtype.element_ty), mask=f_ok)
 

@@ -82,9 +82,9 @@ Numerics: all dots accumulate in fp32; ``h``, ``g`` and the gated ``g`` are roun
 dtype before they feed a tensor-core dot (as the two-pass kernel did); the pool, the SE MLP and the
 blur run in fp32; the gate is rounded to the input dtype before it scales ``g`` (one fp16 multiply).
 fp32 inputs use ``input_precision="tf32x3"`` (~fp32 accuracy; "ieee" took minutes per variant in
-ptxas). SiLU on the GPU is ``u + u tanh(u)``, u = x/2, through ``tanh.approx.f32`` (three
-instructions; max relative error ~2^-11, below fp16's rounding) for fp16/bf16; fp32 data and the
-interpreter (which cannot run inline asm) use x / (1 + exp(-x)).
+ptxas). SiLU and the SE sigmoid are kernels/_activations.py's (1 / (1 + 2^(-x log2 e)); for fp16/bf16
+on the GPU through ``ex2.approx``/``rcp.approx``, ~2e-6 relative error over [-16, 16]; fp32 data and
+the interpreter, which cannot run inline asm, through ``tl.exp2`` and a division).
 
 Waterline, as compiled (Small, batch 128, fp16, sm_90 = H100 SXM 989 TFLOP/s, 3.35 TB/s, 132 SMs;
 ``t_issue`` = warp-instructions from the SASS, weighted by the declared loop trips, / (4 per clock
@@ -116,7 +116,7 @@ same estimate gave 10.2 ms for stage 4 and 3.8 ms for stage 5 (3.6x and 4.9x the
 
 Per block, the two launches are bounded by instruction issue: the hidden kernel's (expand, conv,
 SiLU, scratch traffic) and the projection's (a third of it is the SE gate, recomputed by each of an
-image's 64-pixel tiles; the sigmoid goes through ``tanh.approx`` for 16-bit data). With ``g`` read
+image's 64-pixel tiles). With ``g`` read
 from L2, the DRAM floor of a 16x16 block is x in, ``g`` written, out (and x again for the residual):
 37 us against 56 us when ``g`` is also read from DRAM. Not counted by the model: L2 bandwidth (``g``
 read back, ``x`` re-read by each of the R/64 chunk items of an image, ``W_proj`` by each 64-row tile)
@@ -131,6 +131,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._activations import sigmoid, silu
 from .._cost import KernelCost, Loop, active_recording
 from .._launch import GROUP_WIDTH, launch
 
@@ -297,28 +298,14 @@ def persistent_programs(device: torch.device, slot_bytes: int) -> int:
 
 @triton.jit
 def _silu(acc, half_bias, MODE: tl.constexpr):
-    """SiLU(acc + 2 * half_bias) in fp32. MODE 0: x / (1 + exp(-x)) (interpreter, fp32 data);
-    MODE 1: with u = x / 2, SiLU(x) = u + u * tanh(u) through tanh.approx.f32 (three instructions)."""
-    if MODE == 0:
-        v = acc + 2.0 * half_bias
-        return v / (1.0 + tl.exp(-v))
-    else:
-        u = acc * 0.5 + half_bias
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u], dtype=tl.float32, is_pure=True,
-                                      pack=1)
-        return u + u * t
+    """SiLU(acc + 2 * half_bias) in fp32 (kernels/_activations.py; MODE 1: its inline-asm form)."""
+    return silu(acc + 2.0 * half_bias, MODE == 1)
 
 
 @triton.jit
 def _sigmoid(e, MODE: tl.constexpr):
-    """sigmoid(e) in fp32. MODE 0: 1 / (1 + exp(-e)); MODE 1: 0.5 + 0.5 tanh(e / 2) through
-    tanh.approx.f32 (the gate is rounded to 16 bits next; about 15 instructions fewer per value)."""
-    if MODE == 0:
-        return tl.sigmoid(e)
-    else:
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [e * 0.5], dtype=tl.float32,
-                                      is_pure=True, pack=1)
-        return 0.5 + 0.5 * t
+    """sigmoid(e) in fp32 (kernels/_activations.py; MODE 1: its inline-asm form)."""
+    return sigmoid(e, MODE == 1)
 
 
 @triton.jit
