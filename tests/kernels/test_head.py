@@ -11,7 +11,7 @@ strided weights, batch 0 and 1.
 
 import pytest
 import torch
-from convfirstnet.kernels.head import kernel as K
+from convfirstnet.kernels.head import launcher as K
 from convfirstnet.kernels.head.reference import head_reference
 
 from ..conftest import cuda
