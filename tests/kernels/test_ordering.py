@@ -144,28 +144,43 @@ def test_separate_arguments_are_separate_buffers(planted):
     assert planted["two buffers"] == ([], [])
 
 
-def _model_variants():
-    """Distinct sm_90 variants of every launch of fused Small, fp16, at 256x256 (exact tiles) and
-    224x224 (the general path)."""
+def _shipped_variants():
+    """Distinct sm_90 variants of every launch of fused Small, fp16, at 256x256 (exact tiles) and 224x224
+    (the general path), and of the training layer's gconv3x3 forward, dgrad and wgrad (both strides)."""
     import convfirstnet
 
     fused = convfirstnet.fuse(convfirstnet.create_model("small")).to(device="meta", dtype=torch.float16)
-    found = {}
+    launches = []
     for size in (256, 224):
         x = torch.empty(2, 3, size, size, device="meta", dtype=torch.float16)
         with recording() as rec:
             fused(x.contiguous(memory_format=torch.channels_last))
-        for lc in rec.launches:
-            v = variant_of(lc, 90)
-            found.setdefault(v.key, v)
+        launches += rec.launches
+    for stride in (1, 2):
+        x = torch.empty(2, 64, 32, 32, device="meta", dtype=torch.float16)
+        x = x.contiguous(memory_format=torch.channels_last)
+        w = torch.empty(64, 8, 3, 3, device="meta", dtype=torch.float16)
+        with recording() as rec:
+            y = torch.ops.convfirstnet.gconv3x3(x, w, stride)
+            torch.ops.convfirstnet.gconv3x3_dgrad(y, w, 32, 32, stride)
+            torch.ops.convfirstnet.gconv3x3_wgrad(y, x, torch.float16, stride)
+        launches += rec.launches
+    found = {}
+    for lc in launches:
+        v = variant_of(lc, 90)
+        found.setdefault(v.key, v)
     return list(found.values())
 
 
 def test_shipped_kernels_order_their_round_trips():
-    """Every kernel of the fused model (stem, ConvFirst, MBConv, head), compiled for sm_90: each load of
-    a round-trip buffer comes after a barrier that follows every store to it. Each round trip has its
-    own argument (ordering's module docstring); the MBConv kernels have four today."""
-    results = [(c.variant.name, *ordering.compiled_hazards(c)) for c in compile_variants(_model_variants())]
+    """Every kernel of the fused model (stem, ConvFirst, MBConv, head) and of the training layer
+    (gconv), compiled for sm_90: each load of a round-trip buffer comes after a barrier that follows
+    every store to it. Each round trip has its own argument (ordering's module docstring); the MBConv
+    kernels have four today."""
+    variants = _shipped_variants()
+    names = {v.name for v in variants}
+    assert {"_stem_kernel", "_mbconv_hidden_kernel", "_head_kernel", "_gconv_wgrad_kernel"} <= names
+    results = [(c.variant.name, *ordering.compiled_hazards(c)) for c in compile_variants(variants)]
     buffers = {(name, b) for name, bufs, _ in results for b in bufs}
     assert buffers, "no kernel has a round trip: the check would pass vacuously"
     problems = ordering.summarize([h for _, _, hazards in results for h in hazards])
