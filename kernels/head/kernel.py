@@ -62,6 +62,13 @@ Compiled for sm_90 (C = 256, 8x8, fp16): wgmma, 146 registers, 80 KB shared memo
 on a GPU yet. On sm_80 mma.sync takes its A operand from registers and the compiler keeps the
 loop-invariant slice there: ~250 registers, no spills, one program per SM.
 
+The L2 traffic is 11.6x the DRAM bytes (60 MB against 5.2 MB), above issue 18's 2.5x, and no tiling
+of this kind reaches 2.5x: with F_b features per program and one wave of programs on 132 SMs, x is
+read F / F_b times (4.2 MB each) and W once per program (F_b x 512 B), 5.37 GB / F_b + 67.6 KB x F_b,
+at least 38 MB (7.3x) at F_b ~ 280. BLOCK_F = 256 with 8 warps and one program per SM (128 KB of
+weights in shared memory) was tried in the static report: 38.7 MB (7.5x), but 12.3-14.9 us against
+9.9-11.8 us for this design (two programs per SM hide each other's waits), so it was not kept.
+
 Constants
 ---------
 BLOCK_F = 128 features (fp32: 64): the dot's M, two wgmma 64-row tiles for 4 warps; 1280 / 128 = 10
