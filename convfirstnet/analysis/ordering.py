@@ -12,7 +12,8 @@ flow instead.
 1. finds the buffers: every pointer parameter is followed through the registers derived from it
    (``ld.param``, then any arithmetic, move or select whose operands include a derived register;
    values loaded from memory are data, not addresses), and a parameter that the kernel both stores to
-   (``st``, ``red``, ``atom``) and loads from (``ld``, ``cp.async``, ``atom``) is a round-trip buffer;
+   (``st``, ``red``, ``atom``) and loads from (``ld``, ``cp.async``, ``atom``; not the tensor-map
+   copies ``cp.async.bulk``, whose addresses are descriptors) is a round-trip buffer;
 2. builds the control-flow graph of the PTX instructions (labels, ``bra``, ``ret``/``exit``);
 3. runs a forward data-flow analysis per buffer to a fixed point: the state is the set of its stores
    that may have executed since the last barrier on some path; a store adds itself, a CTA-wide barrier
@@ -154,7 +155,11 @@ def parse_kernel(
             labels[lm.group(1)] = len(insns)
             line = line[lm.end():].strip()
         for stmt in _split_statements(line):
-            if stmt.startswith("."):  # directives: .reg, .loc inside asm, .pragma, ...
+            lm = _LABEL.match(stmt)  # a label inside an inline-asm block
+            if lm:
+                labels[lm.group(1)] = len(insns)
+                stmt = stmt[lm.end():].strip()
+            if not stmt or stmt.startswith("."):  # directives: .reg, .loc inside asm, .pragma, ...
                 continue
             gm = _GUARD.match(stmt)
             guarded = bool(gm)
@@ -246,8 +251,8 @@ def _successors(insns: list[_Insn], labels: dict[str, int]) -> list[list[int]]:
             target = insn.operands.split(",")[0].strip()
             if target in labels:
                 out.append(labels[target])
-            if insn.guarded and i + 1 < len(insns):
-                out.append(i + 1)
+            if (insn.guarded or target not in labels) and i + 1 < len(insns):
+                out.append(i + 1)  # not taken; or a target not found: fall through rather than lose code
         elif op in ("ret", "exit") or op.startswith(("ret.", "exit.", "trap")):
             if insn.guarded and i + 1 < len(insns):
                 out.append(i + 1)
