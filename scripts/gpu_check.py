@@ -556,8 +556,11 @@ def run(args, argv, models: list[str], plan: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    if "--_worker" not in sys.argv:
+    if "--_worker" not in sys.argv:  # a worker runs on its parent's import path
         ensure_importable()
-    else:  # the parent made sure of the import path
-        pass
+        if os.environ.get(VIEW_ENV):  # the links laid out for this run go when it ends
+            import atexit
+            import shutil
+
+            atexit.register(shutil.rmtree, os.environ[VIEW_ENV], True)
     sys.exit(main())
