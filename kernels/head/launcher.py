@@ -56,8 +56,10 @@ def head_config(c: int, hw: int, dtype: torch.dtype) -> HeadConfig:
         return HeadConfig(c, True, k1, k2, 0, 128, block_p)
     # fp32 (tf32x3 splits every operand in two: a resident slice would not fit in registers on sm_80,
     # where mma.sync takes its operands from registers) and C > 256: W and x in K steps, W from L2
+    # fp32 is not multi-buffered: with num_stages = 2 the tf32x3 operand splits of both stages took
+    # 255 registers and spilled 24 B on sm_80 at C = 160 and 256 (Triton 3.8.0)
     if dtype == torch.float32:
-        return HeadConfig(c, False, 0, 0, 32, 64, block_p, num_stages=2)
+        return HeadConfig(c, False, 0, 0, 32, 64, block_p, num_stages=1)
     return HeadConfig(c, False, 0, 0, 64, 128, block_p, num_stages=2)
 
 
