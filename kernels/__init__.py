@@ -1,10 +1,11 @@
 """Fused ConvFirstNet blocks, shipped as ``convfirstnet.kernels``.
 
 Each folder holds one block: ``reference.py`` (the block in plain PyTorch on folded weights, the
-specification), ``kernel.py`` (the Triton kernels and their launcher) and ``op.py`` (the
-``torch.ops.convfirstnet.<block>`` registration that picks one or the other). ``gconv/`` holds the
-training layer beside them: the group-width-8 3x3 conv with its dgrad and wgrad (launcher in
-``launcher.py``). Importing this package registers the ops.
+specification), ``kernel.py`` (the Triton kernels; for the stem, the head and gconv the host side is
+in ``launcher.py``, elsewhere still in ``kernel.py``) and ``op.py`` (the ``torch.ops.convfirstnet.<block>``
+registration that picks one or the other). ``gconv/`` holds the training layer beside them: the
+group-width-8 3x3 conv with its dgrad and wgrad. ``_activations.py`` holds the fused activations.
+Importing this package registers the ops.
 """
 
 from .convfirst import op as _convfirst_op  # noqa: F401

@@ -596,6 +596,8 @@ def test_cli_refuses_bad_arguments_before_compiling(capsys):
     for args, msg in (
         (["--arch", "sm_75"], "unknown GPU target 'sm_75'"),
         (["--arch", "sm_70"], "unknown GPU target 'sm_70'"),
+        (["--arch", "hopper"], "unknown GPU target 'hopper'; known: sm_90, sm_80"),
+        (["--arch", "sm_9x"], "unknown GPU target 'sm_9x'; known: sm_90, sm_80"),
         (["--model", "huge"], "unknown model 'huge'"),
         (["--img-size", "16"], "--img-size must be at least 32"),
         (["--jobs", "0"], "--jobs must be at least 1"),

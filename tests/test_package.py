@@ -28,8 +28,10 @@ def test_wheel_layout(wheel):
     for block in ("stem", "convfirst", "mbconv", "head"):
         for part in ("reference.py", "op.py", "kernel.py"):
             assert f"convfirstnet/kernels/{block}/{part}" in names
-    for part in ("reference.py", "op.py", "kernel.py", "launcher.py"):
-        assert f"convfirstnet/kernels/gconv/{part}" in names
+    for block in ("gconv", "stem", "head"):
+        for part in ("reference.py", "op.py", "kernel.py", "launcher.py"):
+            assert f"convfirstnet/kernels/{block}/{part}" in names
+    assert "convfirstnet/kernels/_activations.py" in names
     assert "convfirstnet/kernels/_launch.py" in names
     assert "convfirstnet/weights_manifest/manifest.json" in names
     assert not [n for n in names if n.startswith("kernels/")], "kernels/ must not install as a top-level module"

@@ -12,7 +12,8 @@ returns per variant:
   --dump-resource-usage``), and occupancy on the target;
 * the tensor-core instruction kind: ``wgmma`` (PTX ``wgmma.mma_async``, SASS HGMMA) or ``mma.sync``
   (HMMA), with counts;
-* the SASS listing (``nvdisasm``) as instructions, and its loops (backward branches) as a tree.
+* the SASS listing (``nvdisasm``) as instructions, and its loops (backward branches) as a tree;
+* the PTX (``analysis.ordering`` checks the barrier ordering of global round trips in it).
 
 :func:`weighted_counts` then weights every SASS instruction by the trip counts of the loops around
 it, matching the SASS loop tree against the loops the launcher declared (``KernelCost.loops``): the
@@ -506,6 +507,7 @@ class Compiled:
     ptx_mma_sync: int  # mma.sync instructions in the PTX
     sass: str
     compile_s: float
+    ptx: str = ""  # the PTX (convfirstnet.analysis.ordering reads the barrier ordering from it)
 
     @property
     def mma_kind(self) -> str:
@@ -552,7 +554,7 @@ def compile_one(variant: Variant) -> dict:
     return dict(regs=res.get("REG", 0), stack=res.get("STACK", 0), local=res.get("LOCAL", 0),
                 shared=max(int(k.metadata.shared), res.get("SHARED", 0)), num_warps=int(k.metadata.num_warps),
                 ptx_wgmma=len(re.findall(r"\bwgmma\.mma_async", ptx)),
-                ptx_mma_sync=len(re.findall(r"\bmma\.sync", ptx)), sass=sass, compile_s=seconds)
+                ptx_mma_sync=len(re.findall(r"\bmma\.sync", ptx)), sass=sass, compile_s=seconds, ptx=ptx)
 
 
 def _variant_from_json(v: dict) -> Variant:

@@ -62,7 +62,8 @@ TARGETS: dict[int, Target] = {
 
 def target(arch: int | str) -> Target:
     """``90``, ``"90"``, ``"sm_90"`` or ``"sm90"`` -> the target."""
-    key = int(str(arch).lower().removeprefix("sm_").removeprefix("sm"))
+    text = str(arch).strip().lower().removeprefix("sm_").removeprefix("sm")
+    key = int(text) if text.isdigit() else None
     if key not in TARGETS:
         raise ValueError(f"unknown GPU target {arch!r}; known: {', '.join(f'sm_{a}' for a in TARGETS)}")
     return TARGETS[key]

@@ -2,6 +2,9 @@
 
     out[n, f] = mean_{h,w} SiLU(sum_c W[f, c] x[n, c, h, w] + b[f])            (N, F)
 
+This module holds the ``@triton.jit`` code; launcher.py the host side (the configuration below, the
+image groups, the launch and its cost declaration).
+
 Waterline
 ---------
 Batch 128, C = 256, 8x8 map, F = 1280, fp16 (Small at 256x256): 2.68 GMACs, 5.4 us on the tensor
@@ -18,11 +21,10 @@ Formulation: features as the dot's M
 ``acc[BLOCK_F, BLOCK_P] = W[f-block, :] @ x[n]^T`` (features x pixels): the pool is then a sum
 along each thread's own accumulator row (wgmma gives a thread 2 rows x BLOCK_P / 4 columns per 64-row
 tile), finished by two shuffles within a quad, instead of a reduction across 128 threads.
-SiLU is ``h + h * tanh(h)`` with ``h = (acc + b) / 2`` (= y * sigmoid(y)): one FFMA, one MUFU.TANH
-and one FFMA per element on the GPU path (``FAST_SILU``: ``tanh.approx.f32`` through inline asm,
-max relative error 2^-10.99, used for fp16/bf16 outputs whose own rounding is 2^-11 / 2^-8). The
-interpreter cannot run inline asm, and fp32 outputs need more accuracy: there ``tanh(h)`` is
-``2 / (1 + exp(-2h)) - 1``, the same formula around it.
+SiLU is kernels/_activations.py's ``y / (1 + 2^(-y log2 e))``, y = acc + b: on the GPU path for
+fp16/bf16 (``FAST_SILU``) through ``ex2.approx`` and ``rcp.approx`` by inline asm (two MUFU and three
+fp32 instructions per element, ~2e-6 relative error); the interpreter, which cannot run inline asm,
+and fp32 outputs use ``tl.exp2`` and a division, the same formula.
 
 Pixels past H*W are not masked in the epilogue: they load x = 0, so their y is exactly b, and after
 the pixel loop the kernel subtracts (padded pixels) x SiLU(b) from the sum, computed by the same
@@ -60,6 +62,13 @@ Compiled for sm_90 (C = 256, 8x8, fp16): wgmma, 146 registers, 80 KB shared memo
 on a GPU yet. On sm_80 mma.sync takes its A operand from registers and the compiler keeps the
 loop-invariant slice there: ~250 registers, no spills, one program per SM.
 
+The L2 traffic is 11.6x the DRAM bytes (60 MB against 5.2 MB), above issue 18's 2.5x, and no tiling
+of this kind reaches 2.5x: with F_b features per program and one wave of programs on 132 SMs, x is
+read F / F_b times (4.2 MB each) and W once per program (F_b x 512 B), 5.37 GB / F_b + 67.6 KB x F_b,
+at least 38 MB (7.3x) at F_b ~ 280. BLOCK_F = 256 with 8 warps and one program per SM (128 KB of
+weights in shared memory) was tried in the static report: 38.7 MB (7.5x), but 12.3-14.9 us against
+9.9-11.8 us for this design (two programs per SM hide each other's waits), so it was not kept.
+
 Constants
 ---------
 BLOCK_F = 128 features (fp32: 64): the dot's M, two wgmma 64-row tiles for 4 warps; 1280 / 128 = 10
@@ -67,34 +76,15 @@ feature blocks. BLOCK_P = H*W rounded up to a power of two, between 16 (the smal
 and 64 (the [128, 64] fp32 accumulator is 64 registers per thread). num_stages = 1 on the resident
 path: the x tile is not multi-buffered, which keeps shared memory at W + one x tile so that two
 programs fit per SM and hide each other's load latency. BLOCK_K = 32 (fp32) / 64 on the K loop,
-with num_stages = 2 (its per-step tiles are small).
+with num_stages = 2 (its per-step tiles are small; fp32: 1, two stages of tf32x3 splits spilled on sm_80).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
 import triton
 import triton.language as tl
 
-from .._cost import KernelCost, Loop, active_recording
-from .._launch import launch
-
-FP32_PRECISION = "tf32x3"  # dot precision for fp32 operands (the interpreter computes exact fp32)
-MAX_RESIDENT_C = 256  # the resident weight slice: two K parts of at most 128 channels
-DEFAULT_SMS = 132  # H100 SXM: the program count when no CUDA device says otherwise (cost recording, CPU)
-PROGRAMS_PER_SM = 2
-
-
-@triton.jit
-def _tanh(h, FAST: tl.constexpr):
-    if FAST:  # MUFU.TANH: max relative error 2^-10.99 (PTX ISA, tanh.approx.f32)
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [h], dtype=tl.float32,
-                                      is_pure=True, pack=1)
-    else:
-        t = 2.0 / (1.0 + tl.exp(-2.0 * h)) - 1.0
-    return t
+from .._activations import silu
 
 
 @triton.jit
@@ -142,8 +132,8 @@ def _head_kernel(
             w2 = _w_tile(w_ptr, rf, f_ok, k2, swf, swc, C, MASK_K2)
     else:
         kk = tl.arange(0, BLOCK_K)
-    hb = 0.5 * tl.load(b_ptr + rf, mask=f_ok, other=0.0).to(tl.float32)
-    silu_b = hb + hb * _tanh(hb, FAST_SILU)  # SiLU(b): the value of every padded pixel
+    bias = tl.load(b_ptr + rf, mask=f_ok, other=0.0).to(tl.float32)
+    silu_b = silu(bias, FAST_SILU)  # the value of every padded pixel (x = 0: y = b exactly)
     n_pad = tl.cdiv(HW, BLOCK_P) * BLOCK_P - HW
     inv_hw = 1.0 / HW
 
@@ -165,122 +155,6 @@ def _head_kernel(
                     wk = _w_tile(w_ptr, rf, f_ok, k0 + kk, swf, swc, C, True)
                     xk = _x_tile(x_img, k0 + kk, poff, p_ok, sxc, C, True)
                     acc = tl.dot(wk, xk, acc, input_precision=PREC)
-            h = acc * 0.5 + hb[:, None]
-            total += tl.sum(h + h * _tanh(h, FAST_SILU), axis=1)
+            total += tl.sum(silu(acc + bias[:, None], FAST_SILU), axis=1)
         mean = (total - n_pad * silu_b) * inv_hw
         tl.store(out_ptr + tl.cast(n, tl.int64) * son + rf, mean.to(out_ptr.dtype.element_ty), mask=f_ok)
-
-
-@dataclass(frozen=True)
-class HeadConfig:
-    c: int
-    w_resident: bool  # the [BLOCK_F, C] weight slice on chip for all the program's images
-    k1: int  # resident: first K part (power of two)
-    k2: int  # resident: second K part (power of two, or 0)
-    block_k: int  # otherwise: channels per step of the K loop
-    block_f: int  # features per program (the dot's M)
-    block_p: int  # pixels per block (the dot's N)
-    num_warps: int = 4
-    num_stages: int = 1
-
-    def constexprs(self) -> dict:
-        return dict(W_RESIDENT=self.w_resident, K1=self.k1, K2=self.k2, MASK_K1=self.k1 > self.c,
-                    MASK_K2=self.k1 + self.k2 > self.c, BLOCK_K=self.block_k, BLOCK_F=self.block_f,
-                    BLOCK_P=self.block_p)
-
-    @property
-    def k_issued(self) -> int:
-        """Channels the dots multiply per pixel and feature (K padding included)."""
-        return self.k1 + self.k2 if self.w_resident else self.block_k * triton.cdiv(self.c, self.block_k)
-
-
-def split_k(c: int) -> tuple[int, int]:
-    """C as two power-of-two parts: (min(128, largest power of two <= C), the rest rounded up), each >= 16."""
-    k1 = max(16, min(128, 1 << (max(1, c).bit_length() - 1)))
-    rest = c - k1
-    return k1, (max(16, triton.next_power_of_2(rest)) if rest > 0 else 0)
-
-
-def head_config(c: int, hw: int, dtype: torch.dtype) -> HeadConfig:
-    block_p = min(64, max(16, triton.next_power_of_2(max(1, hw))))
-    if dtype != torch.float32 and c <= MAX_RESIDENT_C:
-        k1, k2 = split_k(c)
-        return HeadConfig(c, True, k1, k2, 0, 128, block_p)
-    # fp32 (tf32x3 splits every operand in two: a resident slice would not fit in registers on sm_80,
-    # where mma.sync takes its operands from registers) and C > 256: W and x in K steps, W from L2
-    if dtype == torch.float32:
-        return HeadConfig(c, False, 0, 0, 32, 64, block_p, num_stages=2)
-    return HeadConfig(c, False, 0, 0, 64, 128, block_p, num_stages=2)
-
-
-SUPPORTED_C = (128, 160, 192, 256)  # the head follows stage 5 (SPEC 1, Table 3)
-
-
-def image_groups(n: int, f_blocks: int, sms: int) -> int:
-    """G: programs per feature block. Enough programs for PROGRAMS_PER_SM per SM, and each program
-    walks N / G images with its weight slice on chip."""
-    return max(1, min(n, PROGRAMS_PER_SM * sms // f_blocks))
-
-
-def sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    rec = active_recording()  # meta tensors: the recording's target
-    return rec.sms if rec is not None and rec.sms and device.type == "meta" else DEFAULT_SMS
-
-
-def pixel_stride(x: torch.Tensor) -> int | None:
-    """sxp such that pixel p = h * W + w of an image sits at p * sxp (NHWC and NCHW memory, or a
-    one-row / one-column map), else None."""
-    _, _, h, w = x.shape
-    if w == 1:
-        return x.stride(2)
-    return x.stride(3) if h == 1 or x.stride(2) == w * x.stride(3) else None
-
-
-def head_cost(
-    n: int, c: int, f: int, hw: int, cfg: HeadConfig, groups: int, elem: int, fp32: bool
-) -> KernelCost:
-    f_blocks = triton.cdiv(f, cfg.block_f)
-    p_blocks = triton.cdiv(hw, cfg.block_p)
-    passes = 3 if fp32 else 1  # tf32x3: three tensor-core products per dot
-    inner = () if cfg.w_resident else (Loop("channel steps", triton.cdiv(c, cfg.block_k)),)
-    w_reads = f_blocks * groups if cfg.w_resident else n * f_blocks * p_blocks  # [BLOCK_F, C] slices
-    return KernelCost(
-        useful_macs=n * hw * c * f,
-        mma_macs=passes * n * f_blocks * p_blocks * cfg.block_f * cfg.block_p * cfg.k_issued,
-        dram_bytes=elem * (n * c * hw + f * c + f + n * f),
-        loops=(Loop("images", triton.cdiv(n, groups), (Loop("pixel blocks", p_blocks, inner),)),),
-        note=f"{f_blocks} feature blocks x {groups} image groups; "
-        + (f"weight slice [{cfg.block_f}, {c}] on chip per program" if cfg.w_resident
-           else f"K steps of {cfg.block_k}")
-        + f"; L2 reads ~{(f_blocks * n * c * hw + w_reads * cfg.block_f * c) * elem / 1e6:.0f} MB"
-        + (", tf32x3 (3 passes)" if fp32 else ""),
-    )
-
-
-def head_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Launch the fused head. Inputs are validated by op.py before this call."""
-    n, c, h, wd = x.shape
-    f = w.shape[0]
-    out = torch.empty((n, f), device=x.device, dtype=x.dtype)
-    if out.numel() == 0:
-        return out
-    if pixel_stride(x) is None:  # a view whose pixels are not uniformly strided: an NHWC copy first
-        x = x.contiguous(memory_format=torch.channels_last)
-    hw = h * wd
-    cfg = head_config(c, hw, x.dtype)
-    f_blocks = triton.cdiv(f, cfg.block_f)
-    groups = image_groups(n, f_blocks, sm_count(x.device))
-    fp32 = x.dtype == torch.float32
-    launch(
-        _head_kernel, (f_blocks * groups,),
-        x, w, b.contiguous(), out, n, c, f, hw, groups, f_blocks,
-        x.stride(0), x.stride(1), pixel_stride(x), *w.stride(), out.stride(0),
-        PREC=FP32_PRECISION if fp32 else "tf32",
-        # inline asm runs compiled only: on CPU tensors the kernel runs in the interpreter
-        FAST_SILU=not fp32 and x.device.type != "cpu",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.constexprs(),
-        cost=lambda: head_cost(n, c, f, hw, cfg, groups, x.element_size(), fp32),
-    )
-    return out

@@ -6,7 +6,7 @@ from .._launch import HAS_TRITON, check_activation, check_shape, check_weights, 
 from .reference import head_reference
 
 if HAS_TRITON:
-    from .kernel import head_triton
+    from .launcher import head_triton
 
 
 @define_op("convfirstnet::head")

@@ -72,16 +72,19 @@ and never written again (later slices reuse the zeroed slots). Stride 2 adds the
 Scratch ordering: stores, then ``tl.debug_barrier()`` (bar.sync), then loads by other threads of
 the same program. That is safe because the scratch loads are plain ``ld.global``: the tile loops
 run with ``num_stages=1``, so Triton's pipeliner does not turn them into ``cp.async`` issued
-ahead of the barrier (a test checks the compiled PTX). The projection's gate-slot loads are
-pipelined (``cp.async``), but only inside the R loop, which starts after the barrier (also checked).
+ahead of the barrier. The projection's gate-slot loads are pipelined (``cp.async``), but only inside
+the R loop, which starts after the barrier. Each round trip has its own argument (``scr_ptr``: the
+``h`` slots, ``gscr_ptr``: the stride-2 ``g`` slots, ``ms_ptr``, ``gate_ptr``), so that the compile
+check (``convfirstnet.analysis.ordering``, tests/kernels/test_ordering.py) can follow each one's
+stores and loads through the control flow of the PTX and require a ``bar.sync`` between them.
 
 Numerics: all dots accumulate in fp32; ``h``, ``g`` and the gated ``g`` are rounded to the input
 dtype before they feed a tensor-core dot (as the two-pass kernel did); the pool, the SE MLP and the
 blur run in fp32; the gate is rounded to the input dtype before it scales ``g`` (one fp16 multiply).
 fp32 inputs use ``input_precision="tf32x3"`` (~fp32 accuracy; "ieee" took minutes per variant in
-ptxas). SiLU on the GPU is ``u + u tanh(u)``, u = x/2, through ``tanh.approx.f32`` (three
-instructions; max relative error ~2^-11, below fp16's rounding) for fp16/bf16; fp32 data and the
-interpreter (which cannot run inline asm) use x / (1 + exp(-x)).
+ptxas). SiLU and the SE sigmoid are kernels/_activations.py's (1 / (1 + 2^(-x log2 e)); for fp16/bf16
+on the GPU through ``ex2.approx``/``rcp.approx``, ~2e-6 relative error over [-16, 16]; fp32 data and
+the interpreter, which cannot run inline asm, through ``tl.exp2`` and a division).
 
 Waterline, as compiled (Small, batch 128, fp16, sm_90 = H100 SXM 989 TFLOP/s, 3.35 TB/s, 132 SMs;
 ``t_issue`` = warp-instructions from the SASS, weighted by the declared loop trips, / (4 per clock
@@ -113,7 +116,7 @@ same estimate gave 10.2 ms for stage 4 and 3.8 ms for stage 5 (3.6x and 4.9x the
 
 Per block, the two launches are bounded by instruction issue: the hidden kernel's (expand, conv,
 SiLU, scratch traffic) and the projection's (a third of it is the SE gate, recomputed by each of an
-image's 64-pixel tiles; the sigmoid goes through ``tanh.approx`` for 16-bit data). With ``g`` read
+image's 64-pixel tiles). With ``g`` read
 from L2, the DRAM floor of a 16x16 block is x in, ``g`` written, out (and x again for the residual):
 37 us against 56 us when ``g`` is also read from DRAM. Not counted by the model: L2 bandwidth (``g``
 read back, ``x`` re-read by each of the R/64 chunk items of an image, ``W_proj`` by each 64-row tile)
@@ -128,6 +131,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._activations import sigmoid, silu
 from .._cost import KernelCost, Loop, active_recording
 from .._launch import GROUP_WIDTH, launch
 
@@ -294,28 +298,14 @@ def persistent_programs(device: torch.device, slot_bytes: int) -> int:
 
 @triton.jit
 def _silu(acc, half_bias, MODE: tl.constexpr):
-    """SiLU(acc + 2 * half_bias) in fp32. MODE 0: x / (1 + exp(-x)) (interpreter, fp32 data);
-    MODE 1: with u = x / 2, SiLU(x) = u + u * tanh(u) through tanh.approx.f32 (three instructions)."""
-    if MODE == 0:
-        v = acc + 2.0 * half_bias
-        return v / (1.0 + tl.exp(-v))
-    else:
-        u = acc * 0.5 + half_bias
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u], dtype=tl.float32, is_pure=True,
-                                      pack=1)
-        return u + u * t
+    """SiLU(acc + 2 * half_bias) in fp32 (kernels/_activations.py; MODE 1: its inline-asm form)."""
+    return silu(acc + 2.0 * half_bias, MODE == 1)
 
 
 @triton.jit
 def _sigmoid(e, MODE: tl.constexpr):
-    """sigmoid(e) in fp32. MODE 0: 1 / (1 + exp(-e)); MODE 1: 0.5 + 0.5 tanh(e / 2) through
-    tanh.approx.f32 (the gate is rounded to 16 bits next; about 15 instructions fewer per value)."""
-    if MODE == 0:
-        return tl.sigmoid(e)
-    else:
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [e * 0.5], dtype=tl.float32,
-                                      is_pure=True, pack=1)
-        return 0.5 + 0.5 * t
+    """sigmoid(e) in fp32 (kernels/_activations.py; MODE 1: its inline-asm form)."""
+    return sigmoid(e, MODE == 1)
 
 
 @triton.jit
@@ -358,7 +348,7 @@ def _tile(t, ncol, H, W, m, TW: tl.constexpr, TH: tl.constexpr, EXACT: tl.conste
 # IB is not specialized: at IB = 1 the specialized variant spilled 40 B (Small, 16x16, fp16, sm_90)
 @triton.jit(do_not_specialize=["IB"])
 def _mbconv_hidden_kernel(
-    x_ptr, wexp_ptr, bexp_ptr, wconv_ptr, bconv_ptr, w1_ptr, g_ptr, z_ptr, scr_ptr, ms_ptr,
+    x_ptr, wexp_ptr, bexp_ptr, wconv_ptr, bconv_ptr, w1_ptr, g_ptr, z_ptr, scr_ptr, gscr_ptr, ms_ptr,
     N, H, W_RT, OH, OW, C, R, S, NCHUNK, ITEMS, IB, SLOT, NZ,
     sxn, sxc, sxh, sxw, swe_r, swe_c, swc_r, swc_i, swc_y, swc_x, sw1_s, sw1_r,
     STRIDE: tl.constexpr, RB: tl.constexpr, CP: tl.constexpr, SP: tl.constexpr,
@@ -380,7 +370,7 @@ def _mbconv_hidden_kernel(
     PHW = (H + 2) * PW
     OHW = OH * OW
     hs = scr_ptr + pid.to(tl.int64) * SLOT
-    gs = hs + RB * PHW
+    gs = gscr_ptr + pid.to(tl.int64) * SLOT  # the same slot past h (its own argument: a separate round trip)
     ms = ms_ptr + pid * RB
 
     # Zero the h slot's border (the conv's zero padding, NZ = 2 padded rows + 2 columns of each row
@@ -748,7 +738,8 @@ def _launch_slice(x, out, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_s
                           note=f"{nprog} persistent programs, {items} items of {ib} image(s) x {rb} channels"
                           + label)
 
-    launch(_mbconv_hidden_kernel, (nprog,), x, w_exp, b_exp, w_conv, b_conv, w_se1, gbuf, zpart, scratch, mslot,
+    launch(_mbconv_hidden_kernel, (nprog,), x, w_exp, b_exp, w_conv, b_conv, w_se1, gbuf, zpart, scratch,
+           scratch[rb * phw:] if stride == 2 else scratch, mslot,
            n, h, w, oh, ow, c, r, s, nchunk, items, ib, slot, border if zero else 0,
            *x.stride(), *w_exp.stride(), *w_conv.stride(), *w_se1.stride(),
            SILU=silu, PREC=prec, cost=hidden_cost, **hc.constexprs())

@@ -6,7 +6,7 @@ from .._launch import HAS_TRITON, check_activation, check_shape, check_weights, 
 from .reference import stem_reference
 
 if HAS_TRITON:
-    from .kernel import check_launchable, check_supported, stem_triton
+    from .launcher import check_launchable, check_supported, stem_triton
 
 
 @define_op("convfirstnet::stem")

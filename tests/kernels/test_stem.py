@@ -10,7 +10,7 @@ Run: pytest tests/kernels/test_stem.py --durations=10
 
 import pytest
 import torch
-from convfirstnet.kernels.stem import kernel as S
+from convfirstnet.kernels.stem import launcher as S
 from convfirstnet.kernels.stem.reference import stem_reference
 
 from tests.kernels._convfirst_util import nan_banded
