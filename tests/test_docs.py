@@ -12,8 +12,10 @@ Relative links must point to files that exist.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import shlex
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -39,7 +41,9 @@ SCRIPTS = {  # scripts/<name>.py -> the command it runs
     "eval_imagenet": "eval",
     "results_table": "results",
     "train_imagenet": "train",
+    "gpu_check": "gpu_check",  # a script with its own parser (scripts/gpu_check.py)
 }
+STANDALONE = {"gpu_check"}  # scripts whose command line is their own, not a convfirstnet subcommand
 # The commands whose options a page's prose may name; pages not listed may name any command's.
 PAGE_COMMANDS = {
     "docs/eval.md": ("eval",),
@@ -86,6 +90,12 @@ def options(command: str) -> frozenset[str] | None:
             from convfirstnet.analysis import calibration
 
             calibration.main(["--help"])
+        elif command in STANDALONE:
+            name = f"_docs_{command}"
+            spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{command}.py")
+            module = sys.modules[name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return frozenset(module.build_parser()._option_string_actions)
         else:
             cli.main([command, "--help"])
     except _Parsed as p:
@@ -160,7 +170,7 @@ def test_invocations_use_real_commands_and_options(page):
     for command, args, line in _invocations(page):
         if command.startswith("<"):  # a placeholder: `convfirstnet <command> --help`
             continue
-        if command not in COMMANDS and command not in MODULES.values():
+        if command not in COMMANDS and command not in MODULES.values() and command not in STANDALONE:
             problems.append(f"unknown command {command!r} in: {line}")
             continue
         known = options(command)
@@ -178,7 +188,7 @@ def test_options_in_the_text_exist(page):
     """Options named in inline code outside invocations: those of the page's commands, or of a program
     in FOREIGN."""
     _, prose = _code_blocks(page.read_text())
-    commands = PAGE_COMMANDS.get(_rel(page), COMMANDS)
+    commands = PAGE_COMMANDS.get(_rel(page), (*COMMANDS, *STANDALONE))
     known = set().union(*(options(c) or () for c in commands))
     problems = []
     for span in re.findall(r"`([^`]+)`", prose):
