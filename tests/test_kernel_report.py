@@ -636,13 +636,25 @@ class _NotRecordable(torch.nn.Module):
     ],
 )
 def test_cli_refuses_a_model_it_cannot_record(capsys, monkeypatch, fail, msg):
+    from convfirstnet.analysis import report
     from convfirstnet.commands import cli, kernels
 
     monkeypatch.setattr(kernels, "create_model", lambda name: _NotRecordable(fail))
+    monkeypatch.setattr(report, "fuse", lambda model: model)  # as if it were fused: the forward fails
     assert cli.main(["kernels", "--model", "pico"]) == 1
     err = capsys.readouterr().err
     # one line, before anything is compiled (no progress lines)
     assert err.startswith("convfirstnet kernels: error: ") and msg in err and err.count("\n") == 1
+
+
+def test_cli_refuses_a_model_it_cannot_fuse(capsys, monkeypatch):
+    from convfirstnet.commands import cli, kernels
+
+    monkeypatch.setattr(kernels, "create_model", lambda name: _NotRecordable(False))
+    assert cli.main(["kernels", "--model", "pico"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("convfirstnet kernels: error: cannot record the kernel launches of convfirstnet_pico")
+    assert "TypeError" in err and "no ConvFirstNet block to fuse" in err and err.count("\n") == 1
 
 
 def test_cli_reports_an_ambiguous_loop_matching_in_one_line(capsys, monkeypatch):
