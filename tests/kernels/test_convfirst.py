@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from convfirstnet.kernels.convfirst import kernel as K
+from convfirstnet.kernels.convfirst import launcher as K
 from convfirstnet.kernels.convfirst.reference import convfirst_reference
 
 from convfirstnet.blocks import ConvFirst, FusedConvFirst, tap_major
