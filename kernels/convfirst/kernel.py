@@ -107,17 +107,17 @@ model's fast / slow constants (CUDA graphs), against the layer-wise bound of the
 resident / hidden chunks, /SM = persistent programs per SM; binds = the largest term at the slow end
 (latency = stall cycles plus exposed waits of one warp's path); L2 = L2<->SM bytes over DRAM bytes;
 before = the previous design (one program per tile, cp.async.cg windows, weights re-read by every
-tile). Next largest terms at the slow end: stage 1 issue 84; 32 -> 64 DRAM 74; C = 64 tensor 78;
+tile). Next largest terms at the slow end: stage 1 issue 83; 32 -> 64 DRAM 74; C = 64 tensor 78;
 64 -> 96 DRAM 34; C = 96 tensor 43.
 
     C, R, K, s, map        tile  warps res  regs  smem  /SM | predicted layer-wise  binds      L2/DRAM  before
-    32, 96,32,1,128^2 (x2) 8x16    4   3/3   125   29 KB  4  |  82-100    445-548  dram 99     1.21x  203-299
+    32, 96,32,1,128^2 (x2) 8x16    4   3/3   125   29 KB  3  |  81-100    445-548  dram 99     1.21x  203-299
     32,192,64,2,128^2      8x8     4   3/3   248   58 KB  2  |  74-80     507-625  latency 79  1.28x   83-123
     64,384,64,1, 64^2 (x4) 8x16    8   6/6   175  130 KB  1  | 107-123    344-425  latency 121 1.21x  119-175
     64,384,96,2, 64^2      8x16    8   2/6   255  100 KB  1  |  69-85     254-313  latency 84  2.50x   74-89
     96,576,96,1, 32^2 (x5) 16x16   8  0/18   246   66 KB  1  |  66-84     132-162  latency 83  3.41x   60-81
 
-    stage 1 / 2 / 3: 0.164-0.201 / 0.502-0.571 / 0.399-0.505 ms (before 0.405-0.598 / 0.557-0.821 /
+    stage 1 / 2 / 3: 0.163-0.201 / 0.502-0.571 / 0.399-0.505 ms (before 0.405-0.598 / 0.557-0.821 /
     0.372-0.493), 0.18 / 0.25 / 0.45 of the layer-wise bound at the slow end; no stack in any of them.
 
 Stage 1 sits on its DRAM bound. The t = 6 blocks are bound by one warp's path: with one program per
@@ -373,7 +373,7 @@ def _ffn_chunks(
     w1_ptr, b1_ptr, w2_ptr, sw1_r, sw1_c, sw2_k, sw2_r, R_RUN,
     NPX: tl.constexpr, NG: tl.constexpr, PW: tl.constexpr, PWL: tl.constexpr, CG: tl.constexpr,
     K0: tl.constexpr, K1: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BH: tl.constexpr,
-    RES: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr, STREAM_STAGES: tl.constexpr = 1,
+    RES: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr,
 ):
     """acc += ReLU(A @ W1^T + b1) @ W2^T over the hidden chunks of BH channels (the hidden tile never
     leaves the chip). A is given as NG x NPX parts ys (``_a_base``, ``_a_width``); the output as
@@ -381,8 +381,9 @@ def _ffn_chunks(
 
     The first RES chunks take their weights from the resident tuples (``_resident_weights``, unrolled);
     the others (a runtime loop up to R_RUN = R, which keeps the compiler from unrolling it) load them
-    per tile, software-pipelined over two stages: cp.async.cg into shared memory, L2 traffic that does
-    not pass through L1, where the conv windows of the tile stay.
+    per tile with ld.global.cg, not software-pipelined: L2 traffic that does not pass through L1, where
+    the conv windows of the tile stay. (Pipelined, the pieces narrower than 16 bytes became
+    cp.async.ca, which allocates in L1; ld.global.cg never does.)
     """
     NA: tl.constexpr = NG * NPX
     for i in tl.static_range(RES):
@@ -394,7 +395,7 @@ def _ffn_chunks(
             acc0, acc1 = _hidden_chunk(ys, acc0, acc1, w1s, i * NA, w2a[i], w2a[i], b1_ptr, i * BH, h_ok,
                                        NA, K1, BH, PRECISION, ASM)
     if RES * BH < R:
-        for h0 in tl.range(RES * BH, R_RUN, BH, num_stages=STREAM_STAGES):
+        for h0 in tl.range(RES * BH, R_RUN, BH, num_stages=1):
             h_ok = h0 + tl.arange(0, BH) < R
             w1s_h = ()
             for p in tl.static_range(NA):

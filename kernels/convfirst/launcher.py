@@ -8,12 +8,12 @@ binding term; no GPU timings yet). The sampled configurations are compiled for s
 tests/kernels/test_convfirst.py, all of them with CONVFIRSTNET_COMPILE_ALL=1.
   * Persistent programs (programs_per_sm per SM, checked against the compiled occupancy), num_stages 1:
     no load is software-pipelined (a pipelined 16-byte load is cp.async.cg, which skips L1).
-  * stride 1, 16-bit, up to 32 channels: 8 x 16 tiles, 4 warps, 4 programs per SM (3 at R = 6C), all
-    hidden chunks resident (BLOCK_H <= 32); 16 x 16 tiles on 4 warps needed 240 registers (2 per SM)
-    and spilled at R = 6C. 33-64 channels: 8 x 16 tiles, 8 warps, one program per SM with every chunk
-    resident (C = 64: 96 KB); 16 x 16 tiles spilled. Wider (C = 72, 96): 16 x 16 tiles, 8 warps, BLOCK_H
-    32, all chunks streamed from L2 (a resident prefix spilled; 8 x 16 tiles doubled the streamed
-    bytes per pixel).
+  * stride 1, 16-bit, up to 32 channels: 8 x 16 tiles, 4 warps, 3 programs per SM (2 at R = 6C: what
+    fits on sm_80), all hidden chunks resident (BLOCK_H <= 32); 16 x 16 tiles on 4 warps needed 240
+    registers (2 per SM) and spilled at R = 6C. 33-64 channels: 8 x 16 tiles, 8 warps, one program
+    per SM with every chunk resident (C = 64: 96 KB); 16 x 16 tiles spilled. Wider (C = 72, 96): 16 x 16
+    tiles, 8 warps, BLOCK_H 32, all chunks streamed from L2 (a resident prefix spilled; 8 x 16 tiles
+    doubled the streamed bytes per pixel).
   * stride 2, fp16: 8 x 8 output tiles with 4 warps and 2 programs per SM up to 32 input channels,
     every chunk resident unless the output has a second part (K = 48: those spilled, so they stream);
     8 x 16 tiles, 8 warps and 16-channel blur parts for 48-64 with 60 KB of resident chunks (Small's
@@ -133,7 +133,7 @@ def convfirst_config(
             bh = min(bh, 32)
             th, tw, warps, per_sm, budget = (8, 8, 4, 2, 0) if width <= 32 else (8, 16, 8, 1, 0)
         elif width <= 32:
-            th, tw, warps, per_sm, budget = 8, 16, 4, 4 if r <= 4 * c else 3, 96 << 10
+            th, tw, warps, per_sm, budget = 8, 16, 4, 3 if r <= 4 * c else 2, 96 << 10
             bh = min(bh, 32)
         elif width <= 64:
             th, tw, warps, per_sm, budget = 8, 16, 8, 1, 128 << 10
