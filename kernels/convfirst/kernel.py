@@ -36,7 +36,7 @@ What stays on chip, and where (each claim pinned by the compile test in tests/ke
 * L1: the conv windows, the residual, the conv weights and the biases are LDG without .STRONG, which
   allocate in L1: a tile's nine shifted windows (stride 2: its 5x5 windows) and the residual re-read
   its halo tile from L1, and the conv weights and biases stay there across tiles. The working set is
-  one halo tile plus those weights (C = 96: 62 KB), beside the program's shared memory.
+  one halo tile plus those weights (C = 96: 62 + 15 KB), beside the program's shared memory.
 * Shared memory, resident: the expand and projection weights of the first RESIDENT hidden chunks are
   loaded once per program, before its tile loop, as one tensor per chunk and part (tuples, indexed at
   compile time); used only as wgmma B operands, they are stored to shared memory once and stay there
@@ -44,9 +44,9 @@ What stays on chip, and where (each claim pinned by the compile test in tests/ke
   chunks where they fit beside the tile (Small's stage 1 and 2: 12 and 96 KB), a prefix otherwise.
 * L2 only: the weights of the other hidden chunks (a runtime loop, "streamed") are loaded per tile with
   ld.global.cg (LDG.E.128.STRONG.GPU): fetched from L2 by every tile, not allocated in L1.
-Each resident tensor costs registers for its shared-memory descriptor across the tile loop: with more
-than about a dozen of them (or a second output part) the 4-warp variants spilled, which sets the
-budgets in launcher.py.
+Resident chunks cost registers across the tile loop as well (observed, not dissected: the 32 -> 48
+stride-2 variant compiles to 234 registers with no chunk resident and spills with two or more; C = 96
+on 16 x 16 tiles spills with four), which sets the budgets in launcher.py.
 
 Stride 1: the grouped conv as batched two-tap dots
 --------------------------------------------------
