@@ -297,9 +297,9 @@ def programs_for(cfg: ConvFirstConfig, tiles: int, device: torch.device) -> int:
 def _l1_declaration(eb: int, trips: int, halo: int, small: int) -> dict:
     """The L1 part of a persistent program's declaration (elements -> bytes): per tile its halo window
     (re-read by the conv taps, and by the residual, from L1), once the conv weights and the biases
-    (re-read by every tile). Streamed hidden chunks are not in it: their weights are 16-byte
-    cp.async.cg (L2 only, counted in full by the report; the compile test pins that only the b1
-    pieces are L1-allocating)."""
+    (re-read by every tile, b1 of the streamed chunks included). The streamed chunks' weights are not in
+    it: they are ld.global.cg (LDG...STRONG.GPU, L2 only, counted in full by the report; the compile
+    test pins that these are the only loads that skip L1)."""
     return dict(l1_unique_bytes_per_program=eb * (trips * halo + small),
                 l1_working_set_bytes=eb * (halo + small))
 
