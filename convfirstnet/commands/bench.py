@@ -493,7 +493,7 @@ def kernel_config(row: BlockRow, dtype: torch.dtype) -> dict | None:
 
     try:
         if row.block == "convfirst":
-            from convfirstnet.kernels.convfirst.kernel import convfirst_config as fn
+            from convfirstnet.kernels.convfirst.launcher import convfirst_config as fn
 
             args = (row.channels, row.channels, 1)
         else:

@@ -1,1 +1,2 @@
-"""convfirst block: reference.py (spec), kernel.py (Triton), op.py (torch.ops.convfirstnet.convfirst)."""
+"""convfirst block: reference.py (spec), kernel.py (Triton), launcher.py (tile table, checks, launch, cost
+declaration), op.py (torch.ops.convfirstnet.convfirst)."""

@@ -9,24 +9,44 @@ What is computed (reference.py is the specification; weights are BatchNorm-folde
 gconv3x3 has group width 8 (groups = C / 8), padding 1. BlurPool is [1,2,1] (x) [1,2,1] / 16,
 stride 2, reflect padding 1, output ceil(H/2) x ceil(W/2).
 
-Tiling and grid
----------------
-A program owns a TH x TW tile of output pixels of one image and all output channels; the grid is
-1-D with N x ceil(H'/TH) x ceil(W'/TW) programs (no grid.y limit on the batch). The tile position
-costs one scalar division per program and the pixel coordinates inside it are shifts and masks (TW
-is a power of two): a flat N*H*W tiling needs integer divisions by H*W and W per element, which the
-compiler rematerialises in every layout that uses them (8% of the instructions of a C = 64
-prototype). After
-the conv every layer of the block is per pixel, so output tiles are independent; input tiles overlap
-by the halo, which the loads read through L1. Pixels outside the map are masked.
+Persistent programs and tiles
+-----------------------------
+The work is cut into TH x TW tiles of output pixels (all output channels), numbered image by image
+(TILES = N x tiles per image, one int32 index: no grid.y limit on the batch). A launch runs a few
+persistent programs per SM (launcher.py: as few as keep the busiest one at ceil(TILES / (SMs x
+programs per SM)) tiles); each loops over tiles t = pid, pid + programs, ... (tl.range, not
+software-pipelined). The tile position costs one scalar division per tile and the pixel coordinates
+inside it are shifts and masks (TW is a power of two). After the conv every layer of the block is per
+pixel, so tiles are independent; input tiles overlap by the halo. Pixels outside the map are masked.
 
 x is read through its strides when its channel stride is 1 and the others are multiples of 8
-elements (any channels-last tensor or crop): 8 channels are one 16-byte vector. Other layouts (NCHW,
-odd views) are copied to channels-last once by the launcher. The output is NHWC.
+elements (any channels-last tensor or crop); the strides reach the kernel in units of 8 elements, so
+that 8 channels are provably one aligned 16-byte vector. Other layouts (NCHW, odd views) are copied to
+channels-last once by the launcher. The output is NHWC.
 
 Channel parts instead of power-of-two padding. tl.dot tiles are powers of two >= 16, so a width is
 rounded up to a multiple of 16 and split into at most two power-of-two parts, each its own dot:
 96 = 64 + 32 and 48 = 32 + 16 (no padding); 24 -> 32 and 72 -> 64 + 16 are padded and masked.
+
+What stays on chip, and where (each claim pinned by the compile test in tests/kernels)
+-------------------------------------------------------------------------------------
+* No cp.async anywhere: every load is a plain ld.global. A software-pipelined 16-byte load becomes
+  cp.async.cg (SASS LDGSTS.E.BYPASS), which skips L1 whatever its cache modifier says; the previous
+  design fetched each of the ten tap windows of a tile from L2 that way.
+* L1: the conv windows, the residual, the conv weights and the biases are LDG without .STRONG, which
+  allocate in L1: a tile's nine shifted windows (stride 2: its 5x5 windows) and the residual re-read
+  its halo tile from L1, and the conv weights and biases stay there across tiles. The working set is
+  one halo tile plus those weights (C = 96: 62 + 15 KB), beside the program's shared memory.
+* Shared memory, resident: the expand and projection weights of the first RESIDENT hidden chunks are
+  loaded once per program, before its tile loop, as one tensor per chunk and part (tuples, indexed at
+  compile time); used only as wgmma B operands, they are stored to shared memory once and stay there
+  for all the program's tiles. The number is the launcher's (a shared-memory budget per config): all
+  chunks where they fit beside the tile (Small's stage 1 and 2: 12 and 96 KB), a prefix otherwise.
+* L2 only: the weights of the other hidden chunks (a runtime loop, "streamed") are loaded per tile with
+  ld.global.cg (LDG.E.128.STRONG.GPU): fetched from L2 by every tile, not allocated in L1.
+Resident chunks cost registers across the tile loop as well (observed, not dissected: the 32 -> 48
+stride-2 variant compiles to 234 registers with no chunk resident and spills with two or more; C = 96
+on 16 x 16 tiles spills with four), which sets the budgets in launcher.py.
 
 Stride 1: the grouped conv as batched two-tap dots
 --------------------------------------------------
@@ -36,25 +56,23 @@ a channel part at once (a batched 3-D dot over the G groups):
     [x(tap 2s)[:, g] | x(tap 2s + 1)[:, g]]   [G, M, 16]   @   [W_g(tap 2s); W_g(tap 2s + 1)]   [G, 16, 8]
 
 The tenth tap slot is masked to zero, so the issued conv MACs are 10/9 of the useful ones. The
-batched dot compiles to mma.sync (m16n8k16); its [G, M, 8] result is permuted to [M, C] once. The
-tap loads carry cache_modifier=".ca": the software pipeliner then emits cp.async.ca (L1-allocating)
-instead of the L1-bypassing cp.async.cg, so the halo re-reads of a tile hit L1 (pinned by the
-compile test). The weights are read through their strides; FusedConvFirst stores w_conv tap-major
-(blocks.tap_major: memory order kh, kw, ci, co), where each tap's [16, 8] group block is two
-16-byte vectors.
+batched dot compiles to mma.sync (m16n8k16); its [G, M, 8] result is permuted to [M, C] once. The five
+steps are a runtime loop (STEPS = 5 passed as a value, so that ptxas keeps the loop and one step's
+operands live; unrolled, it hoisted all 50 window loads and spilled). The weights are read through
+their strides; FusedConvFirst stores w_conv tap-major (blocks.tap_major: memory order kh, kw, ci, co),
+where each tap's [16, 8] group block is two 16-byte vectors.
 
 FFN over hidden chunks (both kernels)
 -------------------------------------
 acc starts at residual + b2 (stride 1) or b2 (stride 2); for each chunk of BLOCK_H hidden channels
 
-    hid = ReLU(y @ W1[chunk]^T + b1[chunk]);   acc += hid @ W2[:, chunk]^T
+    hid = ReLU(A @ W1[chunk]^T + b1[chunk]);   acc += hid @ W2[:, chunk]^T
 
-both on wgmma (the weight chunks staged in shared memory by cp.async, two stages). The hidden tile
-never leaves the chip. Per hidden value the epilogue is what bounds the t = 6 blocks (SiLU is not
-used here, ReLU is): the bias add and ReLU + fp16 pack are two FADDs and one cvt.rn.relu.f16x2.f32
-per pair (inline asm, ASM=True on a GPU; the interpreter runs tl.maximum then the cast, the same
-values). A chunk costs 190-240 SASS instructions per warp, of which 100-180 are per-chunk overhead
-(wgmma descriptors, barriers, the b1 load) that larger tiles amortise.
+both on wgmma, A (the conv output, or [blur(x) | blur(y)]) and hid from registers, the weights from
+shared memory. A is given as parts (one per conv / blur part), each its own K slice of the expand. The
+hidden tile never leaves the chip. The bias add and ReLU + 16-bit pack are two FADDs and one
+cvt.rn.relu.f16x2.f32 per pair (inline asm, ASM=True on a GPU; the interpreter runs tl.maximum then
+the cast, the same values).
 
 Stride 2: blur first, the 5x5 window read once
 ----------------------------------------------
@@ -82,76 +100,44 @@ residual and the biases are added in fp32; the output is rounded once. fp32 inpu
 input_precision="tf32x3" (3xTF32, ~fp32 accuracy) with smaller tiles; the interpreter computes
 every dot in fp32. bf16 runs only on a GPU (the interpreter's bf16 dot is wrong).
 
-Waterline as compiled (sm_90, ConvFirstNet-Small, batch 128, 256 x 256, fp16)
+As compiled and costed (sm_90, ConvFirstNet-Small, batch 128, 256 x 256, fp16)
 ------------------------------------------------------------------------------
-From the static cost report's model: t_tensor = issued MACs at 989.4 TFLOP/s (times the wave
-quantisation), t_dram = minimal bytes (x read once, out written once, weights once) at 3.35 TB/s,
-t_issue = SASS instructions per warp weighted by the declared loop trips, x warps x programs, at 4
-warp-instructions per clock per SM (132 SMs, 1.83 GHz); predicted = the largest. Layer-wise = the
-waterline's bound for the same block run as separate layers. Before = the previous kernels
-(block-diagonal conv padded to C_PAD, flat 64/128-pixel tiles, 81 loads per stride-2 tile).
+``convfirstnet kernels --model small --arch sm_90`` (Triton 3.8.0), microseconds per block at the
+model's fast / slow constants (CUDA graphs), against the layer-wise bound of the same model; res =
+resident / hidden chunks, /SM = persistent programs per SM; binds = the largest term at the slow end
+(latency = stall cycles plus exposed waits of one warp's path); L2 = L2<->SM bytes over DRAM bytes;
+before = the previous design (one program per tile, cp.async.cg windows, weights re-read by every
+tile). Next largest terms at the slow end: stage 1 issue 83; 32 -> 64 DRAM 74; C = 64 tensor 78;
+64 -> 96 DRAM 34; C = 96 tensor 43.
 
-    block (C, R, K, s, map)        issued/useful   t_tensor  t_dram  t_issue  predicted | layer-wise  before
-    32,  96, 32, 1, 128^2  (x2)         1.03         37.5     80.1     77.8     80.1   |    440.7     206.7
-    32, 192, 64, 2, 128^2               0.98         36.4     60.1     72.7     72.7   |    500.8     439.8
-    64, 384, 64, 1,  64^2  (x4)         1.01         59.3     40.1     51.3     59.3   |    340.6     170.2
-    64, 384, 96, 2,  64^2               0.90         26.0     27.6     39.4     39.4   |    248.0     250.1
-    96, 576, 96, 1,  32^2  (x5)         1.01         32.3     15.1     28.2     32.3   |    127.8     143.0
-                                                                                     (microseconds)
-    stage 1 / 2 / 3 predicted: 0.160 / 0.310 / 0.201 ms   (before 0.413 / 1.121 / 0.965)
-    layer-wise bound:          0.881 / 1.863 / 0.887 ms;  block-fusion bound: 0.160 / 0.288 / 0.184
+    C, R, K, s, map        tile  warps res  regs  smem  /SM | predicted layer-wise  binds      L2/DRAM  before
+    32, 96,32,1,128^2 (x2) 8x16    4   3/3   125   29 KB  3  |  81-100    445-548  dram 99     1.21x  203-299
+    32,192,64,2,128^2      8x8     4   3/3   248   58 KB  2  |  74-80     507-625  latency 79  1.28x   83-123
+    64,384,64,1, 64^2 (x4) 8x16    8   6/6   175  130 KB  1  | 107-123    344-425  latency 121 1.21x  119-175
+    64,384,96,2, 64^2      8x16    8   2/6   255  100 KB  1  |  69-85     254-313  latency 84  2.50x   74-89
+    96,576,96,1, 32^2 (x5) 16x16   8  0/18   246   66 KB  1  |  66-84     132-162  latency 83  3.41x   60-81
 
-Compiled variants (registers, stack, shared memory, weighted SASS instructions per warp per program):
-s1 C=32 16x16 tile, 4 warps: 226 regs, no stack, 33 KB, 2261; s2 32->64 8x8, 4 warps: 166, 0, 37 KB,
-2113; s1 C=64 16x16, 8 warps: 250, 0, 66 KB, 2931; s2 64->96 8x16, 8 warps: 194, 0, 72 KB, 4504;
-s1 C=96 16x16, 8 warps, BLOCK_H 32: 253, 0, 72 KB, 6448. Stage 1 sits on its DRAM bound, the t = 6
-blocks on their tensor bound; the stride-2 blocks are issue bound (the 72 HFMA2 per channel pair of
-the blur and the window's masked loads).
+    stage 1 / 2 / 3: 0.163-0.201 / 0.502-0.571 / 0.399-0.505 ms (before 0.405-0.598 / 0.557-0.821 /
+    0.372-0.493), 0.18 / 0.25 / 0.45 of the layer-wise bound at the slow end; no stack in any of them.
 
-Not in the model: the weights are re-read from L2 by every program (W1 + W2 are 98 KB at C = 64 and
-221 KB at C = 96 in fp16, per 256-pixel tile: 0.4 and 0.9 KB per pixel); the small-N dots (the conv's
-m16n8k16, stride 2's N = 16) run below the tensor-core peak when their operands come from shared
-memory. A GPU measurement decides whether persistent programs that keep the weights on chip pay off.
+Stage 1 sits on its DRAM bound. The t = 6 blocks are bound by one warp's path: with one program per
+SM (the resident weights fill shared memory) every warpgroup waits for its own wgmma groups, chunk
+after chunk, so the waits add the tensor time to the stall cycles. C = 96 cannot keep its weights
+(221 KB) beside a 256-pixel tile: 16 x 16 tiles keep the L2 traffic at 3.4x (8 x 16 tiles with a
+resident prefix were 5-6x), and a resident prefix on 16 x 16 tiles spilled (its 96 + 48 + 96 KB of
+accumulators, conv output and hidden tile leave no registers for the descriptors).
 
-Tile constants (convfirst_config)
----------------------------------
-Chosen by compiling for sm_90 and reading the issue estimate and register use (no GPU timings yet);
-every shipped configuration is compiled for sm_90 and sm_80 in tests/kernels/test_convfirst.py.
-  * stride 1: 16 x 16 tiles (256 pixels amortise the per-chunk and per-tap overheads and halve the L2
-    weight traffic of 128); 4 warps up to 32 channels, 8 warps above (the accumulators, the hidden
-    tile and the conv output then fit in 255 registers without spilling). BLOCK_H = 64 unless that
-    pads R by more than 1/8 (R = 96 -> 32, 48 and 72 -> 16), and 32 for C > 64, where a 64-wide
-    hidden tile next to two accumulator parts would spill.
-  * stride 2: 8 x 8 output tiles with 4 warps for inputs up to 32 channels; 8 x 16 with 8 warps and
-    16-channel blur parts for 48-64 (a 64-pixel tile on 8 warps spends most of its FFN in per-chunk
-    overhead; 32-channel parts on 128 pixels spill).
-  * fp32 (the checking path): 8 x 8 or 8 x 16 tiles and BLOCK_H <= 32 (3xTF32 operands triple the
-    registers; a 16 x 16 tile at C = 96 needed 237 KB of shared memory). bf16 stride 2 blurs in fp32
-    in 16-channel parts on 8 x 8 tiles.
-  * num_stages = 2: the hidden loop's weight chunks are double-buffered; the conv loop has 5 trips.
-  * The stride-2 window is unrolled for fp16 (one block of straight-line code per channel part); the
-    other dtypes run a runtime loop over the three tap rows (ROW_LOOP), which compiles 2-3x faster
-    (CI compiles every configuration) but issues ~35% more instructions (register rotation,
-    recomputed addresses): 99.8 instead of 72.7 us for the 32 -> 64 block.
-Under the interpreter the same single config is used (no autotuning), so launches are deterministic
-under torch.compile and CUDA-graph capture. Widths above 128 (stride 1) or 64 input channels
-(stride 2) are rejected before launch; ConvFirstNet uses at most 96 and 64.
+Not in the model (a GPU run decides): whether another warpgroup's work overlaps a warpgroup's wgmma
+wait (the model says no); the small-N dots (the conv's m16n8k16, stride 2's N = 16) below peak; L1
+hit rates of the declared working sets (the model takes the L1 hit latency when they fit).
+
+Host side (tile table, checks, grid, launch, cost declaration): launcher.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
 import triton
 import triton.language as tl
-
-from .._cost import KernelCost, Loop
-from .._launch import GROUP_WIDTH, launch
-
-MAX_CHANNELS = 128  # widest block the on-chip tiles are laid out for (ConvFirstNet uses <= 96)
-MAX_CHANNELS_S2 = 64  # input channels of a stride-2 block (at most four blur/conv parts; ConvFirstNet: <= 64)
-S2_PART = 16  # channels per blur/conv part of the stride-2 kernel when the input is wider than 32
 
 
 # ------------------------------------------------------------------------------------------------
@@ -181,60 +167,6 @@ def _bias_relu(acc, bias, dt: tl.constexpr, ASM: tl.constexpr):
         )
     else:
         return tl.maximum(acc + bias, 0.0).to(dt)
-
-
-@triton.jit
-def _ffn(
-    a0, a1, acc0, acc1,
-    w1_ptr, b1_ptr, w2_ptr, R, sw1_r, sw1_c, sw2_k, sw2_r,
-    A0: tl.constexpr, A0_END: tl.constexpr, A1: tl.constexpr, A1_BASE: tl.constexpr, A1_END: tl.constexpr,
-    K0: tl.constexpr, K1: tl.constexpr, K: tl.constexpr,
-    BLOCK_H: tl.constexpr, EVEN_R: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr,
-):
-    """acc += ReLU([a0 | a1] @ W1^T + b1) @ W2^T over hidden chunks of BLOCK_H (the hidden tile never
-    leaves the chip).
-
-    a0: [M, A0] holds W1 columns [0, A0) (valid below A0_END); a1: [M, A1] holds columns
-    [A1_BASE, A1_BASE + A1) (valid below A1_END), absent when A1 == 0. The output is split into
-    power-of-two parts acc0 [M, K0] (channels [0, K0)) and acc1 [M, K1] ([K0, K0 + K1)), valid below K.
-    """
-    dt = a0.dtype
-    offs_h = tl.arange(0, BLOCK_H)
-    c0 = tl.arange(0, A0)
-    k0 = tl.arange(0, K0)
-    for h0 in range(0, R, BLOCK_H):
-        hh = h0 + offs_h
-        h_ok = hh < R
-        if EVEN_R:
-            h_ok = tl.full((BLOCK_H,), 1, tl.int1)
-        w1p = w1_ptr + hh[None, :] * sw1_r
-        m = h_ok[None, :]
-        if A0 > A0_END:
-            m = m & (c0 < A0_END)[:, None]
-        hid = tl.dot(a0, tl.load(w1p + c0[:, None] * sw1_c, mask=m, other=0.0), input_precision=PRECISION)
-        if A1 > 0:
-            c1 = A1_BASE + tl.arange(0, A1)
-            m = h_ok[None, :]
-            if A1_BASE + A1 > A1_END:
-                m = m & (c1 < A1_END)[:, None]
-            hid = tl.dot(a1, tl.load(w1p + c1[:, None] * sw1_c, mask=m, other=0.0), hid,
-                         input_precision=PRECISION)
-        b1 = tl.load(b1_ptr + hh, mask=h_ok, other=0.0).to(tl.float32)
-        hid = _bias_relu(hid, b1[None, :], dt, ASM)
-        w2p = w2_ptr + hh[:, None] * sw2_r
-        m = h_ok[:, None]
-        if K0 > K:
-            m = m & (k0 < K)[None, :]
-        acc0 = tl.dot(hid, tl.load(w2p + k0[None, :] * sw2_k, mask=m, other=0.0), acc0,
-                      input_precision=PRECISION)
-        if K1 > 0:
-            k1 = K0 + tl.arange(0, K1)
-            m = h_ok[:, None]
-            if K0 + K1 > K:
-                m = m & (k1 < K)[None, :]
-            acc1 = tl.dot(hid, tl.load(w2p + k1[None, :] * sw2_k, mask=m, other=0.0), acc1,
-                          input_precision=PRECISION)
-    return acc0, acc1
 
 
 @triton.jit
@@ -273,7 +205,7 @@ def _load_vec(ptr, KB: tl.constexpr, P: tl.constexpr, K: tl.constexpr):
 
 @triton.jit
 def _gconv_pairs(
-    x_pix, oh, ow, m_ok, H, W, sxh, sxw,
+    x_pix, oh, ow, m_ok, H, W, sxh, sxw, STEPS,
     wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr,
     C: tl.constexpr, CB: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -282,7 +214,11 @@ def _gconv_pairs(
 
     Two taps per K = 16: step s multiplies, for every group g of 8 channels at once (a batched dot),
     [x(tap 2s) | x(tap 2s+1)] ([P/8, BLOCK_M, 16]) by [W(tap 2s); W(tap 2s+1)] ([P/8, 16, 8]).
-    Five steps cover the nine taps and one zero tap (masked): 10/9 of the useful MACs.
+    STEPS = 5 steps (a runtime value, so that the compiler keeps the loop and its registers stay one
+    step's) cover the nine taps and one zero tap (masked): 10/9 of the useful MACs. The loop is not
+    software-pipelined, so every tap load is a plain ld.global (SASS LDG.E.128, allocated in L1, where
+    the overlapping windows of the other taps find it): a pipelined 16-byte load would be cp.async.cg
+    (LDGSTS.E.BYPASS: L2 only) whatever its cache modifier.
     """
     G: tl.constexpr = P // 8
     g = tl.arange(0, G)[:, None, None]
@@ -297,15 +233,14 @@ def _gconv_pairs(
     wco = CB + 8 * g + tl.arange(0, 8)[None, None, :]  # [G, 1, 8] output channel
     w_base = wc_ptr + wco * swc_o + (wj % 8) * swc_i  # [G, 16, 8]
     acc = tl.zeros((G, BLOCK_M, 8), tl.float32)
-    for step in range(5):
+    for step in tl.range(0, STEPS, num_stages=1):
         tap = 2 * step + j // 8
         dh = tap // 3 - 1
         dw = tap % 3 - 1
         ih = oh3 + dh
         iw = ow3 + dw
         ok = ok3 & (tap < 9) & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        # ".ca": the nine shifted windows of a tile overlap, keep them in L1 (not cp.async.cg)
-        xv = tl.load(x_base + dh * sxh + dw * sxw, mask=ok, other=0.0, cache_modifier=".ca")
+        xv = tl.load(x_base + dh * sxh + dw * sxw, mask=ok, other=0.0)
         wtap = 2 * step + wj // 8
         w_ok = wtap < 9
         if CB + P > C:
@@ -321,60 +256,208 @@ def _gconv_pairs(
 
 
 @triton.jit
-def _program_tile(H, W, TH: tl.constexpr, TW: tl.constexpr):
-    """This program's image n and its TH x TW tile of the H x W output map (grid: N x tiles per image):
-    each row's output pixel (oh, ow) and whether it lies inside the map."""
-    pid = tl.program_id(0)
+def _tile_pixels(t, H, W, TH: tl.constexpr, TW: tl.constexpr):
+    """Tile t of the tiles of a batch of H x W maps (numbered image by image, row-major within an
+    image): its image n and, per row of the tile, the pixel (oh, ow) and whether it lies inside the
+    map. One scalar division per tile; TW is a power of two, so the rest are shifts and masks."""
     tiles_w = tl.cdiv(W, TW)
     tiles = tl.cdiv(H, TH) * tiles_w
-    n = pid // tiles
-    t = pid % tiles
+    n = t // tiles
+    q = t % tiles
     r = tl.arange(0, TH * TW)
-    oh = (t // tiles_w) * TH + r // TW
-    ow = (t % tiles_w) * TW + r % TW
+    oh = (q // tiles_w) * TH + r // TW
+    ow = (q % tiles_w) * TW + r % TW
     return n, oh, ow, (oh < H) & (ow < W)
+
+
+@triton.jit
+def _w1_part(w1_ptr, sw1_r, sw1_c, h0, h_ok, BH: tl.constexpr, MASK_H: tl.constexpr,
+             CB: tl.constexpr, P: tl.constexpr, CEND: tl.constexpr, MOD: tl.constexpr):
+    """[P, BH]: W1[h0 + h, CB + c], zero where h_ok is false (MASK_H) or c >= CEND: one hidden chunk's
+    expand weights for the A part at column CB, transposed for A @ W1^T. Masks only where needed, so
+    that the loads stay 16-byte vectors along c."""
+    c = CB + tl.arange(0, P)
+    h = h0 + tl.arange(0, BH)
+    p = w1_ptr + h[None, :] * sw1_r + c[:, None] * sw1_c
+    if MASK_H and CB + P > CEND:
+        return tl.load(p, mask=h_ok[None, :] & (c < CEND)[:, None], other=0.0, cache_modifier=MOD)
+    elif MASK_H:
+        return tl.load(p, mask=h_ok[None, :], other=0.0, cache_modifier=MOD)
+    elif CB + P > CEND:
+        return tl.load(p, mask=(c < CEND)[:, None], other=0.0, cache_modifier=MOD)
+    else:
+        return tl.load(p, cache_modifier=MOD)
+
+
+@triton.jit
+def _w2_part(w2_ptr, sw2_k, sw2_r, h0, h_ok, BH: tl.constexpr, MASK_H: tl.constexpr,
+             KB: tl.constexpr, P: tl.constexpr, K: tl.constexpr, MOD: tl.constexpr):
+    """[BH, P]: W2[KB + k, h0 + h], zero where h_ok is false (MASK_H) or k >= K: one hidden chunk's
+    projection weights for the output part at KB, transposed for hid @ W2^T."""
+    k = KB + tl.arange(0, P)
+    h = h0 + tl.arange(0, BH)
+    p = w2_ptr + h[:, None] * sw2_r + k[None, :] * sw2_k
+    if MASK_H and KB + P > K:
+        return tl.load(p, mask=h_ok[:, None] & (k < K)[None, :], other=0.0, cache_modifier=MOD)
+    elif MASK_H:
+        return tl.load(p, mask=h_ok[:, None], other=0.0, cache_modifier=MOD)
+    elif KB + P > K:
+        return tl.load(p, mask=(k < K)[None, :], other=0.0, cache_modifier=MOD)
+    else:
+        return tl.load(p, cache_modifier=MOD)
+
+
+# The A operand of the expand is NG groups of CG columns (stride 1: one, y; stride 2: two, blur(x) then
+# blur(y)), each split into NPX parts: NPX - 1 of PW columns and a last one of PWL. Part p's first W1
+# column, its width, and the end of its group's valid columns (compile-time arithmetic):
+@triton.constexpr_function
+def _a_base(p, npx, pw, cg):
+    return (p % npx) * pw + (p // npx) * cg
+
+
+@triton.constexpr_function
+def _a_width(p, npx, pw, pwl):
+    return pwl if p % npx == npx - 1 else pw
+
+
+@triton.constexpr_function
+def _a_end(p, npx, cg):
+    return (p // npx) * cg + cg
+
+
+@triton.jit
+def _resident_weights(
+    w1_ptr, w2_ptr, sw1_r, sw1_c, sw2_k, sw2_r,
+    NPX: tl.constexpr, NG: tl.constexpr, PW: tl.constexpr, PWL: tl.constexpr, CG: tl.constexpr,
+    K0: tl.constexpr, K1: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, RES: tl.constexpr,
+):
+    """The expand and projection weights of the first RES hidden chunks, one tensor per chunk and part
+    (tuples: w1s[chunk * NG * NPX + A part], w2a[chunk], w2b[chunk] (absent when K1 == 0)). Loaded
+    before a program's tile loop and used by its dots only, they are staged once into shared memory
+    and stay there for all its tiles (the compile test pins the stores before the loop)."""
+    w1s = ()
+    w2a = ()
+    w2b = ()
+    for i in tl.static_range(RES):
+        h_ok = i * BH + tl.arange(0, BH) < R
+        for p in tl.static_range(NG * NPX):
+            w1s = w1s + (_w1_part(w1_ptr, sw1_r, sw1_c, i * BH, h_ok, BH, i * BH + BH > R,
+                                  _a_base(p, NPX, PW, CG), _a_width(p, NPX, PW, PWL), _a_end(p, NPX, CG),
+                                  ""),)
+        w2a = w2a + (_w2_part(w2_ptr, sw2_k, sw2_r, i * BH, h_ok, BH, i * BH + BH > R, 0, K0, K, ""),)
+        if K1 > 0:
+            w2b = w2b + (_w2_part(w2_ptr, sw2_k, sw2_r, i * BH, h_ok, BH, i * BH + BH > R, K0, K1, K, ""),)
+    return w1s, w2a, w2b
+
+
+@triton.jit
+def _hidden_chunk(ys, acc0, acc1, w1s, OFF: tl.constexpr, w2_0, w2_1, b1_ptr, H0, h_ok,
+                  NA: tl.constexpr, K1: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr,
+                  ASM: tl.constexpr):
+    """acc += ReLU(sum_p ys[p] @ w1s[OFF + p] + b1[H0:H0 + BH]) @ [w2_0 | w2_1] for one hidden chunk."""
+    hid = tl.dot(ys[0], w1s[OFF], input_precision=PRECISION)
+    for p in tl.static_range(1, NA):
+        hid = tl.dot(ys[p], w1s[OFF + p], hid, input_precision=PRECISION)
+    hh = H0 + tl.arange(0, BH)
+    b1 = tl.load(b1_ptr + hh, mask=h_ok, other=0.0).to(tl.float32)
+    hid = _bias_relu(hid, b1[None, :], ys[0].dtype, ASM)
+    acc0 = tl.dot(hid, w2_0, acc0, input_precision=PRECISION)
+    if K1 > 0:
+        acc1 = tl.dot(hid, w2_1, acc1, input_precision=PRECISION)
+    return acc0, acc1
+
+
+@triton.jit
+def _ffn_chunks(
+    ys, acc0, acc1, w1s, w2a, w2b,
+    w1_ptr, b1_ptr, w2_ptr, sw1_r, sw1_c, sw2_k, sw2_r, R_RUN,
+    NPX: tl.constexpr, NG: tl.constexpr, PW: tl.constexpr, PWL: tl.constexpr, CG: tl.constexpr,
+    K0: tl.constexpr, K1: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BH: tl.constexpr,
+    RES: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr,
+):
+    """acc += ReLU(A @ W1^T + b1) @ W2^T over the hidden chunks of BH channels (the hidden tile never
+    leaves the chip). A is given as NG x NPX parts ys (``_a_base``, ``_a_width``); the output as
+    power-of-two parts acc0 [M, K0] (channels [0, K0)) and acc1 [M, K1] ([K0, K0 + K1)), valid below K.
+
+    The first RES chunks take their weights from the resident tuples (``_resident_weights``, unrolled);
+    the others (a runtime loop up to R_RUN = R, which keeps the compiler from unrolling it) load them
+    per tile with ld.global.cg, not software-pipelined: L2 traffic that does not pass through L1, where
+    the conv windows of the tile stay. (Pipelined, the pieces narrower than 16 bytes became
+    cp.async.ca, which allocates in L1; ld.global.cg never does.)
+    """
+    NA: tl.constexpr = NG * NPX
+    for i in tl.static_range(RES):
+        h_ok = i * BH + tl.arange(0, BH) < R
+        if K1 > 0:
+            acc0, acc1 = _hidden_chunk(ys, acc0, acc1, w1s, i * NA, w2a[i], w2b[i], b1_ptr, i * BH, h_ok,
+                                       NA, K1, BH, PRECISION, ASM)
+        else:
+            acc0, acc1 = _hidden_chunk(ys, acc0, acc1, w1s, i * NA, w2a[i], w2a[i], b1_ptr, i * BH, h_ok,
+                                       NA, K1, BH, PRECISION, ASM)
+    if RES * BH < R:
+        for h0 in tl.range(RES * BH, R_RUN, BH, num_stages=1):
+            h_ok = h0 + tl.arange(0, BH) < R
+            w1s_h = ()
+            for p in tl.static_range(NA):
+                w1s_h = w1s_h + (_w1_part(w1_ptr, sw1_r, sw1_c, h0, h_ok, BH, R % BH != 0,
+                                          _a_base(p, NPX, PW, CG), _a_width(p, NPX, PW, PWL),
+                                          _a_end(p, NPX, CG), ".cg"),)
+            w2_0 = _w2_part(w2_ptr, sw2_k, sw2_r, h0, h_ok, BH, R % BH != 0, 0, K0, K, ".cg")
+            w2_1 = w2_0
+            if K1 > 0:
+                w2_1 = _w2_part(w2_ptr, sw2_k, sw2_r, h0, h_ok, BH, R % BH != 0, K0, K1, K, ".cg")
+            acc0, acc1 = _hidden_chunk(ys, acc0, acc1, w1s_h, 0, w2_0, w2_1, b1_ptr, h0, h_ok, NA, K1, BH,
+                                       PRECISION, ASM)
+    return acc0, acc1
 
 
 @triton.jit
 def _convfirst_s1_kernel(
     # pointers
     x_ptr, wc_ptr, bc_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr,
-    # sizes: H x W map, R hidden channels (C is a constexpr)
-    H, W, R,
-    # strides (elements): x as logical (N, C, H, W) with unit channel stride, weights as given
-    sxn, sxh, sxw,
+    # sizes: H x W map, TILES = N x tiles per image, R_RUN = R hidden channels (also a constexpr),
+    # STEPS = 5 two-tap conv steps
+    H, W, TILES, R_RUN, STEPS,
+    # x's strides in units of 8 elements (unit channel stride), so that every 8-channel group is
+    # provably one aligned 16-byte vector; the weights' strides in elements
+    sxn8, sxh8, sxw8,
     swc_o, swc_i, swc_h, swc_w,  # w_conv (C, 8, 3, 3)
     sw1_r, sw1_c,  # w1 (R, C)
     sw2_k, sw2_r,  # w2 (C, R)
     # meta-parameters
-    C: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
-    BLOCK_H: tl.constexpr, EVEN_R: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr,
+    C: tl.constexpr, NPX: tl.constexpr, PW: tl.constexpr, PWL: tl.constexpr, K0: tl.constexpr,
+    K1: tl.constexpr,
+    R: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, BLOCK_H: tl.constexpr, RESIDENT: tl.constexpr,
+    PRECISION: tl.constexpr, ASM: tl.constexpr,
 ):
-    tl.static_assert(C0 >= 16 and C1 >= 0 and C0 + C1 >= C, "channel parts must cover C")
+    tl.static_assert(PWL >= 16 and (NPX - 1) * PW + PWL >= C, "conv parts must cover C")
+    tl.static_assert(K0 >= 16 and K0 + K1 >= C, "output parts must cover C")
     tl.static_assert(BLOCK_H >= 16, "tl.dot operands need >= 16 hidden channels")
     BLOCK_M: tl.constexpr = TH * TW
-    # the launcher guarantees strides that are multiples of 8 elements (16-byte vectors of 8 channels)
-    sxn = tl.multiple_of(sxn, 8)
-    sxh = tl.multiple_of(sxh, 8)
-    sxw = tl.multiple_of(sxw, 8)
-    n, oh, ow, m_ok = _program_tile(H, W, TH, TW)
-    x_pix = x_ptr + n.to(tl.int64) * sxn + oh * sxh + ow * sxw
-    out_pix = out_ptr + (n.to(tl.int64) * H * W + oh * W + ow) * C
-
-    y0 = _gconv_pairs(x_pix, oh, ow, m_ok, H, W, sxh, sxw, wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr,
-                      C, 0, C0, BLOCK_M, PRECISION)
-    acc0 = _load_part(x_pix, m_ok, 0, C0, C) + _load_vec(b2_ptr, 0, C0, C)[None, :]
-    y1 = y0
-    acc1 = acc0
-    if C1 > 0:
-        y1 = _gconv_pairs(x_pix, oh, ow, m_ok, H, W, sxh, sxw, wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr,
-                          C, C0, C1, BLOCK_M, PRECISION)
-        acc1 = _load_part(x_pix, m_ok, C0, C1, C) + _load_vec(b2_ptr, C0, C1, C)[None, :]
-    acc0, acc1 = _ffn(y0, y1, acc0, acc1, w1_ptr, b1_ptr, w2_ptr, R, sw1_r, sw1_c, sw2_k, sw2_r,
-                      C0, C, C1, C0, C, C0, C1, C, BLOCK_H, EVEN_R, PRECISION, ASM)
-    _store_part(out_pix, acc0, m_ok, 0, C0, C)
-    if C1 > 0:
-        _store_part(out_pix, acc1, m_ok, C0, C1, C)
+    sxn = sxn8.to(tl.int64) * 8
+    sxh = sxh8 * 8
+    sxw = sxw8 * 8
+    w1s, w2a, w2b = _resident_weights(w1_ptr, w2_ptr, sw1_r, sw1_c, sw2_k, sw2_r, NPX, 1, PW, PWL, C,
+                                      K0, K1, C, R, BLOCK_H, RESIDENT)
+    for t in tl.range(tl.program_id(0), TILES, tl.num_programs(0), num_stages=1):
+        n, oh, ow, m_ok = _tile_pixels(t, H, W, TH, TW)
+        x_pix = x_ptr + n * sxn + oh * sxh + ow * sxw
+        out_pix = out_ptr + (n.to(tl.int64) * H * W + oh * W + ow) * C
+        ys = ()
+        for p in tl.static_range(NPX):
+            ys = ys + (_gconv_pairs(x_pix, oh, ow, m_ok, H, W, sxh, sxw, STEPS, wc_ptr, swc_o, swc_i, swc_h,
+                                    swc_w, bc_ptr, C, _a_base(p, NPX, PW, C), _a_width(p, NPX, PW, PWL),
+                                    BLOCK_M, PRECISION),)
+        acc0 = _load_part(x_pix, m_ok, 0, K0, C) + _load_vec(b2_ptr, 0, K0, C)[None, :]
+        acc1 = acc0
+        if K1 > 0:
+            acc1 = _load_part(x_pix, m_ok, K0, K1, C) + _load_vec(b2_ptr, K0, K1, C)[None, :]
+        acc0, acc1 = _ffn_chunks(ys, acc0, acc1, w1s, w2a, w2b, w1_ptr, b1_ptr, w2_ptr, sw1_r, sw1_c,
+                                 sw2_k, sw2_r, R_RUN, NPX, 1, PW, PWL, C, K0, K1, C, R, BLOCK_H, RESIDENT,
+                                 PRECISION, ASM)
+        _store_part(out_pix, acc0, m_ok, 0, K0, C)
+        if K1 > 0:
+            _store_part(out_pix, acc1, m_ok, K0, K1, C)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -408,12 +491,6 @@ def _vtap(acc, za, zb, zc, ah0, ah1, ah2, w_base, TAP_H: tl.constexpr, TAP_W: tl
     xb = (za * ah0 + zb * ah1 + zc * ah2).to(dt)
     wt = tl.load(w_base + TAP_H * swc_h + TAP_W * swc_w, mask=w_ok, other=0.0)
     return tl.dot(xb, wt, acc, input_precision=PRECISION), xb
-
-
-@triton.jit
-def _cat_cols(a, b, BLOCK_M: tl.constexpr, P: tl.constexpr):
-    """[M, P] | [M, P] -> [M, 2P] (columns of a, then of b)."""
-    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (BLOCK_M, 2 * P))
 
 
 @triton.jit
@@ -479,308 +556,69 @@ def _blur_conv(
 def _convfirst_s2_kernel(
     # pointers
     x_ptr, wc_ptr, bc_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr,
-    # sizes: H x W input, HO x WO output, R hidden channels (C, K are constexprs)
-    H, W, HO, WO, R,
-    # strides (elements)
-    sxn, sxh, sxw,
+    # sizes: H x W input, HO x WO output, TILES = N x output tiles per image, R_RUN = R hidden channels
+    # (also a constexpr; C and K are constexprs)
+    H, W, HO, WO, TILES, R_RUN,
+    # x's strides in units of 8 elements (unit channel stride); the weights' strides in elements
+    sxn8, sxh8, sxw8,
     swc_o, swc_i, swc_h, swc_w,  # w_conv (C, 8, 3, 3)
     sw1_r, sw1_c,  # w1 (R, 2C): columns [0, C) act on blur(x), [C, 2C) on blur(y)
     sw2_k, sw2_r,  # w2 (K, R)
     # meta-parameters
-    C: tl.constexpr, CP: tl.constexpr, CP2: tl.constexpr, K: tl.constexpr, K0: tl.constexpr,
-    K1: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_R: tl.constexpr,
-    PRECISION: tl.constexpr, ASM: tl.constexpr, BLUR_F16: tl.constexpr, ROW_LOOP: tl.constexpr,
+    C: tl.constexpr, CP2: tl.constexpr, NPX: tl.constexpr, K: tl.constexpr, K0: tl.constexpr,
+    K1: tl.constexpr, R: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, BLOCK_H: tl.constexpr,
+    RESIDENT: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr, BLUR_F16: tl.constexpr,
+    ROW_LOOP: tl.constexpr,
 ):
-    tl.static_assert(CP >= 16 and CP >= C, "CP: channels padded to a power of two >= 16")
+    tl.static_assert(CP2 >= 16 and NPX * CP2 >= C and NPX <= 4, "blur/conv parts must cover C")
     tl.static_assert(K0 >= 16 and K0 + K1 >= K, "output parts must cover K")
     BLOCK_M: tl.constexpr = TH * TW
     if BLUR_F16:
         bt: tl.constexpr = tl.float16
     else:
         bt: tl.constexpr = tl.float32
-    sxn = tl.multiple_of(sxn, 8)
-    sxh = tl.multiple_of(sxh, 8)
-    sxw = tl.multiple_of(sxw, 8)
-    n, oh, ow, m_ok = _program_tile(HO, WO, TH, TW)
-    # BlurPool's reflect padding folded into per-row / per-column blur weights (exact powers of two):
-    # [1/4, 1/2, 1/4] inside; first row/column (reflects -1 -> 1): [0, 1/2, 1/2]; last one of an odd
-    # size (reflects H -> H - 2): [1/2, 1/2, 0].
-    top = oh == 0
-    bot = 2 * oh + 1 == H
-    ah0 = tl.where(top, 0.0, tl.where(bot, 0.5, 0.25)).to(bt)[:, None]
-    ah1 = tl.full((BLOCK_M, 1), 0.5, bt)
-    ah2 = tl.where(top, 0.5, tl.where(bot, 0.0, 0.25)).to(bt)[:, None]
-    left = ow == 0
-    right = 2 * ow + 1 == W
-    aw0 = tl.where(left, 0.0, tl.where(right, 0.5, 0.25)).to(bt)[:, None]
-    aw1 = tl.full((BLOCK_M, 1), 0.5, bt)
-    aw2 = tl.where(left, 0.5, tl.where(right, 0.0, 0.25)).to(bt)[:, None]
-    oh2 = 2 * oh
-    ow2 = 2 * ow
-    xc = x_ptr + n.to(tl.int64) * sxn + oh2 * sxh + ow2 * sxw  # window centre (2oh, 2ow)
-
-    xc = xc[:, None] + tl.arange(0, CP2)[None, :]
-    # channel parts of CP2 (the grouped conv never mixes them): 1, 2 or 4 parts, concatenated
-    uy, ux = _blur_conv(xc, oh2, ow2, m_ok, H, W, sxh, sxw, ah0, ah1, ah2, aw0, aw1, aw2,
-                        wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr, C, 0, CP2, BLOCK_M, bt, PRECISION,
-                        ROW_LOOP)
-    if CP >= 2 * CP2:
-        uy1, ux1 = _blur_conv(xc + CP2, oh2, ow2, m_ok, H, W, sxh, sxw, ah0, ah1, ah2, aw0, aw1, aw2,
-                              wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr, C, CP2, CP2, BLOCK_M, bt, PRECISION,
-                              ROW_LOOP)
-        if CP == 4 * CP2:
-            uy2, ux2 = _blur_conv(xc + 2 * CP2, oh2, ow2, m_ok, H, W, sxh, sxw, ah0, ah1, ah2, aw0, aw1, aw2,
-                                  wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr, C, 2 * CP2, CP2, BLOCK_M, bt,
-                                  PRECISION, ROW_LOOP)
-            uy3, ux3 = _blur_conv(xc + 3 * CP2, oh2, ow2, m_ok, H, W, sxh, sxw, ah0, ah1, ah2, aw0, aw1, aw2,
-                                  wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr, C, 3 * CP2, CP2, BLOCK_M, bt,
-                                  PRECISION, ROW_LOOP)
-            uy = _cat_cols(_cat_cols(uy, uy1, BLOCK_M, CP2), _cat_cols(uy2, uy3, BLOCK_M, CP2),
-                           BLOCK_M, 2 * CP2)
-            ux = _cat_cols(_cat_cols(ux, ux1, BLOCK_M, CP2), _cat_cols(ux2, ux3, BLOCK_M, CP2),
-                           BLOCK_M, 2 * CP2)
-        else:
-            uy = _cat_cols(uy, uy1, BLOCK_M, CP2)
-            ux = _cat_cols(ux, ux1, BLOCK_M, CP2)
-
-    acc0 = tl.zeros((BLOCK_M, K0), tl.float32) + _load_vec(b2_ptr, 0, K0, K)[None, :]
-    acc1 = acc0
-    if K1 > 0:
-        acc1 = tl.zeros((BLOCK_M, K1), tl.float32) + _load_vec(b2_ptr, K0, K1, K)[None, :]
-    acc0, acc1 = _ffn(ux, uy, acc0, acc1, w1_ptr, b1_ptr, w2_ptr, R, sw1_r, sw1_c, sw2_k, sw2_r,
-                      CP, C, CP, C, 2 * C, K0, K1, K, BLOCK_H, EVEN_R, PRECISION, ASM)
-    out_pix = out_ptr + (n.to(tl.int64) * HO * WO + oh * WO + ow) * K
-    _store_part(out_pix, acc0, m_ok, 0, K0, K)
-    if K1 > 0:
-        _store_part(out_pix, acc1, m_ok, K0, K1, K)
-
-
-# ------------------------------------------------------------------------------------------------
-# Tile table
-# ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ConvFirstConfig:
-    """One compiled variant: the constexprs and launch options of a kernel."""
-
-    stride: int
-    c: int  # block input channels
-    k: int  # output channels (== c for stride 1)
-    c_parts: tuple[int, int]  # stride 1: power-of-two channel parts (second 0 if none);
-    # stride 2: (CP, CP2): channels padded to a power of two, blurred and convolved in parts of CP2
-    k_parts: tuple[int, int]  # output channel parts
-    tile_h: int
-    tile_w: int
-    block_h: int
-    row_loop: bool  # stride 2: runtime loop over the three tap rows (faster to compile, more instructions)
-    num_warps: int
-    num_stages: int
-    precision: str  # tl.dot input_precision
-
-    @property
-    def block_m(self) -> int:
-        return self.tile_h * self.tile_w
-
-
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def channel_parts(c: int) -> tuple[int, int]:
-    """c rounded up to a multiple of 16 (the smallest tl.dot K) as two powers of two, e.g. 96 -> (64, 32),
-    48 -> (32, 16), 72 -> (64, 16): no padding to the next power of two."""
-    c16 = -(-c // 16) * 16
-    p0 = 1 << (c16.bit_length() - 1)
-    p1 = c16 - p0
-    if p1 & (p1 - 1):  # 112 = 64 + 48: not two powers of two; pad the second part
-        p1 = triton.next_power_of_2(p1)
-    return p0, p1
-
-
-def hidden_block(r: int) -> int:
-    """Hidden chunk: 64 unless its masked tail would waste more than 1/8 of R, then 32, then 16."""
-    for bh in (64, 32):
-        if -(-r // bh) * bh - r <= r // 8:
-            return bh
-    return 16
-
-
-def precision_for(dtype: torch.dtype) -> str:
-    # fp32: 3xTF32 (three tensor-core passes, ~fp32 accuracy); ignored for 16-bit inputs.
-    return "tf32x3" if dtype == torch.float32 else "tf32"
-
-
-def convfirst_config(
-    c: int, k: int, stride: int, dtype: torch.dtype = torch.float16, r: int | None = None
-) -> ConvFirstConfig:
-    """The tile config for a C -> K block with R hidden channels (default 6C) in `dtype`."""
-    r = 6 * c if r is None else r
-    k_parts = channel_parts(k)
-    bh = hidden_block(r)
-    fp32 = dtype == torch.float32
-    if stride == 1:
-        c_parts = k_parts
-        width = sum(c_parts)
-        if fp32:  # 3xTF32 dots triple the operand registers: smaller tiles and hidden chunks
-            (th, tw, warps), bh = ((8, 8, 4) if width <= 32 else (8, 16, 8)), min(bh, 32)
-        elif width <= 32:
-            th, tw, warps = 16, 16, 4
-        else:
-            th, tw, warps = 16, 16, 8
-            if width > 64:
-                bh = min(bh, 32)
-    else:
-        cp = max(16, triton.next_power_of_2(c))
-        if dtype == torch.float16 and cp <= 32:
-            c_parts, (th, tw, warps) = (cp, cp), (8, 8, 4)
-        elif dtype == torch.float16:
-            c_parts, (th, tw, warps) = (cp, S2_PART), (8, 16, 8)
-        else:  # the blur runs in fp32: parts of 16 channels
-            c_parts, (th, tw, warps) = (cp, S2_PART), (8, 8, 4)
-            if fp32:
-                bh = min(bh, 32)
-    # the unrolled stride-2 window is the fast path (fp16); the other dtypes loop over the tap rows,
-    # which compiles ~3x faster
-    row_loop = stride == 2 and dtype != torch.float16
-    return ConvFirstConfig(stride, c, k, c_parts, k_parts, th, tw, bh, row_loop, warps, 2,
-                           precision_for(dtype))
-
-
-# The ConvFirst blocks of Pico..Small (SPEC Table 3) as (C, R, K, stride): stride-1 blocks with
-# their expansion t, stride-2 blocks C -> K with R = 6C (input of the expand is 2C wide).
-MODEL_SHAPES: tuple[tuple[int, int, int, int], ...] = (
-    # stage 1, stride 1, t = 3
-    (16, 48, 16, 1), (24, 72, 24, 1), (32, 96, 32, 1),
-    # stage 2/3, stride 1, t = 6
-    (32, 192, 32, 1), (48, 288, 48, 1), (64, 384, 64, 1), (72, 432, 72, 1), (96, 576, 96, 1),
-    # first block of stage 2 (C0 -> C2) and stage 3 (C2 -> C3), stride 2, R = 6C
-    (16, 96, 32, 2), (24, 144, 48, 2), (32, 192, 64, 2),
-    (32, 192, 48, 2), (48, 288, 64, 2), (48, 288, 72, 2), (64, 384, 96, 2),
-)
-
-
-def shipped_configs(dtype: torch.dtype = torch.float16) -> list[ConvFirstConfig]:
-    """Every distinct compiled config the model shapes use in `dtype` (what the GPU compile test builds)."""
-    cfgs = {convfirst_config(c, k, s, dtype, r) for c, r, k, s in MODEL_SHAPES}
-    return sorted(cfgs, key=lambda cfg: (cfg.stride, cfg.c, cfg.k, cfg.block_h))
-
-
-def useful_macs(n: int, c: int, h: int, w: int, r: int, k: int, stride: int) -> int:
-    """Multiply-accumulates of the block as the paper counts them (``profile.count_macs``): grouped
-    conv at full resolution (72 C per pixel), BlurPool (9 per output element of the 2C-channel concat)
-    for stride 2, and the two 1x1 layers at output resolution."""
-    conv = n * h * w * 9 * GROUP_WIDTH * c
-    if stride == 1:
-        return conv + n * h * w * (c * r + r * k)
-    ho, wo = (h + 1) // 2, (w + 1) // 2
-    return conv + n * ho * wo * (9 * 2 * c + 2 * c * r + r * k)
-
-
-# ------------------------------------------------------------------------------------------------
-# Launcher
-# ------------------------------------------------------------------------------------------------
-
-
-def check_supported(x: torch.Tensor, c: int, k: int, stride: int = 1) -> None:
-    """Kernel limits beyond the op's checks (raised before any allocation or launch)."""
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
-        # Triton's interpreter computes bf16 tl.dot wrongly (garbage of 1e10 magnitude, triton 3.9)
-        raise NotImplementedError(
-            "convfirstnet.convfirst: bfloat16 through the Triton interpreter gives wrong tl.dot results; "
-            "use float16/float32, or CONVFIRSTNET_KERNELS=reference on CPU"
-        )
-    if c % GROUP_WIDTH:
-        raise ValueError(f"convfirstnet.convfirst: channels must be a multiple of {GROUP_WIDTH}, got {c}")
-    if max(c, k) > MAX_CHANNELS:
-        raise ValueError(
-            f"convfirstnet.convfirst: the fused kernel keeps all channels on chip and supports at most "
-            f"{MAX_CHANNELS}, got C={c}, K={k}"
-        )
-    if stride == 2 and c > MAX_CHANNELS_S2:
-        raise ValueError(
-            f"convfirstnet.convfirst: the fused stride-2 kernel supports at most {MAX_CHANNELS_S2} input "
-            f"channels, got C={c}"
-        )
-
-
-def _vector_strides(x: torch.Tensor) -> torch.Tensor:
-    """x with unit channel stride and the other strides multiples of 8 elements (what the kernels'
-    16-byte channel vectors assume); any other layout is copied to channels-last once."""
-    s = x.stride()
-    if s[1] == 1 and s[0] % 8 == 0 and s[2] % 8 == 0 and s[3] % 8 == 0 and x.storage_offset() % 8 == 0:
-        return x
-    return x.contiguous(memory_format=torch.channels_last)
-
-
-def convfirst_triton(
-    x: torch.Tensor,
-    w_conv: torch.Tensor,
-    b_conv: torch.Tensor,
-    w1: torch.Tensor,
-    b1: torch.Tensor,
-    w2: torch.Tensor,
-    b2: torch.Tensor,
-    stride: int,
-) -> torch.Tensor:
-    """Launch the fused block. Inputs are validated by the op; x may be in any memory format."""
-    n, c, h, w = x.shape
-    r, k = w1.shape[0], w2.shape[0]
-    check_supported(x, c, k, stride)
-    ho, wo = (h, w) if stride == 1 else ((h + 1) // 2, (w + 1) // 2)
-    out = torch.empty((n, k, ho, wo), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
-    if out.numel() == 0:
-        return out
-    x = _vector_strides(x)
-    b_conv, b1, b2 = b_conv.contiguous(), b1.contiguous(), b2.contiguous()
-    cfg = convfirst_config(c, k, stride, x.dtype, r)
-    grid = (n * triton.cdiv(ho, cfg.tile_h) * triton.cdiv(wo, cfg.tile_w),)
-    # inline asm does not run in the interpreter (CPU tensors); GPU and recorded launches use it
-    asm = x.device.type != "cpu" and x.dtype != torch.float32
-    strides = (x.stride(0), x.stride(2), x.stride(3), *w_conv.stride(), *w1.stride(), *w2.stride())
-    meta = dict(TH=cfg.tile_h, TW=cfg.tile_w, BLOCK_H=cfg.block_h, EVEN_R=r % cfg.block_h == 0,
-                PRECISION=cfg.precision, ASM=asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    cost = lambda: launch_cost(cfg, n, h, w, r)
-    if stride == 1:
-        launch(_convfirst_s1_kernel, grid, x, w_conv, b_conv, w1, b1, w2, b2, out, h, w, r, *strides,
-               C=c, C0=cfg.c_parts[0], C1=cfg.c_parts[1], cost=cost, **meta)
-    else:
-        launch(_convfirst_s2_kernel, grid, x, w_conv, b_conv, w1, b1, w2, b2, out, h, w, ho, wo, r, *strides,
-               C=c, CP=cfg.c_parts[0], CP2=cfg.c_parts[1], K=k, K0=cfg.k_parts[0], K1=cfg.k_parts[1],
-               BLUR_F16=x.dtype == torch.float16, ROW_LOOP=cfg.row_loop, cost=cost, **meta)
-    return out
-
-
-def launch_cost(cfg: ConvFirstConfig, n: int, h: int, w: int, r: int) -> KernelCost:
-    """What one launch of `cfg` on an N x C x H x W input issues (see ``kernels/_cost.py``)."""
-    ho, wo = (h, w) if cfg.stride == 1 else ((h + 1) // 2, (w + 1) // 2)
-    programs = n * triton.cdiv(ho, cfg.tile_h) * triton.cdiv(wo, cfg.tile_w)
-    bm, bh = cfg.block_m, cfg.block_h
-    chunks = triton.cdiv(r, bh)
-    kw = sum(cfg.k_parts)
-    if cfg.stride == 1:
-        cw = sum(cfg.c_parts)
-        conv = 5 * 16 * cw * bm  # five two-tap steps, K = 16, N = 8 per group
-        ffn = chunks * bh * (cw + kw) * bm
-        loops = [Loop("conv", 5) for p in cfg.c_parts if p] + [Loop("hidden", chunks)]
-    else:
-        cp, cp2 = cfg.c_parts
-        conv = 9 * cp2 * cp * bm  # nine block-diagonal [CP2, CP2] tap dots per channel part
-        ffn = chunks * bh * (2 * cp + kw) * bm
-        loops = [Loop("taprow", 3) for _ in range(cp // cp2) if cfg.row_loop] + [Loop("hidden", chunks)]
-    eb = 2 if cfg.precision == "tf32" else 4
-    c1 = cfg.c if cfg.stride == 1 else 2 * cfg.c
-    weights = 9 * GROUP_WIDTH * cfg.c + cfg.c + r * c1 + r + cfg.k * r + cfg.k
-    # L1-allocating loads: stride 1 reads the tile's x once more for the residual, stride 2 its 5x5
-    # windows (the halo tile, re-read across taps from L1); both the conv weights and the biases
-    if cfg.stride == 1:
-        tile = cfg.tile_h * cfg.tile_w * cfg.c
-    else:
-        tile = (2 * cfg.tile_h + 3) * (2 * cfg.tile_w + 3) * cfg.c
-    return KernelCost(
-        l1_unique_bytes_per_program=eb * (tile + 9 * GROUP_WIDTH * cfg.c + cfg.c + r + cfg.k),
-        useful_macs=useful_macs(n, cfg.c, h, w, r, cfg.k, cfg.stride),
-        mma_macs=programs * (conv + ffn),
-        dram_bytes=eb * (n * cfg.c * h * w + n * cfg.k * ho * wo + weights),
-        loops=tuple(loops),
-        note=f"C={cfg.c} K={cfg.k} R={r} tile {cfg.tile_h}x{cfg.tile_w}",
-    )
+    sxn = sxn8.to(tl.int64) * 8
+    sxh = sxh8 * 8
+    sxw = sxw8 * 8
+    # A of the expand: blur(x) in NPX parts of CP2 channels (W1 columns [0, C)), then blur(y) alike
+    w1s, w2a, w2b = _resident_weights(w1_ptr, w2_ptr, sw1_r, sw1_c, sw2_k, sw2_r, NPX, 2, CP2, CP2, C,
+                                      K0, K1, K, R, BLOCK_H, RESIDENT)
+    for t in tl.range(tl.program_id(0), TILES, tl.num_programs(0), num_stages=1):
+        n, oh, ow, m_ok = _tile_pixels(t, HO, WO, TH, TW)
+        # BlurPool's reflect padding folded into per-row / per-column blur weights (exact powers of two):
+        # [1/4, 1/2, 1/4] inside; first row/column (reflects -1 -> 1): [0, 1/2, 1/2]; last one of an
+        # odd size (reflects H -> H - 2): [1/2, 1/2, 0].
+        top = oh == 0
+        bot = 2 * oh + 1 == H
+        ah0 = tl.where(top, 0.0, tl.where(bot, 0.5, 0.25)).to(bt)[:, None]
+        ah1 = tl.full((BLOCK_M, 1), 0.5, bt)
+        ah2 = tl.where(top, 0.5, tl.where(bot, 0.0, 0.25)).to(bt)[:, None]
+        left = ow == 0
+        right = 2 * ow + 1 == W
+        aw0 = tl.where(left, 0.0, tl.where(right, 0.5, 0.25)).to(bt)[:, None]
+        aw1 = tl.full((BLOCK_M, 1), 0.5, bt)
+        aw2 = tl.where(left, 0.5, tl.where(right, 0.0, 0.25)).to(bt)[:, None]
+        oh2 = 2 * oh
+        ow2 = 2 * ow
+        xc = x_ptr + n * sxn + oh2 * sxh + ow2 * sxw  # window centre (2oh, 2ow)
+        xc = xc[:, None] + tl.arange(0, CP2)[None, :]
+        # channel parts of CP2 (the grouped conv never mixes them), each blurred and convolved on its own
+        uxs = ()
+        uys = ()
+        for p in tl.static_range(NPX):
+            uy, ux = _blur_conv(xc + p * CP2, oh2, ow2, m_ok, H, W, sxh, sxw, ah0, ah1, ah2, aw0, aw1, aw2,
+                                wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr, C, p * CP2, CP2, BLOCK_M, bt,
+                                PRECISION, ROW_LOOP)
+            uxs = uxs + (ux,)
+            uys = uys + (uy,)
+        acc0 = tl.zeros((BLOCK_M, K0), tl.float32) + _load_vec(b2_ptr, 0, K0, K)[None, :]
+        acc1 = acc0
+        if K1 > 0:
+            acc1 = tl.zeros((BLOCK_M, K1), tl.float32) + _load_vec(b2_ptr, K0, K1, K)[None, :]
+        acc0, acc1 = _ffn_chunks(uxs + uys, acc0, acc1, w1s, w2a, w2b, w1_ptr, b1_ptr, w2_ptr, sw1_r, sw1_c,
+                                 sw2_k, sw2_r, R_RUN, NPX, 2, CP2, CP2, C, K0, K1, K, R, BLOCK_H, RESIDENT,
+                                 PRECISION, ASM)
+        out_pix = out_ptr + (n.to(tl.int64) * HO * WO + oh * WO + ow) * K
+        _store_part(out_pix, acc0, m_ok, 0, K0, K)
+        if K1 > 0:
+            _store_part(out_pix, acc1, m_ok, K0, K1, K)

@@ -15,7 +15,7 @@ from .._launch import (
 from .reference import convfirst_reference
 
 if HAS_TRITON:
-    from .kernel import check_supported, convfirst_triton
+    from .launcher import check_supported, convfirst_triton
 
 
 @define_op("convfirstnet::convfirst")

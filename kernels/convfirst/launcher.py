@@ -1,0 +1,355 @@
+"""Host side of the fused ConvFirst kernels (kernel.py): the tile table, kernel limits, the grid,
+the launch and its cost declaration. Every function here assumes the op's checks passed (op.py).
+
+Tile constants (convfirst_config)
+---------------------------------
+Chosen by compiling for sm_90 and reading the static cost report (registers, spills, occupancy, the
+binding term; no GPU timings yet). The sampled configurations are compiled for sm_90 and sm_80 in
+tests/kernels/test_convfirst.py, all of them with CONVFIRSTNET_FULL_MATRIX=1.
+  * Persistent programs (programs_per_sm per SM, checked against the compiled occupancy), num_stages 1:
+    no load is software-pipelined (a pipelined 16-byte load is cp.async.cg, which skips L1).
+  * stride 1, 16-bit, up to 32 channels: 8 x 16 tiles, 4 warps, 3 programs per SM (2 at R = 6C: what
+    fits on sm_80), all hidden chunks resident (BLOCK_H <= 32); 16 x 16 tiles on 4 warps needed 240
+    registers (2 per SM) and spilled at R = 6C. 33-64 channels: 8 x 16 tiles, 8 warps, one program
+    per SM with every chunk resident (C = 64: 96 KB); 16 x 16 tiles spilled. Wider (C = 72, 96): 16 x 16
+    tiles, 8 warps, BLOCK_H 32, all chunks streamed from L2 (a resident prefix spilled; 8 x 16 tiles
+    doubled the streamed bytes per pixel).
+  * stride 2, fp16: 8 x 8 output tiles with 4 warps and 2 programs per SM up to 32 input channels,
+    every chunk resident unless the output has a second part (K = 48: those spilled, so they stream);
+    8 x 16 tiles, 8 warps and 16-channel blur parts for 48-64 with 60 KB of resident chunks (Small's
+    64 -> 96: 2 of 6; 3 spilled, and the shared memory of 4 left too little L1 for the window).
+  * BLOCK_H = 64 unless that pads R by more than 1/8 (R = 96 -> 32, 48 and 72 -> 16), capped as above.
+  * fp32 (the checking path): 8 x 8 or 8 x 16 tiles, BLOCK_H <= 32, nothing resident (3xTF32 operands
+    triple the registers; its wide variants spill up to 2 KB, as the previous design's did). bf16
+    stride 2 blurs in fp32 in 16-channel parts on 8 x 8 tiles, 48 KB resident.
+  * The stride-2 window is unrolled for fp16 (one block of straight-line code per channel part); the
+    other dtypes run a runtime loop over the three tap rows (ROW_LOOP), which compiles 2-3x faster
+    but issues ~35% more instructions (register rotation, recomputed addresses).
+Under the interpreter the same single config is used (no autotuning), so launches are deterministic
+under torch.compile and CUDA-graph capture. Widths above 128 (stride 1) or 64 input channels
+(stride 2) are rejected before launch; ConvFirstNet uses at most 96 and 64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .._cost import KernelCost, Loop, active_recording
+from .._launch import GROUP_WIDTH, launch
+from .kernel import _convfirst_s1_kernel, _convfirst_s2_kernel
+
+MAX_CHANNELS = 128  # widest block the on-chip tiles are laid out for (ConvFirstNet uses <= 96)
+MAX_CHANNELS_S2 = 64  # input channels of a stride-2 block (at most four blur/conv parts; ConvFirstNet: <= 64)
+S2_PART = 16  # channels per blur/conv part of the stride-2 kernel when the input is wider than 32
+# Persistent programs: the launch runs (SMs x programs_per_sm) programs, each looping over tiles. Under
+# the interpreter (CPU tensors) a few programs stand for the SMs, so that every tile loop runs several
+# times; recorded launches (meta tensors) are sized for the recording's target, by default an H100.
+INTERPRETER_SMS = 1
+RECORD_SMS = 132
+
+
+@dataclass(frozen=True)
+class ConvFirstConfig:
+    """One compiled variant: the constexprs and launch options of a kernel."""
+
+    stride: int
+    c: int  # block input channels
+    k: int  # output channels (== c for stride 1)
+    c_parts: tuple[int, int]  # stride 1: the conv's power-of-two channel parts (second 0 if none), each
+    # an A part of the expand; stride 2: (CP, CP2): channels padded to a power of two, blurred and
+    # convolved in parts of CP2
+    k_parts: tuple[int, int]  # output channel parts
+    tile_h: int
+    tile_w: int
+    block_h: int
+    row_loop: bool  # stride 2: runtime loop over the three tap rows (faster to compile, more instructions)
+    num_warps: int
+    num_stages: int
+    precision: str  # tl.dot input_precision
+    r: int = 0  # hidden channels
+    resident: int = 0  # hidden chunks whose W1 and W2 stay in shared memory for all of a program's tiles
+    programs_per_sm: int = 0  # persistent programs per SM (0: one program per tile)
+
+    @property
+    def block_m(self) -> int:
+        return self.tile_h * self.tile_w
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.r // self.block_h)
+
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def channel_parts(c: int) -> tuple[int, int]:
+    """c rounded up to a multiple of 16 (the smallest tl.dot K) as two powers of two, e.g. 96 -> (64, 32),
+    48 -> (32, 16), 72 -> (64, 16): no padding to the next power of two."""
+    c16 = -(-c // 16) * 16
+    p0 = 1 << (c16.bit_length() - 1)
+    p1 = c16 - p0
+    if p1 & (p1 - 1):  # 112 = 64 + 48: not two powers of two; pad the second part
+        p1 = triton.next_power_of_2(p1)
+    return p0, p1
+
+
+def hidden_block(r: int) -> int:
+    """Hidden chunk: 64 unless its masked tail would waste more than 1/8 of R, then 32, then 16."""
+    for bh in (64, 32):
+        if -(-r // bh) * bh - r <= r // 8:
+            return bh
+    return 16
+
+
+def precision_for(dtype: torch.dtype) -> str:
+    # fp32: 3xTF32 (three tensor-core passes, ~fp32 accuracy); ignored for 16-bit inputs.
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def resident_chunks(a_width: int, k_parts: tuple[int, int], bh: int, r: int, eb: int, budget: int) -> int:
+    """Hidden chunks whose expand (over `a_width` padded input columns) and projection weights fit in
+    `budget` bytes of shared memory."""
+    per_chunk = bh * (a_width + sum(k_parts)) * eb
+    return min(-(-r // bh), budget // per_chunk)
+
+
+def convfirst_config(
+    c: int, k: int, stride: int, dtype: torch.dtype = torch.float16, r: int | None = None
+) -> ConvFirstConfig:
+    """The tile config for a C -> K block with R hidden channels (default 6C) in `dtype`."""
+    r = 6 * c if r is None else r
+    k_parts = channel_parts(k)
+    bh = hidden_block(r)
+    fp32 = dtype == torch.float32
+    eb = 4 if fp32 else 2
+    if stride == 1:
+        c_parts = k_parts
+        width = sum(k_parts)
+        # (tile h, tile w, warps, programs per SM, shared memory for resident weights)
+        if fp32:  # 3xTF32 dots triple the operand registers: smaller tiles and hidden chunks
+            bh = min(bh, 32)
+            th, tw, warps, per_sm, budget = (8, 8, 4, 2, 0) if width <= 32 else (8, 16, 8, 1, 0)
+        elif width <= 32:
+            th, tw, warps, per_sm, budget = 8, 16, 4, 3 if r <= 4 * c else 2, 96 << 10
+            bh = min(bh, 32)
+        elif width <= 64:
+            th, tw, warps, per_sm, budget = 8, 16, 8, 1, 128 << 10
+        else:  # the weights do not fit beside the tile and its registers: all streamed from L2
+            th, tw, warps, per_sm, budget = 16, 16, 8, 1, 0
+            bh = min(bh, 32)
+        res = resident_chunks(sum(c_parts), k_parts, bh, r, eb, budget)
+        return ConvFirstConfig(1, c, k, c_parts, k_parts, th, tw, bh, False, warps, 1, precision_for(dtype),
+                               r, res, per_sm)
+    cp = max(16, triton.next_power_of_2(c))
+    # (parts, tile h, tile w, warps, programs per SM, shared memory for resident weights)
+    if dtype == torch.float16 and cp <= 32:
+        # a second output part's resident chunks spilled (K = 48): those stream their weights
+        c_parts, (th, tw, warps, per_sm, budget) = (cp, cp), (8, 8, 4, 2, 0 if k_parts[1] else 64 << 10)
+    elif dtype == torch.float16:
+        c_parts, (th, tw, warps, per_sm, budget) = (cp, S2_PART), (8, 16, 8, 1, 60 << 10)
+    else:  # the blur runs in fp32: parts of 16 channels
+        c_parts, (th, tw, warps, per_sm, budget) = (cp, S2_PART), (8, 8, 4, 2, 0 if fp32 else 48 << 10)
+        if fp32:
+            bh = min(bh, 32)
+    # the unrolled stride-2 window is the fast path (fp16); the other dtypes loop over the tap rows,
+    # which compiles ~3x faster
+    row_loop = dtype != torch.float16
+    res = resident_chunks(2 * c_parts[1] * -(-c // c_parts[1]), k_parts, bh, r, eb, budget)
+    return ConvFirstConfig(stride, c, k, c_parts, k_parts, th, tw, bh, row_loop, warps, 1,
+                           precision_for(dtype), r, res, per_sm)
+
+
+# The ConvFirst blocks of Pico..Small (SPEC Table 3) as (C, R, K, stride): stride-1 blocks with
+# their expansion t, stride-2 blocks C -> K with R = 6C (input of the expand is 2C wide).
+MODEL_SHAPES: tuple[tuple[int, int, int, int], ...] = (
+    # stage 1, stride 1, t = 3
+    (16, 48, 16, 1), (24, 72, 24, 1), (32, 96, 32, 1),
+    # stage 2/3, stride 1, t = 6
+    (32, 192, 32, 1), (48, 288, 48, 1), (64, 384, 64, 1), (72, 432, 72, 1), (96, 576, 96, 1),
+    # first block of stage 2 (C0 -> C2) and stage 3 (C2 -> C3), stride 2, R = 6C
+    (16, 96, 32, 2), (24, 144, 48, 2), (32, 192, 64, 2),
+    (32, 192, 48, 2), (48, 288, 64, 2), (48, 288, 72, 2), (64, 384, 96, 2),
+)
+
+
+def shipped_configs(dtype: torch.dtype = torch.float16) -> list[ConvFirstConfig]:
+    """Every distinct compiled config the model shapes use in `dtype` (what the GPU compile test builds)."""
+    cfgs = {convfirst_config(c, k, s, dtype, r) for c, r, k, s in MODEL_SHAPES}
+    return sorted(cfgs, key=lambda cfg: (cfg.stride, cfg.c, cfg.k, cfg.block_h))
+
+
+def useful_macs(n: int, c: int, h: int, w: int, r: int, k: int, stride: int) -> int:
+    """Multiply-accumulates of the block as the paper counts them (``profile.count_macs``): grouped
+    conv at full resolution (72 C per pixel), BlurPool (9 per output element of the 2C-channel concat)
+    for stride 2, and the two 1x1 layers at output resolution."""
+    conv = n * h * w * 9 * GROUP_WIDTH * c
+    if stride == 1:
+        return conv + n * h * w * (c * r + r * k)
+    ho, wo = (h + 1) // 2, (w + 1) // 2
+    return conv + n * ho * wo * (9 * 2 * c + 2 * c * r + r * k)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launcher
+# ------------------------------------------------------------------------------------------------
+
+
+def check_supported(x: torch.Tensor, c: int, k: int, stride: int = 1) -> None:
+    """Kernel limits beyond the op's checks (raised before any allocation or launch)."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        # Triton's interpreter computes bf16 tl.dot wrongly (garbage of 1e10 magnitude, triton 3.9)
+        raise NotImplementedError(
+            "convfirstnet.convfirst: bfloat16 through the Triton interpreter gives wrong tl.dot results; "
+            "use float16/float32, or CONVFIRSTNET_KERNELS=reference on CPU"
+        )
+    if c % GROUP_WIDTH:
+        raise ValueError(f"convfirstnet.convfirst: channels must be a multiple of {GROUP_WIDTH}, got {c}")
+    if max(c, k) > MAX_CHANNELS:
+        raise ValueError(
+            f"convfirstnet.convfirst: the fused kernel keeps all channels on chip and supports at most "
+            f"{MAX_CHANNELS}, got C={c}, K={k}"
+        )
+    if stride == 2 and c > MAX_CHANNELS_S2:
+        raise ValueError(
+            f"convfirstnet.convfirst: the fused stride-2 kernel supports at most {MAX_CHANNELS_S2} input "
+            f"channels, got C={c}"
+        )
+
+
+def _vector_strides(x: torch.Tensor) -> torch.Tensor:
+    """x with unit channel stride and the other strides multiples of 8 elements (what the kernels'
+    16-byte channel vectors assume); any other layout is copied to channels-last once."""
+    s = x.stride()
+    if s[1] == 1 and s[0] % 8 == 0 and s[2] % 8 == 0 and s[3] % 8 == 0 and x.storage_offset() % 8 == 0:
+        return x
+    return x.contiguous(memory_format=torch.channels_last)
+
+
+def convfirst_triton(
+    x: torch.Tensor,
+    w_conv: torch.Tensor,
+    b_conv: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    stride: int,
+) -> torch.Tensor:
+    """Launch the fused block. Inputs are validated by the op; x may be in any memory format."""
+    n, c, h, w = x.shape
+    r, k = w1.shape[0], w2.shape[0]
+    check_supported(x, c, k, stride)
+    ho, wo = (h, w) if stride == 1 else ((h + 1) // 2, (w + 1) // 2)
+    out = torch.empty((n, k, ho, wo), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
+    if out.numel() == 0:
+        return out
+    x = _vector_strides(x)
+    b_conv, b1, b2 = b_conv.contiguous(), b1.contiguous(), b2.contiguous()
+    cfg = convfirst_config(c, k, stride, x.dtype, r)
+    tiles = n * triton.cdiv(ho, cfg.tile_h) * triton.cdiv(wo, cfg.tile_w)
+    grid = (programs_for(cfg, tiles, x.device),)
+    # inline asm does not run in the interpreter (CPU tensors); GPU and recorded launches use it
+    asm = x.device.type != "cpu" and x.dtype != torch.float32
+    wstrides = (*w_conv.stride(), *w1.stride(), *w2.stride())
+    cost = lambda: launch_cost(cfg, n, h, w, grid[0])
+    if stride == 1:
+        xs8 = (x.stride(0) // 8, x.stride(2) // 8, x.stride(3) // 8)
+        launch(_convfirst_s1_kernel, grid, x, w_conv, b_conv, w1, b1, w2, b2, out, h, w, tiles, r, 5, *xs8,
+               *wstrides, C=c, NPX=1 + (cfg.c_parts[1] > 0), PW=cfg.c_parts[0],
+               PWL=cfg.c_parts[1] or cfg.c_parts[0], K0=cfg.k_parts[0], K1=cfg.k_parts[1],
+               R=r, TH=cfg.tile_h, TW=cfg.tile_w,
+               BLOCK_H=cfg.block_h, RESIDENT=cfg.resident, PRECISION=cfg.precision, ASM=asm,
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages, cost=cost)
+    else:
+        xs8 = (x.stride(0) // 8, x.stride(2) // 8, x.stride(3) // 8)
+        cp2 = cfg.c_parts[1]
+        launch(_convfirst_s2_kernel, grid, x, w_conv, b_conv, w1, b1, w2, b2, out, h, w, ho, wo, tiles, r,
+               *xs8, *wstrides, C=c, CP2=cp2, NPX=triton.cdiv(c, cp2), K=k, K0=cfg.k_parts[0],
+               K1=cfg.k_parts[1], R=r, TH=cfg.tile_h, TW=cfg.tile_w, BLOCK_H=cfg.block_h,
+               RESIDENT=cfg.resident, PRECISION=cfg.precision, ASM=asm, BLUR_F16=x.dtype == torch.float16,
+               ROW_LOOP=cfg.row_loop, num_warps=cfg.num_warps, num_stages=cfg.num_stages, cost=cost)
+    return out
+
+
+def device_sms(device: torch.device) -> int:
+    """SMs of the device the launch runs on (CPU: the interpreter's stand-in; meta: the recording's
+    target, by default an H100)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    if device.type == "cpu":
+        return INTERPRETER_SMS
+    rec = active_recording()
+    return rec and rec.sms or RECORD_SMS
+
+
+def programs_for(cfg: ConvFirstConfig, tiles: int, device: torch.device) -> int:
+    """Programs of a launch over `tiles` tiles: one per tile, or persistent programs (programs_per_sm per
+    SM), as few as give the busiest one no more tiles (each loads its resident weights once)."""
+    if not cfg.programs_per_sm:
+        return tiles
+    trips = triton.cdiv(tiles, cfg.programs_per_sm * device_sms(device))
+    return triton.cdiv(tiles, trips)
+
+
+def _l1_declaration(eb: int, trips: int, halo: int, small: int) -> dict:
+    """The L1 part of a persistent program's declaration (elements -> bytes): per tile its halo window
+    (re-read by the conv taps, and by the residual, from L1), once the conv weights and the biases
+    (re-read by every tile, b1 of the streamed chunks included). The streamed chunks' weights are not in
+    it: they are ld.global.cg (LDG...STRONG.GPU, L2 only, counted in full by the report; the compile
+    test pins that these are the only loads that skip L1)."""
+    return dict(l1_unique_bytes_per_program=eb * (trips * halo + small),
+                l1_working_set_bytes=eb * (halo + small))
+
+
+def launch_cost(cfg: ConvFirstConfig, n: int, h: int, w: int, programs: int) -> KernelCost:
+    """What one launch of `cfg` on an N x C x H x W input issues (see ``kernels/_cost.py``)."""
+    ho, wo = (h, w) if cfg.stride == 1 else ((h + 1) // 2, (w + 1) // 2)
+    tiles = n * triton.cdiv(ho, cfg.tile_h) * triton.cdiv(wo, cfg.tile_w)
+    trips = triton.cdiv(tiles, programs)  # tiles of the busiest program
+    r, bm, bh = cfg.r, cfg.block_m, cfg.block_h
+    chunks = cfg.chunks
+    kw = sum(cfg.k_parts)
+    eb = 2 if cfg.precision == "tf32" else 4
+    c1 = cfg.c if cfg.stride == 1 else 2 * cfg.c
+    weights = 9 * GROUP_WIDTH * cfg.c + cfg.c + r * c1 + r + cfg.k * r + cfg.k
+    if cfg.stride == 1:
+        cw = sum(cfg.c_parts)
+        conv = 5 * 16 * cw * bm  # five two-tap steps, K = 16, N = 8 per group
+        ffn = chunks * bh * (cw + kw) * bm
+        # L1-allocating loads: per tile its halo window (the nine taps and the residual re-read it from
+        # L1), per program the conv weights and biases (re-read by every tile)
+        halo = (cfg.tile_h + 2) * (cfg.tile_w + 2) * cfg.c
+        small = 9 * GROUP_WIDTH * cfg.c + cfg.c + r + cfg.k
+        return KernelCost(
+            useful_macs=useful_macs(n, cfg.c, h, w, r, cfg.k, 1),
+            mma_macs=programs * trips * (conv + ffn),
+            dram_bytes=eb * (n * cfg.c * h * w + n * cfg.k * ho * wo + weights),
+            loops=(Loop("tiles", trips, tuple(Loop("conv", 5) for p in cfg.c_parts if p)
+                        + ((Loop("streamed", chunks - cfg.resident),) if cfg.resident < chunks else ())),),
+            **_l1_declaration(eb, trips, halo, small),
+            note=f"C={cfg.c} K={cfg.k} R={r} tile {cfg.tile_h}x{cfg.tile_w}, {cfg.resident}/{chunks} chunks "
+                 f"resident, {trips} tiles per program",
+        )
+    cp2 = cfg.c_parts[1]
+    npx = triton.cdiv(cfg.c, cp2)
+    conv = 9 * cp2 * cp2 * npx * bm  # nine block-diagonal [CP2, CP2] tap dots per channel part
+    ffn = chunks * bh * (2 * cp2 * npx + kw) * bm
+    inner = [Loop("taprow", 3) for _ in range(npx) if cfg.row_loop]
+    if cfg.resident < chunks:
+        inner.append(Loop("streamed", chunks - cfg.resident))
+    # L1-allocating loads: per tile the 5x5 windows (the halo tile of the blurred 2x downsample,
+    # re-read across taps from L1), per program the conv weights and the biases
+    halo = (2 * cfg.tile_h + 3) * (2 * cfg.tile_w + 3) * cfg.c
+    small = 9 * GROUP_WIDTH * cfg.c + cfg.c + r + cfg.k
+    return KernelCost(
+        useful_macs=useful_macs(n, cfg.c, h, w, r, cfg.k, cfg.stride),
+        mma_macs=programs * trips * (conv + ffn),
+        dram_bytes=eb * (n * cfg.c * h * w + n * cfg.k * ho * wo + weights),
+        loops=(Loop("tiles", trips, tuple(inner)),),
+        **_l1_declaration(eb, trips, halo, small),
+        note=f"C={cfg.c} K={cfg.k} R={r} tile {cfg.tile_h}x{cfg.tile_w}, {cfg.resident}/{chunks} chunks "
+             f"resident, {trips} tiles per program",
+    )
