@@ -61,7 +61,8 @@ def record_launches(model: nn.Module, x: torch.Tensor, target: Target | None = N
     ``target``: the GPU the launchers size their grids and batch slices for (default: theirs, an H100)."""
     labels: list[str | None] = []
     handles = []
-    with recording(*((target.sms, target.l2_bytes) if target else ())) as rec:
+    gpu = (target.sms, target.l2_bytes, target.smem_per_block, target.arch) if target else ()
+    with recording(*gpu) as rec:
 
         def enter(path: str):
             def hook(module, args):
