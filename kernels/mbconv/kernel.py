@@ -31,7 +31,8 @@ written once in the input dtype (``gbuf``, (N, H'W', R)) and read back once. Two
    (``tests/kernels/test_mbconv.py`` checks in the TTGIR that the tile's copy to shared memory comes
    before the chunk loop and that the loop loads no tile of its shape). Each chunk's expand is one
    [XM, CP] x [CP, RB] wgmma over all the item's pixels. Otherwise (larger maps, fp32, sm_80) the
-   expand runs per image in 64-pixel tiles, x read once per chunk.
+   expand runs per image in tiles of EM pixels (64 per warpgroup: a wgmma tile on sm_90), x read once
+   per chunk.
 
 2. ``_mbconv_project_kernel`` (grid: tiles of BM = 128 rows x output-channel blocks): the rows are
    one image's pixels (maps of more than 64 pixels) or two whole images. ``acc = bias (+ x)``, then
@@ -175,8 +176,8 @@ def _mbconv_hidden_kernel(
     sxn, sxc, sxh, sxw, swe_r, swe_c, swc_r, swc_i, swc_y, swc_x, sw1_s, sw1_r,
     STRIDE: tl.constexpr, RB: tl.constexpr, CP: tl.constexpr, SP: tl.constexpr,
     MASK_C: tl.constexpr, MASK_R: tl.constexpr,
-    TW: tl.constexpr, BM: tl.constexpr, TWO: tl.constexpr, BMO: tl.constexpr, EXACT: tl.constexpr,
-    RESIDENT: tl.constexpr, XM: tl.constexpr, HWP: tl.constexpr,
+    TW: tl.constexpr, BM: tl.constexpr, EM: tl.constexpr, TWO: tl.constexpr, BMO: tl.constexpr,
+    EXACT: tl.constexpr, RESIDENT: tl.constexpr, XM: tl.constexpr, HWP: tl.constexpr,
     ZB: tl.constexpr, SILU: tl.constexpr, PREC: tl.constexpr,
 ):
     G: tl.constexpr = RB // 8
@@ -220,10 +221,13 @@ def _mbconv_hidden_kernel(
     rc = tl.arange(0, CP)
     c_ok = rc < C
     m = tl.arange(0, BM)
+    me = tl.arange(0, EM)
+    THE: tl.constexpr = EM // TW
     g3 = tl.arange(0, G)[:, None, None]
     c3 = tl.arange(0, 8)[None, None, :]
     ncol = tl.cdiv(W, TW)
     ntile = tl.cdiv(H, TH) * ncol
+    ntile_e = tl.cdiv(H, THE) * ncol
     ncol_o = tl.cdiv(OW, TWO)
     ntile_o = tl.cdiv(OH, THO) * ncol_o
     mo = tl.arange(0, BMO)
@@ -269,11 +273,11 @@ def _mbconv_hidden_kernel(
                 else:
                     hi = hs
                     x_img = x_ptr + tl.cast(n, tl.int64) * sxn
-                    # ---- expand, one 64-pixel tile at a time, into the padded slot
-                    for t in tl.range(0, ntile, num_stages=1):
-                        y, xx_, yc, xc, ok = _tile(t, ncol, H, W, m, TW, TH, EXACT)
+                    # ---- expand, one EM-pixel tile at a time, into the padded slot
+                    for t in tl.range(0, ntile_e, num_stages=1):
+                        y, xx_, yc, xc, ok = _tile(t, ncol, H, W, me, TW, THE, EXACT)
                         if EXACT:
-                            xp1 = (x_img + (t * BM + m) * sxw)[:, None] + rc[None, :] * sxc
+                            xp1 = (x_img + (t * EM + me) * sxw)[:, None] + rc[None, :] * sxc
                         else:
                             xp1 = (x_img + yc * sxh + xc * sxw)[:, None] + rc[None, :] * sxc
                         if MASK_C:
@@ -442,11 +446,11 @@ def _mbconv_project_kernel(
     rb = tl.arange(0, BR)
     for r0 in range(0, R, BR):
         rr = r0 + rb
+        rv = rr < R
         if EVEN:  # R a multiple of BR, S of SP, every row real, K a multiple of BH * HALVES: no masks
             w2 = tl.load(w2_ptr + rr[:, None] * sw2_r + sv[None, :] * sw2_s).to(tl.float32)
             b2 = tl.load(b2_ptr + rr).to(tl.float32)
         else:
-            rv = rr < R
             w2 = tl.load(w2_ptr + rr[:, None] * sw2_r + sv[None, :] * sw2_s, mask=rv[:, None] & s_ok[None, :],
                          other=0.0).to(tl.float32)
             b2 = tl.load(b2_ptr + rr, mask=rv, other=0.0).to(tl.float32)

@@ -14,7 +14,7 @@ Choices (kernel.py explains the kernels)
 * RESIDENT items (H W <= 256, 16-bit data): XM = 256 rows of x (IB = 256 / HWP images, fewer while
   their h slots would not stay in L1), one 8-warp program per SM (x takes 128 KB of shared memory at
   C = 256); chunk groups: as few as keep every SM busy (``chunk_groups``: 16x16 one group, 8x8 four).
-  Other maps (and fp32): items of one image and one chunk, one 16-warp program per SM.
+  Other maps (and fp32, and sm_80): items of one image and one chunk, two 4-warp programs per SM.
 * One launch pair over the whole batch. ``g`` stays in L2 for the projection where it fits in
   L2_SHARE of the L2 beside the scratch (8x8 and 16x16 stride 2 at batch 128); otherwise its read is
   DRAM traffic. Cutting the batch into slices whose ``g`` fits was predicted slower for Small at batch
@@ -38,7 +38,12 @@ from .kernel import _mbconv_hidden_kernel, _mbconv_project_kernel
 
 FP32_PRECISION = "tf32x3"  # dot precision for fp32 operands; fp16/bf16 operands ignore it
 RB, RB_SMALL = 64, 32  # hidden channels per chunk (module docstring)
-BM = BMO = 64  # conv / blur output pixels per tile: wgmma needs M = 64 per warpgroup
+BMO = 64  # blur output pixels per tile
+# Conv tile: CONV_ELEMS / RB pixels (G = RB / 8 groups), so that the [G, BM, 16] tap-pair operand is
+# 16 KB whatever RB (as gconv's tiles): fewer rows per group left warps computing the same batched
+# mma.sync (8 warps at RB = 32 issued twice the conv's MACs, 16 warps four times).
+CONV_ELEMS = 4096
+BM = 64  # pixels per warpgroup of an expand tile (the wgmma M)
 XM = 256  # rows of a RESIDENT item's x tile (a [256, 256] fp16 tile is 128 KB of shared memory)
 # Shared memory of a RESIDENT program beside its x tile and W_exp chunk (layout conversions of the
 # conv operands; 14 KB as compiled for sm_90 at C = 256)
@@ -51,12 +56,13 @@ MAX_C = 256
 # program's ~175 KB of shared memory leaves 60 KB (carve-out 196 KB), a tiled one's ~25 KB leaves 224 KB.
 SLOT_L1_RESIDENT = 56 * 1024
 SLOT_L1_TILED = 160 * 1024
-# Warps of the hidden kernel's one program per SM. RESIDENT: 8 (16 spilled inside the loops at the
-# 128-register limit). Tiled on sm_90: 16, so that a warp's stall-cycle chain is half of what 8 would
-# leave it (32x32 stride 2: 151 -> 130 us predicted at the high end, no spills); on sm_80, where the
-# mma.sync operands live in registers, 16 warps spilled 96 B inside the loops: 8.
+# Hidden kernel programs, one per SM. RESIDENT: 8 warps (16 spilled inside the loops at the
+# 128-register limit). Tiled, 16-bit data on sm_90: 16 warps, so that a warp's stall-cycle chain is a
+# quarter of what 4 would leave it (32x32 stride 2: 188 -> ~150 us predicted at the high end), with
+# expand tiles of EM = 256 pixels (a 64-row wgmma per warpgroup; 64-pixel tiles at 8 or 16 warps
+# compiled to mma.sync). fp32 and sm_80 (16 warps spilled there): 4 warps, EM = 64.
 HIDDEN_WARPS = 8
-HIDDEN_WARPS_TILED = {90: 16}
+HIDDEN_WARPS_TILED = 16
 # Projection tiles: 128 pixel rows (two wgmma warpgroups of 64) x 128 output channels per accumulator,
 # two accumulators for K <= 256, K steps of 64 hidden channels, 8 warps, 3 pipeline stages.
 P_BM, P_BH, P_BR, P_WARPS, P_STAGES = 128, 128, 64, 8, 3
@@ -137,12 +143,13 @@ class MBConvGeometry:
         return self.image_blocks * self.groups
 
     @property
-    def th(self) -> int:
-        return BM // self.tw
+    def cm(self) -> int:
+        """Pixels per conv tile."""
+        return conv_rows(self.rb)
 
     @property
     def tiles(self) -> int:
-        return triton.cdiv(self.h, self.th) * triton.cdiv(self.w, self.tw)
+        return triton.cdiv(self.h, self.cm // self.tw) * triton.cdiv(self.w, self.tw)
 
     @property
     def tiles_o(self) -> int:
@@ -199,9 +206,19 @@ class MBConvGeometry:
             self.ipt * self.ohw == self.p_bm and self.n % self.ipt == 0)
         return self.r % P_BR == 0 and self.s == self.sp and rows_full and self.k % self.p_bn == 0
 
+    @property
+    def em(self) -> int:
+        """Pixels per expand tile of the tiled path: 64 per warpgroup."""
+        return BM * max(1, self.hidden_warps // 4)
+
+    @property
+    def tiles_e(self) -> int:
+        return triton.cdiv(self.h, self.em // self.tw) * triton.cdiv(self.w, self.tw)
+
     def hidden_constexprs(self, silu: int, prec: str) -> dict:
         return dict(STRIDE=self.stride, RB=self.rb, CP=self.cp, SP=self.sp, MASK_C=self.c != self.cp,
-                    MASK_R=self.r % self.rb != 0, TW=self.tw, BM=BM, TWO=self.two, BMO=BMO, EXACT=self.exact,
+                    MASK_R=self.r % self.rb != 0, TW=self.tw, BM=self.cm, EM=self.em, TWO=self.two, BMO=BMO,
+                    EXACT=self.exact,
                     RESIDENT=self.resident, XM=XM if self.resident else 16, HWP=self.hwp if self.resident else 1,
                     ZB=ZERO_BLOCK, SILU=silu, PREC=prec,
                     num_warps=self.hidden_warps, num_stages=1)
@@ -210,6 +227,10 @@ class MBConvGeometry:
         return dict(RESIDUAL=self.stride == 1, BM=self.p_bm, BH=self.p_bh, HALVES=self.halves, BR=P_BR,
                     SP=self.sp, NCP=triton.next_power_of_2(self.nchunk), IPT=self.ipt, EVEN=self.p_even,
                     PREC=prec, SIGMOID=silu, num_warps=P_WARPS, num_stages=P_STAGES)
+
+
+def conv_rows(rb: int) -> int:
+    return max(BM, CONV_ELEMS // rb)
 
 
 def chunk_groups(image_blocks: int, nchunk: int, programs: int) -> int:
@@ -247,11 +268,7 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
     oh, ow = (h, w) if stride == 1 else ((h + 1) // 2, (w + 1) // 2)
     cp = max(16, triton.next_power_of_2(c))
     tw = min(BM, max(8, triton.next_power_of_2(w)))
-    exact = dense and w == tw and h % (BM // tw) == 0
-    two = 8
-    if stride == 2:
-        two = min(BMO, max(8, triton.next_power_of_2(ow)))
-        exact = exact and h % 2 == 0 and w % 2 == 0 and ow == two and (oh % (BMO // two) == 0)
+    two = min(BMO, max(8, triton.next_power_of_2(ow))) if stride == 2 else 8
     gpu = target_info(torch.device(device))
     sms, l2 = gpu.sms, gpu.l2_bytes
     hwp = triton.next_power_of_2(h * w)
@@ -259,6 +276,7 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
     # little at C = 256; fp32: 3xTF32 keeps each operand as two parts, 299 KB at C = 128)
     resident = hwp <= XM and not fp32 and (XM + RB) * cp * elem + RESIDENT_SMEM_EXTRA <= gpu.shared_per_block
     ib = max(1, XM // hwp) if resident else 1
+    warps = HIDDEN_WARPS if resident else (HIDDEN_WARPS_TILED if gpu.arch >= 90 and not fp32 else 4)
 
     def slot_bytes(ib: int, rb: int) -> int:
         return ((ib if resident else 1) * rb * (h + 2) * (w + 2) + (rb * h * w if stride == 2 else 0)) * elem
@@ -271,6 +289,12 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
         ib = min(ib, triton.next_power_of_2(max(n, 1)))
         while ib > 1 and slot_bytes(ib, rb) > limit:  # small maps: fewer images per slot
             ib //= 2
+    # EXACT: the conv (and tiled expand, and blur) tiles cover the map exactly, with dense pixel rows
+    exact = dense and w == tw and h % (conv_rows(rb) // tw) == 0
+    if not resident:
+        exact = exact and h % max(1, BM * (warps // 4) // tw) == 0
+    if stride == 2:
+        exact = exact and h % 2 == 0 and w % 2 == 0 and ow == two and (oh % (BMO // two) == 0)
     nchunk = triton.cdiv(r, rb)
     blocks = triton.cdiv(max(n, 1), ib)
     cg = chunk_groups(blocks, nchunk, sms) if resident else 1
@@ -290,7 +314,7 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
         sp=max(16, triton.next_power_of_2(s)), tw=tw, two=two, exact=exact, resident=resident,
         hwp=hwp, ib=ib, chunks_per_group=cg, programs=programs, p_bm=p_bm, p_bh=bn // halves, halves=halves,
         ipt=ipt, tpi=tpi, g_in_l2=g_in_l2,
-        hidden_warps=HIDDEN_WARPS if resident else HIDDEN_WARPS_TILED.get(gpu.arch, HIDDEN_WARPS))
+        hidden_warps=warps)
 
 
 def check_supported(x: torch.Tensor, c: int, r: int, k: int) -> None:
@@ -370,9 +394,9 @@ def hidden_cost(geo: MBConvGeometry) -> KernelCost:
     n, c, r, s, rb, eb = geo.n, geo.c, geo.r, geo.s, geo.rb, geo.elem
     hw, ohw, nchunk, g8 = geo.hw, geo.ohw, geo.nchunk, geo.rb // 8
     useful = n * (hw * c * r + hw * r * 72 + (ohw * r * 9 if geo.stride == 2 else 0) + r * s)
-    expand_rows = geo.image_blocks * XM if geo.resident else n * geo.tiles * BM
-    mma = nchunk * (expand_rows * rb * geo.cp + n * geo.tiles * BM * g8 * 16 * 8 * 5)
-    conv_reads = n * geo.tiles * BM * 5 * g8 * 16
+    expand_rows = geo.image_blocks * XM if geo.resident else n * geo.tiles_e * geo.em
+    mma = nchunk * (expand_rows * rb * geo.cp + n * geo.tiles * geo.cm * g8 * 16 * 8 * 5)
+    conv_reads = n * geo.tiles * geo.cm * 5 * g8 * 16
     # g is counted as written to DRAM even when the projection reads it from L2 (a dirty line is
     # written back when it leaves the L2)
     dram = (n * c * hw + r * c + r * 72 + 2 * r + s * r + n * ohw * r) * eb + n * nchunk * geo.sp * 4
@@ -382,8 +406,9 @@ def hidden_cost(geo: MBConvGeometry) -> KernelCost:
     if geo.stride == 2:
         scr += n * hw * rb + n * geo.tiles_o * 9 * BMO * rb
     l2 = (geo.programs * geo.slot_images * geo.border + nchunk * scr) * eb + nchunk * n * rb * 8
-    per_image = (() if geo.resident else (Loop("expand tiles", geo.tiles),)) + (Loop("conv tiles", geo.tiles),) + (
-        (Loop("blur tiles", geo.tiles_o),) if geo.stride == 2 else ())
+    per_image = (() if geo.resident else (Loop("expand tiles", geo.tiles_e),)) + (Loop("conv tiles", geo.tiles),)
+    if geo.stride == 2:
+        per_image += (Loop("blur tiles", geo.tiles_o),)
     rounds = triton.cdiv(geo.items, geo.programs)
     loops = (Loop("zero scratch", triton.cdiv(geo.slot_images * geo.border, ZERO_BLOCK)),
              Loop("work items", rounds, (Loop("chunks", geo.chunks_per_group,
