@@ -144,8 +144,8 @@ def _tile(t, ncol, H, W, m, TW: tl.constexpr, TH: tl.constexpr, EXACT: tl.conste
 
 
 @triton.jit
-def _x_rows(x_ptr, row0, n0, nimg, N, H, W, IB, IMG, ROWE, rc, c_ok, C, sxn, sxc, sxh, sxw, ROWS: tl.constexpr,
-            HWP: tl.constexpr, MASK_C: tl.constexpr, EXACT: tl.constexpr):
+def _x_rows(x_ptr, row0, n0, nimg, N, H, W, IB, IMG, ROWE, rc, c_ok, C, sxn, sxc, sxh, sxw,
+            ROWS: tl.constexpr, HWP: tl.constexpr, MASK_C: tl.constexpr, EXACT: tl.constexpr):
     """Rows row0 ... row0 + ROWS - 1 of a RESIDENT item's x tile (image (row // HWP) of the item, pixel
     row % HWP; rows past H W or past the item's images are zero): the [ROWS, CP] tile, the padded
     position of each row in the h slot (the image clamped into the program's IB slots) and which rows
@@ -240,8 +240,8 @@ def _mbconv_hidden_kernel(
         if RESIDENT:
             # the item's images as one [XM, CP] x tile, read once for all its chunks: loop-invariant in
             # the chunk loop, so the compiler keeps it in shared memory (a test checks the SASS)
-            xt, qx, x_ok = _x_rows(x_ptr, 0, n0, nimg, N, H, W, IB, IMG, ROWE, rc, c_ok, C, sxn, sxc, sxh, sxw,
-                                   XM, HWP, MASK_C, EXACT)
+            xt, qx, x_ok = _x_rows(x_ptr, 0, n0, nimg, N, H, W, IB, IMG, ROWE, rc, c_ok, C, sxn, sxc, sxh,
+                                   sxw, XM, HWP, MASK_C, EXACT)
         for ch in range(ch0, tl.minimum(ch0 + CG, NCHUNK)):
             r0 = ch * RB
             r_ok = (r0 + rr) < R
@@ -326,8 +326,8 @@ def _mbconv_hidden_kernel(
                     tl.store(ms + r2, tl.sum(pool, axis=1) / OHW)
                 else:
                     tl.debug_barrier()
-                    _blur(gs, g_ptr, ms, n, r0, rr, r_ok, H, W, OH, OW, R, ncol_o, ntile_o, mo, RB, TWO, THO, EXACT,
-                          MASK_R)
+                    _blur(gs, g_ptr, ms, n, r0, rr, r_ok, H, W, OH, OW, R, ncol_o, ntile_o, mo, RB, TWO, THO,
+                          EXACT, MASK_R)
                 tl.debug_barrier()
                 _se_partial(ms, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, sw1_r, SP)
 
@@ -387,7 +387,8 @@ def _se_partial(mean_ptr, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, 
 @triton.jit
 def _acc_init(bproj_ptr, x_ptr, nrow, k, kv, oy, ox, m_ok, sxn, sxc, sxh, sxw, BM: tl.constexpr,
               BH: tl.constexpr, RESIDUAL: tl.constexpr):
-    acc = tl.zeros((BM, BH), dtype=tl.float32) + tl.load(bproj_ptr + k, mask=kv, other=0.0).to(tl.float32)[None, :]
+    bias = tl.load(bproj_ptr + k, mask=kv, other=0.0).to(tl.float32)
+    acc = tl.zeros((BM, BH), dtype=tl.float32) + bias[None, :]
     if RESIDUAL:
         res = tl.load(x_ptr + (nrow * sxn + oy * sxh + ox * sxw)[:, None] + k[None, :] * sxc,
                       mask=m_ok[:, None] & kv[None, :], other=0.0)

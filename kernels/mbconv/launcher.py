@@ -23,6 +23,25 @@ Choices (kernel.py explains the kernels)
 * Projection: 128-row tiles (one image's pixels, or two whole images of at most 64 pixels), output
   channels in two accumulators of 128 for K <= 256, or one per program and the blocks in grid.y when
   the tiles would leave more than half the SMs idle; 8 warps, 3 pipeline stages.
+
+Predicted (``convfirstnet kernels --model small --arch sm_90``: batch 128, fp16, CUDA graphs; high
+end of the band, us; the terms that bind are what the next redesign has to move):
+
+    block (Small)             launch   regs  smem    terms at the high end                   time
+    s1 16x16, C 256 (x17)     hidden   255  170 KB  latency 40 + waits 25, L2 51, tensor 33    66
+                              project  254  176 KB  L2 43 (W_proj per 128 px), DRAM 38 (g)     45
+    s1 8x8, C 256 (x17)       hidden   255  170 KB  latency 16 + waits 8, L2 17                25
+                              project  204  128 KB  L2 15                                      17
+    s2 32x32, C 96 -> 256     hidden   128   77 KB  L2 116 (x re-read per chunk), issue 107   117
+                              project  221  160 KB  latency 8 + waits 5                        22
+    s2 16x16, C 256           hidden   255  149 KB  latency 67 + waits 26, issue 55            95
+                              project  181  128 KB  L2 15                                      16
+
+Against the layer-wise bound of the same model: 0.55x (16x16), 0.72x (8x8), 0.63x (32x32 s2),
+0.74x (16x16 s2); stage 4 2.02 ms (0.55x), stage 5 0.82 ms (0.72x). L2 <-> SM bytes are 3.5x
+(16x16) to 13x (16x16 s2) the DRAM bytes: the h slot (written once, read from L2 once per chunk)
+and the g round trip are 2.2 of the 3.5 at 16x16, and with maps this small every image's item reads
+the chunk weights (1.2 MB per block) again.
 """
 
 from __future__ import annotations
@@ -219,7 +238,8 @@ class MBConvGeometry:
         return dict(STRIDE=self.stride, RB=self.rb, CP=self.cp, SP=self.sp, MASK_C=self.c != self.cp,
                     MASK_R=self.r % self.rb != 0, TW=self.tw, BM=self.cm, EM=self.em, TWO=self.two, BMO=BMO,
                     EXACT=self.exact,
-                    RESIDENT=self.resident, XM=XM if self.resident else 16, HWP=self.hwp if self.resident else 1,
+                    RESIDENT=self.resident, XM=XM if self.resident else 16,
+                    HWP=self.hwp if self.resident else 1,
                     ZB=ZERO_BLOCK, SILU=silu, PREC=prec,
                     num_warps=self.hidden_warps, num_stages=1)
 
@@ -364,7 +384,8 @@ def mbconv_triton(
 
     geo = mbconv_config(c, r, k, h, w, stride, n=n, s=s, dtype=x.dtype, dense=x.stride(2) == w * x.stride(3),
                         device=x.device)
-    out = torch.empty((n, k, geo.oh, geo.ow), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
+    out = torch.empty((n, k, geo.oh, geo.ow), device=x.device, dtype=x.dtype,
+                      memory_format=torch.channels_last)
     if n == 0:
         return out
     # 1-D biases are addressed as base + index (unit stride)
@@ -379,9 +400,9 @@ def mbconv_triton(
     zpart = torch.empty((n, geo.nchunk, geo.sp), device=x.device, dtype=torch.float32)
     prec = FP32_PRECISION if x.dtype == torch.float32 else "tf32"  # only fp32 operands use it
     silu = 0 if x.dtype == torch.float32 or x.device.type == "cpu" else 1
-    launch(_mbconv_hidden_kernel, (geo.programs,), x, w_exp, b_exp, w_conv, b_conv, w_se1, gbuf, zpart, scratch,
-           mslot, n, h, w, geo.oh, geo.ow, c, r, s, geo.nchunk, geo.groups, geo.chunks_per_group, geo.items, geo.ib,
-           geo.slot, *x.stride(), *w_exp.stride(), *w_conv.stride(), *w_se1.stride(),
+    launch(_mbconv_hidden_kernel, (geo.programs,), x, w_exp, b_exp, w_conv, b_conv, w_se1, gbuf, zpart,
+           scratch, mslot, n, h, w, geo.oh, geo.ow, c, r, s, geo.nchunk, geo.groups, geo.chunks_per_group,
+           geo.items, geo.ib, geo.slot, *x.stride(), *w_exp.stride(), *w_conv.stride(), *w_se1.stride(),
            cost=lambda: hidden_cost(geo), **geo.hidden_constexprs(silu, prec))
     launch(_mbconv_project_kernel, geo.p_grid, gbuf, zpart, b_se1, w_se2, b_se2, w_proj, b_proj, x, out,
            n, geo.ohw, geo.ow, r, k, s, geo.nchunk, geo.tpi, *x.stride(), *out.stride(), *w_se2.stride(),
@@ -406,7 +427,8 @@ def hidden_cost(geo: MBConvGeometry) -> KernelCost:
     if geo.stride == 2:
         scr += n * hw * rb + n * geo.tiles_o * 9 * BMO * rb
     l2 = (geo.programs * geo.slot_images * geo.border + nchunk * scr) * eb + nchunk * n * rb * 8
-    per_image = (() if geo.resident else (Loop("expand tiles", geo.tiles_e),)) + (Loop("conv tiles", geo.tiles),)
+    per_image = () if geo.resident else (Loop("expand tiles", geo.tiles_e),)
+    per_image += (Loop("conv tiles", geo.tiles),)
     if geo.stride == 2:
         per_image += (Loop("blur tiles", geo.tiles_o),)
     rounds = triton.cdiv(geo.items, geo.programs)
@@ -422,8 +444,8 @@ def hidden_cost(geo: MBConvGeometry) -> KernelCost:
     return KernelCost(useful, mma, dram, loops, l2_bytes=l2, scratch_bytes_per_program=geo.scratch_bytes,
                       l1_unique_bytes_per_program=rounds * (x_item + weights + slots),
                       l1_working_set_bytes=geo.scratch_bytes,
-                      note=f"{geo.programs} persistent programs, {geo.items} items of {ib} image(s) x {cg} chunks "
-                      f"of {rb} channels" + (", x read once per item" if geo.resident else ""))
+                      note=f"{geo.programs} persistent programs, {geo.items} items of {ib} image(s) x {cg} "
+                      f"chunks of {rb} channels" + (", x read once per item" if geo.resident else ""))
 
 
 def project_cost(geo: MBConvGeometry) -> KernelCost:
@@ -439,7 +461,8 @@ def project_cost(geo: MBConvGeometry) -> KernelCost:
     unique = (2 * s + r + geo.p_bn + (geo.p_bm * geo.p_bn if geo.stride == 1 else 0)) * eb
     unique += geo.ipt * geo.nchunk * geo.sp * 4
     return KernelCost(n * geo.ohw * r * k + n * r * s, mma, dram, (Loop("R steps", steps),),
-                      l1_unique_bytes_per_program=unique, l1_working_set_bytes=geo.ipt * geo.nchunk * geo.sp * 4,
+                      l1_unique_bytes_per_program=unique,
+                      l1_working_set_bytes=geo.ipt * geo.nchunk * geo.sp * 4,
                       l2_bytes=geo.g_bytes if geo.g_in_l2 else 0,
                       l2_footprint_bytes=geo.g_bytes if geo.g_in_l2 else 0,
                       note=("g read from L2" if geo.g_in_l2 else "g read from DRAM")
