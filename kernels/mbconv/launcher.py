@@ -14,7 +14,8 @@ Choices (kernel.py explains the kernels)
 * RESIDENT items (H W <= 256, 16-bit data): XM = 256 rows of x (IB = 256 / HWP images, fewer while
   their h slots would not stay in L1), one 8-warp program per SM (x takes 128 KB of shared memory at
   C = 256); chunk groups: as few as keep every SM busy (``chunk_groups``: 16x16 one group, 8x8 four).
-  Other maps (and fp32, and sm_80): items of one image and one chunk, two 4-warp programs per SM.
+  Other maps (and fp32, and sm_80): items of one image and one chunk, one 16-warp program per SM on
+  sm_90, two 4-warp programs elsewhere.
 * One launch pair over the whole batch. ``g`` stays in L2 for the projection where it fits in
   L2_SHARE of the L2 beside the scratch (8x8 and 16x16 stride 2 at batch 128); otherwise its read is
   DRAM traffic. Cutting the batch into slices whose ``g`` fits was predicted slower for Small at batch
@@ -75,18 +76,24 @@ MAX_C = 256
 # program's ~175 KB of shared memory leaves 60 KB (carve-out 196 KB), a tiled one's ~25 KB leaves 224 KB.
 SLOT_L1_RESIDENT = 56 * 1024
 SLOT_L1_TILED = 160 * 1024
+# Two 4-warp tiled programs of ~60 KB of shared memory each on an A100 (192 KB of L1 + shared memory
+# per SM, carve-out 132 KB) leave 60 KB of L1 for both slots.
+SLOT_L1_PAIR = 56 * 1024
 # Hidden kernel programs, one per SM. RESIDENT: 8 warps (16 spilled inside the loops at the
 # 128-register limit). Tiled, 16-bit data on sm_90: 16 warps, so that a warp's stall-cycle chain is a
 # quarter of what 4 would leave it (32x32 stride 2: 188 -> ~150 us predicted at the high end), with
 # expand tiles of EM = 256 pixels (a 64-row wgmma per warpgroup; 64-pixel tiles at 8 or 16 warps
-# compiled to mma.sync). fp32 and sm_80 (16 warps spilled there): 4 warps, EM = 64.
+# compiled to mma.sync). fp32 and sm_80 (16 warps spilled there): 4 warps, EM = 64, two programs per
+# SM where both slots stay in L1.
 HIDDEN_WARPS = 8
 HIDDEN_WARPS_TILED = 16
 # Projection tiles: 128 pixel rows (two wgmma warpgroups of 64) x 128 output channels per accumulator,
 # two accumulators for K <= 256, K steps of 64 hidden channels, 8 warps, 3 pipeline stages.
 P_BM, P_BH, P_BR, P_WARPS, P_STAGES = 128, 128, 64, 8, 3
 P_BH_FP32 = 64
-P_BM_FP32 = 64  # fp32 projection tiles: 3xTF32 operands in 128-row tiles took 213 KB of shared memory
+# 64-row projection tiles for fp32 (3xTF32 operands in 128-row tiles took 213 KB of shared memory) and
+# below sm_90 (mma.sync keeps the A operand in registers: 128-row tiles spilled 88-168 B on sm_80)
+P_BM_SMALL = 64
 # Share of the L2 the resident programs' scratch may take (the rest holds the streamed x, g, weights).
 L2_SHARE = 0.75
 # Per-warp instruction estimates from the sm_90 SASS (a chunk of a 256-pixel item; an item's x tile),
@@ -318,10 +325,15 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
     nchunk = triton.cdiv(r, rb)
     blocks = triton.cdiv(max(n, 1), ib)
     cg = chunk_groups(blocks, nchunk, sms) if resident else 1
-    programs = max(1, min(blocks * triton.cdiv(nchunk, cg), sms))
+    # 4-warp tiled programs: two per SM while both slots stay in the L1 that both programs' shared
+    # memory leaves on any target (SLOT_L1_PAIR), and all slots in L2_SHARE of the L2
+    per_sm = 2 if warps == 4 and 2 * slot_bytes(ib, rb) <= SLOT_L1_PAIR else 1
+    if per_sm * sms * slot_bytes(ib, rb) > L2_SHARE * l2:
+        per_sm = 1
+    programs = max(1, min(blocks * triton.cdiv(nchunk, cg), per_sm * sms))
     # projection
     ohw = oh * ow
-    p_bm = P_BM_FP32 if fp32 else P_BM
+    p_bm = P_BM_SMALL if fp32 or gpu.arch < 90 else P_BM
     ipt = 2 if ohw <= p_bm // 2 else 1
     tpi = triton.cdiv(ohw, p_bm) if ipt == 1 else 1
     bn = min(P_BH_FP32 if fp32 else 2 * P_BH, max(16, triton.next_power_of_2(k)))
