@@ -22,8 +22,9 @@ Choices (kernel.py explains the kernels)
   128 (16x16: 115.6 against 110.7 us per block, high end): a slice leaves too few images to keep the
   hidden kernel's programs busy without re-reading x per chunk group, and adds launches.
 * Projection: 128-row tiles (one image's pixels, or two whole images of at most 64 pixels), output
-  channels in two accumulators of 128 for K <= 256, or one per program and the blocks in grid.y when
-  the tiles would leave more than half the SMs idle; 8 warps, 3 pipeline stages.
+  channels in two accumulators of 128 for K <= 256 (one program per tile reads g and the gates once:
+  8x8 at batch 128 runs 64 such programs, predicted faster than 128 with K split), split into grid.y
+  only when the tiles would leave three quarters of the SMs idle; 8 warps, 3 pipeline stages.
 
 Predicted (``convfirstnet kernels --model small --arch sm_90``: batch 128, fp16, CUDA graphs; high
 end of the band, us; the terms that bind are what the next redesign has to move):
@@ -32,14 +33,14 @@ end of the band, us; the terms that bind are what the next redesign has to move)
     s1 16x16, C 256 (x17)     hidden   255  170 KB  latency 40 + waits 25, L2 51, tensor 33    66
                               project  254  176 KB  L2 43 (W_proj per 128 px), DRAM 38 (g)     45
     s1 8x8, C 256 (x17)       hidden   255  170 KB  latency 16 + waits 8, L2 17                25
-                              project  204  128 KB  L2 15                                      17
+                              project  252  176 KB  tensor 11, L2 11 (64 programs, full K)     13
     s2 32x32, C 96 -> 256     hidden   128   77 KB  L2 116 (x re-read per chunk), issue 107   117
                               project  221  160 KB  latency 8 + waits 5                        22
     s2 16x16, C 256           hidden   255  149 KB  latency 67 + waits 26, issue 55            95
-                              project  181  128 KB  L2 15                                      16
+                              project  254  176 KB  tensor 11, L2 10                           12
 
-Against the layer-wise bound of the same model: 0.55x (16x16), 0.72x (8x8), 0.63x (32x32 s2),
-0.74x (16x16 s2); stage 4 2.02 ms (0.55x), stage 5 0.82 ms (0.72x). L2 <-> SM bytes are 3.5x
+Against the layer-wise bound of the same model: 0.55x (16x16), 0.65x (8x8), 0.63x (32x32 s2),
+0.72x (16x16 s2); stage 4 2.02 ms (0.55x), stage 5 0.75 ms (0.66x). L2 <-> SM bytes are 3.5x
 (16x16) to 13x (16x16 s2) the DRAM bytes: the h slot (written once, read from L2 once per chunk)
 and the g round trip are 2.2 of the 3.5 at 16x16, and with maps this small every image's item reads
 the chunk weights (1.2 MB per block) again.
@@ -337,7 +338,7 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
     ipt = 2 if ohw <= p_bm // 2 else 1
     tpi = triton.cdiv(ohw, p_bm) if ipt == 1 else 1
     bn = min(P_BH_FP32 if fp32 else 2 * P_BH, max(16, triton.next_power_of_2(k)))
-    if 2 * triton.cdiv(max(n, 1), ipt) * tpi <= sms:  # too few tiles for the SMs: output channels in grid.y
+    if 4 * triton.cdiv(max(n, 1), ipt) * tpi <= sms:  # very few tiles: output channels in grid.y too
         bn = min(bn, P_BH)
     halves = 2 if bn > P_BH else 1
     g_in_l2 = n * ohw * r * elem + programs * (slot_bytes(ib, rb) + rb * 4) <= L2_SHARE * l2
