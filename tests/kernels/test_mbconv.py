@@ -415,6 +415,9 @@ MODEL_INPUTS = (256, 224, 512, 32)
 # four models launch at MODEL_INPUTS in the three dtypes (656, about 40 minutes).
 
 
+SMALL_SCRATCH = {}  # fused Small's variant key -> the L1 working set its launch declares
+
+
 def _variant_class(v):
     return v.name, v.arch, dict(v.signature)["x_ptr"]
 
@@ -450,6 +453,7 @@ def _shipped_variants():
                         found.setdefault(v.key, v)
                         if name == "small" and dtype == torch.float16 and size == 256:
                             small.add(v.key)
+                            SMALL_SCRATCH[v.key] = launch.cost.l1_working_set_bytes
     if FULL_MATRIX:
         return list(found.values()), small
     widest = {}
@@ -568,6 +572,23 @@ def test_scratch_loads_follow_the_barrier(small_asm):
             assert ptx.count("bar.sync") >= (3 if stride == 1 else 4)
         else:
             assert "cp.async.cg" in ptx or "cp.async.ca" in ptx
+
+
+def test_scratch_slot_fits_the_l1_left(mbconv_compiled):
+    """The hidden kernel's scratch slot stays in L1 (what its cost declaration claims, and why the
+    launcher halves RB for stride 2): for fused Small on sm_90 (one program per SM) the L1 that the
+    compiled shared memory leaves, 256 KB minus the smallest carve-out that holds it, is at least the
+    declared working set (the slot and the means)."""
+    from convfirstnet.analysis.hardware import hardware
+    from convfirstnet.analysis.targets import target
+
+    checked = 0
+    for v, c, small in mbconv_compiled:
+        if small and v.arch == 90 and v.name == "_mbconv_hidden_kernel":
+            l1 = hardware(90).l1_bytes(c.shared + target(90).smem_reserved_per_block)
+            assert SMALL_SCRATCH[v.key] <= l1, (v.meta, c.shared, SMALL_SCRATCH[v.key], l1)
+            checked += 1
+    assert checked == 4  # 32x32 stride 2 (tiled), 16x16 both strides, 8x8
 
 
 def test_x_tile_resident_in_shared_memory(small_asm):
