@@ -3,8 +3,8 @@ buffers, launches with their cost declarations.
 
 Every function here assumes the op's checks passed (shapes, dtypes, devices: op.py). One
 :class:`MBConvGeometry` (``mbconv_config``) holds every tile size, trip count and grid of a block's
-two launches, computed once from the shapes and the device (SM count and L2 size:
-``kernels._launch.device_info``); the launches and their cost declarations read it.
+two launches, computed once from the shapes and the device (SM count, L2 size, shared memory per
+program, arch: ``kernels._launch.device_info``); the launches and their cost declarations read it.
 
 Choices (kernel.py explains the kernels)
 ----------------------------------------
@@ -15,14 +15,15 @@ Choices (kernel.py explains the kernels)
   their h slots would not stay in L1), one 8-warp program per SM (x takes 128 KB of shared memory at
   C = 256); chunk groups: as few as keep every SM busy (``chunk_groups``: 16x16 one group, 8x8 four).
   Other maps (and fp32, and sm_80): items of one image and one chunk, one 16-warp program per SM on
-  sm_90, two 4-warp programs elsewhere.
+  sm_90, 4-warp programs elsewhere (two per SM where both slots fit the L1 an A100 leaves them).
 * One launch pair over the whole batch. ``g`` stays in L2 for the projection where it fits in
   L2_SHARE of the L2 beside the scratch (8x8 and 16x16 stride 2 at batch 128); otherwise its read is
   DRAM traffic. Cutting the batch into slices whose ``g`` fits was predicted slower for Small at batch
   128 (16x16: 115.6 against 110.7 us per block, high end): a slice leaves too few images to keep the
   hidden kernel's programs busy without re-reading x per chunk group, and adds launches.
-* Projection: 128-row tiles (one image's pixels, or two whole images of at most 64 pixels), output
-  channels in two accumulators of 128 for K <= 256 (one program per tile reads g and the gates once:
+* Projection: 128-row tiles on sm_90, 64 for fp32 and below sm_90 (one image's pixels, or two whole
+  images of at most half a tile), output channels in two accumulators of 128 for K <= 256 (one
+  program per tile reads g and the gates once:
   8x8 at batch 128 runs 64 such programs, predicted faster than 128 with K split), split into grid.y
   only when the tiles would leave three quarters of the SMs idle; 8 warps, 3 pipeline stages.
 
