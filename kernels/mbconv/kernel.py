@@ -36,10 +36,11 @@ written once in the input dtype (``gbuf``, (N, H'W', R)) and read back once. Two
 
 2. ``_mbconv_project_kernel`` (grid: tiles of BM rows x output-channel blocks; BM = 128 on sm_90):
    the rows are one image's pixels (maps of more than BM / 2 pixels) or two whole images.
-   ``acc = bias (+ x)``, then over R in steps of BR = 64: the step's gates, ``sigmoid(W_se2[step] z + b_se2[step])`` with
-   ``z = ReLU(sum_chunk zpart + b_se1)`` of the tile's images (chunk partials summed in a fixed
-   order, once per program), and ``acc += (gbuf tile * gate) @ W_proj[:, step]^T`` (wgmma, A gated in
-   registers); stored once. W_se2 is read once per program, with the step's W_proj rows.
+   ``acc = bias (+ x)``, then over R in steps of BR = 64: the step's gates,
+   ``sigmoid(W_se2[step] z + b_se2[step])`` with ``z = ReLU(sum_chunk zpart + b_se1)`` of the tile's
+   images (chunk partials summed in a fixed order, once per program), and
+   ``acc += (gbuf tile * gate) @ W_proj[:, step]^T`` (wgmma, A gated in registers); stored once.
+   W_se2 is read once per program, with the step's W_proj rows.
 
 Every reduction runs in a fixed order, so the output is bit-reproducible.
 
