@@ -107,8 +107,8 @@ def recording(
 ) -> Iterator[Recording]:
     """Record launches instead of running them. Inside, every op takes its Triton path whatever the
     device (meta tensors are the intended input: shapes without memory), and each ``launch`` appends
-    a :class:`Launch` with its cost declaration. ``sms``, ``l2_bytes``, ``shared_per_block``, ``arch``: the target GPU, for
-    launchers that size their grids or batch slices by it."""
+    a :class:`Launch` with its cost declaration. ``sms``, ``l2_bytes``, ``shared_per_block``, ``arch``:
+    the target GPU, for launchers that size their grids, tiles or batch slices by it."""
     rec = Recording(sms=sms, l2_bytes=l2_bytes, shared_per_block=shared_per_block, arch=arch)
     token = _RECORDING.set(rec)
     try:
