@@ -12,6 +12,7 @@ float64 tensors always take the reference (the kernels run fp32, fp16 and bf16 o
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -137,6 +138,40 @@ def define_op(qualname: str) -> Callable[[Callable], Callable]:
     return register
 
 
+# The GPU a launch is sized for when it runs on no CUDA device (meta tensors of a cost recording
+# without a target, or CPU tensors): an H100 SXM.
+DEFAULT_SMS = 132
+DEFAULT_L2_BYTES = 50 * 1024 * 1024
+DEFAULT_SHARED_PER_BLOCK = 227 * 1024
+DEFAULT_ARCH = 90
+
+
+@dataclass(frozen=True)
+class GPUInfo:
+    """What launchers size their grids and tiles by."""
+
+    sms: int
+    l2_bytes: int
+    shared_per_block: int  # opt-in maximum of shared memory per program
+    arch: int  # compute capability as 10 major + minor (90: Hopper)
+
+
+def device_info(device: torch.device) -> GPUInfo:
+    """The GPU that a launch on ``device`` runs on: the CUDA device's own figures; for meta tensors the
+    active cost recording's target (``recording(sms=..., l2_bytes=..., shared_per_block=..., arch=...)``);
+    else an H100 SXM (DEFAULT_*)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return GPUInfo(props.multi_processor_count, props.L2_cache_size,
+                       getattr(props, "shared_memory_per_block_optin", DEFAULT_SHARED_PER_BLOCK),
+                       10 * props.major + props.minor)
+    rec = active_recording()
+    if rec is not None and device.type == "meta":
+        return GPUInfo(rec.sms or DEFAULT_SMS, rec.l2_bytes or DEFAULT_L2_BYTES,
+                       rec.shared_per_block or DEFAULT_SHARED_PER_BLOCK, rec.arch or DEFAULT_ARCH)
+    return GPUInfo(DEFAULT_SMS, DEFAULT_L2_BYTES, DEFAULT_SHARED_PER_BLOCK, DEFAULT_ARCH)
+
+
 def launchable(kernel):
     """``wrap_triton(kernel)``, so torch.compile sees the launch as a user-defined Triton kernel.
 
@@ -147,7 +182,6 @@ def launchable(kernel):
     from triton.runtime.jit import JITFunction
 
     return wrap_triton(kernel) if isinstance(kernel, (JITFunction, Autotuner)) else kernel
-
 
 
 def launch(kernel, grid, *args, cost: Callable[[], KernelCost] | None = None, **meta) -> None:

@@ -61,8 +61,9 @@ def record_launches(model: nn.Module, x: torch.Tensor, target: Target | None = N
     ``target``: the GPU the launchers size their grids and batch slices for (default: theirs, an H100)."""
     labels: list[str | None] = []
     handles = []
-    sms, l2_bytes = (target.sms, target.l2_bytes) if target else (None, None)
-    with recording(sms=sms, l2_bytes=l2_bytes) as rec:
+    gpu = dict(sms=target.sms, l2_bytes=target.l2_bytes, shared_per_block=target.smem_per_block,
+               arch=target.arch) if target else {}
+    with recording(**gpu) as rec:
 
         def enter(path: str):
             def hook(module, args):

@@ -497,7 +497,7 @@ def kernel_config(row: BlockRow, dtype: torch.dtype) -> dict | None:
 
             args = (row.channels, row.channels, 1)
         else:
-            from convfirstnet.kernels.mbconv.kernel import mbconv_config as fn
+            from convfirstnet.kernels.mbconv.launcher import mbconv_config as fn
 
             c = row.channels
             args = (c, row.expansion * c, c, row.size, row.size, 1)

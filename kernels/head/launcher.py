@@ -8,13 +8,12 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .._cost import KernelCost, Loop, active_recording
-from .._launch import launch
+from .._cost import KernelCost, Loop
+from .._launch import device_info, launch
 from .kernel import _head_kernel
 
 FP32_PRECISION = "tf32x3"  # dot precision for fp32 operands (the interpreter computes exact fp32)
 MAX_RESIDENT_C = 256  # the resident weight slice: two K parts of at most 128 channels
-DEFAULT_SMS = 132  # H100 SXM: the program count when no CUDA device says otherwise (cost recording, CPU)
 PROGRAMS_PER_SM = 2
 SUPPORTED_C = (128, 160, 192, 256)  # the head follows stage 5 (SPEC 1, Table 3)
 
@@ -70,10 +69,7 @@ def image_groups(n: int, f_blocks: int, sms: int) -> int:
 
 
 def sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    rec = active_recording()  # meta tensors: the recording's target
-    return rec.sms if rec is not None and rec.sms and device.type == "meta" else DEFAULT_SMS
+    return device_info(device).sms
 
 
 def pixel_stride(x: torch.Tensor) -> int | None:

@@ -1,1 +1,2 @@
-"""mbconv block: reference.py (spec), kernel.py (Triton), op.py (torch.ops.convfirstnet.mbconv)."""
+"""mbconv block: reference.py (spec), kernel.py (Triton), launcher.py (geometry, checks, launches, cost
+declarations), op.py (torch.ops.convfirstnet.mbconv)."""

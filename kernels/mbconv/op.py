@@ -15,7 +15,7 @@ from .._launch import (
 from .reference import mbconv_reference
 
 if HAS_TRITON:
-    from .kernel import check_supported, mbconv_triton
+    from .launcher import check_supported, mbconv_triton
 
 
 @define_op("convfirstnet::mbconv")

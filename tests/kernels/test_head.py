@@ -11,6 +11,7 @@ strided weights, batch 0 and 1.
 
 import pytest
 import torch
+from convfirstnet.kernels._launch import DEFAULT_SMS
 from convfirstnet.kernels.head import launcher as K
 from convfirstnet.kernels.head.reference import head_reference
 
@@ -63,7 +64,7 @@ def check(x, weight, bias, tol=TOL):
 def few_sms(monkeypatch):
     """Pretend the device has 10 SMs: 20 programs, i.e. 2 image groups of the 10 fp16 feature blocks
     (1 group of the 20 fp32 ones), so each program walks several images."""
-    monkeypatch.setattr(K, "DEFAULT_SMS", 10)
+    monkeypatch.setattr(K, "sm_count", lambda device: 10)
 
 
 MODEL_SHAPES = [  # (N, C, H, W, F)
@@ -149,8 +150,8 @@ def test_grid_does_not_grow_with_the_batch():
         x = torch.empty(n, 256, 8, 8, device="meta", dtype=torch.half)
         x = x.contiguous(memory_format=torch.channels_last)
         (launch,) = record(lambda: torch.ops.convfirstnet.head(x, w, b))
-        groups = K.image_groups(n, 10, K.DEFAULT_SMS)
-        assert launch.grid == (10 * groups,) and groups == min(n, 2 * K.DEFAULT_SMS // 10)
+        groups = K.image_groups(n, 10, DEFAULT_SMS)
+        assert launch.grid == (10 * groups,) and groups == min(n, 2 * DEFAULT_SMS // 10)
         assert launch.cost.loops[0].trips == -(-n // groups)  # images per program
         assert launch.cost.useful_macs == n * 64 * 256 * 1280
 

@@ -1,0 +1,483 @@
+"""Host side of the MBConv + SE kernels (kernel.py): the geometry of one launch pair, kernel limits,
+buffers, launches with their cost declarations.
+
+Every function here assumes the op's checks passed (shapes, dtypes, devices: op.py). One
+:class:`MBConvGeometry` (``mbconv_config``) holds every tile size, trip count and grid of a block's
+two launches, computed once from the shapes and the device (SM count, L2 size, shared memory per
+program, arch: ``kernels._launch.device_info``); the launches and their cost declarations read it.
+
+Choices (kernel.py explains the kernels)
+----------------------------------------
+* Hidden chunk RB = 64 channels (8 conv groups), halved while the program's scratch slot would not
+  stay in L1 (``SLOT_L1_*``: 16x16 and 32x32 stride 2 take 32), 32 for fp32 (3xTF32 holds each
+  operand twice; at 64 the C = 256 expand needed more shared memory than sm_90 has).
+* RESIDENT items (H W <= 256, 16-bit data): XM = 256 rows of x (IB = 256 / HWP images, fewer while
+  their h slots would not stay in L1), one 8-warp program per SM (x takes 128 KB of shared memory at
+  C = 256); chunk groups: as few as keep every SM busy (``chunk_groups``: 16x16 one group, 8x8 four).
+  Other maps (and fp32, and sm_80): items of one image and one chunk, one 16-warp program per SM on
+  sm_90, 4-warp programs elsewhere (two per SM where both slots fit the L1 an A100 leaves them).
+* One launch pair over the whole batch. ``g`` stays in L2 for the projection where it fits in
+  L2_SHARE of the L2 beside the scratch (8x8 and 16x16 stride 2 at batch 128); otherwise its read is
+  DRAM traffic. Cutting the batch into slices whose ``g`` fits was predicted slower for Small at batch
+  128 (16x16: 115.6 against 110.7 us per block, high end): a slice leaves too few images to keep the
+  hidden kernel's programs busy without re-reading x per chunk group, and adds launches.
+* Projection: 128-row tiles on sm_90, 64 for fp32 and below sm_90 (one image's pixels, or two whole
+  images of at most half a tile), output channels in two accumulators of 128 for K <= 256 (one
+  program per tile reads g and the gates once:
+  8x8 at batch 128 runs 64 such programs, predicted faster than 128 with K split), split into grid.y
+  only when the tiles would leave three quarters of the SMs idle; 8 warps, 3 pipeline stages.
+
+Predicted (``convfirstnet kernels --model small --arch sm_90``: batch 128, fp16, CUDA graphs; high
+end of the band, us; the terms that bind are what the next redesign has to move):
+
+    block (Small)             launch   regs  smem    terms at the high end                   time
+    s1 16x16, C 256 (x17)     hidden   255  170 KB  latency 40 + waits 25, L2 51, tensor 33    66
+                              project  254  176 KB  L2 43 (W_proj per 128 px), DRAM 38 (g)     45
+    s1 8x8, C 256 (x17)       hidden   255  170 KB  latency 16 + waits 8, L2 17                25
+                              project  252  176 KB  tensor 11, L2 11 (64 programs, full K)     13
+    s2 32x32, C 96 -> 256     hidden   128   77 KB  L2 116 (x re-read per chunk), issue 107   117
+                              project  221  160 KB  latency 8 + waits 5                        22
+    s2 16x16, C 256           hidden   255  149 KB  latency 67 + waits 26, issue 55            95
+                              project  254  176 KB  tensor 11, L2 10                           12
+
+Against the layer-wise bound of the same model: 0.55x (16x16), 0.65x (8x8), 0.63x (32x32 s2),
+0.72x (16x16 s2); stage 4 2.02 ms (0.55x), stage 5 0.75 ms (0.66x). L2 <-> SM bytes are 3.5x
+(16x16) to 13x (16x16 s2) the DRAM bytes: the h slot (written once, read from L2 once per chunk)
+and the g round trip are 2.2 of the 3.5 at 16x16, and with maps this small every image's item reads
+the chunk weights (1.2 MB per block) again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .._cost import KernelCost, Loop
+from .._launch import GROUP_WIDTH, GPUInfo, device_info, launch
+from .kernel import _mbconv_hidden_kernel, _mbconv_project_kernel
+
+FP32_PRECISION = "tf32x3"  # dot precision for fp32 operands; fp16/bf16 operands ignore it
+RB, RB_SMALL = 64, 32  # hidden channels per chunk (module docstring)
+BMO = 64  # blur output pixels per tile
+# Conv tile: CONV_ELEMS / RB pixels (G = RB / 8 groups), so that the [G, BM, 16] tap-pair operand is
+# 16 KB whatever RB (as gconv's tiles): fewer rows per group left warps computing the same batched
+# mma.sync (8 warps at RB = 32 issued twice the conv's MACs, 16 warps four times).
+CONV_ELEMS = 4096
+BM = 64  # pixels per warpgroup of an expand tile (the wgmma M)
+XM = 256  # rows of a RESIDENT item's x tile (a [256, 256] fp16 tile is 128 KB of shared memory)
+# Shared memory of a RESIDENT program beside its x tile and W_exp chunk (layout conversions of the
+# conv operands; 14 KB as compiled for sm_90 at C = 256)
+RESIDENT_SMEM_EXTRA = 16 * 1024
+ZERO_BLOCK = 1024  # elements per store of the scratch border fill
+# The expand loads all input channels as one K tile; 256 is the widest block input of the paper
+# (Table 3). Wider inputs take CONVFIRSTNET_KERNELS=reference.
+MAX_C = 256
+# Scratch slot bytes that stay in L1: an sm_90 SM has 256 KB of L1 + shared memory; a RESIDENT
+# program's ~175 KB of shared memory leaves 60 KB (carve-out 196 KB), a tiled one's ~25 KB leaves 224 KB.
+SLOT_L1_RESIDENT = 56 * 1024
+SLOT_L1_TILED = 160 * 1024
+# Two 4-warp tiled programs of ~60 KB of shared memory each on an A100 (192 KB of L1 + shared memory
+# per SM, carve-out 132 KB) leave 60 KB of L1 for both slots.
+SLOT_L1_PAIR = 56 * 1024
+# Hidden kernel programs, one per SM. RESIDENT: 8 warps (16 spilled inside the loops at the
+# 128-register limit). Tiled, 16-bit data on sm_90: 16 warps, so that a warp's stall-cycle chain is a
+# quarter of what 4 would leave it (32x32 stride 2: 188 -> ~150 us predicted at the high end), with
+# expand tiles of EM = 256 pixels (a 64-row wgmma per warpgroup; 64-pixel tiles at 8 or 16 warps
+# compiled to mma.sync). fp32 and sm_80 (16 warps spilled there): 4 warps, EM = 64, two programs per
+# SM where both slots stay in L1.
+HIDDEN_WARPS = 8
+HIDDEN_WARPS_TILED = 16
+# Projection tiles: 128 pixel rows (two wgmma warpgroups of 64) x 128 output channels per accumulator,
+# two accumulators for K <= 256, K steps of 64 hidden channels, 8 warps, 3 pipeline stages.
+P_BM, P_BH, P_BR, P_WARPS, P_STAGES = 128, 128, 64, 8, 3
+P_BH_FP32 = 64
+# 64-row projection tiles for fp32 (3xTF32 operands in 128-row tiles took 213 KB of shared memory) and
+# below sm_90 (mma.sync keeps the A operand in registers: 128-row tiles spilled 88-168 B on sm_80)
+P_BM_SMALL = 64
+# Share of the L2 the resident programs' scratch may take (the rest holds the streamed x, g, weights).
+L2_SHARE = 0.75
+# Per-warp instruction estimates from the sm_90 SASS (a chunk of a 256-pixel item; an item's x tile),
+# used only to choose the chunk groups (``chunk_groups``).
+CHUNK_COST, ITEM_COST = 3000, 800
+# Under the interpreter (CPU) programs run one after another: 3 programs with several items each
+# cost the same as many and exercise the item loop; a small L2 share keeps g "in DRAM" there.
+INTERPRETER_PROGRAMS = 3
+INTERPRETER_L2 = 4 * 1024 * 1024
+MAX_GRID_X = 2**31 - 1  # CUDA grid.x limit (grid.y/z: 65535)
+MAX_GRID_YZ = 65535
+
+
+@dataclass(frozen=True)
+class MBConvGeometry:
+    """Everything the two launches of one block need: shapes, tiles, trip counts, grids."""
+
+    n: int
+    c: int
+    r: int
+    s: int
+    k: int
+    h: int
+    w: int
+    stride: int
+    oh: int
+    ow: int
+    elem: int  # bytes per element of x
+    fp32: bool
+    # hidden kernel
+    rb: int  # hidden channels per chunk
+    cp: int  # input channels rounded up to a power of two (one expand K tile)
+    sp: int  # SE width rounded up to a power of two (>= 16)
+    tw: int  # conv tile width (pixels of an image row per tile)
+    two: int  # blur output tile width
+    exact: bool  # tiles cover the map exactly (dense pixel rows; stride 2: also the output)
+    resident: bool  # an item's x tile is read once for all its chunks
+    hwp: int  # pixels per image rounded up to a power of two (RESIDENT rows per image)
+    ib: int  # images per item
+    chunks_per_group: int  # hidden chunks per item
+    programs: int  # hidden-kernel programs (persistent)
+    # projection
+    p_bm: int
+    p_bh: int
+    halves: int
+    ipt: int  # whole images per projection tile (1: a tile holds pixels of one image)
+    tpi: int  # projection tiles per image (1 when ipt > 1)
+    g_in_l2: bool  # g (plus the scratch) fits in L2_SHARE of the L2: the projection reads it from L2
+    hidden_warps: int
+
+    @property
+    def hw(self) -> int:
+        return self.h * self.w
+
+    @property
+    def ohw(self) -> int:
+        return self.oh * self.ow
+
+    @property
+    def nchunk(self) -> int:
+        return triton.cdiv(self.r, self.rb)
+
+    @property
+    def groups(self) -> int:
+        return triton.cdiv(self.nchunk, self.chunks_per_group)
+
+    @property
+    def image_blocks(self) -> int:
+        return triton.cdiv(self.n, self.ib)
+
+    @property
+    def items(self) -> int:
+        return self.image_blocks * self.groups
+
+    @property
+    def cm(self) -> int:
+        """Pixels per conv tile."""
+        return conv_rows(self.rb)
+
+    @property
+    def tiles(self) -> int:
+        return triton.cdiv(self.h, self.cm // self.tw) * triton.cdiv(self.w, self.tw)
+
+    @property
+    def tiles_o(self) -> int:
+        return triton.cdiv(self.oh, BMO // self.two) * triton.cdiv(self.ow, self.two)
+
+    @property
+    def slot_images(self) -> int:
+        return self.ib if self.resident else 1
+
+    @property
+    def h_slot(self) -> int:
+        """Elements of one image's h slot (padded rows and columns)."""
+        return self.rb * (self.h + 2) * (self.w + 2)
+
+    @property
+    def border(self) -> int:
+        """Elements of one image's h slot border (zeroed once per launch)."""
+        return 2 * self.rb * (self.w + 2) + 2 * self.h * self.rb
+
+    @property
+    def slot(self) -> int:
+        """Elements of one program's scratch slot."""
+        return self.slot_images * self.h_slot + (self.rb * self.hw if self.stride == 2 else 0)
+
+    @property
+    def mean_slot(self) -> int:
+        """fp32 elements of one program's mean slot: a chunk's means of the item's images."""
+        return self.rb
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of one program's scratch: the slot and the fp32 mean slot."""
+        return self.slot * self.elem + self.mean_slot * 4
+
+    @property
+    def g_bytes(self) -> int:
+        return self.n * self.ohw * self.r * self.elem
+
+    @property
+    def p_bn(self) -> int:
+        return self.p_bh * self.halves
+
+    @property
+    def p_tiles(self) -> int:
+        return triton.cdiv(self.n, self.ipt) * self.tpi
+
+    @property
+    def p_grid(self) -> tuple[int, int]:
+        return self.p_tiles, triton.cdiv(self.k, self.p_bn)
+
+    @property
+    def p_even(self) -> bool:
+        rows_full = self.ohw % self.p_bm == 0 if self.ipt == 1 else (
+            self.ipt * self.ohw == self.p_bm and self.n % self.ipt == 0)
+        return self.r % P_BR == 0 and self.s == self.sp and rows_full and self.k % self.p_bn == 0
+
+    @property
+    def em(self) -> int:
+        """Pixels per expand tile of the tiled path: 64 per warpgroup."""
+        return BM * max(1, self.hidden_warps // 4)
+
+    @property
+    def tiles_e(self) -> int:
+        return triton.cdiv(self.h, self.em // self.tw) * triton.cdiv(self.w, self.tw)
+
+    def hidden_constexprs(self, silu: int, prec: str) -> dict:
+        return dict(STRIDE=self.stride, RB=self.rb, CP=self.cp, SP=self.sp, MASK_C=self.c != self.cp,
+                    MASK_R=self.r % self.rb != 0, TW=self.tw, BM=self.cm, EM=self.em, TWO=self.two, BMO=BMO,
+                    EXACT=self.exact,
+                    RESIDENT=self.resident, XM=XM if self.resident else 16,
+                    HWP=self.hwp if self.resident else 1,
+                    ZB=ZERO_BLOCK, SILU=silu, PREC=prec,
+                    num_warps=self.hidden_warps, num_stages=1)
+
+    def project_constexprs(self, silu: int, prec: str) -> dict:
+        return dict(RESIDUAL=self.stride == 1, BM=self.p_bm, BH=self.p_bh, HALVES=self.halves, BR=P_BR,
+                    SP=self.sp, NCP=triton.next_power_of_2(self.nchunk), IPT=self.ipt, EVEN=self.p_even,
+                    PREC=prec, SIGMOID=silu, num_warps=P_WARPS, num_stages=P_STAGES)
+
+
+def conv_rows(rb: int) -> int:
+    return max(BM, CONV_ELEMS // rb)
+
+
+def chunk_groups(image_blocks: int, nchunk: int, programs: int) -> int:
+    """Chunks per RESIDENT item: the fewest groups (each group re-reads the item's x) among those with
+    the smallest estimated critical path, ceil(items / programs) x (chunks per item x CHUNK_COST +
+    ITEM_COST)."""
+    best, best_t = nchunk, None
+    for groups in range(1, nchunk + 1):
+        cg = triton.cdiv(nchunk, groups)
+        if triton.cdiv(nchunk, cg) != groups:
+            continue
+        t = triton.cdiv(image_blocks * groups, programs) * (cg * CHUNK_COST + ITEM_COST)
+        if best_t is None or t < best_t:
+            best, best_t = cg, t
+    return best
+
+
+def target_info(device: torch.device) -> GPUInfo:
+    """The GPU the launches are sized for (the interpreter: INTERPRETER_* programs and L2)."""
+    info = device_info(device)
+    if device.type == "cpu":
+        return GPUInfo(INTERPRETER_PROGRAMS, INTERPRETER_L2, info.shared_per_block, info.arch)
+    return info
+
+
+def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int = 128, s: int | None = None,
+                  dtype: torch.dtype = torch.float16, dense: bool = True,
+                  device: torch.device | str = "meta") -> MBConvGeometry:
+    """The geometry of one launch pair over ``n`` images (module docstring). ``dense``: x's pixel rows
+    are contiguous (stride(H) == W * stride(W)), which the exact path's linear pixel addresses need;
+    ``device``: the GPU whose SM count and L2 size set the programs (meta: the recording's target)."""
+    s = max(1, c // 4) if s is None else s
+    elem = torch.tensor([], dtype=dtype).element_size()
+    fp32 = dtype == torch.float32
+    oh, ow = (h, w) if stride == 1 else ((h + 1) // 2, (w + 1) // 2)
+    cp = max(16, triton.next_power_of_2(c))
+    tw = min(BM, max(8, triton.next_power_of_2(w)))
+    two = min(BMO, max(8, triton.next_power_of_2(ow))) if stride == 2 else 8
+    gpu = target_info(torch.device(device))
+    sms, l2 = gpu.sms, gpu.l2_bytes
+    hwp = triton.next_power_of_2(h * w)
+    # RESIDENT needs the x tile and a chunk's W_exp in shared memory (sm_80: 163 KB per program, too
+    # little at C = 256; fp32: 3xTF32 keeps each operand as two parts, 299 KB at C = 128)
+    resident = hwp <= XM and not fp32 and (XM + RB) * cp * elem + RESIDENT_SMEM_EXTRA <= gpu.shared_per_block
+    ib = max(1, XM // hwp) if resident else 1
+    warps = HIDDEN_WARPS if resident else (HIDDEN_WARPS_TILED if gpu.arch >= 90 and not fp32 else 4)
+
+    def slot_bytes(ib: int, rb: int) -> int:
+        return ((ib if resident else 1) * rb * (h + 2) * (w + 2) + (rb * h * w if stride == 2 else 0)) * elem
+
+    limit = SLOT_L1_RESIDENT if resident else SLOT_L1_TILED
+    rb = RB_SMALL if fp32 else RB
+    while rb > 16 and slot_bytes(1, rb) > limit:  # the slot must stay in L1 (module docstring)
+        rb //= 2
+    if resident:
+        ib = min(ib, triton.next_power_of_2(max(n, 1)))
+        while ib > 1 and slot_bytes(ib, rb) > limit:  # small maps: fewer images per slot
+            ib //= 2
+    # EXACT: the conv (and tiled expand, and blur) tiles cover the map exactly, with dense pixel rows
+    exact = dense and w == tw and h % (conv_rows(rb) // tw) == 0
+    if not resident:
+        exact = exact and h % max(1, BM * (warps // 4) // tw) == 0
+    if stride == 2:
+        exact = exact and h % 2 == 0 and w % 2 == 0 and ow == two and (oh % (BMO // two) == 0)
+    nchunk = triton.cdiv(r, rb)
+    blocks = triton.cdiv(max(n, 1), ib)
+    cg = chunk_groups(blocks, nchunk, sms) if resident else 1
+    # 4-warp tiled programs: two per SM while both slots stay in the L1 that both programs' shared
+    # memory leaves on any target (SLOT_L1_PAIR), and all slots in L2_SHARE of the L2
+    per_sm = 2 if warps == 4 and 2 * slot_bytes(ib, rb) <= SLOT_L1_PAIR else 1
+    if per_sm * sms * slot_bytes(ib, rb) > L2_SHARE * l2:
+        per_sm = 1
+    programs = max(1, min(blocks * triton.cdiv(nchunk, cg), per_sm * sms))
+    # projection
+    ohw = oh * ow
+    p_bm = P_BM_SMALL if fp32 or gpu.arch < 90 else P_BM
+    ipt = 2 if ohw <= p_bm // 2 else 1
+    tpi = triton.cdiv(ohw, p_bm) if ipt == 1 else 1
+    bn = min(P_BH_FP32 if fp32 else 2 * P_BH, max(16, triton.next_power_of_2(k)))
+    if 4 * triton.cdiv(max(n, 1), ipt) * tpi <= sms:  # very few tiles: output channels in grid.y too
+        bn = min(bn, P_BH)
+    halves = 2 if bn > P_BH else 1
+    g_in_l2 = n * ohw * r * elem + programs * (slot_bytes(ib, rb) + rb * 4) <= L2_SHARE * l2
+    return MBConvGeometry(
+        n=n, c=c, r=r, s=s, k=k, h=h, w=w, stride=stride, oh=oh, ow=ow, elem=elem, fp32=fp32, rb=rb, cp=cp,
+        sp=max(16, triton.next_power_of_2(s)), tw=tw, two=two, exact=exact, resident=resident,
+        hwp=hwp, ib=ib, chunks_per_group=cg, programs=programs, p_bm=p_bm, p_bh=bn // halves, halves=halves,
+        ipt=ipt, tpi=tpi, g_in_l2=g_in_l2,
+        hidden_warps=warps)
+
+
+def check_supported(x: torch.Tensor, c: int, r: int, k: int) -> None:
+    """Kernel limits beyond the op's checks (raised before any allocation or launch)."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        # Triton's interpreter computes bf16 tl.dot wrongly (triton 3.9)
+        raise NotImplementedError(
+            "convfirstnet.mbconv: bfloat16 through the Triton interpreter gives wrong tl.dot results; "
+            "use float16/float32, or CONVFIRSTNET_KERNELS=reference on CPU"
+        )
+    if r % GROUP_WIDTH:
+        raise ValueError(
+            f"convfirstnet.mbconv: hidden width {r} is not a multiple of the group width {GROUP_WIDTH}"
+        )
+    if c > MAX_C:
+        raise ValueError(
+            f"convfirstnet.mbconv: the Triton kernel supports up to {MAX_C} input channels, got {c}; "
+            "use CONVFIRSTNET_KERNELS=reference for wider blocks"
+        )
+    tiles = triton.cdiv(x.shape[2] * x.shape[3], P_BM) if x.dim() == 4 else 1
+    if x.shape[0] * tiles > MAX_GRID_X or triton.cdiv(k, 2 * P_BH) > MAX_GRID_YZ:
+        raise ValueError(f"convfirstnet.mbconv: batch {x.shape[0]} x {tiles} tiles exceeds the grid limit")
+
+
+def mbconv_triton(
+    x: torch.Tensor,
+    w_exp: torch.Tensor,
+    b_exp: torch.Tensor,
+    w_conv: torch.Tensor,
+    b_conv: torch.Tensor,
+    w_se1: torch.Tensor,
+    b_se1: torch.Tensor,
+    w_se2: torch.Tensor,
+    b_se2: torch.Tensor,
+    w_proj: torch.Tensor,
+    b_proj: torch.Tensor,
+    stride: int,
+) -> torch.Tensor:
+    """Launch the hidden kernel and the projection. Inputs are validated by op.py before this call;
+    every buffer is allocated here (the op stays functional and CUDA-graph safe)."""
+    n, c, h, w = x.shape
+    r, k, s = w_exp.shape[0], w_proj.shape[0], w_se1.shape[0]
+    dense = x.stride(2) == w * x.stride(3)
+
+    def config(m: int) -> MBConvGeometry:
+        return mbconv_config(c, r, k, h, w, stride, n=m, s=s, dtype=x.dtype, dense=dense, device=x.device)
+
+    geo = mbconv_config(c, r, k, h, w, stride, n=n, s=s, dtype=x.dtype, dense=x.stride(2) == w * x.stride(3),
+                        device=x.device)
+    out = torch.empty((n, k, geo.oh, geo.ow), device=x.device, dtype=x.dtype,
+                      memory_format=torch.channels_last)
+    if n == 0:
+        return out
+    # 1-D biases are addressed as base + index (unit stride)
+    b_exp, b_conv, b_proj = b_exp.contiguous(), b_conv.contiguous(), b_proj.contiguous()
+    b_se1, b_se2 = b_se1.contiguous(), b_se2.contiguous()
+    # Scratch: every element a program reads it has written (or zeroed) first, so no zero fill here.
+    scratch = torch.empty((geo.programs * geo.slot,), device=x.device, dtype=x.dtype)
+    if x.device.type == "cpu":  # the interpreter (tests): a read before a write or zero fill shows as NaN
+        scratch.fill_(float("nan"))
+    mslot = torch.empty((geo.programs, geo.mean_slot), device=x.device, dtype=torch.float32)
+    gbuf = torch.empty((n, geo.ohw, r), device=x.device, dtype=x.dtype)
+    zpart = torch.empty((n, geo.nchunk, geo.sp), device=x.device, dtype=torch.float32)
+    prec = FP32_PRECISION if x.dtype == torch.float32 else "tf32"  # only fp32 operands use it
+    silu = 0 if x.dtype == torch.float32 or x.device.type == "cpu" else 1
+    launch(_mbconv_hidden_kernel, (geo.programs,), x, w_exp, b_exp, w_conv, b_conv, w_se1, gbuf, zpart,
+           scratch, mslot, n, h, w, geo.oh, geo.ow, c, r, s, geo.nchunk, geo.groups, geo.chunks_per_group,
+           geo.items, geo.ib, geo.slot, *x.stride(), *w_exp.stride(), *w_conv.stride(), *w_se1.stride(),
+           cost=lambda: hidden_cost(geo), **geo.hidden_constexprs(silu, prec))
+    launch(_mbconv_project_kernel, geo.p_grid, gbuf, zpart, b_se1, w_se2, b_se2, w_proj, b_proj, x, out,
+           n, geo.ohw, geo.ow, r, k, s, geo.nchunk, geo.tpi, *x.stride(), *out.stride(), *w_se2.stride(),
+           *w_proj.stride(), cost=lambda: project_cost(geo), **geo.project_constexprs(silu, prec))
+    return out
+
+
+def hidden_cost(geo: MBConvGeometry) -> KernelCost:
+    """What the hidden kernel does (kernels/_cost.py gives the counting rules)."""
+    n, c, r, s, rb, eb = geo.n, geo.c, geo.r, geo.s, geo.rb, geo.elem
+    hw, ohw, nchunk, g8 = geo.hw, geo.ohw, geo.nchunk, geo.rb // 8
+    useful = n * (hw * c * r + hw * r * 72 + (ohw * r * 9 if geo.stride == 2 else 0) + r * s)
+    expand_rows = geo.image_blocks * XM if geo.resident else n * geo.tiles_e * geo.em
+    mma = nchunk * (expand_rows * rb * geo.cp + n * geo.tiles * geo.cm * g8 * 16 * 8 * 5)
+    conv_reads = n * geo.tiles * geo.cm * 5 * g8 * 16
+    # g is counted as written to DRAM even when the projection reads it from L2 (a dirty line is
+    # written back when it leaves the L2)
+    dram = (n * c * hw + r * c + r * 72 + 2 * r + s * r + n * ohw * r) * eb + n * nchunk * geo.sp * 4
+    # scratch traffic per chunk: h written, five two-tap reads; stride 2: the full-resolution g written,
+    # nine blur taps per output tile; the means (fp32)
+    scr = n * hw * rb + conv_reads
+    if geo.stride == 2:
+        scr += n * hw * rb + n * geo.tiles_o * 9 * BMO * rb
+    l2 = (geo.programs * geo.slot_images * geo.border + nchunk * scr) * eb + nchunk * n * rb * 8
+    per_image = () if geo.resident else (Loop("expand tiles", geo.tiles_e),)
+    per_image += (Loop("conv tiles", geo.tiles),)
+    if geo.stride == 2:
+        per_image += (Loop("blur tiles", geo.tiles_o),)
+    rounds = triton.cdiv(geo.items, geo.programs)
+    loops = (Loop("zero scratch", triton.cdiv(geo.slot_images * geo.border, ZERO_BLOCK)),
+             Loop("work items", rounds, (Loop("chunks", geo.chunks_per_group,
+                                              (Loop("images", geo.ib, per_image),)),)))
+    # L1-allocating loads, per item: x (RESIDENT: once; else once per chunk), each chunk's weights
+    # and its slot once (the nine taps re-read it from L1), the means
+    cg, ib = geo.chunks_per_group, geo.ib
+    x_item = ib * hw * c * eb * (1 if geo.resident else cg)
+    weights = cg * (rb * c + rb * 72 + 2 * rb + s * rb) * eb
+    slots = cg * (geo.slot * eb + geo.mean_slot * 4)
+    return KernelCost(useful, mma, dram, loops, l2_bytes=l2, scratch_bytes_per_program=geo.scratch_bytes,
+                      l1_unique_bytes_per_program=rounds * (x_item + weights + slots),
+                      l1_working_set_bytes=geo.scratch_bytes,
+                      note=f"{geo.programs} persistent programs, {geo.items} items of {ib} image(s) x {cg} "
+                      f"chunks of {rb} channels" + (", x read once per item" if geo.resident else ""))
+
+
+def project_cost(geo: MBConvGeometry) -> KernelCost:
+    """What the projection does."""
+    n, r, k, s, eb = geo.n, geo.r, geo.k, geo.s, geo.elem
+    steps = triton.cdiv(r, P_BR)
+    tiles, kb = geo.p_grid
+    dram = (k * r + k + r * s + s + r + n * geo.ohw * k * (2 if geo.stride == 1 else 1)) * eb
+    dram += n * geo.nchunk * geo.sp * 4 + (0 if geo.g_in_l2 else geo.g_bytes)
+    mma = tiles * kb * geo.p_bm * geo.p_bn * steps * P_BR
+    # L1-allocating loads: the SE partials of the tile's images, the biases, the residual tile: each read
+    # once (W_se2, g and W_proj are pipelined cp.async copies, L2 only)
+    unique = (2 * s + r + geo.p_bn + (geo.p_bm * geo.p_bn if geo.stride == 1 else 0)) * eb
+    unique += geo.ipt * geo.nchunk * geo.sp * 4
+    return KernelCost(n * geo.ohw * r * k + n * r * s, mma, dram, (Loop("R steps", steps),),
+                      l1_unique_bytes_per_program=unique,
+                      l1_working_set_bytes=geo.ipt * geo.nchunk * geo.sp * 4,
+                      l2_bytes=geo.g_bytes if geo.g_in_l2 else 0,
+                      l2_footprint_bytes=geo.g_bytes if geo.g_in_l2 else 0,
+                      note=("g read from L2" if geo.g_in_l2 else "g read from DRAM")
+                      + (f", {geo.ipt} images per tile" if geo.ipt > 1 else ""))
