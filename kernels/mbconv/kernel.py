@@ -54,9 +54,12 @@ picks RB so that the slot stays in the L1 that the program's shared memory leave
 checks the declared working set against it).
 
 Scratch ordering: stores, then ``tl.debug_barrier()`` (bar.sync), then loads by other threads of the
-same program. That is safe because the scratch loads are plain ``ld.global`` (L1-allocating
-``LDG``): the kernel runs with ``num_stages=1``, so Triton's pipeliner does not turn them into
-``cp.async`` issued ahead of the barrier (a test checks the compiled PTX). The projection has no
+same program. That is safe because the scratch loads are plain ``ld.global`` (L1-allocating ``LDG``):
+the kernel runs with ``num_stages=1``, so Triton's pipeliner does not turn them into ``cp.async`` issued
+ahead of the barrier (a test checks the compiled PTX). Each round trip has its own argument
+(``scr_ptr``: the ``h`` slots, ``gscr_ptr``: the stride-2 ``g`` slots, ``ms_ptr``), so that the compile
+check (``convfirstnet.analysis.ordering``, tests/kernels/test_ordering.py) follows each one's stores and
+loads through the control flow of the PTX and requires a ``bar.sync`` between. The projection has no
 scratch; its pipelined loads (g, W_proj, W_se2) are ``cp.async`` copies (L2 only, counted so).
 
 Tiling of the conv: TH x TW image rows x columns, TW = the map width rounded up to a power of two
@@ -160,7 +163,7 @@ def _x_rows(x_ptr, row0, n0, nimg, N, H, W, IB, IMG, ROWE, rc, c_ok, C, sxn, sxc
 # IB and CG are not specialized (the value 1 would otherwise compile a variant of its own)
 @triton.jit(do_not_specialize=["IB", "CG"])
 def _mbconv_hidden_kernel(
-    x_ptr, wexp_ptr, bexp_ptr, wconv_ptr, bconv_ptr, w1_ptr, g_ptr, z_ptr, scr_ptr, ms_ptr,
+    x_ptr, wexp_ptr, bexp_ptr, wconv_ptr, bconv_ptr, w1_ptr, g_ptr, z_ptr, scr_ptr, gscr_ptr, ms_ptr,
     N, H, W_RT, OH, OW, C, R, S, NCHUNK, NGROUP, CG, ITEMS, IB, SLOT,
     sxn, sxc, sxh, sxw, swe_r, swe_c, swc_r, swc_i, swc_y, swc_x, sw1_s, sw1_r,
     STRIDE: tl.constexpr, RB: tl.constexpr, CP: tl.constexpr, SP: tl.constexpr,
@@ -189,7 +192,7 @@ def _mbconv_hidden_kernel(
     else:
         IBS = 1
     hs = scr_ptr + pid.to(tl.int64) * SLOT
-    gs = hs + IBS * IMG
+    gs = gscr_ptr + pid.to(tl.int64) * SLOT  # the slot past h (its own argument: a separate round trip)
     ms = ms_ptr + pid * RB
 
     # Zero the border of each image's h slot (the conv's zero padding: 2 padded rows + 2 columns of

@@ -414,9 +414,12 @@ def mbconv_triton(
     zpart = torch.empty((n, geo.nchunk, geo.sp), device=x.device, dtype=torch.float32)
     prec = FP32_PRECISION if x.dtype == torch.float32 else "tf32"  # only fp32 operands use it
     silu = 0 if x.dtype == torch.float32 or x.device.type == "cpu" else 1
+    # the stride-2 g slots, past the h slots of each program's slot: their own argument, so that the
+    # barrier check (convfirstnet.analysis.ordering) follows each round trip apart
+    gscratch = scratch[geo.slot_images * geo.h_slot:] if geo.stride == 2 else scratch
     launch(_mbconv_hidden_kernel, (geo.programs,), x, w_exp, b_exp, w_conv, b_conv, w_se1, gbuf, zpart,
-           scratch, mslot, n, h, w, geo.oh, geo.ow, c, r, s, geo.nchunk, geo.groups, geo.chunks_per_group,
-           geo.items, geo.ib, geo.slot, *x.stride(), *w_exp.stride(), *w_conv.stride(), *w_se1.stride(),
+           scratch, gscratch, mslot, n, h, w, geo.oh, geo.ow, c, r, s, geo.nchunk, geo.groups,
+           geo.chunks_per_group, geo.items, geo.ib, geo.slot, *x.stride(), *w_exp.stride(), *w_conv.stride(), *w_se1.stride(),
            cost=lambda: hidden_cost(geo), **geo.hidden_constexprs(silu, prec))
     launch(_mbconv_project_kernel, geo.p_grid, gbuf, zpart, b_se1, w_se2, b_se2, w_proj, b_proj, x, out,
            n, geo.ohw, geo.ow, r, k, s, geo.nchunk, geo.tpi, *x.stride(), *out.stride(), *w_se2.stride(),
