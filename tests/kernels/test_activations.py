@@ -13,7 +13,6 @@ instruction the evaluator does not know fails the test (its documented error mus
 
 import ast
 import itertools
-import re
 from pathlib import Path
 
 import numpy as np

@@ -22,6 +22,7 @@ from convfirstnet.blocks import ConvFirst, FusedConvFirst, tap_major
 from convfirstnet.kernels._cost import recording
 from tests.kernels._convfirst_util import nan_banded
 from tests.kernels._recorded import SMEM_LIMIT
+from tests.kernels._traced import trace_triton_branch
 
 from ..conftest import sampled
 
@@ -345,6 +346,17 @@ def test_torch_compile_fullgraph_cpu(reference_backend):
     x = make_input(1, 16, 7, 7, torch.float32).contiguous(memory_format=torch.channels_last)
     out = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
     torch.testing.assert_close(out, ref(x), atol=TOL[torch.float32][0], rtol=TOL[torch.float32][1])
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("stride", [1, 2])
+def test_torch_compile_traces_triton_branch(stride):
+    """torch.compile(fullgraph=True) captures the persistent ConvFirst kernel as one user-defined kernel:
+    Inductor's analysis of what it reads and writes follows its TTIR (resident weights, streamed chunks)."""
+    pytest.importorskip("triton")
+    c, r, k = (64, 384, 64) if stride == 1 else (32, 192, 64)
+    targets = trace_triton_branch("convfirst", [2, c, r, k, 9, 11, stride])
+    assert targets.count("triton_kernel_wrapper_functional") == 1, targets
 
 
 # ------------------------------------------------------------------------------------------------

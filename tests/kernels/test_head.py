@@ -17,7 +17,7 @@ from convfirstnet.kernels.head.reference import head_reference
 
 from ..conftest import cuda
 from ._recorded import SMEM_LIMIT, bounds, compile_launches, record
-from .test_mbconv import trace_triton_branch
+from ._traced import trace_triton_branch
 
 # dtype -> (atol, rtol) on the interpreter (exact SiLU formula). The output is a mean of SiLU values,
 # |out| <= ~1. fp32: the same fp32 math in another order (C <= 256 products, <= 81 pixels) plus the

@@ -24,6 +24,7 @@ from convfirstnet.kernels.mbconv.reference import mbconv_reference
 
 from ..conftest import FULL_MATRIX, cuda
 from ._convfirst_util import nan_banded
+from ._traced import trace_triton_branch
 
 # dtype -> (atol, rtol) against the fp32 reference, for outputs of magnitude ~1-5 (unit-variance
 # input plus residual, fan-in scaled weights).
@@ -222,58 +223,6 @@ def test_torch_compile_fullgraph_reference_on_cpu(reference_backend):
     torch._dynamo.reset()
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x), block(x), atol=1e-5, rtol=1e-5)
-
-
-_TRACE_SCRIPT = r"""
-import json, os, sys
-os.environ.pop("TRITON_INTERPRET", None)
-import torch
-import convfirstnet.kernels  # noqa: F401  (kernels decorated as JITFunctions: no interpreter)
-from torch._dynamo.backends.common import aot_autograd
-
-os.environ["TRITON_INTERPRET"] = "1"  # only so that use_triton() takes the Triton branch on CPU
-os.environ["CONVFIRSTNET_KERNELS"] = "triton"
-op, args = sys.argv[1], json.loads(sys.argv[2])
-graphs = []
-
-class Captured(Exception):
-    pass
-
-def capture(gm, example_inputs):
-    graphs.append(gm)
-    def run(*a):
-        raise Captured  # the graph would launch CUDA kernels: stop after tracing
-    return run
-
-if op == "mbconv":
-    n, c, k, h, w, stride = args
-    r, s = 4 * c, c // 4
-    shapes = [(r, c), (r,), (r, 8, 3, 3), (r,), (s, r), (s,), (r, s), (r,), (k, r), (k,)]
-    ws = [torch.randn(*shape) for shape in shapes]
-    fn = lambda t: torch.ops.convfirstnet.mbconv(t, *ws, stride)
-else:
-    n, c, h, w, f = args
-    wt, b = torch.randn(f, c), torch.randn(f)
-    fn = lambda t: torch.ops.convfirstnet.head(t, wt, b)
-x = torch.randn(n, c, h, w).contiguous(memory_format=torch.channels_last)
-compiled = torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=capture))
-try:
-    compiled(x)
-except Captured:
-    pass
-print(json.dumps([str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]))
-"""
-
-
-def trace_triton_branch(op, args):
-    """torch.compile(fullgraph=True) of the op's Triton branch on CPU, in a subprocess whose kernels
-    are real JITFunctions; returns the call targets of the captured forward graph."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    proc = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT, op, json.dumps(args)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.subprocess

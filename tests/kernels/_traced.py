@@ -1,0 +1,73 @@
+"""torch.compile(fullgraph=True) of an op's Triton branch on CPU, without a GPU.
+
+Inductor analyses a user-defined Triton kernel (which arguments it reads and writes) when dynamo
+traces the launch, from the kernel's TTIR: a kernel construct that analysis cannot follow fails here,
+not only on a GPU. The interpreter's kernels cannot be traced (``@triton.jit`` then returns an
+InterpretedFunction that wrap_triton hands back unwrapped), so the trace runs in a subprocess whose
+kernels are real JITFunctions and stops before the captured graph would launch anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+_TRACE_SCRIPT = r"""
+import json, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import torch
+import convfirstnet.kernels  # noqa: F401  (kernels decorated as JITFunctions: no interpreter)
+from torch._dynamo.backends.common import aot_autograd
+
+os.environ["TRITON_INTERPRET"] = "1"  # only so that use_triton() takes the Triton branch on CPU
+os.environ["CONVFIRSTNET_KERNELS"] = "triton"
+op, args = sys.argv[1], json.loads(sys.argv[2])
+graphs = []
+
+class Captured(Exception):
+    pass
+
+def capture(gm, example_inputs):
+    graphs.append(gm)
+    def run(*a):
+        raise Captured  # the graph would launch CUDA kernels: stop after tracing
+    return run
+
+if op == "convfirst":
+    from convfirstnet.blocks import tap_major
+    n, c, r, k, h, w, stride = args
+    c1 = c if stride == 1 else 2 * c
+    shapes = [(r, c1), (r,), (k, r), (k,)]
+    ws = [tap_major(torch.randn(c, 8, 3, 3)), torch.randn(c), *(torch.randn(*shape) for shape in shapes)]
+    fn = lambda t: torch.ops.convfirstnet.convfirst(t, *ws, stride)
+elif op == "mbconv":
+    n, c, k, h, w, stride = args
+    r, s = 4 * c, c // 4
+    shapes = [(r, c), (r,), (r, 8, 3, 3), (r,), (s, r), (s,), (r, s), (r,), (k, r), (k,)]
+    ws = [torch.randn(*shape) for shape in shapes]
+    fn = lambda t: torch.ops.convfirstnet.mbconv(t, *ws, stride)
+else:
+    n, c, h, w, f = args
+    wt, b = torch.randn(f, c), torch.randn(f)
+    fn = lambda t: torch.ops.convfirstnet.head(t, wt, b)
+x = torch.randn(n, c, h, w).contiguous(memory_format=torch.channels_last)
+compiled = torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=capture))
+try:
+    compiled(x)
+except Captured:
+    pass
+print(json.dumps([str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]))
+"""
+
+
+def trace_triton_branch(op, args):
+    """torch.compile(fullgraph=True) of the op's Triton branch on CPU, in a subprocess whose kernels
+    are real JITFunctions; returns the call targets of the captured forward graph."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    proc = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT, op, json.dumps(args)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
