@@ -1,0 +1,118 @@
+"""The training-form blocks (blocks.py, with BatchNorm) run through the fused training ops.
+
+``fused_forward(block, x)`` computes exactly ``block(x)`` in the block's current mode, on the block's own
+parameters and buffers (so the state_dict, checkpoints, optimisers and ``fuse()`` see no difference):
+
+* training mode: BatchNorm with the batch's statistics; the running mean and variance are updated in
+  place as ``nn.BatchNorm2d`` does (momentum, or the cumulative average when momentum is None; the
+  unbiased variance), and ``num_batches_tracked`` is counted;
+* eval mode: the running statistics;
+* drop-path draws its per-image mask as timm's ``DropPath`` does (same shape, dtype and generator
+  calls, so a seeded run draws the same mask).
+
+The forward and backward are ``torch.ops.convfirstnet.convfirst_s1_train`` (+ ``_backward``): Triton
+kernels on CUDA (and in the interpreter with ``CONVFIRSTNET_KERNELS=triton``), the PyTorch reference
+otherwise. ``unsupported(block, x)`` names what the fused op cannot run (a norm other than BatchNorm2d,
+group width or kernel size of the grouped conv, dtype, device): the caller refuses or falls back with
+that line before any launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .blocks import ConvFirst
+from .kernels._batchnorm import update_running
+from .kernels._launch import GROUP_WIDTH
+from .kernels.convfirst_train.launcher import DTYPES
+
+__all__ = ["fused_forward", "unsupported"]
+
+
+def _bns(block: nn.Module) -> tuple[nn.Module, ...]:
+    return block.bn_dw, block.bn_expand, block.bn_project
+
+
+def unsupported(block: nn.Module, x: torch.Tensor | None = None) -> str | None:
+    """Why the fused training op cannot run ``block`` (on ``x``), or None."""
+    name = type(block).__name__
+    if not isinstance(block, ConvFirst):
+        return f"{name}: no fused training op for this block"
+    if block.stride != 1:
+        return f"{name} stride {block.stride}: no fused training op yet (stride 1 only)"
+    for bn in _bns(block):
+        if type(bn) is not nn.BatchNorm2d:
+            return f"{name}: norm layer {type(bn).__name__}: the fused training op implements BatchNorm2d only"
+        if not bn.affine or not bn.track_running_stats:
+            return f"{name}: BatchNorm2d without affine parameters or running statistics is not supported"
+    conv = block.conv_dw
+    c = conv.in_channels
+    if conv.kernel_size != (3, 3):
+        return f"{name}: grouped conv kernel size {conv.kernel_size}: only 3x3 is supported"
+    if c % GROUP_WIDTH or conv.groups != c // GROUP_WIDTH or conv.out_channels != c:
+        return f"{name}: grouped conv of group width {c // conv.groups}: only group width {GROUP_WIDTH} is supported"
+    if conv.bias is not None or conv.padding != (1, 1) or conv.stride != (1, 1) or conv.dilation != (1, 1):
+        return f"{name}: grouped conv with a bias, padding other than 1, stride or dilation is not supported"
+    for conv1 in (block.conv_expand, block.conv_project):
+        if conv1.kernel_size != (1, 1) or conv1.bias is not None or conv1.groups != 1:
+            return f"{name}: the 1x1 layers must be dense and bias-free"
+    if not isinstance(block.act, nn.ReLU):
+        return f"{name}: activation {type(block.act).__name__}: the fused op implements ReLU"
+    if x is not None:
+        dtype = _activation_dtype(x)
+        if dtype not in DTYPES:
+            return f"{name}: dtype {dtype}: the fused training kernels run float16, bfloat16 and float32"
+    return None
+
+
+def _activation_dtype(x: torch.Tensor) -> torch.dtype:
+    if x.device.type != "meta" and torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _drop_scale(block: ConvFirst, out_dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
+    """timm's DropPath mask, drawn the same way (shape (N, 1, 1, 1) in the branch's dtype), as (N,) fp32."""
+    dp = block.drop_path
+    prob = getattr(dp, "drop_prob", 0.0)
+    if not block.training or not prob:
+        return torch.ones(x.shape[0], dtype=torch.float32, device=x.device)
+    keep = 1 - prob
+    mask = torch.empty((x.shape[0], 1, 1, 1), dtype=out_dtype, device=x.device).bernoulli_(keep)
+    if keep > 0.0 and getattr(dp, "scale_by_keep", True):
+        mask.div_(keep)
+    return mask.flatten().float()
+
+
+def _momentum(bn: nn.BatchNorm2d):
+    """nn.BatchNorm2d's exponential-average factor for this step (after counting the batch)."""
+    bn.num_batches_tracked.add_(1)
+    if bn.momentum is None:
+        return 1.0 / bn.num_batches_tracked.float()
+    return bn.momentum
+
+
+def fused_forward(block: ConvFirst, x: torch.Tensor) -> torch.Tensor:
+    """``block(x)`` through the fused training op (module docstring)."""
+    dtype = _activation_dtype(x)
+    x = x.to(dtype)
+    bn1, bn2, bn3 = _bns(block)
+    training = bn1.training
+    eps = bn1.eps
+    if not bn2.eps == bn3.eps == eps:
+        raise ValueError("fused ConvFirst: the three BatchNorms must share one eps")
+    drop = _drop_scale(block, dtype, x)
+    w = [block.conv_dw.weight, block.conv_expand.weight.flatten(1), block.conv_project.weight.flatten(1)]
+    if dtype != torch.float32:  # 16-bit activations take the weights in their dtype or fp32 (autocast)
+        w = [t if t.dtype in (dtype, torch.float32) else t.to(dtype) for t in w]
+    out, _, _, m1, v1, m2, v2, m3, v3, _, _ = torch.ops.convfirstnet.convfirst_s1_train(
+        x, *w, bn1.weight, bn1.bias, bn2.weight, bn2.bias, bn3.weight, bn3.bias,
+        bn1.running_mean, bn1.running_var, bn2.running_mean, bn2.running_var, bn3.running_mean,
+        bn3.running_var, drop, training, eps)
+    if training:
+        rows = x.shape[0] * x.shape[2] * x.shape[3]
+        with torch.no_grad():
+            for bn, mean, var in ((bn1, m1, v1), (bn2, m2, v2), (bn3, m3, v3)):
+                update_running(bn.running_mean, bn.running_var, mean, var, rows, _momentum(bn))
+    return out

@@ -1,0 +1,327 @@
+"""Triton kernels of the ConvFirst stride-1 training block (reference.py is the specification; the
+launcher in launcher.py picks tiles, runs the per-channel arithmetic between launches and declares
+costs). The grouped 3x3 conv, its dgrad and wgrad are the gconv kernels (kernels/gconv).
+
+Passes (M = N x H x W pixels, rows of the NHWC maps; C block channels, R = t C hidden)
+------------------------------------------------------------------------------------------
+Forward
+  1. gconv forward: a = gconv(x), stored (narrow, C channels: kept for the backward).
+  2. ``_moments_kernel`` (COV): per share of row tiles, the mean and the centred C x C second moment
+     of a (one [C, BM] x [BM, C] dot per tile). The host merges the shares (Chan's formula) into
+     BN1's mean and variance and the covariance of a, from which BN2's statistics follow exactly:
+     y = k1 a + t1 is affine, so mean(z) = W1 mean(y) and var(z) = diag(W1 Cov(y) W1^T). No pass
+     over the wide z.
+  3. ``_ffn_fwd_kernel``: per tile of BM rows, y = k1 a + t1, then over hidden chunks of BH:
+     h = ReLU(k2 (y W1^T) + t2) and p += h W2^T; p stored (narrow) with the tile's mean and centred
+     second moment per channel (BN3's statistics, merged by the host).
+  4. ``_residual_kernel``: out = x + d_n (k3 p + t3).
+Backward (dout given)
+  5. ``_out_sums_kernel``: per share, sum dq and sum dq p_hat (dq = d_n dout): BN3's dbeta, dgamma.
+     Then dp = k3 dq + u3 + w3 (p - m3) per pixel (kernels/_batchnorm.py).
+  6. ``_ffn_bwd_weights_kernel``, grid (shares, hidden chunks): per tile of the share, recompute y, z,
+     h of the chunk; dh = dp W2[:, chunk]; dzn = dh [zn > 0]; accumulate dW2[:, chunk] += dp^T h,
+     G[chunk] += dzn^T y, and the chunk's sums of dzn and dzn z_hat (BN2's dbeta, dgamma). The weight
+     gradient partials are written per share (fp32) and summed by the host in a fixed order. dW1 needs
+     dz = k2 dzn + u2 + w2 (z - m2), whose u2, w2 need the sums over the whole batch; it is linear in
+     dzn, so dW1 = k2 G + u2 sum(y)^T + w2 (z - m2)^T y, and (z - m2)^T y = W1 Y^T Y - m2 sum(y)^T comes
+     from the forward's statistics of a (Y^T Y = M (Cov(y) + mean(y) mean(y)^T)): no second pass.
+  7. ``_ffn_bwd_input_kernel``: per tile, over all chunks: recompute z, dzn, dz; dy += dz W1[chunk];
+     dy stored (narrow) with the tile's sums of dy and dy a_hat (BN1's dbeta, dgamma).
+  8. ``_bn_input_grad_kernel``: da = k1 dy + u1 + w1 (a - m1), stored (narrow).
+  9. gconv dgrad (dx = dout + dgrad(da)) and wgrad (deterministic two-stage reduction).
+
+Stored for the backward: x (the block's input), a and p (C channels each) and per-channel statistics.
+The wide activations (z, h, R = 3-6 C channels) never reach memory: pass 3 computes them once, passes
+6 and 7 recompute them (2 + 7 CR MACs per pixel in all, against 2 + 4 for a layer-wise network that
+stores and re-reads them).
+
+Tiles
+-----
+A program's rows are BM consecutive pixels of the flat (M, C) view (the 1x1 layers and BatchNorm are
+per pixel, so no halo). Channels are padded to CP, a power of two >= 16 (tl.dot), masked on load and
+store; hidden chunks of BH are masked past R. Partial statistics per share (a run of TILES_PER_SHARE
+consecutive tiles) keep every reduction in a fixed order: two identical calls give bitwise-equal
+results. Every dot accumulates in fp32; y, h, dp, dz and dzn enter dots in the activation dtype (where
+a layer-wise network has them), fp32 activations use 3xTF32 on a GPU.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rows_of(t, M, BM: tl.constexpr):
+    rows = t * BM + tl.arange(0, BM)
+    return rows, rows < M
+
+
+@triton.jit
+def _load_tile(ptr, rows, rok, C: tl.constexpr, CP: tl.constexpr):
+    """[BM, CP] tile of a contiguous (M, C) map (zero on masked rows and channels >= C), as stored."""
+    c = tl.arange(0, CP)
+    m = rok[:, None]
+    if CP > C:
+        m = m & (c < C)[None, :]
+    return tl.load(ptr + rows[:, None].to(tl.int64) * C + c[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def _store_tile(ptr, v, rows, rok, C: tl.constexpr, CP: tl.constexpr):
+    c = tl.arange(0, CP)
+    m = rok[:, None]
+    if CP > C:
+        m = m & (c < C)[None, :]
+    tl.store(ptr + rows[:, None].to(tl.int64) * C + c[None, :], v.to(ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _vec(ptr, idx, n):
+    """fp32 vector ptr[idx] (zero where idx >= n)."""
+    return tl.load(ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_vec(ptr, v, idx, n):
+    tl.store(ptr + idx, v, mask=idx < n)
+
+
+@triton.jit
+def _tile_moments(v, rok, nt):
+    """Per-channel mean and centred second moment of the rows ``rok`` of an fp32 tile ([CP] each)."""
+    mean = tl.sum(v, axis=0) / nt
+    vc = tl.where(rok[:, None], v - mean[None, :], 0.0)
+    return mean, vc
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _moments_kernel(
+    v_ptr, mean_ptr, m2_ptr,  # v (M, C) contiguous; partials: mean (shares, C), m2 (shares, C, C)
+    M, TILES, TILES_PER_SHARE,
+    C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Mean and centred C x C second moment of a share of row tiles, tile by tile (Chan's merge)."""
+    share = tl.program_id(0)
+    c = tl.arange(0, CP)
+    dt = v_ptr.dtype.element_ty
+    mean = tl.zeros((CP,), tl.float32)
+    m2 = tl.zeros((CP, CP), tl.float32)
+    t0 = share * TILES_PER_SHARE
+    for t in range(t0, tl.minimum(t0 + TILES_PER_SHARE, TILES)):
+        rows, rok = _rows_of(t, M, BM)
+        # rows before this tile in the share: every tile but the batch's last is full
+        n_prev = ((t - t0) * BM).to(tl.float32)
+        nt = tl.minimum(M - t * BM, BM).to(tl.float32)
+        tm, vc = _tile_moments(_load_tile(v_ptr, rows, rok, C, CP).to(tl.float32), rok, nt)
+        # centred values in the data's dtype: (v - tm) keeps v's relative precision, the products
+        # and sums are fp32
+        vcd = vc.to(dt)
+        m2 = tl.dot(tl.trans(vcd), vcd, m2, input_precision=PRECISION)
+        d = tm - mean
+        m2 += (d[:, None] * d[None, :]) * (n_prev * nt / (n_prev + nt))
+        mean += d * (nt / (n_prev + nt))
+    ok = c < C
+    tl.store(mean_ptr + share * C + c, mean, mask=ok)
+    tl.store(m2_ptr + share.to(tl.int64) * C * C + c[:, None] * C + c[None, :], m2,
+             mask=ok[:, None] & ok[None, :])
+
+
+@triton.jit
+def _ffn_fwd_kernel(
+    a_ptr, w1_ptr, w2_ptr, p_ptr,  # a, p (M, C) contiguous; w1 (R, C), w2 (C, R) contiguous, a's dtype
+    k1_ptr, t1_ptr, k2_ptr, t2_ptr,  # fp32 affine of BN1 (C) and BN2 (R)
+    mean_ptr, m2_ptr,  # fp32 partials of p per tile: (tiles, C) each
+    M, R,
+    C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """p = W2 ReLU(k2 (W1 y) + t2) with y = k1 a + t1, over hidden chunks; p's tile moments."""
+    t = tl.program_id(0)
+    dt = a_ptr.dtype.element_ty
+    rows, rok = _rows_of(t, M, BM)
+    c = tl.arange(0, CP)
+    y = (_load_tile(a_ptr, rows, rok, C, CP).to(tl.float32) * _vec(k1_ptr, c, C)[None, :]
+         + _vec(t1_ptr, c, C)[None, :]).to(dt)
+    acc = tl.zeros((BM, CP), tl.float32)
+    cok = c < C
+    for h0 in range(0, R, BH):
+        hh = h0 + tl.arange(0, BH)
+        hok = hh < R
+        w1t = tl.load(w1_ptr + hh[None, :] * C + c[:, None], mask=hok[None, :] & cok[:, None], other=0.0)
+        z = tl.dot(y, w1t, input_precision=PRECISION)
+        h = tl.maximum(z * _vec(k2_ptr, hh, R)[None, :] + _vec(t2_ptr, hh, R)[None, :], 0.0).to(dt)
+        w2t = tl.load(w2_ptr + c[None, :] * R + hh[:, None], mask=hok[:, None] & cok[None, :], other=0.0)
+        acc = tl.dot(h, w2t, acc, input_precision=PRECISION)
+    p = acc.to(dt)
+    _store_tile(p_ptr, p, rows, rok, C, CP)
+    # BN3 statistics of the stored (rounded) p, as a layer-wise BatchNorm reads it
+    nt = tl.minimum(M - t * BM, BM).to(tl.float32)
+    mean, pc = _tile_moments(tl.where(rok[:, None], p.to(tl.float32), 0.0), rok, nt)
+    _store_vec(mean_ptr + t * C, mean, c, C)
+    _store_vec(m2_ptr + t * C, tl.sum(pc * pc, axis=0), c, C)
+
+
+@triton.jit
+def _residual_kernel(
+    x_ptr, p_ptr, out_ptr, drop_ptr, k3_ptr, t3_ptr,  # x, p, out (M, C) contiguous; drop (N,) fp32
+    M, HW,
+    C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr,
+):
+    """out = x + d_n (k3 p + t3): BN3, drop-path and the residual, rounded once."""
+    rows, rok = _rows_of(tl.program_id(0), M, BM)
+    c = tl.arange(0, CP)
+    d = tl.load(drop_ptr + rows // HW, mask=rok, other=0.0)
+    q = _load_tile(p_ptr, rows, rok, C, CP).to(tl.float32) * _vec(k3_ptr, c, C)[None, :] + _vec(t3_ptr, c, C)[None, :]
+    out = _load_tile(x_ptr, rows, rok, C, CP).to(tl.float32) + d[:, None] * q
+    _store_tile(out_ptr, out, rows, rok, C, CP)
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _out_grad(dout_ptr, p_ptr, drop_ptr, k3, u3, w3, m3, rows, rok, HW, C: tl.constexpr, CP: tl.constexpr):
+    """dp = k3 dq + u3 + w3 (p - m3) with dq = d_n dout (fp32, zero on masked rows)."""
+    d = tl.load(drop_ptr + rows // HW, mask=rok, other=0.0)
+    dq = _load_tile(dout_ptr, rows, rok, C, CP).to(tl.float32) * d[:, None]
+    p = _load_tile(p_ptr, rows, rok, C, CP).to(tl.float32)
+    return tl.where(rok[:, None], k3[None, :] * dq + u3[None, :] + w3[None, :] * (p - m3[None, :]), 0.0)
+
+
+@triton.jit
+def _out_sums_kernel(
+    dout_ptr, p_ptr, drop_ptr, m3_ptr, r3_ptr, part_ptr,  # part: fp32 (shares, 2, C): sum dq, sum dq p_hat
+    M, HW, TILES, TILES_PER_SHARE,
+    C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr,
+):
+    share = tl.program_id(0)
+    c = tl.arange(0, CP)
+    m3 = _vec(m3_ptr, c, C)
+    r3 = _vec(r3_ptr, c, C)
+    s_dq = tl.zeros((CP,), tl.float32)
+    s_dqp = tl.zeros((CP,), tl.float32)
+    t0 = share * TILES_PER_SHARE
+    for t in range(t0, tl.minimum(t0 + TILES_PER_SHARE, TILES)):
+        rows, rok = _rows_of(t, M, BM)
+        d = tl.load(drop_ptr + rows // HW, mask=rok, other=0.0)
+        dq = _load_tile(dout_ptr, rows, rok, C, CP).to(tl.float32) * d[:, None]
+        p_hat = (_load_tile(p_ptr, rows, rok, C, CP).to(tl.float32) - m3[None, :]) * r3[None, :]
+        s_dq += tl.sum(dq, axis=0)
+        s_dqp += tl.sum(dq * p_hat, axis=0)
+    _store_vec(part_ptr + share * 2 * C, s_dq, c, C)
+    _store_vec(part_ptr + share * 2 * C + C, s_dqp, c, C)
+
+
+@triton.jit
+def _ffn_bwd_weights_kernel(
+    a_ptr, dout_ptr, p_ptr, drop_ptr, w1_ptr, w2_ptr,  # maps (M, C); w1 (R, C), w2 (C, R) contiguous
+    k1_ptr, t1_ptr, k2_ptr, t2_ptr, m2_ptr, r2_ptr,  # BN1 affine (C); BN2 affine, mean, 1/std (R)
+    k3_ptr, u3_ptr, w3_ptr, m3_ptr,  # dp = k3 dq + u3 + w3 (p - m3) (C)
+    dw2_ptr, g_ptr, sums_ptr,  # fp32 partials: dW2 (shares, C, R), dzn^T y (shares, R, C), (shares, 2, R)
+    M, R, HW, TILES, TILES_PER_SHARE,
+    C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (share, hidden chunk): the share's contributions to dW2[:, chunk], (dzn^T y)[chunk] and
+    the chunk's sums of dzn and dzn z_hat, from y, z, h and dh recomputed tile by tile."""
+    share = tl.program_id(0)
+    hh = tl.program_id(1) * BH + tl.arange(0, BH)
+    hok = hh < R
+    dt = a_ptr.dtype.element_ty
+    c = tl.arange(0, CP)
+    cok = c < C
+    wm = hok[None, :] & cok[:, None]
+    w1t = tl.load(w1_ptr + hh[None, :] * C + c[:, None], mask=wm, other=0.0)  # [CP, BH]
+    w2c = tl.load(w2_ptr + c[:, None] * R + hh[None, :], mask=wm, other=0.0)  # [CP, BH]
+    k1, t1 = _vec(k1_ptr, c, C), _vec(t1_ptr, c, C)
+    k2, t2 = _vec(k2_ptr, hh, R), _vec(t2_ptr, hh, R)
+    m2, r2 = _vec(m2_ptr, hh, R), _vec(r2_ptr, hh, R)
+    k3, u3, w3, m3 = _vec(k3_ptr, c, C), _vec(u3_ptr, c, C), _vec(w3_ptr, c, C), _vec(m3_ptr, c, C)
+    acc_w2 = tl.zeros((CP, BH), tl.float32)
+    acc_g = tl.zeros((BH, CP), tl.float32)
+    s_dzn = tl.zeros((BH,), tl.float32)
+    s_dzz = tl.zeros((BH,), tl.float32)
+    t0 = share * TILES_PER_SHARE
+    for t in range(t0, tl.minimum(t0 + TILES_PER_SHARE, TILES)):
+        rows, rok = _rows_of(t, M, BM)
+        y = (_load_tile(a_ptr, rows, rok, C, CP).to(tl.float32) * k1[None, :] + t1[None, :]).to(dt)
+        dp = _out_grad(dout_ptr, p_ptr, drop_ptr, k3, u3, w3, m3, rows, rok, HW, C, CP).to(dt)
+        z = tl.dot(y, w1t, input_precision=PRECISION)
+        zn = z * k2[None, :] + t2[None, :]
+        h = tl.maximum(zn, 0.0).to(dt)
+        dh = tl.dot(dp, w2c, input_precision=PRECISION)
+        dzn = tl.where(zn > 0.0, dh, 0.0)  # zero on masked rows: dp is
+        s_dzn += tl.sum(dzn, axis=0)
+        s_dzz += tl.sum(dzn * ((z - m2[None, :]) * r2[None, :]), axis=0)
+        acc_w2 = tl.dot(tl.trans(dp), h, acc_w2, input_precision=PRECISION)
+        acc_g = tl.dot(tl.trans(dzn.to(dt)), y, acc_g, input_precision=PRECISION)
+    base = share.to(tl.int64) * C * R
+    tl.store(dw2_ptr + base + c[:, None] * R + hh[None, :], acc_w2, mask=wm)
+    tl.store(g_ptr + base + hh[:, None] * C + c[None, :], acc_g, mask=hok[:, None] & cok[None, :])
+    _store_vec(sums_ptr + share * 2 * R, s_dzn, hh, R)
+    _store_vec(sums_ptr + share * 2 * R + R, s_dzz, hh, R)
+
+
+@triton.jit
+def _ffn_bwd_input_kernel(
+    a_ptr, dout_ptr, p_ptr, drop_ptr, w1_ptr, w2_ptr, dy_ptr,  # maps (M, C); w1 (R, C), w2 (C, R)
+    k1_ptr, t1_ptr, m1_ptr, r1_ptr,  # BN1: affine, mean, 1/std (C)
+    k2_ptr, t2_ptr, m2_ptr, u2_ptr, w2v_ptr,  # BN2: affine, mean; dz = k2 dzn + u2 + w2 (z - m2) (R)
+    k3_ptr, u3_ptr, w3_ptr, m3_ptr,  # dp = k3 dq + u3 + w3 (p - m3) (C)
+    sums_ptr,  # fp32 per-tile partials (tiles, 2, C): sum dy, sum dy a_hat
+    M, R, HW,
+    C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """dy = sum over hidden chunks of dz W1[chunk], stored, with the tile's sums of dy and dy a_hat."""
+    t = tl.program_id(0)
+    dt = a_ptr.dtype.element_ty
+    rows, rok = _rows_of(t, M, BM)
+    c = tl.arange(0, CP)
+    cok = c < C
+    a = _load_tile(a_ptr, rows, rok, C, CP).to(tl.float32)
+    y = (a * _vec(k1_ptr, c, C)[None, :] + _vec(t1_ptr, c, C)[None, :]).to(dt)
+    dp = _out_grad(dout_ptr, p_ptr, drop_ptr, _vec(k3_ptr, c, C), _vec(u3_ptr, c, C), _vec(w3_ptr, c, C),
+                   _vec(m3_ptr, c, C), rows, rok, HW, C, CP).to(dt)
+    dy = tl.zeros((BM, CP), tl.float32)
+    for h0 in range(0, R, BH):
+        hh = h0 + tl.arange(0, BH)
+        hok = hh < R
+        wm = hok[None, :] & cok[:, None]
+        w1t = tl.load(w1_ptr + hh[None, :] * C + c[:, None], mask=wm, other=0.0)  # [CP, BH]
+        w2c = tl.load(w2_ptr + c[:, None] * R + hh[None, :], mask=wm, other=0.0)  # [CP, BH]
+        z = tl.dot(y, w1t, input_precision=PRECISION)
+        zn = z * _vec(k2_ptr, hh, R)[None, :] + _vec(t2_ptr, hh, R)[None, :]
+        dzn = tl.where(zn > 0.0, tl.dot(dp, w2c, input_precision=PRECISION), 0.0)
+        dz = (_vec(k2_ptr, hh, R)[None, :] * dzn + _vec(u2_ptr, hh, R)[None, :]
+              + _vec(w2v_ptr, hh, R)[None, :] * (z - _vec(m2_ptr, hh, R)[None, :]))
+        dz = tl.where(rok[:, None], dz, 0.0).to(dt)
+        dy = tl.dot(dz, tl.trans(w1t), dy, input_precision=PRECISION)
+    dy = dy.to(dt)
+    _store_tile(dy_ptr, dy, rows, rok, C, CP)
+    # BN1's sums from the stored (rounded) dy, as a layer-wise BatchNorm backward reads it
+    a_hat = (a - _vec(m1_ptr, c, C)[None, :]) * _vec(r1_ptr, c, C)[None, :]
+    dyf = dy.to(tl.float32)
+    _store_vec(sums_ptr + t * 2 * C, tl.sum(dyf, axis=0), c, C)
+    _store_vec(sums_ptr + t * 2 * C + C, tl.sum(dyf * a_hat, axis=0), c, C)
+
+
+@triton.jit
+def _bn_input_grad_kernel(
+    dy_ptr, a_ptr, da_ptr, k1_ptr, u1_ptr, w1_ptr, m1_ptr,  # maps (M, C) contiguous; vectors (C) fp32
+    M,
+    C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr,
+):
+    """da = k1 dy + u1 + w1 (a - m1): BN1's backward."""
+    rows, rok = _rows_of(tl.program_id(0), M, BM)
+    c = tl.arange(0, CP)
+    dy = _load_tile(dy_ptr, rows, rok, C, CP).to(tl.float32)
+    a = _load_tile(a_ptr, rows, rok, C, CP).to(tl.float32)
+    da = (_vec(k1_ptr, c, C)[None, :] * dy + _vec(u1_ptr, c, C)[None, :]
+          + _vec(w1_ptr, c, C)[None, :] * (a - _vec(m1_ptr, c, C)[None, :]))
+    _store_tile(da_ptr, da, rows, rok, C, CP)
