@@ -187,12 +187,12 @@ def _residual_kernel(
 
 
 @triton.jit
-def _out_grad(dout_ptr, p_ptr, drop_ptr, k3, u3, w3, m3, rows, rok, HW, C: tl.constexpr, CP: tl.constexpr):
-    """dp = k3 dq + u3 + w3 (p - m3) with dq = d_n dout (fp32, zero on masked rows)."""
+def _out_grad(dout_ptr, p_ptr, drop_ptr, k3, w3, c3, rows, rok, HW, C: tl.constexpr, CP: tl.constexpr):
+    """dp = k3 dq + w3 p + c3 with dq = d_n dout (fp32, zero on masked rows)."""
     d = tl.load(drop_ptr + rows // HW, mask=rok, other=0.0)
     dq = _load_tile(dout_ptr, rows, rok, C, CP).to(tl.float32) * d[:, None]
     p = _load_tile(p_ptr, rows, rok, C, CP).to(tl.float32)
-    return tl.where(rok[:, None], k3[None, :] * dq + u3[None, :] + w3[None, :] * (p - m3[None, :]), 0.0)
+    return tl.where(rok[:, None], k3[None, :] * dq + w3[None, :] * p + c3[None, :], 0.0)
 
 
 @triton.jit
@@ -223,7 +223,7 @@ def _out_sums_kernel(
 def _ffn_bwd_weights_kernel(
     a_ptr, dout_ptr, p_ptr, drop_ptr, w1_ptr, w2_ptr,  # maps (M, C); w1 (R, C), w2 (C, R) contiguous
     k1_ptr, t1_ptr, k2_ptr, t2_ptr, m2_ptr, r2_ptr,  # BN1 affine (C); BN2 affine, mean, 1/std (R)
-    k3_ptr, u3_ptr, w3_ptr, m3_ptr,  # dp = k3 dq + u3 + w3 (p - m3) (C)
+    k3_ptr, w3_ptr, c3_ptr,  # dp = k3 dq + w3 p + c3 (C)
     dw2_ptr, g_ptr, sums_ptr,  # fp32 partials: dW2 (shares, C, R), dzn^T y (shares, R, C), (shares, 2, R)
     M, R, HW, TILES, TILES_PER_SHARE,
     C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr,
@@ -242,16 +242,16 @@ def _ffn_bwd_weights_kernel(
     k1, t1 = _vec(k1_ptr, c, C), _vec(t1_ptr, c, C)
     k2, t2 = _vec(k2_ptr, hh, R), _vec(t2_ptr, hh, R)
     m2, r2 = _vec(m2_ptr, hh, R), _vec(r2_ptr, hh, R)
-    k3, u3, w3, m3 = _vec(k3_ptr, c, C), _vec(u3_ptr, c, C), _vec(w3_ptr, c, C), _vec(m3_ptr, c, C)
+    k3, w3, c3 = _vec(k3_ptr, c, C), _vec(w3_ptr, c, C), _vec(c3_ptr, c, C)
     acc_w2 = tl.zeros((CP, BH), tl.float32)
-    acc_g = tl.zeros((BH, CP), tl.float32)
+    acc_g = tl.zeros((CP, BH), tl.float32)  # (dzn^T y)^T: y^T dzn keeps M = CP on wgmma
     s_dzn = tl.zeros((BH,), tl.float32)
     s_dzz = tl.zeros((BH,), tl.float32)
     t0 = share * TILES_PER_SHARE
     for t in range(t0, tl.minimum(t0 + TILES_PER_SHARE, TILES)):
         rows, rok = _rows_of(t, M, BM)
         y = (_load_tile(a_ptr, rows, rok, C, CP).to(tl.float32) * k1[None, :] + t1[None, :]).to(dt)
-        dp = _out_grad(dout_ptr, p_ptr, drop_ptr, k3, u3, w3, m3, rows, rok, HW, C, CP).to(dt)
+        dp = _out_grad(dout_ptr, p_ptr, drop_ptr, k3, w3, c3, rows, rok, HW, C, CP).to(dt)
         z = tl.dot(y, w1t, input_precision=PRECISION)
         zn = z * k2[None, :] + t2[None, :]
         h = tl.maximum(zn, 0.0).to(dt)
@@ -260,10 +260,10 @@ def _ffn_bwd_weights_kernel(
         s_dzn += tl.sum(dzn, axis=0)
         s_dzz += tl.sum(dzn * ((z - m2[None, :]) * r2[None, :]), axis=0)
         acc_w2 = tl.dot(tl.trans(dp), h, acc_w2, input_precision=PRECISION)
-        acc_g = tl.dot(tl.trans(dzn.to(dt)), y, acc_g, input_precision=PRECISION)
+        acc_g = tl.dot(tl.trans(y), dzn.to(dt), acc_g, input_precision=PRECISION)
     base = share.to(tl.int64) * C * R
     tl.store(dw2_ptr + base + c[:, None] * R + hh[None, :], acc_w2, mask=wm)
-    tl.store(g_ptr + base + hh[:, None] * C + c[None, :], acc_g, mask=hok[:, None] & cok[None, :])
+    tl.store(g_ptr + base + hh[None, :] * C + c[:, None], acc_g, mask=wm)
     _store_vec(sums_ptr + share * 2 * R, s_dzn, hh, R)
     _store_vec(sums_ptr + share * 2 * R + R, s_dzz, hh, R)
 
@@ -273,7 +273,7 @@ def _ffn_bwd_input_kernel(
     a_ptr, dout_ptr, p_ptr, drop_ptr, w1_ptr, w2_ptr, dy_ptr,  # maps (M, C); w1 (R, C), w2 (C, R)
     k1_ptr, t1_ptr, m1_ptr, r1_ptr,  # BN1: affine, mean, 1/std (C)
     k2_ptr, t2_ptr, m2_ptr, u2_ptr, w2v_ptr,  # BN2: affine, mean; dz = k2 dzn + u2 + w2 (z - m2) (R)
-    k3_ptr, u3_ptr, w3_ptr, m3_ptr,  # dp = k3 dq + u3 + w3 (p - m3) (C)
+    k3_ptr, w3_ptr, c3_ptr,  # dp = k3 dq + w3 p + c3 (C)
     sums_ptr,  # fp32 per-tile partials (tiles, 2, C): sum dy, sum dy a_hat
     M, R, HW,
     C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr,
@@ -286,8 +286,8 @@ def _ffn_bwd_input_kernel(
     cok = c < C
     a = _load_tile(a_ptr, rows, rok, C, CP).to(tl.float32)
     y = (a * _vec(k1_ptr, c, C)[None, :] + _vec(t1_ptr, c, C)[None, :]).to(dt)
-    dp = _out_grad(dout_ptr, p_ptr, drop_ptr, _vec(k3_ptr, c, C), _vec(u3_ptr, c, C), _vec(w3_ptr, c, C),
-                   _vec(m3_ptr, c, C), rows, rok, HW, C, CP).to(dt)
+    dp = _out_grad(dout_ptr, p_ptr, drop_ptr, _vec(k3_ptr, c, C), _vec(w3_ptr, c, C), _vec(c3_ptr, c, C),
+                   rows, rok, HW, C, CP).to(dt)
     dy = tl.zeros((BM, CP), tl.float32)
     for h0 in range(0, R, BH):
         hh = h0 + tl.arange(0, BH)

@@ -7,9 +7,11 @@ Every function here assumes the op's checks passed (op.py). x and dout are read 
 Tiles (``train_config``)
 ------------------------
 * CP: the channels padded to a power of two >= 16 (tl.dot); BM = 128 rows (64 for fp32, whose 3xTF32
-  operands take three times the registers); BH = 64 hidden channels per chunk up to CP = 64, 32 above
-  (the [CP, BH] weight-gradient accumulators of the weights pass, two of them, stay in registers).
-* 4 warps up to CP = 32, 8 above.
+  operands take three times the registers); BH = 64 hidden channels per chunk up to CP = 64, 32 above.
+  4 warps up to CP = 32, 8 above.
+* The weights pass (two [CP, BH] fp32 accumulators live across its tile loop, besides the tiles of y,
+  dp, z and dh): 8 warps, no software pipelining, and the largest tiles that compile for sm_90
+  without spilling: 128 x 32 (CP = 32), 64 x 32 (CP = 64), 64 x 16 (CP = 128).
 * Shares (reductions in a fixed order, never depending on the device): the moments pass and the
   output-gradient sums use at least MIN_SHARE_ROWS rows per share and at most SHARES programs; the
   weights pass uses at most WEIGHT_PROGRAMS programs (shares x hidden chunks) and keeps its fp32
@@ -42,7 +44,7 @@ MIN_SHARE_ROWS = 4096  # rows per share of the moments and sums passes at least 
 SHARES = 512  # programs of the moments and sums passes at most (about 4 per SM of an H100)
 WEIGHT_PROGRAMS = 1024  # shares x hidden chunks of the weights pass at most
 PARTIAL_SHARE = 0.1  # weights pass: fp32 partials at most this share of its bytes read
-ELEMENTWISE_ROWS = 128  # rows per program of the elementwise passes
+ELEMENTWISE_ELEMS = 4096  # elements per program of the elementwise passes (32 per thread, 4 warps)
 # Under the interpreter (CPU tensors) shares of two tiles, so that small test maps run every share
 # loop more than once (the same code as the GPU's, other sizes).
 INTERPRETER_SHARE_TILES = 2
@@ -53,6 +55,8 @@ class TrainConfig:
     cp: int  # channels padded to a power of two
     block_m: int  # rows per tile
     block_h: int  # hidden channels per chunk
+    block_m_weights: int  # rows per tile of the weights pass
+    block_h_weights: int  # hidden channels per program of the weights pass
     num_warps: int
     precision: str
 
@@ -62,8 +66,13 @@ def train_config(c: int, r: int, dtype: torch.dtype) -> TrainConfig:
     fp32 = dtype == torch.float32
     bm = 64 if fp32 else 128
     bh = 64 if cp <= 64 and not fp32 else 32
-    return TrainConfig(cp, bm, min(bh, max(16, triton.next_power_of_2(r))), 4 if cp <= 32 else 8,
-                       "tf32x3" if fp32 else "tf32")
+    bh = min(bh, max(16, triton.next_power_of_2(r)))
+    # weights pass (compiled for sm_90, fp16: the smallest tiles whose two accumulators, y, dp, z and dh
+    # fit 255 registers without spilling on 8 warps): CP 32: 128 x 32; 64: 64 x 32; 128: 64 x 16
+    bmw, bhw = {16: (128, 32), 32: (128, 32), 64: (64, 32)}.get(cp, (64, 16))
+    if fp32:
+        bmw, bhw = 64, 16
+    return TrainConfig(cp, bm, bh, bmw, min(bhw, bh), 4 if cp <= 32 else 8, "tf32x3" if fp32 else "tf32")
 
 
 def shares_of(tiles: int, block_m: int, interpreter: bool, cap: int = SHARES) -> tuple[int, int]:
@@ -81,8 +90,8 @@ def weight_shares(tiles: int, chunks: int, c: int, r: int, cfg: TrainConfig, eb:
     """(tiles per share, shares) of the weights pass: at most WEIGHT_PROGRAMS programs and partials of
     at most PARTIAL_SHARE of the bytes read (a, dout, p: 3 C eb per row, per chunk)."""
     if interpreter:
-        return shares_of(tiles, cfg.block_m, True)
-    rows = tiles * cfg.block_m
+        return shares_of(tiles, cfg.block_m_weights, True)
+    rows = tiles * cfg.block_m_weights
     budget = int(PARTIAL_SHARE * 3 * c * eb * rows * chunks / (8 * c * r)) if r else 1
     shares = max(1, min(tiles, WEIGHT_PROGRAMS // chunks, budget))
     per = triton.cdiv(tiles, shares)
@@ -165,8 +174,9 @@ def convfirst_s1_train_triton(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, g
     _, k3, t3 = affine(gamma3.float(), beta3.float(), m3, v3, eps)
     out = _empty_like_map(x)
     drop = drop_scale.float().contiguous()
-    launch(_residual_kernel, (triton.cdiv(m, ELEMENTWISE_ROWS),), x, p, out, drop, k3, t3, m, h * w, C=c,
-           CP=cfg.cp, BM=ELEMENTWISE_ROWS, num_warps=4,
+    rows = ELEMENTWISE_ELEMS // cfg.cp
+    launch(_residual_kernel, (triton.cdiv(m, rows),), x, p, out, drop, k3, t3, m, h * w, C=c,
+           CP=cfg.cp, BM=rows, num_warps=4,
            cost=lambda: elementwise_cost("residual", m, c, x.element_size(), 3))
     stats = [s.clone() for s in (m1, v1, m2, v2, m3, v3, bmean1, bcov1)]
     return (out, a, p, *stats)
@@ -204,16 +214,19 @@ def convfirst_s1_train_backward_triton(dout, x, a, p, w_conv, w1, w2, gamma1, be
            BM=cfg.block_m, num_warps=cfg.num_warps, cost=lambda: sums_cost(cfg, m, c, eb, shares, per))
     dbeta3, dgamma3 = _pair(part)
     u3, w3 = backward_terms(dgamma3, dbeta3, k3, r3, m, training)
+    c3 = u3 - w3 * mean3  # dp = k3 dq + w3 p + c3: w3 is the small batch term, so no cancellation
 
     # weights pass: dW2, dzn^T y and BN2's sums, per (share, hidden chunk)
-    chunks = triton.cdiv(r, cfg.block_h)
-    per, shares = weight_shares(tiles, chunks, c, r, cfg, eb, interpreter)
+    chunks = triton.cdiv(r, cfg.block_h_weights)
+    wtiles = triton.cdiv(m, cfg.block_m_weights)
+    per, shares = weight_shares(wtiles, chunks, c, r, cfg, eb, interpreter)
     dw2_part = torch.empty((shares, c, r), **f32)
     g_part = torch.empty((shares, r, c), **f32)
     sums = torch.empty((shares, 2, r), **f32)
     launch(_ffn_bwd_weights_kernel, (shares, chunks), a, dout, p, drop, w1d, w2d, k1, t1, k2, t2, mean2, r2,
-           k3, u3, w3, mean3, dw2_part, g_part, sums, m, r, h * w, tiles, per, C=c, CP=cfg.cp, BM=cfg.block_m,
-           BH=cfg.block_h, PRECISION=cfg.precision, num_warps=cfg.num_warps,
+           k3, w3, c3, dw2_part, g_part, sums, m, r, h * w, wtiles, per, C=c, CP=cfg.cp,
+           BM=cfg.block_m_weights, BH=cfg.block_h_weights, PRECISION=cfg.precision, num_warps=8,
+           num_stages=1,
            cost=lambda: ffn_bwd_weights_cost(cfg, m, c, r, eb, shares, per, chunks))
     dbeta2, dgamma2 = _pair(sums)
     u2, w2v = backward_terms(dgamma2, dbeta2, k2, r2, m, training)
@@ -232,14 +245,15 @@ def convfirst_s1_train_backward_triton(dout, x, a, p, w_conv, w1, w2, gamma1, be
     dy = _empty_like_map(a)
     part1 = torch.empty((tiles, 2, c), **f32)
     launch(_ffn_bwd_input_kernel, (tiles,), a, dout, p, drop, w1d, w2d, dy, k1, t1, mean1, r1, k2, t2, mean2,
-           u2, w2v, k3, u3, w3, mean3, part1, m, r, h * w, C=c, CP=cfg.cp, BM=cfg.block_m, BH=cfg.block_h,
+           u2, w2v, k3, w3, c3, part1, m, r, h * w, C=c, CP=cfg.cp, BM=cfg.block_m, BH=cfg.block_h,
            PRECISION=cfg.precision, num_warps=cfg.num_warps,
            cost=lambda: ffn_bwd_input_cost(cfg, m, c, r, eb))
     dbeta1, dgamma1 = _pair(part1)
     u1, w1v = backward_terms(dgamma1, dbeta1, k1, r1, m, training)
     da = _empty_like_map(a)
-    launch(_bn_input_grad_kernel, (triton.cdiv(m, ELEMENTWISE_ROWS),), dy, a, da, k1, u1, w1v, mean1, m, C=c,
-           CP=cfg.cp, BM=ELEMENTWISE_ROWS, num_warps=4, cost=lambda: elementwise_cost("bn1 input grad", m, c, eb, 3))
+    rows = ELEMENTWISE_ELEMS // cfg.cp
+    launch(_bn_input_grad_kernel, (triton.cdiv(m, rows),), dy, a, da, k1, u1, w1v, mean1, m, C=c,
+           CP=cfg.cp, BM=rows, num_warps=4, cost=lambda: elementwise_cost("bn1 input grad", m, c, eb, 3))
 
     # the grouped conv
     dx = gconv3x3_dgrad_triton(da, w_conv, h, w, 1) + dout
@@ -290,13 +304,13 @@ def sums_cost(cfg: TrainConfig, m: int, c: int, eb: int, shares: int, per: int) 
 
 def ffn_bwd_weights_cost(cfg: TrainConfig, m: int, c: int, r: int, eb: int, shares: int, per: int,
                          chunks: int) -> KernelCost:
-    tiles = triton.cdiv(m, cfg.block_m)
+    tiles = triton.cdiv(m, cfg.block_m_weights)
     # per tile and chunk: z, dh (recomputed) and the two weight-gradient products
     return KernelCost(
         useful_macs=2 * m * c * r,
-        mma_macs=tiles * chunks * 4 * cfg.block_m * cfg.cp * cfg.block_h * _passes(cfg),
+        mma_macs=tiles * chunks * 4 * cfg.block_m_weights * cfg.cp * cfg.block_h_weights * _passes(cfg),
         # a, dout, p read once from DRAM (the chunks of a share run side by side and share them in L2)
-        dram_bytes=3 * eb * m * c + 8 * shares * c * r + 8 * shares * r + chunks * eb * 2 * c * cfg.block_h,
+        dram_bytes=3 * eb * m * c + 8 * shares * c * r + 8 * shares * r + chunks * eb * 2 * c * cfg.block_h_weights,
         l2_bytes=(chunks - 1) * 3 * eb * m * c,
         loops=(Loop("tiles", per),),
         note=f"FFN backward weights C={c} R={r}, {shares} shares of {per} tiles x {chunks} chunks",

@@ -10,8 +10,9 @@ the fused training kernels, forward and backward, in plain PyTorch.
 
 BatchNorm in training mode normalises with the batch mean and biased variance over N x H x W; in eval
 mode with the running statistics. Rounding follows a layer-wise network in the activation dtype: a, y,
-h and p are rounded to it (they are what the layers would store), the output once; everything else is
-computed in fp32 (fp64 for fp64 input). The backward is written out (kernels/_batchnorm.py gives the
+h and p are rounded to it (they are what the layers would store), the output once, and in the backward
+every map a layer would hand to the next (dp, dh, dz, dy, da; dx once); sums and products run in fp32
+(fp64 for fp64 input). The backward is written out (kernels/_batchnorm.py gives the
 BatchNorm terms), as the Triton kernels compute it:
 
     dq = d_n dout;         dp = BN3'(dq)            (dgamma3 = sum dq p_hat, dbeta3 = sum dq)
@@ -98,20 +99,20 @@ def convfirst_s1_train_backward_reference(dout, x, a, p, w_conv, w1, w2, gamma1,
     p_hat = (P - mean3.to(ct)) * r3
     dgamma3, dbeta3 = (dq * p_hat).sum(0), dq.sum(0)
     u3, w3 = backward_terms(dgamma3, dbeta3, k3, r3, rows, training)
-    dp = k3 * dq + u3 + w3 * (P - mean3.to(ct))
+    dp = (k3 * dq + u3 + w3 * (P - mean3.to(ct))).to(dt).to(ct)
     # the FFN, recomputed from a
     y = (A * k1 + t1).to(dt).to(ct)
     Z = y @ W1.T
     zn = Z * k2 + t2
     H = torch.relu(zn).to(dt).to(ct)
     dW2 = dp.T @ H
-    dzn = (dp @ W2) * (zn > 0)
+    dzn = (dp @ W2).to(dt).to(ct) * (zn > 0)
     z_hat = (Z - mean2.to(ct)) * r2
     dgamma2, dbeta2 = (dzn * z_hat).sum(0), dzn.sum(0)
     u2, wz = backward_terms(dgamma2, dbeta2, k2, r2, rows, training)
-    dz = k2 * dzn + u2 + wz * (Z - mean2.to(ct))
+    dz = (k2 * dzn + u2 + wz * (Z - mean2.to(ct))).to(dt).to(ct)
     dW1 = dz.T @ y
-    dy = dz @ W1
+    dy = (dz @ W1).to(dt).to(ct)
     # BN1 and the grouped conv
     a_hat = (A - mean1.to(ct)) * r1
     dgamma1, dbeta1 = (dy * a_hat).sum(0), dy.sum(0)

@@ -1,0 +1,362 @@
+"""ConvFirst stride-1 training block through torch.ops.convfirstnet.convfirst_s1_train (+ _backward):
+the Triton kernels (interpreter on CPU) against autograd of the training form (blocks.ConvFirst in
+train() / eval() mode, fp64): the output (loss), the gradients of the input and of every parameter,
+the running statistics. Also the reference's written-out backward, determinism, registration,
+torch.compile, and the kernels compiled for sm_90.
+
+Run: pytest tests/kernels/test_convfirst_train.py --durations=10
+
+Coverage of the kernels' loops and masks (kernels/convfirst_train/kernel.py): the block widths of the
+models (C = 16, 24, 48, 96: channels padded to CP = 16, 32 (masked), 64, 128), hidden widths R = 3C
+and 6C (2 to 36 hidden chunks per program, the last one partial for R = 48 and 144), 198 pixels per
+channel (fp32 tiles of 64 rows: four tiles, the last one partial). Under the interpreter a share is
+two tiles (launcher.INTERPRETER_SHARE_TILES), so the moments, output-sums and weights passes run
+their tile loop twice per program over two shares, and their partials are merged across shares.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from convfirstnet.kernels.convfirst_train.reference import (
+    convfirst_s1_train_backward_reference,
+    convfirst_s1_train_reference,
+)
+
+from convfirstnet.blocks import ConvFirst
+from convfirstnet.training_kernels import fused_forward, unsupported
+
+OPS = torch.ops.convfirstnet
+CL = torch.channels_last
+
+# Tolerances: every compared tensor T (output, gradient, running statistic) within TOL[dtype] x max|T_ref|
+# of the fp64 autograd of the training form on the same (rounded) input values.
+# fp32: each value is a sum of at most M + R + 72 ~ 800 fp32 products (the weight gradients sum over the
+#   M = 198 pixels, the 1x1 layers over C or R channels), and the BatchNorm backward subtracts batch
+#   means from terms of the size of the result (a cancellation of up to ~10x at these sizes); the
+#   kernels sum in another order than the reference. Rounding then stays below ~10 sqrt(800) 2^-24
+#   ~ 2e-5 of the largest term; observed <= 2e-6. A planted bug (a dropped BatchNorm term, a skipped
+#   partial sum, a wrong drop-path scale) changes a tensor by 1e-2 to 1 of its maximum.
+# fp16: see test_fp16_matches_training_form.
+# Running statistics (error / their maximum): fp32 sums of 198 values, then the momentum update: 1e-6
+#   (the unbiased correction M / (M - 1) is 5e-3 here, times the momentum 0.1); fp16: the statistics of
+#   fp16-rounded maps, 2^-11 relative, 1e-3.
+TOL = {torch.float32: 2e-5}
+RUNNING_TOL = {torch.float32: 1e-6, torch.float16: 1e-3}
+
+
+def make_block(c: int, t: int, drop: float, seed: int = 0) -> ConvFirst:
+    """A ConvFirst block with BatchNorm parameters and running statistics away from their initial
+    values (so that no term of the BatchNorm backward vanishes)."""
+    torch.manual_seed(seed)
+    block = ConvFirst(c, c, 1, t, drop_path=drop)
+    with torch.no_grad():
+        for bn in (block.bn_dw, block.bn_expand, block.bn_project):
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.normal_(0.0, 0.3)
+            bn.running_mean.normal_(0.0, 0.2)
+            bn.running_var.uniform_(0.5, 2.0)
+    return block
+
+
+def run_block(block, x, dout, seed, fused: bool):
+    """out, grads (x and every parameter, by name) and buffers after one forward + backward."""
+    x = x.detach().clone().requires_grad_()
+    torch.manual_seed(seed)
+    out = fused_forward(block, x) if fused else block(x)
+    out.backward(dout.to(out.dtype))
+    grads = {"x": x.grad, **{n: p.grad for n, p in block.named_parameters()}}
+    return out.detach(), grads, {n: b.clone() for n, b in block.named_buffers()}
+
+
+def _scales(grads_ref: dict) -> dict:
+    """The magnitude each compared tensor's error is measured against: its own maximum, except for BN1's
+    beta gradient, sum(dy), which is zero in exact arithmetic in training mode (BN2 makes sum(dz) = 0 and
+    dy = dz W1): it is measured against BN1's gamma gradient, sum(dy a_hat), a sum of the same dy."""
+    scales = {name: ref.abs().max().item() for name, ref in grads_ref.items()}
+    scales["bn_dw.bias"] = max(scales["bn_dw.bias"], scales["bn_dw.weight"])
+    return scales
+
+
+def compare(block, x, dout, dtype, seed=1):
+    """The fused op on `block` (in dtype) against autograd of the same block in fp64: the relative errors
+    (error / scale) by tensor name, after checking the running statistics."""
+    ref_block = copy.deepcopy(block).double()
+    fused_block = copy.deepcopy(block).to(dtype)
+    xd = x.to(dtype)
+    out, grads, bufs = run_block(fused_block, xd, dout, seed, fused=True)
+    out_ref, grads_ref, bufs_ref = run_block(ref_block, xd.double(), dout.to(dtype).double(), seed, fused=False)
+    grads, grads_ref = {"out": out, **grads}, {"out": out_ref, **grads_ref}
+    scales = _scales(grads_ref)
+    errors = {}
+    for name, ref in grads_ref.items():
+        assert grads[name].shape == ref.shape and grads[name].dtype == dtype, name
+        errors[name] = (grads[name].double() - ref).abs().max().item() / scales[name]
+    for name, ref in bufs_ref.items():
+        if name.endswith("num_batches_tracked"):
+            assert torch.equal(bufs[name], ref), name
+            continue
+        err = (bufs[name].double() - ref.double()).abs().max().item() / ref.abs().max().item()
+        assert err <= RUNNING_TOL[dtype], f"{name}: error {err:.3g} of its maximum"
+
+    return errors
+
+
+def assert_within(errors: dict, tol) -> None:
+    for name, err in errors.items():
+        bound = tol[name] if isinstance(tol, dict) else tol
+        assert err <= bound, f"{name}: error {err:.3g} of its scale (tolerance {bound:.3g})"
+
+
+# (C, expansion t, train, drop-path, seed): the model's widths, channels padded to 16, 32 (24: masked), 64,
+# 128; the seeds of the drop-path cases draw a mask that drops one image and keeps the other
+CASES = [
+    pytest.param(16, 3, True, 0.5, 2, id="c16-t3-train-droppath"),
+    pytest.param(24, 6, False, 0.0, 1, id="c24-t6-eval-masked"),
+    pytest.param(48, 3, True, 0.2, 0, id="c48-t3-train-droppath"),
+    pytest.param(96, 6, True, 0.0, 1, id="c96-t6-train"),
+]
+
+
+@pytest.mark.parametrize("c,t,train,drop,seed", CASES)
+def test_fp32_matches_training_form(interpreter_backend, c, t, train, drop, seed):
+    block = make_block(c, t, drop).train(train)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, c, 9, 11, generator=g).contiguous(memory_format=CL)
+    dout = torch.randn(2, c, 9, 11, generator=g).contiguous(memory_format=CL)
+    if drop:
+        torch.manual_seed(seed)
+        mask = torch.empty(2, 1, 1, 1).bernoulli_(1 - drop)
+        assert 0 < mask.sum() < 2
+    assert_within(compare(block, x, dout, torch.float32, seed), TOL[torch.float32])
+
+
+def test_fp16_forward_and_backward_match_the_reference(interpreter_backend):
+    """fp16 kernels against the reference in fp16 (the same rounding points as a layer-wise fp16 network:
+    reference.py), parameters exactly representable in fp16. The backward is given the reference
+    forward's saved maps and statistics: ReLU's derivative is a step, so a one-ulp difference in the
+    forward (one in a few hundred outputs here) flips the mask of pre-activations within a rounding
+    error of zero, and each flip moves a gradient by a whole term, which says nothing about the kernels.
+    Tolerances: the forward within 2 ulp of |out| <= 8 (2^-11 x 8 x 2) and the statistics within 2e-4
+    of their maximum (sums of fp16-rounded maps); each gradient within 3e-3 of its scale (a few fp16
+    roundings of the intermediate maps, summed over 198 pixels; observed <= 1.2e-3)."""
+    block = make_block(32, 3, 0.0)
+    with torch.no_grad():
+        for t in [*block.parameters(), *block.buffers()]:
+            if t.is_floating_point():
+                t.copy_(t.half().float())
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 32, 9, 11, generator=g).contiguous(memory_format=CL).half()
+    dout = torch.randn(2, 32, 9, 11, generator=g).contiguous(memory_format=CL).half()
+    args = _op_args(block, x, torch.ones(2), True)
+    got = OPS.convfirst_s1_train(*args)
+    want = convfirst_s1_train_reference(*args)
+    assert (got[0].float() - want[0].float()).abs().max() <= 2 * 2**-11 * 8
+    for a, b in zip(got[3:], want[3:]):
+        assert (a - b).abs().max() <= 2e-4 * b.abs().max()
+    saved = (dout, x, want[1], want[2], *args[1:10], *want[3:], args[16], True, 1e-5)
+    grads = OPS.convfirst_s1_train_backward(*saved)
+    expect = convfirst_s1_train_backward_reference(*saved)
+    names = ["x", "conv_dw.weight", "conv_expand.weight", "conv_project.weight", "bn_dw.weight", "bn_dw.bias",
+             "bn_expand.weight", "bn_expand.bias", "bn_project.weight", "bn_project.bias"]
+    scales = _scales({n: e.double() for n, e in zip(names, expect)})
+    assert_within({n: (a.double() - e.double()).abs().max().item() / scales[n] for n, a, e in zip(names, grads, expect)},
+                  3e-3)
+
+
+def test_two_steps_momentum_none_and_nchw_input(interpreter_backend):
+    """Two training steps (running statistics updated twice), BatchNorm with momentum=None (the cumulative
+    average, 1 / num_batches_tracked), an NCHW input (copied to channels-last by the launcher)."""
+    block = make_block(16, 3, 0.0)
+    for bn in (block.bn_dw, block.bn_expand, block.bn_project):
+        bn.momentum = None
+    ref = copy.deepcopy(block).double()
+    for step in range(2):
+        x = torch.randn(2, 16, 6, 7)
+        out = fused_forward(block, x)
+        out_ref = ref(x.double())
+        assert (out.double() - out_ref).abs().max() <= TOL[torch.float32] * out_ref.abs().max()
+    for (name, b), r in zip(block.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b.double(), r.double(), rtol=RUNNING_TOL[torch.float32], atol=1e-7, msg=name)
+
+
+def test_backward_is_deterministic(interpreter_backend):
+    """Two identical backward calls give bitwise-equal gradients (every reduction in a fixed order)."""
+    block = make_block(16, 3, 0.0)
+    x = torch.randn(2, 16, 9, 11).contiguous(memory_format=CL)
+    dout = torch.randn_like(x)
+    _, g1, _ = run_block(copy.deepcopy(block), x, dout, 0, fused=True)
+    _, g2, _ = run_block(copy.deepcopy(block), x, dout, 0, fused=True)
+    for name in g1:
+        assert torch.equal(g1[name], g2[name]), name
+
+
+# ------------------------------------------------------------------------------------------------
+# The reference (the CPU path and the kernels' specification) against autograd, fp64
+# ------------------------------------------------------------------------------------------------
+
+
+def _op_args(block, x, drop_scale, training):
+    bns = (block.bn_dw, block.bn_expand, block.bn_project)
+    params = [block.conv_dw.weight, block.conv_expand.weight.flatten(1), block.conv_project.weight.flatten(1)]
+    params += [t for bn in bns for t in (bn.weight, bn.bias)]
+    running = [t for bn in bns for t in (bn.running_mean, bn.running_var)]
+    return (x, *[p.detach() for p in params], *[r.clone() for r in running], drop_scale, training, 1e-5)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_reference_is_autograd_of_the_training_form(training):
+    block = make_block(16, 3, 0.4).double().train(training)
+    x = torch.randn(3, 16, 6, 7, dtype=torch.float64).contiguous(memory_format=CL).requires_grad_()
+    torch.manual_seed(5)
+    out = block(x)
+    torch.manual_seed(5)
+    keep = 0.6
+    scale = x.new_empty(3, 1, 1, 1).bernoulli_(keep).div_(keep).flatten() if training else x.new_ones(3)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    args = _op_args(block, x.detach(), scale, training)
+    res = convfirst_s1_train_reference(*args)
+    torch.testing.assert_close(res[0], out.detach(), rtol=1e-12, atol=1e-12)
+    grads = convfirst_s1_train_backward_reference(dout, x.detach(), res[1], res[2], *args[1:10], *res[3:], scale,
+                                                  training, 1e-5)
+    expect = [x.grad, block.conv_dw.weight.grad, block.conv_expand.weight.grad.flatten(1),
+              block.conv_project.weight.grad.flatten(1)]
+    expect += [t.grad for bn in (block.bn_dw, block.bn_expand, block.bn_project) for t in (bn.weight, bn.bias)]
+    for got, want in zip(grads, expect):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+# ------------------------------------------------------------------------------------------------
+# Registration, torch.compile, bad input
+# ------------------------------------------------------------------------------------------------
+
+
+def test_opcheck(reference_backend):
+    block = make_block(16, 3, 0.0)
+    x = torch.randn(2, 16, 5, 6).contiguous(memory_format=CL)
+    args = list(_op_args(block, x, torch.ones(2), True))
+    for i in range(4):
+        args[i] = args[i].clone().requires_grad_()
+    torch.library.opcheck(OPS.convfirst_s1_train, tuple(args),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+def test_compiled_training_step_cpu():
+    """torch.compile(fullgraph=True) of forward + backward + SGD step through the fused op (the reference
+    branch on CPU): the same loss, parameters and running statistics as the eager training form."""
+    torch._dynamo.reset()
+    block = make_block(16, 3, 0.0)
+    ref = copy.deepcopy(block)
+    step = torch.compile(lambda x: fused_forward(block, x).square().mean(), fullgraph=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (block, ref)]
+    for _ in range(2):
+        x = torch.randn(2, 16, 7, 6).contiguous(memory_format=CL)
+        losses = []
+        for f, opt in ((step, opts[0]), (lambda x: ref(x).square().mean(), opts[1])):
+            opt.zero_grad()
+            loss = f(x)
+            loss.backward()
+            opt.step()
+            losses.append(loss)
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(block.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_unsupported_blocks_are_named():
+    block = make_block(16, 3, 0.0)
+    assert unsupported(block, torch.randn(1, 16, 4, 4)) is None
+    assert "stride 2" in unsupported(ConvFirst(16, 32, 2, 6))
+    gn = copy.deepcopy(block)
+    gn.bn_expand = torch.nn.GroupNorm(4, 48)
+    assert "GroupNorm" in unsupported(gn)
+    wide = copy.deepcopy(block)
+    wide.conv_dw = torch.nn.Conv2d(16, 16, 3, 1, 1, groups=4, bias=False)
+    assert "group width 4" in unsupported(wide)
+    k5 = copy.deepcopy(block)
+    k5.conv_dw = torch.nn.Conv2d(16, 16, 5, 1, 2, groups=2, bias=False)
+    assert "kernel size" in unsupported(k5)
+    assert "dtype torch.float64" in unsupported(block, torch.randn(1, 16, 4, 4, dtype=torch.float64))
+
+
+def test_op_refuses_bad_input_before_launch(interpreter_backend, monkeypatch):
+    from convfirstnet.kernels.convfirst_train import launcher
+
+    monkeypatch.setattr(launcher, "launch", lambda *a, **k: pytest.fail("a kernel was launched"))
+    block = make_block(16, 3, 0.0)
+    x = torch.randn(2, 16, 5, 6).contiguous(memory_format=CL)
+    args = list(_op_args(block, x, torch.ones(2), True))
+    cases = [
+        (0, torch.randn(2, 12, 5, 6), ValueError, "multiple of 8"),
+        (1, torch.randn(16, 4, 3, 3), ValueError, "group width 4"),
+        (1, torch.randn(16, 8, 5, 5), ValueError, "kernel size 5x5"),
+        (3, torch.randn(48, 8), ValueError, "w2 has shape"),
+        (4, torch.ones(16, dtype=torch.float64), TypeError, "BatchNorm tensor gamma1"),
+        (16, torch.ones(3), ValueError, "drop_scale has shape"),
+        (0, x.to(torch.bfloat16), TypeError, "bfloat16 through the Triton interpreter"),
+    ]
+    for i, value, exc, match in cases:
+        bad = list(args)
+        bad[i] = value
+        if i == 0 and value.dtype == torch.bfloat16:
+            bad[1:4] = [t.float() for t in bad[1:4]]
+        with pytest.raises(exc, match=match):
+            OPS.convfirst_s1_train(*bad)
+    with pytest.raises(ValueError, match="more than one value per channel"):
+        OPS.convfirst_s1_train(torch.randn(1, 16, 1, 1), *args[1:16], torch.ones(1), True, 1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Compiled for sm_90 (no GPU needed): Small's widest block, fp16, batch 128, 28 x 28 (224 input)
+# ------------------------------------------------------------------------------------------------
+
+
+def record_block(c: int, r: int, hw: int, n: int = 128, dtype=torch.float16):
+    """The launches of one training step (forward + backward) of a C -> C block, R hidden, on meta tensors."""
+    from convfirstnet.kernels._cost import recording
+
+    def meta(*shape, dt=torch.float32):
+        return torch.empty(*shape, device="meta", dtype=dt)
+
+    x = meta(n, c, hw, hw, dt=dtype).contiguous(memory_format=CL)
+    vec = [meta(k) for k in (c, c, r, r, c, c)]
+    weights = (meta(c, 8, 3, 3), meta(r, c), meta(c, r))
+    with recording() as rec:
+        OPS.convfirst_s1_train(x, *weights, *vec, *vec, meta(n), True, 1e-5)
+        OPS.convfirst_s1_train_backward(x, x, x, x, *weights, *vec, *[meta(k) for k in (c, c, r, r, c, c, c)],
+                                        meta(c, c), meta(n), True, 1e-5)
+    return rec.launches
+
+
+@pytest.mark.slow
+def test_small_block_compiles_for_sm90_without_spills():
+    """Every launch of a training step of Small's stage-3 block (C = 96, R = 576) and the weights pass of
+    its stage-1/2 widths compile for sm_90 without stack, within the shared memory of an H100, and
+    the big dots (the FFN passes and the moments) run on wgmma."""
+    from convfirstnet.analysis.compiled import compile_variants, variant_of
+    from tests.kernels._recorded import SMEM_LIMIT
+
+    launches = record_block(96, 576, 28)
+    launches += [la for c, r, hw in ((32, 96, 112), (64, 384, 56)) for la in record_block(c, r, hw)
+                 if la.kernel.__name__ == "_ffn_bwd_weights_kernel"]
+    variants = {}
+    for la in launches:
+        v = variant_of(la, 90)
+        variants.setdefault(v.key, v)
+    compiled = compile_variants(list(variants.values()))
+    names = set()
+    for comp in compiled:
+        name = f"{comp.variant.name} {dict(comp.variant.meta)}"
+        names.add(comp.variant.name)
+        assert comp.stack == 0, f"{name}: {comp.stack} B of stack (register spills)"
+        assert comp.shared <= SMEM_LIMIT[90], f"{name}: {comp.shared} B of shared memory"
+        meta = dict(comp.variant.meta)
+        if comp.variant.name.startswith("_ffn") or (comp.variant.name == "_moments_kernel" and meta["CP"] >= 64):
+            # the weight-gradient dots of C = 32 have M = 32 < 64 (mma.sync); all others are wgmma
+            allowed = ("wgmma", "wgmma+mma.sync") if meta["CP"] < 64 else ("wgmma",)
+            assert comp.mma_kind in allowed, f"{name}: {comp.mma_kind}"
+    assert {"_moments_kernel", "_ffn_fwd_kernel", "_residual_kernel", "_out_sums_kernel",
+            "_ffn_bwd_weights_kernel", "_ffn_bwd_input_kernel", "_bn_input_grad_kernel"} <= names
