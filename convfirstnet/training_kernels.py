@@ -12,9 +12,12 @@ parameters and buffers (so the state_dict, checkpoints, optimisers and ``fuse()`
 
 The forward and backward are ``torch.ops.convfirstnet.convfirst_s1_train`` (+ ``_backward``): Triton
 kernels on CUDA (and in the interpreter with ``CONVFIRSTNET_KERNELS=triton``), the PyTorch reference
-otherwise. ``unsupported(block, x)`` names what the fused op cannot run (a norm other than BatchNorm2d,
-group width or kernel size of the grouped conv, dtype, device): the caller refuses or falls back with
-that line before any launch.
+otherwise. ``unsupported(block, x)`` names what the fused op cannot run (a block without a fused
+training op, a norm other than BatchNorm2d, group width or kernel size of the grouped conv, dtype);
+``dispatch(block, x)`` is what the training-form blocks call: the fused forward when the backend
+selects the Triton kernels (``CONVFIRSTNET_KERNELS``: ``auto`` with a CUDA tensor, or ``triton``) and
+the block is supported, else None (run the layers), with one warning line per distinct reason when
+the Triton kernels were selected but cannot run the block; decided before any launch.
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .blocks import ConvFirst
-from .kernels._batchnorm import update_running
-from .kernels._launch import GROUP_WIDTH
-from .kernels.convfirst_train.launcher import DTYPES
+import warnings
 
-__all__ = ["fused_forward", "unsupported"]
+from .kernels._batchnorm import update_running
+from .kernels._launch import GROUP_WIDTH, HAS_TRITON, backend
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the fused training kernels run
+
+__all__ = ["dispatch", "fused_forward", "unsupported"]
+_WARNED: set[str] = set()
 
 
 def _bns(block: nn.Module) -> tuple[nn.Module, ...]:
@@ -37,8 +43,8 @@ def _bns(block: nn.Module) -> tuple[nn.Module, ...]:
 def unsupported(block: nn.Module, x: torch.Tensor | None = None) -> str | None:
     """Why the fused training op cannot run ``block`` (on ``x``), or None."""
     name = type(block).__name__
-    if not isinstance(block, ConvFirst):
-        return f"{name}: no fused training op for this block"
+    if name != "ConvFirst":  # blocks.ConvFirst (not imported: blocks imports this module)
+        return f"{name}: no fused training op for this block yet"
     if block.stride != 1:
         return f"{name} stride {block.stride}: no fused training op yet (stride 1 only)"
     for bn in _bns(block):
@@ -63,6 +69,29 @@ def unsupported(block: nn.Module, x: torch.Tensor | None = None) -> str | None:
         dtype = _activation_dtype(x)
         if dtype not in DTYPES:
             return f"{name}: dtype {dtype}: the fused training kernels run float16, bfloat16 and float32"
+        if x.device.type == "cpu" and dtype == torch.bfloat16:
+            return f"{name}: bfloat16 on CPU (the Triton interpreter computes bf16 tl.dot wrongly)"
+    return None
+
+
+def triton_selected(x: torch.Tensor) -> bool:
+    """The backend switch (kernels._launch.backend) selects the Triton kernels for ``x``."""
+    mode = backend()
+    return HAS_TRITON and x.device.type != "meta" and (mode == "triton" or (mode == "auto" and x.is_cuda))
+
+
+def dispatch(block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """``fused_forward(block, x)`` when the Triton kernels are selected and can run the block; None
+    (run the layers) otherwise, with one warning line per distinct reason when they were selected."""
+    if not triton_selected(x):
+        return None
+    reason = unsupported(block, x)
+    if reason is None:
+        return fused_forward(block, x)
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"{reason}; running the layer-wise training form instead of the Triton kernels",
+                      stacklevel=3)
     return None
 
 
@@ -72,7 +101,7 @@ def _activation_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def _drop_scale(block: ConvFirst, out_dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
+def _drop_scale(block: nn.Module, out_dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
     """timm's DropPath mask, drawn the same way (shape (N, 1, 1, 1) in the branch's dtype), as (N,) fp32."""
     dp = block.drop_path
     prob = getattr(dp, "drop_prob", 0.0)
@@ -93,7 +122,7 @@ def _momentum(bn: nn.BatchNorm2d):
     return bn.momentum
 
 
-def fused_forward(block: ConvFirst, x: torch.Tensor) -> torch.Tensor:
+def fused_forward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``block(x)`` through the fused training op (module docstring)."""
     dtype = _activation_dtype(x)
     x = x.to(dtype)

@@ -72,9 +72,11 @@ def run_block(block, x, dout, seed, fused: bool):
 
 
 def _scales(grads_ref: dict) -> dict:
-    """The magnitude each compared tensor's error is measured against: its own maximum, except for BN1's
-    beta gradient, sum(dy), which is zero in exact arithmetic in training mode (BN2 makes sum(dz) = 0 and
-    dy = dz W1): it is measured against BN1's gamma gradient, sum(dy a_hat), a sum of the same dy."""
+    """The magnitude each compared tensor's error is measured against: its own maximum, except for a
+    BatchNorm's beta gradient, sum(dout), measured against at least its gamma gradient, sum(dout v_hat),
+    a sum of the same terms: beta's is zero in exact arithmetic when a conv and a training-mode
+    BatchNorm follow (BN1's: BN2 makes sum(dz) = 0 and dy = dz W1; in a model, BN3's when the next
+    block starts with conv + BatchNorm), so its own maximum is rounding noise."""
     scales = {name: ref.abs().max().item() for name, ref in grads_ref.items()}
     scales["bn_dw.bias"] = max(scales["bn_dw.bias"], scales["bn_dw.weight"])
     return scales
@@ -360,3 +362,58 @@ def test_small_block_compiles_for_sm90_without_spills():
             assert comp.mma_kind in allowed, f"{name}: {comp.mma_kind}"
     assert {"_moments_kernel", "_ffn_fwd_kernel", "_residual_kernel", "_out_sums_kernel",
             "_ffn_bwd_weights_kernel", "_ffn_bwd_input_kernel", "_bn_input_grad_kernel"} <= names
+
+
+# ------------------------------------------------------------------------------------------------
+# The training-form model on the fused op
+# ------------------------------------------------------------------------------------------------
+
+
+def test_model_runs_stride1_convfirst_fused_and_says_what_is_not(interpreter_backend, monkeypatch):
+    """With the Triton kernels selected, every stride-1 ConvFirst block of a training-form model runs the
+    fused op (same parameters and buffers: the state_dict is unchanged), the blocks without a fused
+    training op run their layers with one warning line per reason (two stride-2 ConvFirst blocks: one
+    line), and loss, gradients and running
+    statistics equal the layer-wise model's."""
+    import warnings
+
+    from convfirstnet import training_kernels
+    from convfirstnet.model import SIZES, ConvFirstNet
+
+    size = SIZES["pico"]
+    stages = [*size.stages[:3], size.stages[3].__class__(**{**size.stages[3].__dict__, "depth": 1})]
+    torch.manual_seed(0)
+    model = ConvFirstNet(size.stem, stages, num_classes=10).train()
+    ref = copy.deepcopy(model)
+    calls = []
+    fused = training_kernels.fused_forward
+    monkeypatch.setattr(training_kernels, "fused_forward", lambda b, x: calls.append(b) or fused(b, x))
+    monkeypatch.setattr(training_kernels, "_WARNED", set())
+    x = torch.randn(2, 3, 32, 32).contiguous(memory_format=CL)
+
+    def step(m):
+        torch.manual_seed(1)  # the classifier's dropout
+        loss = m(x).square().mean()
+        loss.backward()
+        return loss
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = step(model)
+    reasons = sorted(str(w.message).split(":")[0] for w in caught)
+    assert reasons == ["ConvFirst stride 2", "MBConv"], reasons
+    stride1 = [m for m in model.modules() if isinstance(m, ConvFirst) and m.stride == 1]
+    assert calls == stride1 and len(stride1) == 4  # Pico: 1 + 1 + 2 stride-1 blocks
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "reference")
+    loss_ref = step(ref)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
+    assert list(model.state_dict()) == list(ref.state_dict())
+    ref_grads = {n: q.grad for n, q in ref.named_parameters()}
+    for name, p in model.named_parameters():
+        scale = ref_grads[name].abs().max().item()
+        if ".bn" in name and name.endswith(".bias"):  # can be zero in exact arithmetic (see _scales)
+            scale = max(scale, ref_grads[name[: -len("bias")] + "weight"].abs().max().item())
+        err = (p.grad - ref_grads[name]).abs().max().item() / scale
+        assert err <= TOL[torch.float32], f"{name}: error {err:.3g} of its scale"
+    for (name, b), c in zip(model.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=name)
