@@ -28,6 +28,7 @@ import torch.nn as nn
 import warnings
 
 from .kernels._batchnorm import update_running
+from .kernels._cost import active_recording
 from .kernels._launch import GROUP_WIDTH, HAS_TRITON, backend
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the fused training kernels run
@@ -75,7 +76,10 @@ def unsupported(block: nn.Module, x: torch.Tensor | None = None) -> str | None:
 
 
 def triton_selected(x: torch.Tensor) -> bool:
-    """The backend switch (kernels._launch.backend) selects the Triton kernels for ``x``."""
+    """The backend switch (kernels._launch.backend) selects the Triton kernels for ``x`` (always while the
+    static cost report records launches on meta tensors)."""
+    if active_recording() is not None:
+        return HAS_TRITON
     mode = backend()
     return HAS_TRITON and x.device.type != "meta" and (mode == "triton" or (mode == "auto" and x.is_cuda))
 

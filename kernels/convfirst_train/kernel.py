@@ -17,22 +17,23 @@ Forward
   4. ``_residual_kernel``: out = x + d_n (k3 p + t3).
 Backward (dout given)
   5. ``_out_sums_kernel``: per share, sum dq and sum dq p_hat (dq = d_n dout): BN3's dbeta, dgamma.
-     Then dp = k3 dq + u3 + w3 (p - m3) per pixel (kernels/_batchnorm.py).
-  6. ``_ffn_bwd_weights_kernel``, grid (shares, hidden chunks): per tile of the share, recompute y, z,
+  6. ``_prep_kernel``: y = k1 a + t1 and dp = k3 dq + w3 p + c3 (BN3's backward, kernels/_batchnorm.py),
+     each stored once in the activation dtype (narrow): the two inputs of the FFN's backward passes.
+  7. ``_ffn_bwd_weights_kernel``, grid (shares, hidden chunks): per tile of the share, recompute z and
      h of the chunk; dh = dp W2[:, chunk]; dzn = dh [zn > 0]; accumulate dW2[:, chunk] += dp^T h,
      G[chunk] += dzn^T y, and the chunk's sums of dzn and dzn z_hat (BN2's dbeta, dgamma). The weight
      gradient partials are written per share (fp32) and summed by the host in a fixed order. dW1 needs
      dz = k2 dzn + u2 + w2 (z - m2), whose u2, w2 need the sums over the whole batch; it is linear in
-     dzn, so dW1 = k2 G + u2 sum(y)^T + w2 (z - m2)^T y, and (z - m2)^T y = W1 Y^T Y - m2 sum(y)^T comes
-     from the forward's statistics of a (Y^T Y = M (Cov(y) + mean(y) mean(y)^T)): no second pass.
-  7. ``_ffn_bwd_input_kernel``: per tile, over all chunks: recompute z, dzn, dz; dy += dz W1[chunk];
+     dzn, so dW1 = k2 G + u2 sum(y)^T + w2 (z - m2)^T y, and (z - m2)^T y = M W1 Cov(y) + M (W1 mean(y)
+     - m2) mean(y)^T comes from the forward's statistics of a: no second pass.
+  8. ``_ffn_bwd_input_kernel``: per tile, over all chunks: recompute z, dzn, dz; dy += dz W1[chunk];
      dy stored (narrow) with the tile's sums of dy and dy a_hat (BN1's dbeta, dgamma).
-  8. ``_bn_input_grad_kernel``: da = k1 dy + u1 + w1 (a - m1), stored (narrow).
-  9. gconv dgrad (dx = dout + dgrad(da)) and wgrad (deterministic two-stage reduction).
+  9. ``_bn_input_grad_kernel``: da = k1 dy + u1 + w1 (a - m1), stored (narrow).
+ 10. gconv dgrad (dx = dout + dgrad(da)) and wgrad (deterministic two-stage reduction).
 
 Stored for the backward: x (the block's input), a and p (C channels each) and per-channel statistics.
 The wide activations (z, h, R = 3-6 C channels) never reach memory: pass 3 computes them once, passes
-6 and 7 recompute them (2 + 7 CR MACs per pixel in all, against 2 + 4 for a layer-wise network that
+7 and 8 recompute them (2 + 7 CR MACs per pixel in all, against 2 + 4 for a layer-wise network that
 stores and re-reads them).
 
 Tiles
@@ -187,15 +188,6 @@ def _residual_kernel(
 
 
 @triton.jit
-def _out_grad(dout_ptr, p_ptr, drop_ptr, k3, w3, c3, rows, rok, HW, C: tl.constexpr, CP: tl.constexpr):
-    """dp = k3 dq + w3 p + c3 with dq = d_n dout (fp32, zero on masked rows)."""
-    d = tl.load(drop_ptr + rows // HW, mask=rok, other=0.0)
-    dq = _load_tile(dout_ptr, rows, rok, C, CP).to(tl.float32) * d[:, None]
-    p = _load_tile(p_ptr, rows, rok, C, CP).to(tl.float32)
-    return tl.where(rok[:, None], k3[None, :] * dq + w3[None, :] * p + c3[None, :], 0.0)
-
-
-@triton.jit
 def _out_sums_kernel(
     dout_ptr, p_ptr, drop_ptr, m3_ptr, r3_ptr, part_ptr,  # part: fp32 (shares, 2, C): sum dq, sum dq p_hat
     M, HW, TILES, TILES_PER_SHARE,
@@ -220,29 +212,45 @@ def _out_sums_kernel(
 
 
 @triton.jit
+def _prep_kernel(
+    a_ptr, dout_ptr, p_ptr, drop_ptr, y_ptr, dp_ptr,  # maps (M, C) contiguous; drop (N,) fp32
+    k1_ptr, t1_ptr, k3_ptr, w3_ptr, c3_ptr,  # y = k1 a + t1; dp = k3 dq + w3 p + c3 (dq = d_n dout)
+    M, HW,
+    C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr,
+):
+    """The two inputs of the FFN's backward passes, each rounded once to the activation dtype (where a
+    layer-wise network has them): y (recomputed from a) and dp (BN3's and drop-path's backward)."""
+    rows, rok = _rows_of(tl.program_id(0), M, BM)
+    c = tl.arange(0, CP)
+    y = _load_tile(a_ptr, rows, rok, C, CP).to(tl.float32) * _vec(k1_ptr, c, C)[None, :] + _vec(t1_ptr, c, C)[None, :]
+    _store_tile(y_ptr, y, rows, rok, C, CP)
+    d = tl.load(drop_ptr + rows // HW, mask=rok, other=0.0)
+    dq = _load_tile(dout_ptr, rows, rok, C, CP).to(tl.float32) * d[:, None]
+    p = _load_tile(p_ptr, rows, rok, C, CP).to(tl.float32)
+    dp = _vec(k3_ptr, c, C)[None, :] * dq + _vec(w3_ptr, c, C)[None, :] * p + _vec(c3_ptr, c, C)[None, :]
+    _store_tile(dp_ptr, dp, rows, rok, C, CP)
+
+
+@triton.jit
 def _ffn_bwd_weights_kernel(
-    a_ptr, dout_ptr, p_ptr, drop_ptr, w1_ptr, w2_ptr,  # maps (M, C); w1 (R, C), w2 (C, R) contiguous
-    k1_ptr, t1_ptr, k2_ptr, t2_ptr, m2_ptr, r2_ptr,  # BN1 affine (C); BN2 affine, mean, 1/std (R)
-    k3_ptr, w3_ptr, c3_ptr,  # dp = k3 dq + w3 p + c3 (C)
+    y_ptr, dp_ptr, w1_ptr, w2_ptr,  # y, dp (M, C) contiguous; w1 (R, C), w2 (C, R) contiguous, y's dtype
+    k2_ptr, t2_ptr, m2_ptr, r2_ptr,  # BN2: affine, mean, 1/std (R)
     dw2_ptr, g_ptr, sums_ptr,  # fp32 partials: dW2 (shares, C, R), dzn^T y (shares, R, C), (shares, 2, R)
-    M, R, HW, TILES, TILES_PER_SHARE,
+    M, R, TILES, TILES_PER_SHARE,
     C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Program (share, hidden chunk): the share's contributions to dW2[:, chunk], (dzn^T y)[chunk] and
-    the chunk's sums of dzn and dzn z_hat, from y, z, h and dh recomputed tile by tile."""
+    the chunk's sums of dzn and dzn z_hat, from z, h and dh recomputed tile by tile. Rows past M load as
+    zero (y = dp = 0), which adds nothing to any sum."""
     share = tl.program_id(0)
     hh = tl.program_id(1) * BH + tl.arange(0, BH)
     hok = hh < R
-    dt = a_ptr.dtype.element_ty
     c = tl.arange(0, CP)
-    cok = c < C
-    wm = hok[None, :] & cok[:, None]
+    wm = hok[None, :] & (c < C)[:, None]
     w1t = tl.load(w1_ptr + hh[None, :] * C + c[:, None], mask=wm, other=0.0)  # [CP, BH]
     w2c = tl.load(w2_ptr + c[:, None] * R + hh[None, :], mask=wm, other=0.0)  # [CP, BH]
-    k1, t1 = _vec(k1_ptr, c, C), _vec(t1_ptr, c, C)
     k2, t2 = _vec(k2_ptr, hh, R), _vec(t2_ptr, hh, R)
     m2, r2 = _vec(m2_ptr, hh, R), _vec(r2_ptr, hh, R)
-    k3, w3, c3 = _vec(k3_ptr, c, C), _vec(w3_ptr, c, C), _vec(c3_ptr, c, C)
     acc_w2 = tl.zeros((CP, BH), tl.float32)
     acc_g = tl.zeros((CP, BH), tl.float32)  # (dzn^T y)^T: y^T dzn keeps M = CP on wgmma
     s_dzn = tl.zeros((BH,), tl.float32)
@@ -250,44 +258,40 @@ def _ffn_bwd_weights_kernel(
     t0 = share * TILES_PER_SHARE
     for t in range(t0, tl.minimum(t0 + TILES_PER_SHARE, TILES)):
         rows, rok = _rows_of(t, M, BM)
-        y = (_load_tile(a_ptr, rows, rok, C, CP).to(tl.float32) * k1[None, :] + t1[None, :]).to(dt)
-        dp = _out_grad(dout_ptr, p_ptr, drop_ptr, k3, w3, c3, rows, rok, HW, C, CP).to(dt)
+        y = _load_tile(y_ptr, rows, rok, C, CP)
+        dp = _load_tile(dp_ptr, rows, rok, C, CP)
         z = tl.dot(y, w1t, input_precision=PRECISION)
         zn = z * k2[None, :] + t2[None, :]
-        h = tl.maximum(zn, 0.0).to(dt)
-        dh = tl.dot(dp, w2c, input_precision=PRECISION)
-        dzn = tl.where(zn > 0.0, dh, 0.0)  # zero on masked rows: dp is
+        h = tl.maximum(zn, 0.0).to(y.dtype)
+        dzn = tl.where(zn > 0.0, tl.dot(dp, w2c, input_precision=PRECISION), 0.0)
         s_dzn += tl.sum(dzn, axis=0)
-        s_dzz += tl.sum(dzn * ((z - m2[None, :]) * r2[None, :]), axis=0)
+        s_dzz += tl.sum(dzn * (z - m2[None, :]), axis=0)
         acc_w2 = tl.dot(tl.trans(dp), h, acc_w2, input_precision=PRECISION)
-        acc_g = tl.dot(tl.trans(y), dzn.to(dt), acc_g, input_precision=PRECISION)
+        acc_g = tl.dot(tl.trans(y), dzn.to(y.dtype), acc_g, input_precision=PRECISION)
     base = share.to(tl.int64) * C * R
     tl.store(dw2_ptr + base + c[:, None] * R + hh[None, :], acc_w2, mask=wm)
     tl.store(g_ptr + base + hh[None, :] * C + c[:, None], acc_g, mask=wm)
     _store_vec(sums_ptr + share * 2 * R, s_dzn, hh, R)
-    _store_vec(sums_ptr + share * 2 * R + R, s_dzz, hh, R)
+    _store_vec(sums_ptr + share * 2 * R + R, s_dzz * r2, hh, R)
 
 
 @triton.jit
 def _ffn_bwd_input_kernel(
-    a_ptr, dout_ptr, p_ptr, drop_ptr, w1_ptr, w2_ptr, dy_ptr,  # maps (M, C); w1 (R, C), w2 (C, R)
-    k1_ptr, t1_ptr, m1_ptr, r1_ptr,  # BN1: affine, mean, 1/std (C)
+    y_ptr, dp_ptr, a_ptr, w1_ptr, w2_ptr, dy_ptr,  # maps (M, C); w1 (R, C), w2 (C, R)
+    m1_ptr, r1_ptr,  # BN1: mean, 1/std (C)
     k2_ptr, t2_ptr, m2_ptr, u2_ptr, w2v_ptr,  # BN2: affine, mean; dz = k2 dzn + u2 + w2 (z - m2) (R)
-    k3_ptr, w3_ptr, c3_ptr,  # dp = k3 dq + w3 p + c3 (C)
     sums_ptr,  # fp32 per-tile partials (tiles, 2, C): sum dy, sum dy a_hat
-    M, R, HW,
+    M, R,
     C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dy = sum over hidden chunks of dz W1[chunk], stored, with the tile's sums of dy and dy a_hat."""
     t = tl.program_id(0)
-    dt = a_ptr.dtype.element_ty
     rows, rok = _rows_of(t, M, BM)
     c = tl.arange(0, CP)
     cok = c < C
-    a = _load_tile(a_ptr, rows, rok, C, CP).to(tl.float32)
-    y = (a * _vec(k1_ptr, c, C)[None, :] + _vec(t1_ptr, c, C)[None, :]).to(dt)
-    dp = _out_grad(dout_ptr, p_ptr, drop_ptr, _vec(k3_ptr, c, C), _vec(w3_ptr, c, C), _vec(c3_ptr, c, C),
-                   rows, rok, HW, C, CP).to(dt)
+    y = _load_tile(y_ptr, rows, rok, C, CP)
+    dp = _load_tile(dp_ptr, rows, rok, C, CP)
+    dt = y.dtype
     dy = tl.zeros((BM, CP), tl.float32)
     for h0 in range(0, R, BH):
         hh = h0 + tl.arange(0, BH)
@@ -305,6 +309,7 @@ def _ffn_bwd_input_kernel(
     dy = dy.to(dt)
     _store_tile(dy_ptr, dy, rows, rok, C, CP)
     # BN1's sums from the stored (rounded) dy, as a layer-wise BatchNorm backward reads it
+    a = _load_tile(a_ptr, rows, rok, C, CP).to(tl.float32)
     a_hat = (a - _vec(m1_ptr, c, C)[None, :]) * _vec(r1_ptr, c, C)[None, :]
     dyf = dy.to(tl.float32)
     _store_vec(sums_ptr + t * 2 * C, tl.sum(dyf, axis=0), c, C)

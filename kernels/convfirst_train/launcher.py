@@ -9,9 +9,8 @@ Tiles (``train_config``)
 * CP: the channels padded to a power of two >= 16 (tl.dot); BM = 128 rows (64 for fp32, whose 3xTF32
   operands take three times the registers); BH = 64 hidden channels per chunk up to CP = 64, 32 above.
   4 warps up to CP = 32, 8 above.
-* The weights pass (two [CP, BH] fp32 accumulators live across its tile loop, besides the tiles of y,
-  dp, z and dh): 8 warps, no software pipelining, and the largest tiles that compile for sm_90
-  without spilling: 128 x 32 (CP = 32), 64 x 32 (CP = 64), 64 x 16 (CP = 128).
+* The weights pass (two [CP, BH] fp32 accumulators live across its tile loop): 8 warps, 128 x 32
+  tiles, three pipeline stages (train_config says why).
 * Shares (reductions in a fixed order, never depending on the device): the moments pass and the
   output-gradient sums use at least MIN_SHARE_ROWS rows per share and at most SHARES programs; the
   weights pass uses at most WEIGHT_PROGRAMS programs (shares x hidden chunks) and keeps its fp32
@@ -34,6 +33,7 @@ from .kernel import (
     _ffn_bwd_input_kernel,
     _ffn_bwd_weights_kernel,
     _ffn_fwd_kernel,
+    _prep_kernel,
     _moments_kernel,
     _out_sums_kernel,
     _residual_kernel,
@@ -57,6 +57,7 @@ class TrainConfig:
     block_h: int  # hidden channels per chunk
     block_m_weights: int  # rows per tile of the weights pass
     block_h_weights: int  # hidden channels per program of the weights pass
+    stages_weights: int  # software pipelining of the weights pass's tile loop
     num_warps: int
     precision: str
 
@@ -67,12 +68,12 @@ def train_config(c: int, r: int, dtype: torch.dtype) -> TrainConfig:
     bm = 64 if fp32 else 128
     bh = 64 if cp <= 64 and not fp32 else 32
     bh = min(bh, max(16, triton.next_power_of_2(r)))
-    # weights pass (compiled for sm_90, fp16: the smallest tiles whose two accumulators, y, dp, z and dh
-    # fit 255 registers without spilling on 8 warps): CP 32: 128 x 32; 64: 64 x 32; 128: 64 x 16
-    bmw, bhw = {16: (128, 32), 32: (128, 32), 64: (64, 32)}.get(cp, (64, 16))
-    if fp32:
-        bmw, bhw = 64, 16
-    return TrainConfig(cp, bm, bh, bmw, min(bhw, bh), 4 if cp <= 32 else 8, "tf32x3" if fp32 else "tf32")
+    # weights pass: 128 rows x 32 hidden channels, 8 warps, three pipeline stages for every CP (sm_90,
+    # fp16: 150-230 registers, no stack, up to 217 KB of shared memory at CP = 128). Chosen by the
+    # static estimate of Small's stride-1 blocks at batch 128: 64 x 32 and 1-2 stages were latency
+    # bound (C = 64: 566-617 us against 264 us), 128 x 64 spilled, 256 x 32 was slower (397 us).
+    bmw, bhw, stages = (64, 16, 2) if fp32 else (128, 32, 3)
+    return TrainConfig(cp, bm, bh, bmw, min(bhw, bh), stages, 4 if cp <= 32 else 8, "tf32x3" if fp32 else "tf32")
 
 
 def shares_of(tiles: int, block_m: int, interpreter: bool, cap: int = SHARES) -> tuple[int, int]:
@@ -216,6 +217,12 @@ def convfirst_s1_train_backward_triton(dout, x, a, p, w_conv, w1, w2, gamma1, be
     u3, w3 = backward_terms(dgamma3, dbeta3, k3, r3, m, training)
     c3 = u3 - w3 * mean3  # dp = k3 dq + w3 p + c3: w3 is the small batch term, so no cancellation
 
+    # y and dp, once, in the activation dtype
+    y, dp = _empty_like_map(a), _empty_like_map(a)
+    rows = ELEMENTWISE_ELEMS // cfg.cp
+    launch(_prep_kernel, (triton.cdiv(m, rows),), a, dout, p, drop, y, dp, k1, t1, k3, w3, c3, m, h * w, C=c,
+           CP=cfg.cp, BM=rows, num_warps=4, cost=lambda: elementwise_cost("y and dp", m, c, eb, 5))
+
     # weights pass: dW2, dzn^T y and BN2's sums, per (share, hidden chunk)
     chunks = triton.cdiv(r, cfg.block_h_weights)
     wtiles = triton.cdiv(m, cfg.block_m_weights)
@@ -223,10 +230,9 @@ def convfirst_s1_train_backward_triton(dout, x, a, p, w_conv, w1, w2, gamma1, be
     dw2_part = torch.empty((shares, c, r), **f32)
     g_part = torch.empty((shares, r, c), **f32)
     sums = torch.empty((shares, 2, r), **f32)
-    launch(_ffn_bwd_weights_kernel, (shares, chunks), a, dout, p, drop, w1d, w2d, k1, t1, k2, t2, mean2, r2,
-           k3, w3, c3, dw2_part, g_part, sums, m, r, h * w, wtiles, per, C=c, CP=cfg.cp,
-           BM=cfg.block_m_weights, BH=cfg.block_h_weights, PRECISION=cfg.precision, num_warps=8,
-           num_stages=1,
+    launch(_ffn_bwd_weights_kernel, (shares, chunks), y, dp, w1d, w2d, k2, t2, mean2, r2, dw2_part, g_part, sums,
+           m, r, wtiles, per, C=c, CP=cfg.cp, BM=cfg.block_m_weights, BH=cfg.block_h_weights,
+           PRECISION=cfg.precision, num_warps=8, num_stages=cfg.stages_weights,
            cost=lambda: ffn_bwd_weights_cost(cfg, m, c, r, eb, shares, per, chunks))
     dbeta2, dgamma2 = _pair(sums)
     u2, w2v = backward_terms(dgamma2, dbeta2, k2, r2, m, training)
@@ -244,9 +250,8 @@ def convfirst_s1_train_backward_triton(dout, x, a, p, w_conv, w1, w2, gamma1, be
     # input pass: dy, and BN1's sums
     dy = _empty_like_map(a)
     part1 = torch.empty((tiles, 2, c), **f32)
-    launch(_ffn_bwd_input_kernel, (tiles,), a, dout, p, drop, w1d, w2d, dy, k1, t1, mean1, r1, k2, t2, mean2,
-           u2, w2v, k3, w3, c3, part1, m, r, h * w, C=c, CP=cfg.cp, BM=cfg.block_m, BH=cfg.block_h,
-           PRECISION=cfg.precision, num_warps=cfg.num_warps,
+    launch(_ffn_bwd_input_kernel, (tiles,), y, dp, a, w1d, w2d, dy, mean1, r1, k2, t2, mean2, u2, w2v, part1, m,
+           r, C=c, CP=cfg.cp, BM=cfg.block_m, BH=cfg.block_h, PRECISION=cfg.precision, num_warps=cfg.num_warps,
            cost=lambda: ffn_bwd_input_cost(cfg, m, c, r, eb))
     dbeta1, dgamma1 = _pair(part1)
     u1, w1v = backward_terms(dgamma1, dbeta1, k1, r1, m, training)
