@@ -417,3 +417,26 @@ def test_model_runs_stride1_convfirst_fused_and_says_what_is_not(interpreter_bac
         assert err <= TOL[torch.float32], f"{name}: error {err:.3g} of its scale"
     for (name, b), c in zip(model.named_buffers(), ref.buffers()):
         torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_ddp_gloo_two_processes_equal_layerwise():
+    """torch.distributed.run, 2 CPU processes (gloo): two DDP steps (SGD with momentum, drop-path, running
+    statistics) of a net of stride-1 ConvFirst blocks through the fused Triton kernels (interpreter)
+    give the parameters and buffers of the same steps layer-wise under DDP, on both replicas."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("_ddp_fused_step.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["replicas_equal"]
+    worst = max(result["diffs"].items(), key=lambda kv: kv[1])
+    assert worst[1] <= 1e-5, worst  # fp32 rounding through two steps (see TOL)
