@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from timm.layers import BlurPool2d
 
 import warnings
 
@@ -46,8 +47,8 @@ def unsupported(block: nn.Module, x: torch.Tensor | None = None) -> str | None:
     name = type(block).__name__
     if name != "ConvFirst":  # blocks.ConvFirst (not imported: blocks imports this module)
         return f"{name}: no fused training op for this block yet"
-    if block.stride != 1:
-        return f"{name} stride {block.stride}: no fused training op yet (stride 1 only)"
+    if block.stride not in (1, 2):
+        return f"{name} stride {block.stride}: the fused training ops run stride 1 and 2"
     for bn in _bns(block):
         if type(bn) is not nn.BatchNorm2d:
             return f"{name}: norm layer {type(bn).__name__}: the fused training op implements BatchNorm2d only"
@@ -61,6 +62,8 @@ def unsupported(block: nn.Module, x: torch.Tensor | None = None) -> str | None:
         return f"{name}: grouped conv of group width {c // conv.groups}: only group width {GROUP_WIDTH} is supported"
     if conv.bias is not None or conv.padding != (1, 1) or conv.stride != (1, 1) or conv.dilation != (1, 1):
         return f"{name}: grouped conv with a bias, padding other than 1, stride or dilation is not supported"
+    if block.stride == 2 and not isinstance(block.blur, BlurPool2d):
+        return f"{name} stride 2: downsampling {type(block.blur).__name__}: the fused op implements BlurPool2d"
     for conv1 in (block.conv_expand, block.conv_project):
         if conv1.kernel_size != (1, 1) or conv1.bias is not None or conv1.groups != 1:
             return f"{name}: the 1x1 layers must be dense and bias-free"
@@ -135,17 +138,22 @@ def fused_forward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     eps = bn1.eps
     if not bn2.eps == bn3.eps == eps:
         raise ValueError("fused ConvFirst: the three BatchNorms must share one eps")
-    drop = _drop_scale(block, dtype, x)
     w = [block.conv_dw.weight, block.conv_expand.weight.flatten(1), block.conv_project.weight.flatten(1)]
     if dtype != torch.float32:  # 16-bit activations take the weights in their dtype or fp32 (autocast)
         w = [t if t.dtype in (dtype, torch.float32) else t.to(dtype) for t in w]
-    out, _, _, m1, v1, m2, v2, m3, v3, _, _ = torch.ops.convfirstnet.convfirst_s1_train(
-        x, *w, bn1.weight, bn1.bias, bn2.weight, bn2.bias, bn3.weight, bn3.bias,
-        bn1.running_mean, bn1.running_var, bn2.running_mean, bn2.running_var, bn3.running_mean,
-        bn3.running_var, drop, training, eps)
+    bn = (bn1.weight, bn1.bias, bn2.weight, bn2.bias, bn3.weight, bn3.bias, bn1.running_mean, bn1.running_var,
+          bn2.running_mean, bn2.running_var, bn3.running_mean, bn3.running_var)
+    if block.stride == 1:
+        res = torch.ops.convfirstnet.convfirst_s1_train(x, *w, *bn, _drop_scale(block, dtype, x), training, eps)
+        out, stats, rows = res[0], res[3:9], x.shape[0] * x.shape[2] * x.shape[3]
+    else:
+        res = torch.ops.convfirstnet.convfirst_s2_train(x, *w, *bn, training, eps)
+        out, stats = res[0], res[4:10]
+        rows = x.shape[0] * ((x.shape[2] + 1) // 2) * ((x.shape[3] + 1) // 2)
     if training:
-        rows = x.shape[0] * x.shape[2] * x.shape[3]
+        full = x.shape[0] * x.shape[2] * x.shape[3]  # BN1 normalises the full-resolution conv output
         with torch.no_grad():
-            for bn, mean, var in ((bn1, m1, v1), (bn2, m2, v2), (bn3, m3, v3)):
-                update_running(bn.running_mean, bn.running_var, mean, var, rows, _momentum(bn))
+            for i, bn in enumerate((bn1, bn2, bn3)):
+                update_running(bn.running_mean, bn.running_var, stats[2 * i], stats[2 * i + 1],
+                               full if i == 0 else rows, _momentum(bn))
     return out

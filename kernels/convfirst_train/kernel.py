@@ -135,51 +135,95 @@ def _moments_kernel(
 
 @triton.jit
 def _ffn_fwd_kernel(
-    a_ptr, w1_ptr, w2_ptr, p_ptr,  # a, p (M, C) contiguous; w1 (R, C), w2 (C, R) contiguous, a's dtype
-    k1_ptr, t1_ptr, k2_ptr, t2_ptr,  # fp32 affine of BN1 (C) and BN2 (R)
-    mean_ptr, m2_ptr,  # fp32 partials of p per tile: (tiles, C) each
+    a_ptr, w1_ptr, w2_ptr, p_ptr,  # a (M, CI), p (M, CO) contiguous; w1 (R, CI), w2 (CO, R) contiguous, a's dtype
+    k1_ptr, t1_ptr, k2_ptr, t2_ptr,  # fp32 affine of the input (CI: BN1, or identity) and of BN2 (R)
+    mean_ptr, m2_ptr,  # fp32 partials of p per tile: (tiles, CO) each
     M, R,
-    C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr,
+    CI: tl.constexpr, CPI: tl.constexpr, CO: tl.constexpr, CPO: tl.constexpr, BM: tl.constexpr,
+    BH: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """p = W2 ReLU(k2 (W1 y) + t2) with y = k1 a + t1, over hidden chunks; p's tile moments."""
     t = tl.program_id(0)
     dt = a_ptr.dtype.element_ty
     rows, rok = _rows_of(t, M, BM)
-    c = tl.arange(0, CP)
-    y = (_load_tile(a_ptr, rows, rok, C, CP).to(tl.float32) * _vec(k1_ptr, c, C)[None, :]
-         + _vec(t1_ptr, c, C)[None, :]).to(dt)
-    acc = tl.zeros((BM, CP), tl.float32)
-    cok = c < C
+    ci = tl.arange(0, CPI)
+    co = tl.arange(0, CPO)
+    y = (_load_tile(a_ptr, rows, rok, CI, CPI).to(tl.float32) * _vec(k1_ptr, ci, CI)[None, :]
+         + _vec(t1_ptr, ci, CI)[None, :]).to(dt)
+    acc = tl.zeros((BM, CPO), tl.float32)
     for h0 in range(0, R, BH):
         hh = h0 + tl.arange(0, BH)
         hok = hh < R
-        w1t = tl.load(w1_ptr + hh[None, :] * C + c[:, None], mask=hok[None, :] & cok[:, None], other=0.0)
+        w1t = tl.load(w1_ptr + hh[None, :] * CI + ci[:, None], mask=hok[None, :] & (ci < CI)[:, None], other=0.0)
         z = tl.dot(y, w1t, input_precision=PRECISION)
         h = tl.maximum(z * _vec(k2_ptr, hh, R)[None, :] + _vec(t2_ptr, hh, R)[None, :], 0.0).to(dt)
-        w2t = tl.load(w2_ptr + c[None, :] * R + hh[:, None], mask=hok[:, None] & cok[None, :], other=0.0)
+        w2t = tl.load(w2_ptr + co[None, :] * R + hh[:, None], mask=hok[:, None] & (co < CO)[None, :], other=0.0)
         acc = tl.dot(h, w2t, acc, input_precision=PRECISION)
     p = acc.to(dt)
-    _store_tile(p_ptr, p, rows, rok, C, CP)
+    _store_tile(p_ptr, p, rows, rok, CO, CPO)
     # BN3 statistics of the stored (rounded) p, as a layer-wise BatchNorm reads it
     nt = tl.minimum(M - t * BM, BM).to(tl.float32)
     mean, pc = _tile_moments(tl.where(rok[:, None], p.to(tl.float32), 0.0), rok, nt)
-    _store_vec(mean_ptr + t * C, mean, c, C)
-    _store_vec(m2_ptr + t * C, tl.sum(pc * pc, axis=0), c, C)
+    _store_vec(mean_ptr + t * CO, mean, co, CO)
+    _store_vec(m2_ptr + t * CO, tl.sum(pc * pc, axis=0), co, CO)
 
 
 @triton.jit
 def _residual_kernel(
     x_ptr, p_ptr, out_ptr, drop_ptr, k3_ptr, t3_ptr,  # x, p, out (M, C) contiguous; drop (N,) fp32
     M, HW,
-    C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr,
+    C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr, RESIDUAL: tl.constexpr,
 ):
-    """out = x + d_n (k3 p + t3): BN3, drop-path and the residual, rounded once."""
+    """out = x + d_n (k3 p + t3): BN3, drop-path and the residual, rounded once (RESIDUAL False: the
+    stride-2 block's out = k3 p + t3)."""
     rows, rok = _rows_of(tl.program_id(0), M, BM)
     c = tl.arange(0, CP)
-    d = tl.load(drop_ptr + rows // HW, mask=rok, other=0.0)
     q = _load_tile(p_ptr, rows, rok, C, CP).to(tl.float32) * _vec(k3_ptr, c, C)[None, :] + _vec(t3_ptr, c, C)[None, :]
-    out = _load_tile(x_ptr, rows, rok, C, CP).to(tl.float32) + d[:, None] * q
-    _store_tile(out_ptr, out, rows, rok, C, CP)
+    if RESIDUAL:
+        d = tl.load(drop_ptr + rows // HW, mask=rok, other=0.0)
+        q = _load_tile(x_ptr, rows, rok, C, CP).to(tl.float32) + d[:, None] * q
+    _store_tile(out_ptr, q, rows, rok, C, CP)
+
+
+@triton.jit
+def _reflect(i, n):
+    """BlurPool's reflect padding of one pixel: -1 -> 1, n -> n - 2."""
+    i = tl.where(i < 0, -i, i)
+    return tl.where(i >= n, 2 * n - 2 - i, i)
+
+
+@triton.jit
+def _blur_cat_kernel(
+    x_ptr, a_ptr, u_ptr,  # x, a (N, H, W, C) contiguous; u (N, HO, WO, 2C) contiguous
+    k1_ptr, t1_ptr,  # BN1 affine (C)
+    M, H, W, HO, WO,  # M = N HO WO output pixels
+    C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr,
+):
+    """u = BlurPool(cat[x, BN1(a)]): [1, 2, 1] x [1, 2, 1] / 16, stride 2, reflect padding 1. BN1 is
+    affine and the filter sums to one, so blur(k1 a + t1) = k1 blur(a) + t1: the concat is never built."""
+    rows, rok = _rows_of(tl.program_id(0), M, BM)
+    c = tl.arange(0, CP)
+    n = rows // (HO * WO)
+    q = rows % (HO * WO)
+    oh = q // WO
+    ow = q % WO
+    m = rok[:, None]
+    if CP > C:
+        m = m & (c < C)[None, :]
+    bx = tl.zeros((BM, CP), tl.float32)
+    ba = tl.zeros((BM, CP), tl.float32)
+    for dh in tl.static_range(3):
+        r = _reflect(2 * oh + dh - 1, H)
+        for dw in tl.static_range(3):
+            col = _reflect(2 * ow + dw - 1, W)
+            wgt = (2 - (dh - 1) * (dh - 1)) * (2 - (dw - 1) * (dw - 1)) / 16.0
+            off = ((n.to(tl.int64) * H + r) * W + col)[:, None] * C + c[None, :]
+            bx += wgt * tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+            ba += wgt * tl.load(a_ptr + off, mask=m, other=0.0).to(tl.float32)
+    by = ba * _vec(k1_ptr, c, C)[None, :] + _vec(t1_ptr, c, C)[None, :]
+    out = u_ptr + rows[:, None].to(tl.int64) * (2 * C) + c[None, :]
+    tl.store(out, bx.to(u_ptr.dtype.element_ty), mask=m)
+    tl.store(out + C, by.to(u_ptr.dtype.element_ty), mask=m)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -216,14 +260,16 @@ def _prep_kernel(
     a_ptr, dout_ptr, p_ptr, drop_ptr, y_ptr, dp_ptr,  # maps (M, C) contiguous; drop (N,) fp32
     k1_ptr, t1_ptr, k3_ptr, w3_ptr, c3_ptr,  # y = k1 a + t1; dp = k3 dq + w3 p + c3 (dq = d_n dout)
     M, HW,
-    C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr,
+    C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr, WRITE_Y: tl.constexpr,
 ):
     """The two inputs of the FFN's backward passes, each rounded once to the activation dtype (where a
-    layer-wise network has them): y (recomputed from a) and dp (BN3's and drop-path's backward)."""
+    layer-wise network has them): y (recomputed from a; WRITE_Y) and dp (BN3's and drop-path's
+    backward). The stride-2 block's FFN input is the stored u itself: only dp."""
     rows, rok = _rows_of(tl.program_id(0), M, BM)
     c = tl.arange(0, CP)
-    y = _load_tile(a_ptr, rows, rok, C, CP).to(tl.float32) * _vec(k1_ptr, c, C)[None, :] + _vec(t1_ptr, c, C)[None, :]
-    _store_tile(y_ptr, y, rows, rok, C, CP)
+    if WRITE_Y:
+        y = _load_tile(a_ptr, rows, rok, C, CP).to(tl.float32) * _vec(k1_ptr, c, C)[None, :] + _vec(t1_ptr, c, C)[None, :]
+        _store_tile(y_ptr, y, rows, rok, C, CP)
     d = tl.load(drop_ptr + rows // HW, mask=rok, other=0.0)
     dq = _load_tile(dout_ptr, rows, rok, C, CP).to(tl.float32) * d[:, None]
     p = _load_tile(p_ptr, rows, rok, C, CP).to(tl.float32)
@@ -233,11 +279,12 @@ def _prep_kernel(
 
 @triton.jit
 def _ffn_bwd_weights_kernel(
-    y_ptr, dp_ptr, w1_ptr, w2_ptr,  # y, dp (M, C) contiguous; w1 (R, C), w2 (C, R) contiguous, y's dtype
+    y_ptr, dp_ptr, w1_ptr, w2_ptr,  # y (M, CI), dp (M, CO) contiguous; w1 (R, CI), w2 (CO, R), y's dtype
     k2_ptr, t2_ptr, m2_ptr, r2_ptr,  # BN2: affine, mean, 1/std (R)
-    dw2_ptr, g_ptr, sums_ptr,  # fp32 partials: dW2 (shares, C, R), dzn^T y (shares, R, C), (shares, 2, R)
+    dw2_ptr, g_ptr, sums_ptr,  # fp32 partials: dW2 (shares, CO, R), dzn^T y (shares, R, CI), (shares, 2, R)
     M, R, TILES, TILES_PER_SHARE,
-    C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr,
+    CI: tl.constexpr, CPI: tl.constexpr, CO: tl.constexpr, CPO: tl.constexpr, BM: tl.constexpr,
+    BH: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Program (share, hidden chunk): the share's contributions to dW2[:, chunk], (dzn^T y)[chunk] and
     the chunk's sums of dzn and dzn z_hat, from z, h and dh recomputed tile by tile. Rows past M load as
@@ -245,21 +292,23 @@ def _ffn_bwd_weights_kernel(
     share = tl.program_id(0)
     hh = tl.program_id(1) * BH + tl.arange(0, BH)
     hok = hh < R
-    c = tl.arange(0, CP)
-    wm = hok[None, :] & (c < C)[:, None]
-    w1t = tl.load(w1_ptr + hh[None, :] * C + c[:, None], mask=wm, other=0.0)  # [CP, BH]
-    w2c = tl.load(w2_ptr + c[:, None] * R + hh[None, :], mask=wm, other=0.0)  # [CP, BH]
+    ci = tl.arange(0, CPI)
+    co = tl.arange(0, CPO)
+    wmi = hok[None, :] & (ci < CI)[:, None]
+    wmo = hok[None, :] & (co < CO)[:, None]
+    w1t = tl.load(w1_ptr + hh[None, :] * CI + ci[:, None], mask=wmi, other=0.0)  # [CPI, BH]
+    w2c = tl.load(w2_ptr + co[:, None] * R + hh[None, :], mask=wmo, other=0.0)  # [CPO, BH]
     k2, t2 = _vec(k2_ptr, hh, R), _vec(t2_ptr, hh, R)
     m2, r2 = _vec(m2_ptr, hh, R), _vec(r2_ptr, hh, R)
-    acc_w2 = tl.zeros((CP, BH), tl.float32)
-    acc_g = tl.zeros((CP, BH), tl.float32)  # (dzn^T y)^T: y^T dzn keeps M = CP on wgmma
+    acc_w2 = tl.zeros((CPO, BH), tl.float32)
+    acc_g = tl.zeros((CPI, BH), tl.float32)  # (dzn^T y)^T: y^T dzn keeps M = CPI on wgmma
     s_dzn = tl.zeros((BH,), tl.float32)
     s_dzz = tl.zeros((BH,), tl.float32)
     t0 = share * TILES_PER_SHARE
     for t in range(t0, tl.minimum(t0 + TILES_PER_SHARE, TILES)):
         rows, rok = _rows_of(t, M, BM)
-        y = _load_tile(y_ptr, rows, rok, C, CP)
-        dp = _load_tile(dp_ptr, rows, rok, C, CP)
+        y = _load_tile(y_ptr, rows, rok, CI, CPI)
+        dp = _load_tile(dp_ptr, rows, rok, CO, CPO)
         z = tl.dot(y, w1t, input_precision=PRECISION)
         zn = z * k2[None, :] + t2[None, :]
         h = tl.maximum(zn, 0.0).to(y.dtype)
@@ -268,37 +317,39 @@ def _ffn_bwd_weights_kernel(
         s_dzz += tl.sum(dzn * (z - m2[None, :]), axis=0)
         acc_w2 = tl.dot(tl.trans(dp), h, acc_w2, input_precision=PRECISION)
         acc_g = tl.dot(tl.trans(y), dzn.to(y.dtype), acc_g, input_precision=PRECISION)
-    base = share.to(tl.int64) * C * R
-    tl.store(dw2_ptr + base + c[:, None] * R + hh[None, :], acc_w2, mask=wm)
-    tl.store(g_ptr + base + hh[None, :] * C + c[:, None], acc_g, mask=wm)
+    tl.store(dw2_ptr + share.to(tl.int64) * CO * R + co[:, None] * R + hh[None, :], acc_w2, mask=wmo)
+    tl.store(g_ptr + share.to(tl.int64) * CI * R + hh[None, :] * CI + ci[:, None], acc_g, mask=wmi)
     _store_vec(sums_ptr + share * 2 * R, s_dzn, hh, R)
     _store_vec(sums_ptr + share * 2 * R + R, s_dzz * r2, hh, R)
 
 
 @triton.jit
 def _ffn_bwd_input_kernel(
-    y_ptr, dp_ptr, a_ptr, w1_ptr, w2_ptr, dy_ptr,  # maps (M, C); w1 (R, C), w2 (C, R)
-    m1_ptr, r1_ptr,  # BN1: mean, 1/std (C)
+    y_ptr, dp_ptr, a_ptr, w1_ptr, w2_ptr, dy_ptr,  # y, a, dy (M, CI); dp (M, CO); w1 (R, CI), w2 (CO, R)
+    m1_ptr, r1_ptr,  # BN1: mean, 1/std (CI)
     k2_ptr, t2_ptr, m2_ptr, u2_ptr, w2v_ptr,  # BN2: affine, mean; dz = k2 dzn + u2 + w2 (z - m2) (R)
-    sums_ptr,  # fp32 per-tile partials (tiles, 2, C): sum dy, sum dy a_hat
+    sums_ptr,  # fp32 per-tile partials (tiles, 2, CI): sum dy, sum dy a_hat
     M, R,
-    C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr,
+    CI: tl.constexpr, CPI: tl.constexpr, CO: tl.constexpr, CPO: tl.constexpr, BM: tl.constexpr,
+    BH: tl.constexpr, PRECISION: tl.constexpr, BN_SUMS: tl.constexpr,
 ):
-    """dy = sum over hidden chunks of dz W1[chunk], stored, with the tile's sums of dy and dy a_hat."""
+    """dy = sum over hidden chunks of dz W1[chunk], stored, with (BN_SUMS: the stride-1 block, whose
+    FFN input is BN1's output) the tile's sums of dy and dy a_hat."""
     t = tl.program_id(0)
     rows, rok = _rows_of(t, M, BM)
-    c = tl.arange(0, CP)
-    cok = c < C
-    y = _load_tile(y_ptr, rows, rok, C, CP)
-    dp = _load_tile(dp_ptr, rows, rok, C, CP)
+    ci = tl.arange(0, CPI)
+    co = tl.arange(0, CPO)
+    y = _load_tile(y_ptr, rows, rok, CI, CPI)
+    dp = _load_tile(dp_ptr, rows, rok, CO, CPO)
     dt = y.dtype
-    dy = tl.zeros((BM, CP), tl.float32)
+    dy = tl.zeros((BM, CPI), tl.float32)
     for h0 in range(0, R, BH):
         hh = h0 + tl.arange(0, BH)
         hok = hh < R
-        wm = hok[None, :] & cok[:, None]
-        w1t = tl.load(w1_ptr + hh[None, :] * C + c[:, None], mask=wm, other=0.0)  # [CP, BH]
-        w2c = tl.load(w2_ptr + c[:, None] * R + hh[None, :], mask=wm, other=0.0)  # [CP, BH]
+        w1t = tl.load(w1_ptr + hh[None, :] * CI + ci[:, None], mask=hok[None, :] & (ci < CI)[:, None],
+                      other=0.0)  # [CPI, BH]
+        w2c = tl.load(w2_ptr + co[:, None] * R + hh[None, :], mask=hok[None, :] & (co < CO)[:, None],
+                      other=0.0)  # [CPO, BH]
         z = tl.dot(y, w1t, input_precision=PRECISION)
         zn = z * _vec(k2_ptr, hh, R)[None, :] + _vec(t2_ptr, hh, R)[None, :]
         dzn = tl.where(zn > 0.0, tl.dot(dp, w2c, input_precision=PRECISION), 0.0)
@@ -307,11 +358,63 @@ def _ffn_bwd_input_kernel(
         dz = tl.where(rok[:, None], dz, 0.0).to(dt)
         dy = tl.dot(dz, tl.trans(w1t), dy, input_precision=PRECISION)
     dy = dy.to(dt)
-    _store_tile(dy_ptr, dy, rows, rok, C, CP)
-    # BN1's sums from the stored (rounded) dy, as a layer-wise BatchNorm backward reads it
-    a = _load_tile(a_ptr, rows, rok, C, CP).to(tl.float32)
-    a_hat = (a - _vec(m1_ptr, c, C)[None, :]) * _vec(r1_ptr, c, C)[None, :]
-    dyf = dy.to(tl.float32)
+    _store_tile(dy_ptr, dy, rows, rok, CI, CPI)
+    if BN_SUMS:
+        # BN1's sums from the stored (rounded) dy, as a layer-wise BatchNorm backward reads it
+        a = _load_tile(a_ptr, rows, rok, CI, CPI).to(tl.float32)
+        a_hat = (a - _vec(m1_ptr, ci, CI)[None, :]) * _vec(r1_ptr, ci, CI)[None, :]
+        dyf = dy.to(tl.float32)
+        _store_vec(sums_ptr + t * 2 * CI, tl.sum(dyf, axis=0), ci, CI)
+        _store_vec(sums_ptr + t * 2 * CI + CI, tl.sum(dyf * a_hat, axis=0), ci, CI)
+
+
+@triton.jit
+def _blur_bwd_kernel(
+    du_ptr, a_ptr, dxd_ptr, dy_ptr,  # du (N, HO, WO, 2C); a, dx_direct, dy (N, H, W, C), all contiguous
+    m1_ptr, r1_ptr, sums_ptr,  # BN1 mean, 1/std (C); fp32 per-tile partials (tiles, 2, C)
+    M, H, W, HO, WO,  # M = N H W input pixels
+    C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr,
+):
+    """The transpose of ``_blur_cat_kernel``'s BlurPool, as a gather per input pixel (no atomics): pixel
+    (i, j) receives f[dh] f[dw] / 16 du(oh, ow) from every output pixel whose tap (dh, dw) reads it after
+    the reflection; candidates oh in {i // 2 - 1 .. i // 2 + 1}, ow alike. Writes x's direct gradient
+    and dy (BN1's output gradient) with the tile's sums of dy and dy a_hat."""
+    t = tl.program_id(0)
+    rows, rok = _rows_of(t, M, BM)
+    c = tl.arange(0, CP)
+    n = rows // (H * W)
+    q = rows % (H * W)
+    i = q // W
+    j = q % W
+    m = rok[:, None]
+    if CP > C:
+        m = m & (c < C)[None, :]
+    gx = tl.zeros((BM, CP), tl.float32)
+    gy = tl.zeros((BM, CP), tl.float32)
+    for eh in tl.static_range(3):
+        oh = i // 2 - 1 + eh
+        wr = tl.zeros((BM,), tl.float32)
+        for dh in tl.static_range(3):
+            hit = _reflect(2 * oh + dh - 1, H) == i
+            wr += tl.where(hit, (2 - (dh - 1) * (dh - 1)) / 4.0, 0.0)
+        wr = tl.where((oh >= 0) & (oh < HO), wr, 0.0)
+        for ew in tl.static_range(3):
+            ow = j // 2 - 1 + ew
+            wc = tl.zeros((BM,), tl.float32)
+            for dw in tl.static_range(3):
+                hit = _reflect(2 * ow + dw - 1, W) == j
+                wc += tl.where(hit, (2 - (dw - 1) * (dw - 1)) / 4.0, 0.0)
+            wc = tl.where((ow >= 0) & (ow < WO), wc, 0.0)
+            wgt = wr * wc
+            ok = m & (wgt > 0.0)[:, None]
+            src = du_ptr + ((n.to(tl.int64) * HO + oh) * WO + ow)[:, None] * (2 * C) + c[None, :]
+            gx += wgt[:, None] * tl.load(src, mask=ok, other=0.0).to(tl.float32)
+            gy += wgt[:, None] * tl.load(src + C, mask=ok, other=0.0).to(tl.float32)
+    _store_tile(dxd_ptr, gx, rows, rok, C, CP)
+    gy = gy.to(dy_ptr.dtype.element_ty)
+    _store_tile(dy_ptr, gy, rows, rok, C, CP)
+    a_hat = (_load_tile(a_ptr, rows, rok, C, CP).to(tl.float32) - _vec(m1_ptr, c, C)[None, :]) * _vec(r1_ptr, c, C)[None, :]
+    dyf = gy.to(tl.float32)
     _store_vec(sums_ptr + t * 2 * C, tl.sum(dyf, axis=0), c, C)
     _store_vec(sums_ptr + t * 2 * C + C, tl.sum(dyf * a_hat, axis=0), c, C)
 

@@ -32,6 +32,8 @@ from .kernel import (
     _bn_input_grad_kernel,
     _ffn_bwd_input_kernel,
     _ffn_bwd_weights_kernel,
+    _blur_bwd_kernel,
+    _blur_cat_kernel,
     _ffn_fwd_kernel,
     _prep_kernel,
     _moments_kernel,
@@ -52,7 +54,8 @@ INTERPRETER_SHARE_TILES = 2
 
 @dataclass(frozen=True)
 class TrainConfig:
-    cp: int  # channels padded to a power of two
+    cp_in: int  # FFN input channels padded to a power of two
+    cp_out: int  # FFN output channels padded to a power of two
     block_m: int  # rows per tile
     block_h: int  # hidden channels per chunk
     block_m_weights: int  # rows per tile of the weights pass
@@ -62,8 +65,15 @@ class TrainConfig:
     precision: str
 
 
-def train_config(c: int, r: int, dtype: torch.dtype) -> TrainConfig:
-    cp = max(16, triton.next_power_of_2(c))
+def _pow2(c: int) -> int:
+    return max(16, triton.next_power_of_2(c))
+
+
+def train_config(c_in: int, c_out: int, r: int, dtype: torch.dtype) -> TrainConfig:
+    """Tiles of the FFN passes for c_in -> r -> c_out channels (stride 1: c_in = c_out = C; stride 2:
+    2C -> 6C -> K)."""
+    cpi, cpo = _pow2(c_in), _pow2(c_out)
+    cp = max(cpi, cpo)
     fp32 = dtype == torch.float32
     bm = 64 if fp32 else 128
     bh = 64 if cp <= 64 and not fp32 else 32
@@ -73,7 +83,8 @@ def train_config(c: int, r: int, dtype: torch.dtype) -> TrainConfig:
     # static estimate of Small's stride-1 blocks at batch 128: 64 x 32 and 1-2 stages were latency
     # bound (C = 64: 566-617 us against 264 us), 128 x 64 spilled, 256 x 32 was slower (397 us).
     bmw, bhw, stages = (64, 16, 2) if fp32 else (128, 32, 3)
-    return TrainConfig(cp, bm, bh, bmw, min(bhw, bh), stages, 4 if cp <= 32 else 8, "tf32x3" if fp32 else "tf32")
+    return TrainConfig(cpi, cpo, bm, bh, bmw, min(bhw, bh), stages, 4 if cp <= 32 else 8,
+                       "tf32x3" if fp32 else "tf32")
 
 
 def shares_of(tiles: int, block_m: int, interpreter: bool, cap: int = SHARES) -> tuple[int, int]:
@@ -86,14 +97,14 @@ def shares_of(tiles: int, block_m: int, interpreter: bool, cap: int = SHARES) ->
     return per, triton.cdiv(tiles, per)
 
 
-def weight_shares(tiles: int, chunks: int, c: int, r: int, cfg: TrainConfig, eb: int, interpreter: bool
-                  ) -> tuple[int, int]:
+def weight_shares(tiles: int, chunks: int, c_in: int, c_out: int, r: int, cfg: TrainConfig, eb: int,
+                  interpreter: bool) -> tuple[int, int]:
     """(tiles per share, shares) of the weights pass: at most WEIGHT_PROGRAMS programs and partials of
-    at most PARTIAL_SHARE of the bytes read (a, dout, p: 3 C eb per row, per chunk)."""
+    at most PARTIAL_SHARE of the bytes it reads (y and dp per row, per chunk)."""
     if interpreter:
         return shares_of(tiles, cfg.block_m_weights, True)
     rows = tiles * cfg.block_m_weights
-    budget = int(PARTIAL_SHARE * 3 * c * eb * rows * chunks / (8 * c * r)) if r else 1
+    budget = int(PARTIAL_SHARE * (c_in + c_out) * eb * rows * chunks / (4 * (c_in + c_out) * r)) if r else 1
     shares = max(1, min(tiles, WEIGHT_PROGRAMS // chunks, budget))
     per = triton.cdiv(tiles, shares)
     return per, triton.cdiv(tiles, per)
@@ -111,12 +122,16 @@ def _pair(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return s[0].clone(), s[1].clone()
 
 
-def _empty_like_map(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x, memory_format=torch.channels_last)
+def _map(n: int, c: int, h: int, w: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty((n, c, h, w), dtype=like.dtype, device=like.device, memory_format=torch.channels_last)
+
+
+def _elementwise_rows(c: int) -> int:
+    return ELEMENTWISE_ELEMS // _pow2(c)
 
 
 # ------------------------------------------------------------------------------------------------
-# Forward
+# Pieces shared by the stride-1 and stride-2 blocks
 # ------------------------------------------------------------------------------------------------
 
 
@@ -128,10 +143,106 @@ def moments_triton(a: torch.Tensor, cfg: TrainConfig) -> tuple[torch.Tensor, tor
     per, shares = shares_of(tiles, cfg.block_m, a.device.type == "cpu")
     mean = torch.empty((shares, c), dtype=torch.float32, device=a.device)
     m2 = torch.empty((shares, c, c), dtype=torch.float32, device=a.device)
-    launch(_moments_kernel, (shares,), a, mean, m2, m, tiles, per, C=c, CP=cfg.cp, BM=cfg.block_m,
-           PRECISION=cfg.precision, num_warps=cfg.num_warps,
+    launch(_moments_kernel, (shares,), a, mean, m2, m, tiles, per, C=c, CP=_pow2(c), BM=cfg.block_m,
+           PRECISION=cfg.precision, num_warps=4 if _pow2(c) <= 32 else 8,
            cost=lambda: moments_cost(cfg, m, c, a.element_size(), shares, per))
     return merge_moments(share_counts(m, per * cfg.block_m, shares, a.device), mean, m2)
+
+
+def ffn_forward(inp, k_in, t_in, w1d, w2d, k2, t2, cfg: TrainConfig, training: bool):
+    """p = W2 ReLU(BN2(W1 (k_in inp + t_in))) and p's batch mean and variance (zeros in eval)."""
+    n, ci, h, w = inp.shape
+    r, co = w1d.shape[0], w2d.shape[0]
+    m = n * h * w
+    f32 = dict(dtype=torch.float32, device=inp.device)
+    p = _map(n, co, h, w, inp)
+    tiles = triton.cdiv(m, cfg.block_m)
+    pmean = torch.empty((tiles, co), **f32)
+    pm2 = torch.empty((tiles, co), **f32)
+    launch(_ffn_fwd_kernel, (tiles,), inp, w1d, w2d, p, k_in, t_in, k2, t2, pmean, pm2, m, r, CI=ci,
+           CPI=cfg.cp_in, CO=co, CPO=cfg.cp_out, BM=cfg.block_m, BH=cfg.block_h, PRECISION=cfg.precision,
+           num_warps=cfg.num_warps, cost=lambda: ffn_fwd_cost(cfg, m, ci, co, r, inp.element_size()))
+    if not training:
+        return p, None, None
+    return (p, *merge_moments(share_counts(m, cfg.block_m, tiles, inp.device), pmean, pm2))
+
+
+def out_grad(dout, p, drop, mean3, r3, k3, hw: int, cfg: TrainConfig, training: bool):
+    """BN3's backward (with drop-path): (dbeta3, dgamma3, w3, c3) of dp = k3 dq + w3 p + c3."""
+    n, co, h, w = p.shape
+    m = n * h * w
+    tiles = triton.cdiv(m, cfg.block_m)
+    per, shares = shares_of(tiles, cfg.block_m, p.device.type == "cpu")
+    part = torch.empty((shares, 2, co), dtype=torch.float32, device=p.device)
+    launch(_out_sums_kernel, (shares,), dout, p, drop, mean3, r3, part, m, hw, tiles, per, C=co, CP=cfg.cp_out,
+           BM=cfg.block_m, num_warps=4 if cfg.cp_out <= 32 else 8,
+           cost=lambda: sums_cost(cfg, m, co, p.element_size(), shares, per))
+    dbeta3, dgamma3 = _pair(part)
+    u3, w3 = backward_terms(dgamma3, dbeta3, k3, r3, m, training)
+    return dbeta3, dgamma3, w3, u3 - w3 * mean3  # c3: w3 is the small batch term, so no cancellation
+
+
+def ffn_backward(y, dp, a, w1d, w2d, k2, t2, mean2, r2, mean_in, cov_in, mean1, r1, cfg: TrainConfig,
+                 training: bool):
+    """The FFN's backward from its input y (M, CI) and dp (M, CO): dW1, dW2, BN2's (dgamma2, dbeta2), dy
+    and (a given: the stride-1 block, whose FFN input is BN1's output) BN1's per-tile sums.
+
+    mean_in, cov_in: the batch mean and covariance of y (training), for dW1 = k2 G + u2 sum(y)^T +
+    w2 (z - m2)^T y with (z - m2)^T y = M W1 Cov(y) + M (W1 mean(y) - m2) mean(y)^T (kernel.py)."""
+    n, ci, h, w = y.shape
+    r, co = w1d.shape[0], w2d.shape[0]
+    m = n * h * w
+    eb = y.element_size()
+    f32 = dict(dtype=torch.float32, device=y.device)
+    interpreter = y.device.type == "cpu"
+    chunks = triton.cdiv(r, cfg.block_h_weights)
+    wtiles = triton.cdiv(m, cfg.block_m_weights)
+    per, shares = weight_shares(wtiles, chunks, ci, co, r, cfg, eb, interpreter)
+    dw2_part = torch.empty((shares, co, r), **f32)
+    g_part = torch.empty((shares, r, ci), **f32)
+    sums = torch.empty((shares, 2, r), **f32)
+    launch(_ffn_bwd_weights_kernel, (shares, chunks), y, dp, w1d, w2d, k2, t2, mean2, r2, dw2_part, g_part, sums,
+           m, r, wtiles, per, CI=ci, CPI=cfg.cp_in, CO=co, CPO=cfg.cp_out, BM=cfg.block_m_weights,
+           BH=cfg.block_h_weights, PRECISION=cfg.precision, num_warps=8, num_stages=cfg.stages_weights,
+           cost=lambda: ffn_bwd_weights_cost(cfg, m, ci, co, r, eb, shares, per, chunks))
+    dbeta2, dgamma2 = _pair(sums)
+    u2, w2v = backward_terms(dgamma2, dbeta2, k2, r2, m, training)
+    dw2 = dw2_part.sum(0)
+    dw1 = k2[:, None] * g_part.sum(0)
+    if training:
+        w1f = w1d.float()
+        zty = m * (w1f @ cov_in) + m * torch.outer(w1f @ mean_in - mean2, mean_in)
+        dw1 = dw1 + m * torch.outer(u2, mean_in) + w2v[:, None] * zty
+    dy = _map(n, ci, h, w, y)
+    tiles = triton.cdiv(m, cfg.block_m)
+    bn_sums = a is not None
+    part1 = torch.empty((tiles, 2, ci) if bn_sums else (1,), **f32)
+    launch(_ffn_bwd_input_kernel, (tiles,), y, dp, a if bn_sums else y, w1d, w2d, dy,
+           mean1 if bn_sums else k2, r1 if bn_sums else k2, k2, t2, mean2, u2, w2v, part1, m, r, CI=ci,
+           CPI=cfg.cp_in, CO=co, CPO=cfg.cp_out, BM=cfg.block_m, BH=cfg.block_h, PRECISION=cfg.precision,
+           BN_SUMS=bn_sums, num_warps=cfg.num_warps,
+           cost=lambda: ffn_bwd_input_cost(cfg, m, ci, co, r, eb, bn_sums))
+    return dw1, dw2, dgamma2, dbeta2, dy, (part1 if bn_sums else None)
+
+
+def bn_input_grad(dy, a, k1, u1, w1v, mean1) -> torch.Tensor:
+    n, c, h, w = a.shape
+    m = n * h * w
+    da = _map(n, c, h, w, a)
+    rows = _elementwise_rows(c)
+    launch(_bn_input_grad_kernel, (triton.cdiv(m, rows),), dy, a, da, k1, u1, w1v, mean1, m, C=c, CP=_pow2(c),
+           BM=rows, num_warps=4, cost=lambda: elementwise_cost("bn1 input grad", m, c, a.element_size(), 3))
+    return da
+
+
+def _grads(dw_conv, dw1, dw2, vecs, params):
+    w1, w2 = params[:2]
+    return (dw_conv, dw1.to(w1.dtype), dw2.to(w2.dtype), *[v.to(like.dtype) for v, like in zip(vecs, params[2:])])
+
+
+# ------------------------------------------------------------------------------------------------
+# Stride 1
+# ------------------------------------------------------------------------------------------------
 
 
 def convfirst_s1_train_triton(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, gamma3, beta3,
@@ -142,16 +253,15 @@ def convfirst_s1_train_triton(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, g
     r = w1.shape[0]
     m = n * h * w
     dt = x.dtype
-    cfg = train_config(c, r, dt)
+    cfg = train_config(c, c, r, dt)
     f32 = dict(dtype=torch.float32, device=x.device)
     x = _flat(x)
     a = gconv3x3_triton(x, w_conv, 1)
-    zeros_c = torch.zeros(c, **f32)
     if training:
         bmean1, bcov1 = moments_triton(a, cfg)
         m1, v1 = bmean1, bcov1.diagonal()
     else:
-        bmean1, bcov1 = zeros_c, torch.zeros((c, c), **f32)
+        bmean1, bcov1 = torch.zeros(c, **f32), torch.zeros((c, c), **f32)
         m1, v1 = running_mean1.float(), running_var1.float()
     _, k1, t1 = affine(gamma1.float(), beta1.float(), m1, v1, eps)
     w1d, w2d = w1.to(dt).contiguous(), w2.to(dt).contiguous()
@@ -161,31 +271,17 @@ def convfirst_s1_train_triton(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, g
     else:
         m2, v2 = running_mean2.float(), running_var2.float()
     _, k2, t2 = affine(gamma2.float(), beta2.float(), m2, v2, eps)
-    p = _empty_like_map(a)
-    tiles = triton.cdiv(m, cfg.block_m)
-    pmean = torch.empty((tiles, c), **f32)
-    pm2 = torch.empty((tiles, c), **f32)
-    launch(_ffn_fwd_kernel, (tiles,), a, w1d, w2d, p, k1, t1, k2, t2, pmean, pm2, m, r, C=c, CP=cfg.cp,
-           BM=cfg.block_m, BH=cfg.block_h, PRECISION=cfg.precision, num_warps=cfg.num_warps,
-           cost=lambda: ffn_fwd_cost(cfg, m, c, r, x.element_size()))
-    if training:
-        m3, v3 = merge_moments(share_counts(m, cfg.block_m, tiles, x.device), pmean, pm2)
-    else:
+    p, m3, v3 = ffn_forward(a, k1, t1, w1d, w2d, k2, t2, cfg, training)
+    if not training:
         m3, v3 = running_mean3.float(), running_var3.float()
     _, k3, t3 = affine(gamma3.float(), beta3.float(), m3, v3, eps)
-    out = _empty_like_map(x)
-    drop = drop_scale.float().contiguous()
-    rows = ELEMENTWISE_ELEMS // cfg.cp
-    launch(_residual_kernel, (triton.cdiv(m, rows),), x, p, out, drop, k3, t3, m, h * w, C=c,
-           CP=cfg.cp, BM=rows, num_warps=4,
+    out = _map(n, c, h, w, x)
+    rows = _elementwise_rows(c)
+    launch(_residual_kernel, (triton.cdiv(m, rows),), x, p, out, drop_scale.float().contiguous(), k3, t3, m,
+           h * w, C=c, CP=cfg.cp_out, BM=rows, RESIDUAL=True, num_warps=4,
            cost=lambda: elementwise_cost("residual", m, c, x.element_size(), 3))
     stats = [s.clone() for s in (m1, v1, m2, v2, m3, v3, bmean1, bcov1)]
     return (out, a, p, *stats)
-
-
-# ------------------------------------------------------------------------------------------------
-# Backward
-# ------------------------------------------------------------------------------------------------
 
 
 def convfirst_s1_train_backward_triton(dout, x, a, p, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, gamma3,
@@ -197,81 +293,130 @@ def convfirst_s1_train_backward_triton(dout, x, a, p, w_conv, w1, w2, gamma1, be
     m = n * h * w
     dt = x.dtype
     eb = x.element_size()
-    cfg = train_config(c, r, dt)
-    interpreter = x.device.type == "cpu"
-    f32 = dict(dtype=torch.float32, device=x.device)
+    cfg = train_config(c, c, r, dt)
     x, dout = _flat(x), _flat(dout.to(dt))
     r1, k1, t1 = affine(gamma1.float(), beta1.float(), mean1, var1, eps)
     r2, k2, t2 = affine(gamma2.float(), beta2.float(), mean2, var2, eps)
     r3, k3, _ = affine(gamma3.float(), beta3.float(), mean3, var3, eps)
     w1d, w2d = w1.to(dt).contiguous(), w2.to(dt).contiguous()
     drop = drop_scale.float().contiguous()
-    tiles = triton.cdiv(m, cfg.block_m)
-
-    # BN3 (and drop-path): sum dq, sum dq p_hat
-    per, shares = shares_of(tiles, cfg.block_m, interpreter)
-    part = torch.empty((shares, 2, c), **f32)
-    launch(_out_sums_kernel, (shares,), dout, p, drop, mean3, r3, part, m, h * w, tiles, per, C=c, CP=cfg.cp,
-           BM=cfg.block_m, num_warps=cfg.num_warps, cost=lambda: sums_cost(cfg, m, c, eb, shares, per))
-    dbeta3, dgamma3 = _pair(part)
-    u3, w3 = backward_terms(dgamma3, dbeta3, k3, r3, m, training)
-    c3 = u3 - w3 * mean3  # dp = k3 dq + w3 p + c3: w3 is the small batch term, so no cancellation
-
+    dbeta3, dgamma3, w3, c3 = out_grad(dout, p, drop, mean3, r3, k3, h * w, cfg, training)
     # y and dp, once, in the activation dtype
-    y, dp = _empty_like_map(a), _empty_like_map(a)
-    rows = ELEMENTWISE_ELEMS // cfg.cp
+    y, dp = _map(n, c, h, w, a), _map(n, c, h, w, a)
+    rows = _elementwise_rows(c)
     launch(_prep_kernel, (triton.cdiv(m, rows),), a, dout, p, drop, y, dp, k1, t1, k3, w3, c3, m, h * w, C=c,
-           CP=cfg.cp, BM=rows, num_warps=4, cost=lambda: elementwise_cost("y and dp", m, c, eb, 5))
-
-    # weights pass: dW2, dzn^T y and BN2's sums, per (share, hidden chunk)
-    chunks = triton.cdiv(r, cfg.block_h_weights)
-    wtiles = triton.cdiv(m, cfg.block_m_weights)
-    per, shares = weight_shares(wtiles, chunks, c, r, cfg, eb, interpreter)
-    dw2_part = torch.empty((shares, c, r), **f32)
-    g_part = torch.empty((shares, r, c), **f32)
-    sums = torch.empty((shares, 2, r), **f32)
-    launch(_ffn_bwd_weights_kernel, (shares, chunks), y, dp, w1d, w2d, k2, t2, mean2, r2, dw2_part, g_part, sums,
-           m, r, wtiles, per, C=c, CP=cfg.cp, BM=cfg.block_m_weights, BH=cfg.block_h_weights,
-           PRECISION=cfg.precision, num_warps=8, num_stages=cfg.stages_weights,
-           cost=lambda: ffn_bwd_weights_cost(cfg, m, c, r, eb, shares, per, chunks))
-    dbeta2, dgamma2 = _pair(sums)
-    u2, w2v = backward_terms(dgamma2, dbeta2, k2, r2, m, training)
-    dw2 = dw2_part.sum(0)
-    # dW1 = dz^T y with dz = k2 dzn + u2 + w2 (z - m2) (kernel.py, pass 6); in training
-    # (z - m2)^T y = M W1 Cov(y) + M (W1 mean(y) - m2) mean(y)^T, mean(y) = beta1, Cov(y) = k1 Cov(a) k1
-    dw1 = k2[:, None] * g_part.sum(0)
-    if training:
-        mean_y = k1 * (batch_mean1 - mean1) + beta1.float()
-        cov_y = k1[:, None] * batch_cov1 * k1[None, :]
-        w1f = w1d.float()
-        zty = m * (w1f @ cov_y) + m * torch.outer(w1f @ mean_y - mean2, mean_y)
-        dw1 = dw1 + m * torch.outer(u2, mean_y) + w2v[:, None] * zty
-
-    # input pass: dy, and BN1's sums
-    dy = _empty_like_map(a)
-    part1 = torch.empty((tiles, 2, c), **f32)
-    launch(_ffn_bwd_input_kernel, (tiles,), y, dp, a, w1d, w2d, dy, mean1, r1, k2, t2, mean2, u2, w2v, part1, m,
-           r, C=c, CP=cfg.cp, BM=cfg.block_m, BH=cfg.block_h, PRECISION=cfg.precision, num_warps=cfg.num_warps,
-           cost=lambda: ffn_bwd_input_cost(cfg, m, c, r, eb))
+           CP=cfg.cp_out, BM=rows, WRITE_Y=True, num_warps=4,
+           cost=lambda: elementwise_cost("y and dp", m, c, eb, 5))
+    mean_y = k1 * (batch_mean1 - mean1) + beta1.float()
+    cov_y = k1[:, None] * batch_cov1 * k1[None, :]
+    dw1, dw2, dgamma2, dbeta2, dy, part1 = ffn_backward(y, dp, a, w1d, w2d, k2, t2, mean2, r2, mean_y, cov_y,
+                                                        mean1, r1, cfg, training)
     dbeta1, dgamma1 = _pair(part1)
     u1, w1v = backward_terms(dgamma1, dbeta1, k1, r1, m, training)
-    da = _empty_like_map(a)
-    rows = ELEMENTWISE_ELEMS // cfg.cp
-    launch(_bn_input_grad_kernel, (triton.cdiv(m, rows),), dy, a, da, k1, u1, w1v, mean1, m, C=c,
-           CP=cfg.cp, BM=rows, num_warps=4, cost=lambda: elementwise_cost("bn1 input grad", m, c, eb, 3))
-
+    da = bn_input_grad(dy, a, k1, u1, w1v, mean1)
     # the grouped conv
     dx = gconv3x3_dgrad_triton(da, w_conv, h, w, 1) + dout
     dw_conv = gconv3x3_wgrad_triton(da, x, 1, w_conv.dtype)
-    vec = [(dgamma1, gamma1), (dbeta1, beta1), (dgamma2, gamma2), (dbeta2, beta2), (dgamma3, gamma3),
-           (dbeta3, beta3)]
-    return (dx, dw_conv, dw1.to(w1.dtype), dw2.to(w2.dtype), *[v.to(like.dtype) for v, like in vec])
+    return (dx, *_grads(dw_conv, dw1, dw2, (dgamma1, dbeta1, dgamma2, dbeta2, dgamma3, dbeta3),
+                        (w1, w2, gamma1, beta1, gamma2, beta2, gamma3, beta3)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Stride 2
+# ------------------------------------------------------------------------------------------------
+
+
+def convfirst_s2_train_triton(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, gamma3, beta3,
+                              running_mean1, running_var1, running_mean2, running_var2, running_mean3,
+                              running_var3, training: bool, eps: float):
+    """Forward; returns what reference.convfirst_s2_train_reference returns."""
+    n, c, h, w = x.shape
+    r, k = w1.shape[0], w2.shape[0]
+    ho, wo = (h + 1) // 2, (w + 1) // 2
+    m, mo = n * h * w, n * ho * wo
+    dt = x.dtype
+    cfg = train_config(2 * c, k, r, dt)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    x = _flat(x)
+    a = gconv3x3_triton(x, w_conv, 1)
+    if training:
+        m1, cov1 = moments_triton(a, cfg)
+        v1 = cov1.diagonal()
+    else:
+        m1, v1 = running_mean1.float(), running_var1.float()
+    _, k1, t1 = affine(gamma1.float(), beta1.float(), m1, v1, eps)
+    u = _map(n, 2 * c, ho, wo, x)
+    rows = _elementwise_rows(c)
+    launch(_blur_cat_kernel, (triton.cdiv(mo, rows),), x, a, u, k1, t1, mo, h, w, ho, wo, C=c, CP=_pow2(c),
+           BM=rows, num_warps=4, cost=lambda: blur_cost("blur(cat[x, BN1(a)])", n, c, h, w, x.element_size()))
+    w1d, w2d = w1.to(dt).contiguous(), w2.to(dt).contiguous()
+    if training:
+        mean_u, cov_u = moments_triton(u, cfg)
+        m2, v2 = linear_moments(mean_u, cov_u, w1d.float())
+    else:
+        mean_u, cov_u = torch.zeros(2 * c, **f32), torch.zeros((2 * c, 2 * c), **f32)
+        m2, v2 = running_mean2.float(), running_var2.float()
+    _, k2, t2 = affine(gamma2.float(), beta2.float(), m2, v2, eps)
+    ones, zeros = torch.ones(2 * c, **f32), torch.zeros(2 * c, **f32)
+    p, m3, v3 = ffn_forward(u, ones, zeros, w1d, w2d, k2, t2, cfg, training)
+    if not training:
+        m3, v3 = running_mean3.float(), running_var3.float()
+    _, k3, t3 = affine(gamma3.float(), beta3.float(), m3, v3, eps)
+    out = _map(n, k, ho, wo, x)
+    rows = _elementwise_rows(k)
+    launch(_residual_kernel, (triton.cdiv(mo, rows),), p, p, out, k3, k3, t3, mo, ho * wo, C=k, CP=cfg.cp_out,
+           BM=rows, RESIDUAL=False, num_warps=4, cost=lambda: elementwise_cost("BN3", mo, k, x.element_size(), 2))
+    stats = [s.clone() for s in (m1, v1, m2, v2, m3, v3, mean_u, cov_u)]
+    return (out, a, u, p, *stats)
+
+
+def convfirst_s2_train_backward_triton(dout, x, a, u, p, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, gamma3,
+                                       beta3, mean1, var1, mean2, var2, mean3, var3, batch_mean_u, batch_cov_u,
+                                       training: bool, eps: float):
+    """Backward; returns what reference.convfirst_s2_train_backward_reference returns."""
+    n, c, h, w = x.shape
+    r, k = w1.shape[0], w2.shape[0]
+    ho, wo = (h + 1) // 2, (w + 1) // 2
+    m = n * h * w
+    dt = x.dtype
+    cfg = train_config(2 * c, k, r, dt)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    x, dout = _flat(x), _flat(dout.to(dt))
+    r1, k1, _ = affine(gamma1.float(), beta1.float(), mean1, var1, eps)
+    r2, k2, t2 = affine(gamma2.float(), beta2.float(), mean2, var2, eps)
+    r3, k3, _ = affine(gamma3.float(), beta3.float(), mean3, var3, eps)
+    w1d, w2d = w1.to(dt).contiguous(), w2.to(dt).contiguous()
+    ones = torch.ones(n, **f32)
+    dbeta3, dgamma3, w3, c3 = out_grad(dout, p, ones, mean3, r3, k3, ho * wo, cfg, training)
+    dp = _map(n, k, ho, wo, p)
+    mo = n * ho * wo
+    rows = _elementwise_rows(k)
+    launch(_prep_kernel, (triton.cdiv(mo, rows),), p, dout, p, ones, p, dp, k3, k3, k3, w3, c3, mo, ho * wo, C=k,
+           CP=cfg.cp_out, BM=rows, WRITE_Y=False, num_warps=4,
+           cost=lambda: elementwise_cost("dp", mo, k, p.element_size(), 3))
+    dw1, dw2, dgamma2, dbeta2, du, _ = ffn_backward(u, dp, None, w1d, w2d, k2, t2, mean2, r2, batch_mean_u,
+                                                    batch_cov_u, None, None, cfg, training)
+    # BlurPool's transpose: x's direct gradient, dy, BN1's sums
+    dxd, dy = _map(n, c, h, w, x), _map(n, c, h, w, x)
+    rows = _elementwise_rows(c)
+    tiles = triton.cdiv(m, rows)
+    part1 = torch.empty((tiles, 2, c), **f32)
+    launch(_blur_bwd_kernel, (tiles,), du, a, dxd, dy, mean1, r1, part1, m, h, w, ho, wo, C=c, CP=_pow2(c), BM=rows,
+           num_warps=4, cost=lambda: blur_cost("BlurPool transpose", n, c, h, w, x.element_size(), backward=True))
+    dbeta1, dgamma1 = _pair(part1)
+    u1, w1v = backward_terms(dgamma1, dbeta1, k1, r1, m, training)
+    da = bn_input_grad(dy, a, k1, u1, w1v, mean1)
+    dx = gconv3x3_dgrad_triton(da, w_conv, h, w, 1) + dxd
+    dw_conv = gconv3x3_wgrad_triton(da, x, 1, w_conv.dtype)
+    return (dx, *_grads(dw_conv, dw1, dw2, (dgamma1, dbeta1, dgamma2, dbeta2, dgamma3, dbeta3),
+                        (w1, w2, gamma1, beta1, gamma2, beta2, gamma3, beta3)))
 
 
 # ------------------------------------------------------------------------------------------------
 # Cost declarations (kernels/_cost.py). Useful MACs: those of a layer-wise training step assigned to
 # the launch that does them (forward 2 C R per pixel; backward dW2 and dW1 in the weights pass, dh
-# and dy in the input pass); recomputed products are issued, not useful.
+# and dy in the input pass; BlurPool 9 per output, forward and transpose); recomputed products are
+# issued, not useful.
 # ------------------------------------------------------------------------------------------------
 
 
@@ -281,20 +426,21 @@ def _passes(cfg: TrainConfig) -> int:
 
 def moments_cost(cfg: TrainConfig, m: int, c: int, eb: int, shares: int, per: int) -> KernelCost:
     tiles = triton.cdiv(m, cfg.block_m)
-    return KernelCost(useful_macs=0, mma_macs=tiles * cfg.block_m * cfg.cp * cfg.cp * _passes(cfg),
+    cp = _pow2(c)
+    return KernelCost(useful_macs=0, mma_macs=tiles * cfg.block_m * cp * cp * _passes(cfg),
                       dram_bytes=eb * m * c + 4 * shares * (c + c * c), loops=(Loop("tiles", per),),
-                      note=f"BN1 moments C={c}, {shares} shares of {per} tiles")
+                      note=f"moments C={c}, {shares} shares of {per} tiles")
 
 
-def ffn_fwd_cost(cfg: TrainConfig, m: int, c: int, r: int, eb: int) -> KernelCost:
+def ffn_fwd_cost(cfg: TrainConfig, m: int, ci: int, co: int, r: int, eb: int) -> KernelCost:
     tiles = triton.cdiv(m, cfg.block_m)
     chunks = triton.cdiv(r, cfg.block_h)
     return KernelCost(
-        useful_macs=2 * m * c * r,
-        mma_macs=tiles * chunks * 2 * cfg.block_m * cfg.cp * cfg.block_h * _passes(cfg),
-        dram_bytes=2 * eb * m * c + eb * 2 * c * r + 8 * tiles * c,
+        useful_macs=m * (ci + co) * r,
+        mma_macs=tiles * chunks * cfg.block_m * (cfg.cp_in + cfg.cp_out) * cfg.block_h * _passes(cfg),
+        dram_bytes=eb * m * (ci + co) + eb * (ci + co) * r + 8 * tiles * co,
         loops=(Loop("hidden", chunks),),
-        note=f"FFN forward C={c} R={r} BM={cfg.block_m} BH={cfg.block_h}",
+        note=f"FFN forward {ci}->{r}->{co} BM={cfg.block_m} BH={cfg.block_h}",
     )
 
 
@@ -302,37 +448,43 @@ def elementwise_cost(what: str, m: int, c: int, eb: int, maps: int) -> KernelCos
     return KernelCost(useful_macs=0, mma_macs=0, dram_bytes=maps * eb * m * c, note=f"{what} C={c}")
 
 
+def blur_cost(what: str, n: int, c: int, h: int, w: int, eb: int, backward: bool = False) -> KernelCost:
+    """x and a (forward; backward: a, dx_direct, dy) at full resolution, u (2C) at half: 9 MACs per output
+    element of the 2C-channel blur, as count_macs counts BlurPool."""
+    ho, wo = (h + 1) // 2, (w + 1) // 2
+    full = (3 if backward else 2) * n * h * w * c
+    return KernelCost(useful_macs=9 * n * ho * wo * 2 * c, mma_macs=0, dram_bytes=eb * (full + n * ho * wo * 2 * c),
+                      note=f"{what} C={c}")
+
+
 def sums_cost(cfg: TrainConfig, m: int, c: int, eb: int, shares: int, per: int) -> KernelCost:
     return KernelCost(useful_macs=0, mma_macs=0, dram_bytes=2 * eb * m * c + 8 * shares * c,
                       loops=(Loop("tiles", per),), note=f"BN3 backward sums C={c}, {shares} shares")
 
 
-def ffn_bwd_weights_cost(cfg: TrainConfig, m: int, c: int, r: int, eb: int, shares: int, per: int,
+def ffn_bwd_weights_cost(cfg: TrainConfig, m: int, ci: int, co: int, r: int, eb: int, shares: int, per: int,
                          chunks: int) -> KernelCost:
     tiles = triton.cdiv(m, cfg.block_m_weights)
-    # per tile and chunk: z, dh (recomputed) and the two weight-gradient products
+    # per tile and chunk: z and dh (recomputed), dW2 and dzn^T y
     return KernelCost(
-        useful_macs=2 * m * c * r,
-        mma_macs=tiles * chunks * 4 * cfg.block_m_weights * cfg.cp * cfg.block_h_weights * _passes(cfg),
-        # a, dout, p read once from DRAM (the chunks of a share run side by side and share them in L2)
-        dram_bytes=3 * eb * m * c + 8 * shares * c * r + 8 * shares * r + chunks * eb * 2 * c * cfg.block_h_weights,
-        l2_bytes=(chunks - 1) * 3 * eb * m * c,
+        useful_macs=m * (ci + co) * r,
+        mma_macs=tiles * chunks * 2 * cfg.block_m_weights * (cfg.cp_in + cfg.cp_out) * cfg.block_h_weights
+        * _passes(cfg),
+        # y and dp read once from DRAM (the chunks of a share run side by side and share them in L2)
+        dram_bytes=eb * m * (ci + co) + 4 * shares * ((ci + co) * r + 2 * r) + chunks * eb * (ci + co) * cfg.block_h_weights,
+        l2_bytes=(chunks - 1) * eb * m * (ci + co),
         loops=(Loop("tiles", per),),
-        note=f"FFN backward weights C={c} R={r}, {shares} shares of {per} tiles x {chunks} chunks",
+        note=f"FFN backward weights {ci}->{r}->{co}, {shares} shares of {per} tiles x {chunks} chunks",
     )
 
 
-def ffn_bwd_input_cost(cfg: TrainConfig, m: int, c: int, r: int, eb: int) -> KernelCost:
+def ffn_bwd_input_cost(cfg: TrainConfig, m: int, ci: int, co: int, r: int, eb: int, bn_sums: bool) -> KernelCost:
     tiles = triton.cdiv(m, cfg.block_m)
     chunks = triton.cdiv(r, cfg.block_h)
     return KernelCost(
-        useful_macs=2 * m * c * r,
-        mma_macs=tiles * chunks * 3 * cfg.block_m * cfg.cp * cfg.block_h * _passes(cfg),
-        dram_bytes=4 * eb * m * c + eb * 2 * c * r + 8 * tiles * c,
+        useful_macs=m * (ci + co) * r,
+        mma_macs=tiles * chunks * cfg.block_m * cfg.block_h * (2 * cfg.cp_in + cfg.cp_out) * _passes(cfg),
+        dram_bytes=eb * m * (2 * ci + co + (ci if bn_sums else 0)) + eb * (ci + co) * r + (8 * tiles * ci if bn_sums else 0),
         loops=(Loop("hidden", chunks),),
-        note=f"FFN backward input C={c} R={r}",
+        note=f"FFN backward input {ci}->{r}->{co}",
     )
-
-
-def useful_gconv_macs(n: int, c: int, h: int, w: int) -> int:
-    return n * h * w * c * 9 * GROUP_WIDTH

@@ -20,55 +20,73 @@ from __future__ import annotations
 import torch
 
 from .._launch import GROUP_WIDTH, HAS_TRITON, check_activation, define_op, use_triton
-from .reference import convfirst_s1_train_backward_reference, convfirst_s1_train_reference
+from .reference import (
+    convfirst_s1_train_backward_reference,
+    convfirst_s1_train_reference,
+    convfirst_s2_train_backward_reference,
+    convfirst_s2_train_reference,
+)
 
 if HAS_TRITON:
-    from .launcher import DTYPES, convfirst_s1_train_backward_triton, convfirst_s1_train_triton
+    from .launcher import (
+        DTYPES,
+        convfirst_s1_train_backward_triton,
+        convfirst_s1_train_triton,
+        convfirst_s2_train_backward_triton,
+        convfirst_s2_train_triton,
+    )
 
 OP = "convfirst_s1_train"
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _check_param(name: str, t: torch.Tensor, shape: tuple, x: torch.Tensor, weight: bool) -> None:
+def _check_param(name: str, t: torch.Tensor, shape: tuple, x: torch.Tensor, weight: bool, op: str = OP) -> None:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"convfirstnet.{OP}: {name} must be a tensor, got {type(t).__name__}")
+        raise TypeError(f"convfirstnet.{op}: {name} must be a tensor, got {type(t).__name__}")
     if tuple(t.shape) != shape:
-        raise ValueError(f"convfirstnet.{OP}: {name} has shape {tuple(t.shape)}, expected {shape}")
+        raise ValueError(f"convfirstnet.{op}: {name} has shape {tuple(t.shape)}, expected {shape}")
     if t.device != x.device:
-        raise ValueError(f"convfirstnet.{OP}: input is on {x.device} but {name} is on {t.device}")
+        raise ValueError(f"convfirstnet.{op}: input is on {x.device} but {name} is on {t.device}")
     ok = t.dtype == x.dtype or (t.dtype == torch.float32 and x.dtype in HALF_DTYPES)
     if not ok:
         kind = "weight" if weight else "BatchNorm tensor"
-        raise TypeError(f"convfirstnet.{OP}: {kind} {name} has dtype {t.dtype} with {x.dtype} activations; "
+        raise TypeError(f"convfirstnet.{op}: {kind} {name} has dtype {t.dtype} with {x.dtype} activations; "
                         "expected the activations' dtype, or float32 with float16/bfloat16 activations")
 
 
-def check_inputs(x, w_conv, w1, w2, bn: dict, drop_scale, training: bool) -> None:
+def check_inputs(x, w_conv, w1, w2, bn: dict, drop_scale, training: bool, stride: int = 1) -> None:
     """Shapes, dtypes and devices of every argument, before anything runs."""
+    op = OP if stride == 1 else "convfirst_s2_train"
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"convfirstnet.{OP}: x must be a tensor, got {type(x).__name__}")
+        raise TypeError(f"convfirstnet.{op}: x must be a tensor, got {type(x).__name__}")
     c = x.shape[1] if x.dim() == 4 else -1
-    check_activation(OP, x, c)
+    check_activation(op, x, c)
     if c % GROUP_WIDTH or c == 0:
-        raise ValueError(f"convfirstnet.{OP}: x has {c} channels; group width {GROUP_WIDTH} needs a positive "
+        raise ValueError(f"convfirstnet.{op}: x has {c} channels; group width {GROUP_WIDTH} needs a positive "
                          f"multiple of {GROUP_WIDTH}")
     if isinstance(w_conv, torch.Tensor) and w_conv.dim() == 4 and tuple(w_conv.shape[2:]) != (3, 3):
-        raise ValueError(f"convfirstnet.{OP}: kernel size {w_conv.shape[2]}x{w_conv.shape[3]}: only 3x3 "
+        raise ValueError(f"convfirstnet.{op}: kernel size {w_conv.shape[2]}x{w_conv.shape[3]}: only 3x3 "
                          "grouped convolutions are supported")
     if isinstance(w_conv, torch.Tensor) and w_conv.dim() == 4 and w_conv.shape[1] != GROUP_WIDTH:
-        raise ValueError(f"convfirstnet.{OP}: group width {w_conv.shape[1]}: only group width {GROUP_WIDTH} "
+        raise ValueError(f"convfirstnet.{op}: group width {w_conv.shape[1]}: only group width {GROUP_WIDTH} "
                          "is supported")
-    if not isinstance(w1, torch.Tensor) or w1.dim() != 2:
-        raise ValueError(f"convfirstnet.{OP}: w1 must be a 2-D (R, C) tensor")
+    for name, t in (("w1", w1), ("w2", w2)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"convfirstnet.{op}: {name} must be a 2-D tensor")
     r = w1.shape[0]
-    _check_param("w_conv", w_conv, (c, GROUP_WIDTH, 3, 3), x, True)
-    _check_param("w1", w1, (r, c), x, True)
-    _check_param("w2", w2, (c, r), x, True)
+    k = c if stride == 1 else w2.shape[0]
+    c1 = c if stride == 1 else 2 * c
+    _check_param("w_conv", w_conv, (c, GROUP_WIDTH, 3, 3), x, True, op)
+    _check_param("w1", w1, (r, c1), x, True, op)
+    _check_param("w2", w2, (k, r), x, True, op)
     for name, t in bn.items():
-        _check_param(name, t, (r,) if name.endswith("2") else (c,), x, False)
-    _check_param("drop_scale", drop_scale, (x.shape[0],), x, False)
+        _check_param(name, t, (r,) if name.endswith("2") else (k,) if name.endswith("3") else (c,), x, False, op)
+    if drop_scale is not None:
+        _check_param("drop_scale", drop_scale, (x.shape[0],), x, False, op)
+    if stride == 2 and x.numel() and min(x.shape[2], x.shape[3]) < 2:
+        raise ValueError(f"convfirstnet.{op}: BlurPool needs a map of at least 2x2, got {tuple(x.shape)}")
     if training and x.shape[0] * x.shape[2] * x.shape[3] < 2:
-        raise ValueError(f"convfirstnet.{OP}: BatchNorm in training mode needs more than one value per "
+        raise ValueError(f"convfirstnet.{op}: BatchNorm in training mode needs more than one value per "
                          f"channel, got input of shape {tuple(x.shape)}")
 
 
@@ -129,6 +147,45 @@ def convfirst_s1_train_backward(
     return convfirst_s1_train_backward_reference(*args)
 
 
+@define_op("convfirstnet::convfirst_s2_train")
+def convfirst_s2_train(
+    x: torch.Tensor, w_conv: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+    gamma1: torch.Tensor, beta1: torch.Tensor, gamma2: torch.Tensor, beta2: torch.Tensor,
+    gamma3: torch.Tensor, beta3: torch.Tensor,
+    running_mean1: torch.Tensor, running_var1: torch.Tensor, running_mean2: torch.Tensor,
+    running_var2: torch.Tensor, running_mean3: torch.Tensor, running_var3: torch.Tensor,
+    training: bool, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ConvFirst stride-2 training block, C -> K: (out, a, u, p, mean1, var1, mean2, var2, mean3, var3,
+    batch_mean_u, batch_cov_u); w1 (R, 2C), w2 (K, R), BN3 tensors (K,). See reference.py."""
+    args = (x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, gamma3, beta3, running_mean1, running_var1,
+            running_mean2, running_var2, running_mean3, running_var3, training, eps)
+    check_inputs(x, w_conv, w1, w2, _bn(*args[4:16]), None, training, stride=2)
+    if _triton_ok(x):
+        return convfirst_s2_train_triton(*args)
+    return convfirst_s2_train_reference(*args)
+
+
+@define_op("convfirstnet::convfirst_s2_train_backward")
+def convfirst_s2_train_backward(
+    grad_out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, u: torch.Tensor, p: torch.Tensor,
+    w_conv: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, gamma1: torch.Tensor, beta1: torch.Tensor,
+    gamma2: torch.Tensor, beta2: torch.Tensor, gamma3: torch.Tensor, beta3: torch.Tensor, mean1: torch.Tensor,
+    var1: torch.Tensor, mean2: torch.Tensor, var2: torch.Tensor, mean3: torch.Tensor, var3: torch.Tensor,
+    batch_mean_u: torch.Tensor, batch_cov_u: torch.Tensor, training: bool, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``convfirst_s2_train``'s out (as the stride-1 backward)."""
+    args = (grad_out, x, a, u, p, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, gamma3, beta3, mean1, var1, mean2,
+            var2, mean3, var3, batch_mean_u, batch_cov_u, training, eps)
+    if not isinstance(grad_out, torch.Tensor) or tuple(grad_out.shape) != tuple(p.shape) or grad_out.dtype != x.dtype:
+        raise ValueError(f"convfirstnet.convfirst_s2_train_backward: grad_out must match p ({tuple(p.shape)}, {x.dtype})")
+    if _triton_ok(x):
+        return convfirst_s2_train_backward_triton(*args)
+    return convfirst_s2_train_backward_reference(*args)
+
+
 # ------------------------------------------------------------------------------------------------
 # Autograd: out's gradient through the backward op; a, p and the statistics are not differentiable.
 # ------------------------------------------------------------------------------------------------
@@ -156,3 +213,23 @@ def _backward(ctx, grad_out, *unused):
 
 
 torch.library.register_autograd("convfirstnet::convfirst_s1_train", _backward, setup_context=_setup)
+
+
+def _setup_s2(ctx, inputs, output) -> None:
+    x, w_conv, w1, w2, g1, b1, g2, b2, g3, b3 = inputs[:10]
+    training, eps = inputs[16:18]
+    out, a, u, p, *stats = output
+    ctx.training, ctx.eps = training, eps
+    ctx.mark_non_differentiable(a, u, p, *stats)
+    ctx.save_for_backward(x, a, u, p, w_conv, w1, w2, g1, b1, g2, b2, g3, b3, *stats)
+
+
+def _backward_s2(ctx, grad_out, *unused):
+    saved = ctx.saved_tensors
+    if grad_out is None:
+        return (None,) * 18
+    grads = torch.ops.convfirstnet.convfirst_s2_train_backward(grad_out, *saved, ctx.training, ctx.eps)
+    return (*grads, *(None,) * 8)
+
+
+torch.library.register_autograd("convfirstnet::convfirst_s2_train", _backward_s2, setup_context=_setup_s2)

@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import torch
 
+import torch.nn.functional as F
+
 from .._batchnorm import affine, backward_terms
+from .._blurpool import blur_filter, blurpool_reference
 from ..gconv.reference import gconv3x3_dgrad_reference, gconv3x3_reference, gconv3x3_wgrad_reference
 
 
@@ -119,6 +122,99 @@ def convfirst_s1_train_backward_reference(dout, x, a, p, w_conv, w1, w2, gamma1,
     u1, wa = backward_terms(dgamma1, dbeta1, k1, r1, rows, training)
     da = _image(k1 * dy + u1 + wa * (A - mean1.to(ct)), x, dt)
     dx = (dout.to(ct) + gconv3x3_dgrad_reference(da, w_conv, x.shape[2], x.shape[3], 1).to(ct)).to(dt)
+    dw_conv = gconv3x3_wgrad_reference(da, x, 1, w_conv.dtype)
+    vec = [(dgamma1, gamma1), (dbeta1, beta1), (dgamma2, gamma2), (dbeta2, beta2), (dgamma3, gamma3),
+           (dbeta3, beta3)]
+    return (dx.contiguous(memory_format=torch.channels_last), dw_conv, dW1.to(w1.dtype), dW2.to(w2.dtype),
+            *[v.to(like.dtype) for v, like in vec])
+
+
+# ------------------------------------------------------------------------------------------------
+# Stride 2, C -> K (no residual, no drop-path):
+#     a = gconv3x3(x) (full resolution, stored); y = BN1(a); u = BlurPool(cat[x, y]) (2C, stored)
+#     z = W1 u, h = ReLU(BN2(z)) (R, recomputed);  p = W2 h (K, stored);  out = BN3(p)
+# ------------------------------------------------------------------------------------------------
+
+
+def blurpool_transpose(du: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """The adjoint of ``blurpool_reference`` for an h x w input: the stride-2 transposed blur onto the
+    padded map, then the reflected border folded back (padded row 0 is row 1, row h + 1 is row h - 2;
+    columns alike)."""
+    c, ho, wo = du.shape[1], du.shape[2], du.shape[3]
+    g = F.conv_transpose2d(du, blur_filter(c, du.dtype, du.device), stride=2, groups=c,
+                           output_padding=(h + 1 - 2 * ho, w + 1 - 2 * wo))
+    g[:, :, 2] += g[:, :, 0]
+    g[:, :, h - 1] += g[:, :, h + 1]
+    g[:, :, :, 2] += g[:, :, :, 0]
+    g[:, :, :, w - 1] += g[:, :, :, w + 1]
+    return g[:, :, 1 : h + 1, 1 : w + 1]
+
+
+def convfirst_s2_train_reference(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, gamma3, beta3,
+                                 running_mean1, running_var1, running_mean2, running_var2, running_mean3,
+                                 running_var3, training: bool, eps: float):
+    """Forward: (out, a, u, p, mean1, var1, mean2, var2, mean3, var3, batch_mean_u, batch_cov_u); the
+    statistics as in the stride-1 block, batch_mean_u / batch_cov_u those of u (training; zeros in eval)."""
+    dt = x.dtype
+    ct = torch.promote_types(dt, torch.float32)
+    a = gconv3x3_reference(x, w_conv, 1)
+    A = _rows(a, ct)
+    m1, v1 = _stats(A) if training else (running_mean1.to(ct), running_var1.to(ct))
+    _, k1, t1 = affine(gamma1.to(ct), beta1.to(ct), m1, v1, eps)
+    y = _image(A * k1 + t1, x, dt)
+    u = blurpool_reference(torch.cat([x, y], dim=1).to(ct)).to(dt).contiguous(memory_format=torch.channels_last)
+    U = _rows(u, ct)
+    mean_u = U.mean(0)
+    cov_u = (U - mean_u).T @ (U - mean_u) / U.shape[0]
+    if not training:
+        mean_u, cov_u = torch.zeros_like(mean_u), torch.zeros_like(cov_u)
+    Z = U @ w1.to(dt).to(ct).T
+    m2, v2 = _stats(Z) if training else (running_mean2.to(ct), running_var2.to(ct))
+    _, k2, t2 = affine(gamma2.to(ct), beta2.to(ct), m2, v2, eps)
+    H = torch.relu(Z * k2 + t2).to(dt).to(ct)
+    P = (H @ w2.to(dt).to(ct).T).to(dt).to(ct)
+    m3, v3 = _stats(P) if training else (running_mean3.to(ct), running_var3.to(ct))
+    _, k3, t3 = affine(gamma3.to(ct), beta3.to(ct), m3, v3, eps)
+    stats = [s.to(ct).clone() for s in (m1, v1, m2, v2, m3, v3, mean_u, cov_u)]
+    return (_image(P * k3 + t3, u, dt), a, u, _image(P, u, dt), *stats)
+
+
+def convfirst_s2_train_backward_reference(dout, x, a, u, p, w_conv, w1, w2, gamma1, beta1, gamma2, beta2,
+                                          gamma3, beta3, mean1, var1, mean2, var2, mean3, var3, batch_mean_u,
+                                          batch_cov_u, training: bool, eps: float):
+    """Backward: (dx, dw_conv, dw1, dw2, dgamma1, dbeta1, dgamma2, dbeta2, dgamma3, dbeta3)."""
+    dt = x.dtype
+    ct = torch.promote_types(dt, torch.float32)
+    n, c, h, w = x.shape
+    rows, rows_o = n * h * w, u.shape[0] * u.shape[2] * u.shape[3]
+    A, U, P = _rows(a, ct), _rows(u, ct), _rows(p, ct)
+    r1, k1, _ = affine(gamma1.to(ct), beta1.to(ct), mean1.to(ct), var1.to(ct), eps)
+    r2, k2, t2 = affine(gamma2.to(ct), beta2.to(ct), mean2.to(ct), var2.to(ct), eps)
+    r3, k3, _ = affine(gamma3.to(ct), beta3.to(ct), mean3.to(ct), var3.to(ct), eps)
+    W1, W2 = w1.to(dt).to(ct), w2.to(dt).to(ct)
+    dq = _rows(dout, ct)
+    p_hat = (P - mean3.to(ct)) * r3
+    dgamma3, dbeta3 = (dq * p_hat).sum(0), dq.sum(0)
+    u3, w3 = backward_terms(dgamma3, dbeta3, k3, r3, rows_o, training)
+    dp = (k3 * dq + u3 + w3 * (P - mean3.to(ct))).to(dt).to(ct)
+    Z = U @ W1.T
+    zn = Z * k2 + t2
+    H = torch.relu(zn).to(dt).to(ct)
+    dW2 = dp.T @ H
+    dzn = (dp @ W2).to(dt).to(ct) * (zn > 0)
+    z_hat = (Z - mean2.to(ct)) * r2
+    dgamma2, dbeta2 = (dzn * z_hat).sum(0), dzn.sum(0)
+    u2, wz = backward_terms(dgamma2, dbeta2, k2, r2, rows_o, training)
+    dz = (k2 * dzn + u2 + wz * (Z - mean2.to(ct))).to(dt).to(ct)
+    dW1 = dz.T @ U
+    du = _image(dz @ W1, u, dt).to(ct)
+    dcat = blurpool_transpose(du, h, w).to(dt).to(ct)
+    dxd, dy = dcat[:, :c], _rows(dcat[:, c:], ct)
+    a_hat = (A - mean1.to(ct)) * r1
+    dgamma1, dbeta1 = (dy * a_hat).sum(0), dy.sum(0)
+    u1, wa = backward_terms(dgamma1, dbeta1, k1, r1, rows, training)
+    da = _image(k1 * dy + u1 + wa * (A - mean1.to(ct)), x, dt)
+    dx = (dxd + gconv3x3_dgrad_reference(da, w_conv, h, w, 1).to(ct)).to(dt)
     dw_conv = gconv3x3_wgrad_reference(da, x, 1, w_conv.dtype)
     vec = [(dgamma1, gamma1), (dbeta1, beta1), (dgamma2, gamma2), (dbeta2, beta2), (dgamma3, gamma3),
            (dbeta3, beta3)]

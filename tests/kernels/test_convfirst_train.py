@@ -23,9 +23,11 @@ import torch
 from convfirstnet.kernels.convfirst_train.reference import (
     convfirst_s1_train_backward_reference,
     convfirst_s1_train_reference,
+    convfirst_s2_train_backward_reference,
+    convfirst_s2_train_reference,
 )
 
-from convfirstnet.blocks import ConvFirst
+from convfirstnet.blocks import ConvFirst, MBConv
 from convfirstnet.training_kernels import fused_forward, unsupported
 
 OPS = torch.ops.convfirstnet
@@ -47,11 +49,11 @@ TOL = {torch.float32: 2e-5}
 RUNNING_TOL = {torch.float32: 1e-6, torch.float16: 1e-3}
 
 
-def make_block(c: int, t: int, drop: float, seed: int = 0) -> ConvFirst:
+def make_block(c: int, t: int, drop: float, seed: int = 0, k: int | None = None, stride: int = 1) -> ConvFirst:
     """A ConvFirst block with BatchNorm parameters and running statistics away from their initial
     values (so that no term of the BatchNorm backward vanishes)."""
     torch.manual_seed(seed)
-    block = ConvFirst(c, c, 1, t, drop_path=drop)
+    block = ConvFirst(c, k or c, stride, t, drop_path=drop)
     with torch.no_grad():
         for bn in (block.bn_dw, block.bn_expand, block.bn_project):
             bn.weight.uniform_(0.5, 1.5)
@@ -112,22 +114,28 @@ def assert_within(errors: dict, tol) -> None:
         assert err <= bound, f"{name}: error {err:.3g} of its scale (tolerance {bound:.3g})"
 
 
-# (C, expansion t, train, drop-path, seed): the model's widths, channels padded to 16, 32 (24: masked), 64,
-# 128; the seeds of the drop-path cases draw a mask that drops one image and keeps the other
+# (C, K, stride, expansion t, train, drop-path, seed): the model's widths, channels padded to 16, 32 (24:
+# masked), 64, 128; stride 2 with 2C -> 6 C -> K FFNs and odd / even maps (BlurPool's reflection at the
+# last row and column only exists for odd sizes); the seeds of the drop-path cases draw a mask that drops
+# one image and keeps the other
 CASES = [
-    pytest.param(16, 3, True, 0.5, 2, id="c16-t3-train-droppath"),
-    pytest.param(24, 6, False, 0.0, 1, id="c24-t6-eval-masked"),
-    pytest.param(48, 3, True, 0.2, 0, id="c48-t3-train-droppath"),
-    pytest.param(96, 6, True, 0.0, 1, id="c96-t6-train"),
+    pytest.param(16, 16, 1, 3, True, 0.5, 2, id="c16-t3-train-droppath"),
+    pytest.param(24, 24, 1, 6, False, 0.0, 1, id="c24-t6-eval-masked"),
+    pytest.param(48, 48, 1, 3, True, 0.2, 0, id="c48-t3-train-droppath"),
+    pytest.param(96, 96, 1, 6, True, 0.0, 1, id="c96-t6-train"),
+    pytest.param(16, 32, 2, 6, True, 0.0, 1, id="s2-c16-k32-train"),
+    pytest.param(24, 48, 2, 6, False, 0.0, 1, id="s2-c24-k48-eval-masked"),
+    pytest.param(64, 96, 2, 6, True, 0.0, 1, id="s2-c64-k96-train"),
 ]
 
 
-@pytest.mark.parametrize("c,t,train,drop,seed", CASES)
-def test_fp32_matches_training_form(interpreter_backend, c, t, train, drop, seed):
-    block = make_block(c, t, drop).train(train)
+@pytest.mark.parametrize("c,k,stride,t,train,drop,seed", CASES)
+def test_fp32_matches_training_form(interpreter_backend, c, k, stride, t, train, drop, seed):
+    block = make_block(c, t, drop, k=k, stride=stride).train(train)
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(2, c, 9, 11, generator=g).contiguous(memory_format=CL)
-    dout = torch.randn(2, c, 9, 11, generator=g).contiguous(memory_format=CL)
+    h, w = (9, 11) if c != 24 else (10, 8)
+    x = torch.randn(2, c, h, w, generator=g).contiguous(memory_format=CL)
+    dout = torch.randn(2, k, -(-h // stride), -(-w // stride), generator=g).contiguous(memory_format=CL)
     if drop:
         torch.manual_seed(seed)
         mask = torch.empty(2, 1, 1, 1).bernoulli_(1 - drop)
@@ -209,9 +217,13 @@ def _op_args(block, x, drop_scale, training):
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-def test_reference_is_autograd_of_the_training_form(training):
-    block = make_block(16, 3, 0.4).double().train(training)
-    x = torch.randn(3, 16, 6, 7, dtype=torch.float64).contiguous(memory_format=CL).requires_grad_()
+@pytest.mark.parametrize("stride", [1, 2])
+def test_reference_is_autograd_of_the_training_form(training, stride):
+    """reference.py (the CPU path and the kernels' specification, backward written out) against autograd
+    of the training form in fp64, odd map sizes (stride 2: BlurPool's reflection at both ends)."""
+    block = make_block(16, 3 if stride == 1 else 6, 0.4 if stride == 1 else 0.0, k=16 * stride,
+                       stride=stride).double().train(training)
+    x = torch.randn(3, 16, 7, 9, dtype=torch.float64).contiguous(memory_format=CL).requires_grad_()
     torch.manual_seed(5)
     out = block(x)
     torch.manual_seed(5)
@@ -220,10 +232,16 @@ def test_reference_is_autograd_of_the_training_form(training):
     dout = torch.randn_like(out)
     out.backward(dout)
     args = _op_args(block, x.detach(), scale, training)
-    res = convfirst_s1_train_reference(*args)
+    if stride == 1:
+        res = convfirst_s1_train_reference(*args)
+        grads = convfirst_s1_train_backward_reference(dout, x.detach(), res[1], res[2], *args[1:10], *res[3:],
+                                                      scale, training, 1e-5)
+    else:
+        args = (*args[:16], training, 1e-5)
+        res = convfirst_s2_train_reference(*args)
+        grads = convfirst_s2_train_backward_reference(dout, x.detach(), *res[1:4], *args[1:10], *res[4:], training,
+                                                      1e-5)
     torch.testing.assert_close(res[0], out.detach(), rtol=1e-12, atol=1e-12)
-    grads = convfirst_s1_train_backward_reference(dout, x.detach(), res[1], res[2], *args[1:10], *res[3:], scale,
-                                                  training, 1e-5)
     expect = [x.grad, block.conv_dw.weight.grad, block.conv_expand.weight.grad.flatten(1),
               block.conv_project.weight.grad.flatten(1)]
     expect += [t.grad for bn in (block.bn_dw, block.bn_expand, block.bn_project) for t in (bn.weight, bn.bias)]
@@ -271,7 +289,8 @@ def test_compiled_training_step_cpu():
 def test_unsupported_blocks_are_named():
     block = make_block(16, 3, 0.0)
     assert unsupported(block, torch.randn(1, 16, 4, 4)) is None
-    assert "stride 2" in unsupported(ConvFirst(16, 32, 2, 6))
+    assert unsupported(ConvFirst(16, 32, 2, 6)) is None
+    assert "MBConv" in unsupported(MBConv(16, 16, 1))
     gn = copy.deepcopy(block)
     gn.bn_expand = torch.nn.GroupNorm(4, 48)
     assert "GroupNorm" in unsupported(gn)
@@ -316,6 +335,18 @@ def test_op_refuses_bad_input_before_launch(interpreter_backend, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 
 
+def record_s2_block(c: int, k: int, hw: int, n: int = 128, dtype=torch.float16):
+    """The launches of one training step of a stride-2 C -> K block (R = 6C), through the module."""
+    from convfirstnet.kernels._cost import recording
+
+    block = ConvFirst(c, k, 2, 6).to(dtype).to("meta").train()
+    x = torch.empty(n, c, hw, hw, device="meta", dtype=dtype).contiguous(memory_format=CL).requires_grad_()
+    with recording() as rec:
+        out = block(x)
+        out.backward(torch.empty_like(out))
+    return rec.launches
+
+
 def record_block(c: int, r: int, hw: int, n: int = 128, dtype=torch.float16):
     """The launches of one training step (forward + backward) of a C -> C block, R hidden, on meta tensors."""
     from convfirstnet.kernels._cost import recording
@@ -335,15 +366,19 @@ def record_block(c: int, r: int, hw: int, n: int = 128, dtype=torch.float16):
 
 @pytest.mark.slow
 def test_small_block_compiles_for_sm90_without_spills():
-    """Every launch of a training step of Small's stage-3 block (C = 96, R = 576) and the weights pass of
-    its stage-1/2 widths compile for sm_90 without stack, within the shared memory of an H100, and
-    the big dots (the FFN passes and the moments) run on wgmma."""
+    """Every launch of a training step of Small's stage-3 block (C = 96, R = 576), the weights pass of its
+    stage-1/2 widths and the BlurPool and FFN kernels of its stage-3 stride-2 block compile for sm_90
+    without stack, within the shared memory of an H100, and the big dots (the FFN passes and the
+    moments) run on wgmma."""
     from convfirstnet.analysis.compiled import compile_variants, variant_of
     from tests.kernels._recorded import SMEM_LIMIT
 
     launches = record_block(96, 576, 28)
     launches += [la for c, r, hw in ((32, 96, 112), (64, 384, 56)) for la in record_block(c, r, hw)
                  if la.kernel.__name__ == "_ffn_bwd_weights_kernel"]
+    # Small's stage-3 stride-2 block (64 -> 96 at 56 x 56): BlurPool kernels and the 128 -> 384 -> 96 FFN
+    launches += [la for la in record_s2_block(64, 96, 56) if "blur" in la.kernel.__name__
+                 or la.kernel.__name__.startswith("_ffn")]
     variants = {}
     for la in launches:
         v = variant_of(la, 90)
@@ -356,12 +391,14 @@ def test_small_block_compiles_for_sm90_without_spills():
         assert comp.stack == 0, f"{name}: {comp.stack} B of stack (register spills)"
         assert comp.shared <= SMEM_LIMIT[90], f"{name}: {comp.shared} B of shared memory"
         meta = dict(comp.variant.meta)
-        if comp.variant.name.startswith("_ffn") or (comp.variant.name == "_moments_kernel" and meta["CP"] >= 64):
+        narrowest = min(meta.get(k, 1 << 20) for k in ("CP", "CPI", "CPO"))
+        if comp.variant.name.startswith("_ffn") or (comp.variant.name == "_moments_kernel" and narrowest >= 64):
             # the weight-gradient dots of C = 32 have M = 32 < 64 (mma.sync); all others are wgmma
-            allowed = ("wgmma", "wgmma+mma.sync") if meta["CP"] < 64 else ("wgmma",)
+            allowed = ("wgmma", "wgmma+mma.sync") if narrowest < 64 else ("wgmma",)
             assert comp.mma_kind in allowed, f"{name}: {comp.mma_kind}"
     assert {"_moments_kernel", "_ffn_fwd_kernel", "_residual_kernel", "_out_sums_kernel",
-            "_ffn_bwd_weights_kernel", "_ffn_bwd_input_kernel", "_bn_input_grad_kernel"} <= names
+            "_ffn_bwd_weights_kernel", "_ffn_bwd_input_kernel", "_bn_input_grad_kernel", "_blur_cat_kernel",
+            "_blur_bwd_kernel"} <= names
 
 
 # ------------------------------------------------------------------------------------------------
@@ -369,11 +406,10 @@ def test_small_block_compiles_for_sm90_without_spills():
 # ------------------------------------------------------------------------------------------------
 
 
-def test_model_runs_stride1_convfirst_fused_and_says_what_is_not(interpreter_backend, monkeypatch):
-    """With the Triton kernels selected, every stride-1 ConvFirst block of a training-form model runs the
-    fused op (same parameters and buffers: the state_dict is unchanged), the blocks without a fused
-    training op run their layers with one warning line per reason (two stride-2 ConvFirst blocks: one
-    line), and loss, gradients and running
+def test_model_runs_convfirst_fused_and_says_what_is_not(interpreter_backend, monkeypatch):
+    """With the Triton kernels selected, every ConvFirst block of a training-form model runs the fused
+    ops (same parameters and buffers: the state_dict is unchanged), the blocks without a fused training
+    op (MBConv) run their layers with one warning line per reason, and loss, gradients and running
     statistics equal the layer-wise model's."""
     import warnings
 
@@ -401,9 +437,9 @@ def test_model_runs_stride1_convfirst_fused_and_says_what_is_not(interpreter_bac
         warnings.simplefilter("always")
         loss = step(model)
     reasons = sorted(str(w.message).split(":")[0] for w in caught)
-    assert reasons == ["ConvFirst stride 2", "MBConv"], reasons
-    stride1 = [m for m in model.modules() if isinstance(m, ConvFirst) and m.stride == 1]
-    assert calls == stride1 and len(stride1) == 4  # Pico: 1 + 1 + 2 stride-1 blocks
+    assert reasons == ["MBConv"], reasons
+    convfirst = [m for m in model.modules() if isinstance(m, ConvFirst)]
+    assert calls == convfirst and len(convfirst) == 6  # Pico: 1 + 2 + 3 ConvFirst blocks
     monkeypatch.setenv("CONVFIRSTNET_KERNELS", "reference")
     loss_ref = step(ref)
     torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
