@@ -377,7 +377,8 @@ def _blur_bwd_kernel(
 ):
     """The transpose of ``_blur_cat_kernel``'s BlurPool, as a gather per input pixel (no atomics): pixel
     (i, j) receives f[dh] f[dw] / 16 du(oh, ow) from every output pixel whose tap (dh, dw) reads it after
-    the reflection; candidates oh in {i // 2 - 1 .. i // 2 + 1}, ow alike. Writes x's direct gradient
+    the reflection: 2 oh + dh - 1 = i (or its reflection, which lands on the same oh) leaves oh in
+    {i // 2, i // 2 + 1}, ow alike: four candidates. Writes x's direct gradient
     and dy (BN1's output gradient) with the tile's sums of dy and dy a_hat."""
     t = tl.program_id(0)
     rows, rok = _rows_of(t, M, BM)
@@ -391,15 +392,15 @@ def _blur_bwd_kernel(
         m = m & (c < C)[None, :]
     gx = tl.zeros((BM, CP), tl.float32)
     gy = tl.zeros((BM, CP), tl.float32)
-    for eh in tl.static_range(3):
-        oh = i // 2 - 1 + eh
+    for eh in tl.static_range(2):
+        oh = i // 2 + eh
         wr = tl.zeros((BM,), tl.float32)
         for dh in tl.static_range(3):
             hit = _reflect(2 * oh + dh - 1, H) == i
             wr += tl.where(hit, (2 - (dh - 1) * (dh - 1)) / 4.0, 0.0)
         wr = tl.where((oh >= 0) & (oh < HO), wr, 0.0)
-        for ew in tl.static_range(3):
-            ow = j // 2 - 1 + ew
+        for ew in tl.static_range(2):
+            ow = j // 2 + ew
             wc = tl.zeros((BM,), tl.float32)
             for dw in tl.static_range(3):
                 hit = _reflect(2 * ow + dw - 1, W) == j
