@@ -7,8 +7,8 @@ Every function here assumes the op's checks passed (op.py). x and dout are read 
 Tiles (``train_config``)
 ------------------------
 * CP: the channels padded to a power of two >= 16 (tl.dot); BM = 128 rows (64 for fp32, whose 3xTF32
-  operands take three times the registers); BH = 64 hidden channels per chunk up to CP = 64, 32 above.
-  4 warps up to CP = 32, 8 above.
+  operands take three times the registers); BH = 32 hidden channels per chunk; the forward FFN on 4
+  warps, the input pass on 4 up to CP = 32 and 8 above (train_config says why).
 * The weights pass (two [CP, BH] fp32 accumulators live across its tile loop): 8 warps, 128 x 32
   tiles, three pipeline stages (train_config says why).
 * Shares (reductions in a fixed order, never depending on the device): the moments pass and the
@@ -42,7 +42,7 @@ from .kernel import (
 )
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MIN_SHARE_ROWS = 4096  # rows per share of the moments and sums passes at least (partials <= ~2 %)
+MIN_SHARE_ROWS = 1024  # rows per share of the moments and sums passes at least; 4096 left Small's 32 x 32 maps with 32 programs (latency bound: 53 -> 15 us for the C = 96 moments)
 SHARES = 512  # programs of the moments and sums passes at most (about 4 per SM of an H100)
 WEIGHT_PROGRAMS = 1024  # shares x hidden chunks of the weights pass at most
 PARTIAL_SHARE = 0.1  # weights pass: fp32 partials at most this share of its bytes read
@@ -61,7 +61,8 @@ class TrainConfig:
     block_m_weights: int  # rows per tile of the weights pass
     block_h_weights: int  # hidden channels per program of the weights pass
     stages_weights: int  # software pipelining of the weights pass's tile loop
-    num_warps: int
+    num_warps: int  # the input pass
+    num_warps_fwd: int  # the forward FFN pass
     precision: str
 
 
@@ -76,14 +77,16 @@ def train_config(c_in: int, c_out: int, r: int, dtype: torch.dtype) -> TrainConf
     cp = max(cpi, cpo)
     fp32 = dtype == torch.float32
     bm = 64 if fp32 else 128
-    bh = 64 if cp <= 64 and not fp32 else 32
-    bh = min(bh, max(16, triton.next_power_of_2(r)))
+    # 32 hidden channels per chunk, the forward on 4 warps (static estimates of Small's blocks, batch 128,
+    # sm_90: BH 64 -> 32 took the input pass at C = 64 from 234 to 174 us (two programs per SM instead
+    # of one) and at C = 32 from 217 to 201; the forward on 4 warps at C = 96 from 105 to 63 us)
+    bh = min(32, max(16, triton.next_power_of_2(r)))
     # weights pass: 128 rows x 32 hidden channels, 8 warps, three pipeline stages for every CP (sm_90,
     # fp16: 150-230 registers, no stack, up to 217 KB of shared memory at CP = 128). Chosen by the
     # static estimate of Small's stride-1 blocks at batch 128: 64 x 32 and 1-2 stages were latency
     # bound (C = 64: 566-617 us against 264 us), 128 x 64 spilled, 256 x 32 was slower (397 us).
     bmw, bhw, stages = (64, 16, 2) if fp32 else (128, 32, 3)
-    return TrainConfig(cpi, cpo, bm, bh, bmw, min(bhw, bh), stages, 4 if cp <= 32 else 8,
+    return TrainConfig(cpi, cpo, bm, bh, bmw, min(bhw, bh), stages, 4 if cp <= 32 else 8, 4,
                        "tf32x3" if fp32 else "tf32")
 
 
@@ -161,7 +164,7 @@ def ffn_forward(inp, k_in, t_in, w1d, w2d, k2, t2, cfg: TrainConfig, training: b
     pm2 = torch.empty((tiles, co), **f32)
     launch(_ffn_fwd_kernel, (tiles,), inp, w1d, w2d, p, k_in, t_in, k2, t2, pmean, pm2, m, r, CI=ci,
            CPI=cfg.cp_in, CO=co, CPO=cfg.cp_out, BM=cfg.block_m, BH=cfg.block_h, PRECISION=cfg.precision,
-           num_warps=cfg.num_warps, cost=lambda: ffn_fwd_cost(cfg, m, ci, co, r, inp.element_size()))
+           num_warps=cfg.num_warps_fwd, cost=lambda: ffn_fwd_cost(cfg, m, ci, co, r, inp.element_size()))
     if not training:
         return p, None, None
     return (p, *merge_moments(share_counts(m, cfg.block_m, tiles, inp.device), pmean, pm2))
