@@ -44,6 +44,39 @@ store; hidden chunks of BH are masked past R. Partial statistics per share (a ru
 consecutive tiles) keep every reduction in a fixed order: two identical calls give bitwise-equal
 results. Every dot accumulates in fp32; y, h, dp, dz and dzn enter dots in the activation dtype (where
 a layer-wise network has them), fp32 activations use 3xTF32 on a GPU.
+
+Stride 2 (C -> K, no residual)
+------------------------------
+a = gconv(x) and BN1 at full resolution; ``_blur_cat_kernel`` writes u = BlurPool(cat[x, BN1(a)]) (2C
+channels at half resolution, stored: the FFN's input); the FFN passes above run 2C -> 6C -> K on u
+(BN2's statistics from u's covariance), BN3 without residual. Backward: the FFN passes give du;
+``_blur_bwd_kernel`` (BlurPool's transpose, a gather over the two candidate output rows and columns
+of each pixel) gives x's direct gradient and dy with BN1's sums; then da, dgrad and wgrad as above.
+
+As compiled (sm_90, fp16, ConvFirstNet-Small, batch 128, 256 x 256; ``convfirstnet kernels --train``,
+benchmarks/static/small_b128_sm90_train.md: the static cost model's low-high ends, not a measurement)
+
+    kernel                   registers  shared KB  MMA
+    _moments_kernel           92-221     <= 128    wgmma (C = 32: mma.sync)
+    _ffn_fwd_kernel          106-255     <= 80     wgmma
+    _ffn_bwd_weights_kernel  150-230     <= 216    wgmma (C = 32: its M = 32 weight dots on mma.sync)
+    _ffn_bwd_input_kernel    118-177     <= 113    wgmma
+    elementwise, BlurPool     54-176     <= 2      -
+    no variant spills (stack 0 B).
+
+    block (C -> K, map)      fused step (ms)   layer-wise training bound (ms)   stored MB fused / layer-wise
+    s1 32, 128^2               1.54-1.97            3.23-3.99                      269 / 1208
+    s2 32 -> 64, 128^2         1.32-1.77            2.32-2.85                      405 / 1351
+    s1 64, 64^2                1.04-1.29            2.59-3.20                      204 / 1074
+    s1 96, 32^2                0.56-0.70            0.99-1.22                       81 /  403
+
+Where the time goes: the narrow passes (gconv, moments, BN3 + residual, sums, prep, BN1's input
+gradient: each a DRAM pass over C-channel maps) bound stage 1; the weights pass (L2: y and dp re-read by
+each of R / 32 chunk programs) and the input pass (latency, one 8-warp program per SM) bound stage 3,
+where padding 96 channels to 128 costs a quarter of every dot. What a GPU run must confirm: the static
+latency and L2 terms of the weights and input passes, the weight partials' reduction order on the
+device (deterministic by construction), fp16/bf16 gradients against the fp32 training form at the
+model's shapes, and ``convfirstnet bench --train`` against eager cuDNN and torch.compile.
 """
 
 from __future__ import annotations
