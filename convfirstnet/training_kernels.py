@@ -54,6 +54,9 @@ def unsupported(block: nn.Module, x: torch.Tensor | None = None) -> str | None:
             return f"{name}: norm layer {type(bn).__name__}: the fused training op implements BatchNorm2d only"
         if not bn.affine or not bn.track_running_stats:
             return f"{name}: BatchNorm2d without affine parameters or running statistics is not supported"
+    bns = _bns(block)
+    if len({bn.training for bn in bns}) > 1 or len({bn.eps for bn in bns}) > 1:
+        return f"{name}: its BatchNorms differ in mode (train / eval) or eps: the fused op runs them as one"
     conv = block.conv_dw
     c = conv.in_channels
     if conv.kernel_size != (3, 3):
@@ -134,10 +137,7 @@ def fused_forward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     dtype = _activation_dtype(x)
     x = x.to(dtype)
     bn1, bn2, bn3 = _bns(block)
-    training = bn1.training
-    eps = bn1.eps
-    if not bn2.eps == bn3.eps == eps:
-        raise ValueError("fused ConvFirst: the three BatchNorms must share one eps")
+    training, eps = bn1.training, bn1.eps  # the three agree (unsupported() checks)
     w = [block.conv_dw.weight, block.conv_expand.weight.flatten(1), block.conv_project.weight.flatten(1)]
     if dtype != torch.float32:  # 16-bit activations take the weights in their dtype or fp32 (autocast)
         w = [t if t.dtype in (dtype, torch.float32) else t.to(dtype) for t in w]

@@ -546,3 +546,10 @@ def test_ddp_gloo_two_processes_equal_layerwise():
     assert result["replicas_equal"]
     worst = max(result["diffs"].items(), key=lambda kv: kv[1])
     assert worst[1] <= 1e-5, worst  # fp32 rounding through two steps (see TOL)
+
+
+def test_mixed_batchnorm_modes_fall_back():
+    """A block whose BatchNorms are in different modes (one frozen in eval) runs its layers."""
+    block = make_block(16, 3, 0.0).train()
+    block.bn_expand.eval()
+    assert "differ in mode" in unsupported(block, torch.randn(1, 16, 4, 4))
