@@ -318,7 +318,7 @@ def convfirst_s1_train_backward_triton(dout, x, a, p, w_conv, w1, w2, gamma1, be
     u1, w1v = backward_terms(dgamma1, dbeta1, k1, r1, m, training)
     da = bn_input_grad(dy, a, k1, u1, w1v, mean1)
     # the grouped conv
-    dx = gconv3x3_dgrad_triton(da, w_conv, h, w, 1) + dout
+    dx = gconv3x3_dgrad_triton(da, w_conv, h, w, 1, residual=dout)
     dw_conv = gconv3x3_wgrad_triton(da, x, 1, w_conv.dtype)
     return (dx, *_grads(dw_conv, dw1, dw2, (dgamma1, dbeta1, dgamma2, dbeta2, dgamma3, dbeta3),
                         (w1, w2, gamma1, beta1, gamma2, beta2, gamma3, beta3)))
@@ -409,7 +409,7 @@ def convfirst_s2_train_backward_triton(dout, x, a, u, p, w_conv, w1, w2, gamma1,
     dbeta1, dgamma1 = _pair(part1)
     u1, w1v = backward_terms(dgamma1, dbeta1, k1, r1, m, training)
     da = bn_input_grad(dy, a, k1, u1, w1v, mean1)
-    dx = gconv3x3_dgrad_triton(da, w_conv, h, w, 1) + dxd
+    dx = gconv3x3_dgrad_triton(da, w_conv, h, w, 1, residual=dxd)
     dw_conv = gconv3x3_wgrad_triton(da, x, 1, w_conv.dtype)
     return (dx, *_grads(dw_conv, dw1, dw2, (dgamma1, dbeta1, dgamma2, dbeta2, dgamma3, dbeta3),
                         (w1, w2, gamma1, beta1, gamma2, beta2, gamma3, beta3)))
