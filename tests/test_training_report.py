@@ -54,3 +54,16 @@ def test_stored_bytes_fused_block_keeps_three_narrow_maps(pico):
     assert sum(fused.values()) < sum(layerwise.values())
     # the model's state (running statistics) is left as it was
     assert all(int(b.num_batches_tracked) == 0 for b in model.modules() if isinstance(b, torch.nn.BatchNorm2d))
+
+
+def test_fused_block_recording_counts_launches_and_small_ops():
+    """A fused stride-1 block's training step on meta tensors: the 12 Triton launches (forward 4, backward 8
+    with the wgrad reduction) and the small aten ops between them, each of which the report charges one
+    launch gap."""
+    from convfirstnet.analysis.targets import target
+    from convfirstnet.analysis.training import record_fused_block
+
+    block = ConvFirst(32, 32, 1, 3)
+    launches, small = record_fused_block(block, (1, 32, 16, 16), 8, torch.float16, target(90))
+    assert len(launches) == 12
+    assert 20 <= small <= 80, small

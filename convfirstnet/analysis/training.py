@@ -4,11 +4,14 @@
 Per block of the training-form model (``stem``, ``stages.i.j``, ``head``, ``classifier``):
 
 * fused: a block the fused training ops run (``training_kernels.unsupported`` says which: today the
-  stride-1 ConvFirst blocks) is recorded on meta tensors, forward and backward, inside
+  ConvFirst blocks) is recorded on meta tensors, forward and backward, inside
   ``kernels._cost.recording()``; every launch is compiled for the target and estimated by the same
   model as the inference report (``launches.estimate_launches``: tensor, DRAM, L2, issue, latency,
-  waits, launch gap; low and high ends). Blocks without a fused training op run layer-wise and are
-  counted at their layer-wise bound (below), which is optimistic for them;
+  waits, launch gap; low and high ends). The small aten ops between the launches (the per-channel
+  arithmetic on (C,) to (R, C) tensors, gradient accumulation, the running-statistics update) are
+  counted while recording and each costs one launch gap in a CUDA graph (torch.compile would fuse
+  many of them). Blocks without a fused training op run layer-wise and are counted at their
+  layer-wise bound (below), which is optimistic for them;
 * layer-wise training bound: every layer as its own kernels, each at max(tensor, DRAM, L2) time of
   its MACs and bytes plus one launch gap in a CUDA graph (``estimate.layerwise_time``, the waterline's
   rule with the report's constants). Kernels and bytes (activations in the report's dtype, every input
@@ -235,17 +238,40 @@ def stored_bytes(model: nn.Module, input_size: tuple[int, int, int], elem_bytes:
 # ------------------------------------------------------------------------------ fused launches
 
 
-def record_fused_block(block: nn.Module, in_shape: tuple, batch: int, dtype: torch.dtype, tgt) -> list:
-    """The launches of one training step of ``block`` (forward + backward) on meta tensors."""
+# aten ops that launch no kernel (views, metadata, allocation)
+_NO_LAUNCH = {"view", "_unsafe_view", "as_strided", "permute", "expand", "reshape", "select", "slice", "unsqueeze",
+              "squeeze", "diagonal", "t", "transpose", "alias", "detach", "empty", "empty_like", "empty_strided",
+              "new_empty", "lift_fresh", "unbind", "split", "flatten", "contiguous", "_to_copy_meta"}
+
+
+class _CountLaunches(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops that launch a kernel: the per-channel arithmetic between the Triton launches
+    (tiny tensors, so each costs a launch gap), autograd's gradient accumulation, the running-statistics
+    update."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] not in _NO_LAUNCH:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def record_fused_block(block: nn.Module, in_shape: tuple, batch: int, dtype: torch.dtype, tgt) -> tuple[list, int]:
+    """The Triton launches of one training step of ``block`` (forward + backward) on meta tensors, and the
+    number of other kernel launches (small aten ops) the step makes."""
     import copy
 
     meta = copy.deepcopy(block).to(dtype).to("meta").train()
     x = torch.empty(batch, *in_shape[1:], device="meta", dtype=dtype).contiguous(
         memory_format=torch.channels_last).requires_grad_()
-    with recording(tgt.sms, tgt.l2_bytes) as rec:
+    counter = _CountLaunches()
+    with recording(tgt.sms, tgt.l2_bytes) as rec, counter:
         out = meta(x)
         out.backward(torch.empty_like(out))
-    return rec.launches
+    return rec.launches, counter.count
 
 
 def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *, batch: int,
@@ -268,10 +294,10 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
 
     # fused blocks: record, compile, estimate
     launches, owner = [], []
-    fused_paths = []
+    fused_paths, glue = [], {}
     for path, m in blocks:
         if training_kernels.unsupported(m) is None:
-            ls = record_fused_block(m, shapes[path][0], batch, torch_dtype, tgt)
+            ls, glue[path] = record_fused_block(m, shapes[path][0], batch, torch_dtype, tgt)
             launches += ls
             owner += [path] * len(ls)
             fused_paths.append(path)
@@ -288,7 +314,9 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
         fused = path in fused_paths
         if fused:
             mine = [e for e, o in zip(est.launches, owner) if o == path]
-            predicted = {end: sum(e.predicted(end) for e in mine) for end in ENDS}
+            # the small aten ops between the launches: one launch gap each (in a CUDA graph)
+            predicted = {end: sum(e.predicted(end) for e in mine) + glue[path] * hw.launch_graph_us.pick(end) * 1e-6
+                         for end in ENDS}
             bounds = sorted({e.bound("high") for e in mine})
             n_launches = len(mine)
             spills = max(est.variants[e.variant]["stack_bytes"] for e in mine)
@@ -297,7 +325,7 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
             predicted, bounds, n_launches, spills, mma = layerwise, ["layer-wise bound"], len(kernels), None, []
         rows.append(dict(
             block=path, stage=_stage_label(path), kind=type(m).__name__ + (f" s{m.stride}" if hasattr(m, "stride") else ""),
-            fused=fused, launches=n_launches, predicted_ms={k: v * 1e3 for k, v in predicted.items()},
+            fused=fused, launches=n_launches, glue_launches=glue.get(path, 0), predicted_ms={k: v * 1e3 for k, v in predicted.items()},
             layerwise_ms={k: v * 1e3 for k, v in layerwise.items()}, bounds=bounds, stack_bytes=spills,
             mma_kinds=mma, layerwise_kernels=len(kernels),
             stored_bytes=batch * stored_fused.get(path, 0), layerwise_stored_bytes=batch * stored_lw.get(path, 0),
@@ -392,12 +420,13 @@ def to_markdown(rep: dict) -> str:
         "",
         "## Blocks",
         "",
-        "| block | kind | fused | launches | predicted ms | layer-wise ms | bound | MMA | stack B |",
+        "| block | kind | fused | launches (+ small aten ops) | predicted ms | layer-wise ms | bound | MMA | stack B |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for b in rep["blocks"]:
         lines.append(
-            f"| {b['block']} | {b['kind']} | {'yes' if b['fused'] else 'no'} | {b['launches']} | {_ms(b['predicted_ms'])} "
+            f"| {b['block']} | {b['kind']} | {'yes' if b['fused'] else 'no'} | {b['launches']}"
+            f"{' (+ %d)' % b['glue_launches'] if b['fused'] else ''} | {_ms(b['predicted_ms'])} "
             f"| {_ms(b['layerwise_ms'])} | {', '.join(b['bounds'])} | {', '.join(b['mma_kinds']) or '-'} "
             f"| {'' if b['stack_bytes'] is None else b['stack_bytes']} |")
     return "\n".join(lines) + "\n"
