@@ -67,7 +67,7 @@ def backward_terms(dgamma: torch.Tensor, dbeta: torch.Tensor, k: torch.Tensor, r
     """(u, w) of dv = k dout + u + w (v - m) (module docstring); zero in eval mode."""
     if not training:
         return torch.zeros_like(k), torch.zeros_like(k)
-    return -k * dbeta / rows, -k * r * dgamma / rows
+    return dbeta * (-1.0 / rows) * k, dgamma * (-1.0 / rows) * k * r
 
 
 def update_running(running_mean: torch.Tensor, running_var: torch.Tensor, mean: torch.Tensor,
@@ -75,5 +75,6 @@ def update_running(running_mean: torch.Tensor, running_var: torch.Tensor, mean: 
     """nn.BatchNorm2d's update, in place: the unbiased batch variance (var M / (M - 1)). ``factor``: the
     momentum, or a 0-d tensor (1 / num_batches_tracked when momentum is None)."""
     unbiased = var * (rows / max(rows - 1, 1))
-    running_mean.mul_(1 - factor).add_((mean * factor).to(running_mean.dtype))
-    running_var.mul_(1 - factor).add_((unbiased * factor).to(running_var.dtype))
+    # running + f (batch - running) = (1 - f) running + f batch, one kernel each
+    running_mean.lerp_(mean.to(running_mean.dtype), factor)
+    running_var.lerp_(unbiased.to(running_var.dtype), factor)

