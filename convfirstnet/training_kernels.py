@@ -51,7 +51,8 @@ def unsupported(block: nn.Module, x: torch.Tensor | None = None) -> str | None:
         return f"{name} stride {block.stride}: the fused training ops run stride 1 and 2"
     for bn in _bns(block):
         if type(bn) is not nn.BatchNorm2d:
-            return f"{name}: norm layer {type(bn).__name__}: the fused training op implements BatchNorm2d only"
+            return (f"{name}: norm layer {type(bn).__name__}: the fused training op implements BatchNorm2d "
+                    "only")
         if not bn.affine or not bn.track_running_stats:
             return f"{name}: BatchNorm2d without affine parameters or running statistics is not supported"
     bns = _bns(block)
@@ -62,11 +63,13 @@ def unsupported(block: nn.Module, x: torch.Tensor | None = None) -> str | None:
     if conv.kernel_size != (3, 3):
         return f"{name}: grouped conv kernel size {conv.kernel_size}: only 3x3 is supported"
     if c % GROUP_WIDTH or conv.groups != c // GROUP_WIDTH or conv.out_channels != c:
-        return f"{name}: grouped conv of group width {c // conv.groups}: only group width {GROUP_WIDTH} is supported"
+        return (f"{name}: grouped conv of group width {c // conv.groups}: only group width {GROUP_WIDTH} is "
+                "supported")
     if conv.bias is not None or conv.padding != (1, 1) or conv.stride != (1, 1) or conv.dilation != (1, 1):
         return f"{name}: grouped conv with a bias, padding other than 1, stride or dilation is not supported"
     if block.stride == 2 and not isinstance(block.blur, BlurPool2d):
-        return f"{name} stride 2: downsampling {type(block.blur).__name__}: the fused op implements BlurPool2d"
+        return (f"{name} stride 2: downsampling {type(block.blur).__name__}: the fused op implements "
+                "BlurPool2d")
     for conv1 in (block.conv_expand, block.conv_project):
         if conv1.kernel_size != (1, 1) or conv1.bias is not None or conv1.groups != 1:
             return f"{name}: the 1x1 layers must be dense and bias-free"
@@ -144,7 +147,8 @@ def fused_forward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     bn = (bn1.weight, bn1.bias, bn2.weight, bn2.bias, bn3.weight, bn3.bias, bn1.running_mean, bn1.running_var,
           bn2.running_mean, bn2.running_var, bn3.running_mean, bn3.running_var)
     if block.stride == 1:
-        res = torch.ops.convfirstnet.convfirst_s1_train(x, *w, *bn, _drop_scale(block, dtype, x), training, eps)
+        drop = _drop_scale(block, dtype, x)
+        res = torch.ops.convfirstnet.convfirst_s1_train(x, *w, *bn, drop, training, eps)
         out, stats, rows = res[0], res[3:9], x.shape[0] * x.shape[2] * x.shape[3]
     else:
         res = torch.ops.convfirstnet.convfirst_s2_train(x, *w, *bn, training, eps)

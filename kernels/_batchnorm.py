@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 
 
-def merge_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chan's merge of per-share statistics: count (S,), mean (S, C), m2 (S, C) or (S, C, C) centred
     second moments -> (mean (C,), biased variance (C,) or covariance (C, C)) over all rows."""
     n = count.sum()
@@ -56,7 +57,8 @@ def affine(gamma: torch.Tensor, beta: torch.Tensor, mean: torch.Tensor, var: tor
     return r, k, beta - mean * k
 
 
-def linear_moments(mean_in: torch.Tensor, cov_in: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_moments(mean_in: torch.Tensor, cov_in: torch.Tensor, w: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and biased variance per output channel of z = W v from the input's mean and covariance:
     m_z = W m_v, s_z^2 = diag(W Cov(v) W^T). No pass over z."""
     return w @ mean_in, ((w @ cov_in) * w).sum(1)

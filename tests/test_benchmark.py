@@ -443,7 +443,8 @@ def test_cpu_train_run_writes_record(tmp_path, capsys):
     by = {r["backend"]: r for r in rec["results"]}
     assert set(by) == {"fused", "eager"} and all(r["status"] == "ok" for r in by.values())
     assert by["fused"]["kernels"].startswith("layer-wise")
-    assert by["eager"]["tflops"] == pytest.approx(2 * 3 * by["eager"]["macs_per_image"] * by["eager"]["img_per_s"] / 1e12)
+    eager = by["eager"]
+    assert eager["tflops"] == pytest.approx(2 * 3 * eager["macs_per_image"] * eager["img_per_s"] / 1e12)
     assert "| convfirstnet_pico@32 | fused | 2 |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         benchmark.build_parser().parse_args(["--train", "--train-backends", "fused,bogus"])

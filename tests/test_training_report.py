@@ -53,7 +53,8 @@ def test_stored_bytes_fused_block_keeps_three_narrow_maps(pico):
     assert layerwise[path] >= (4 * c + 2 * r) * h * w * 2
     assert sum(fused.values()) < sum(layerwise.values())
     # the model's state (running statistics) is left as it was
-    assert all(int(b.num_batches_tracked) == 0 for b in model.modules() if isinstance(b, torch.nn.BatchNorm2d))
+    bns = [b for b in model.modules() if isinstance(b, torch.nn.BatchNorm2d)]
+    assert all(int(b.num_batches_tracked) == 0 for b in bns)
 
 
 def test_fused_block_recording_counts_launches_and_small_ops():

@@ -48,7 +48,6 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-from timm.layers import BlurPool2d, SEModule
 
 import convfirstnet
 from convfirstnet import training_kernels
@@ -84,9 +83,8 @@ class TrainKernel:
 
 def blocks_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's blocks in order: (module path, module)."""
-    return [(p, m) for p, m in model.named_modules() if p and isinstance(m, BLOCK_TYPES)
-            and not any(p.startswith(q + ".") for q, n in model.named_modules() if q and isinstance(n, BLOCK_TYPES)
-                        and n is not m)]
+    found = [(p, m) for p, m in model.named_modules() if p and isinstance(m, BLOCK_TYPES)]
+    return [(p, m) for p, m in found if not any(p.startswith(q + ".") for q, _ in found)]
 
 
 # ------------------------------------------------------------------------------ layer-wise kernels
@@ -208,7 +206,8 @@ def stored_bytes(model: nn.Module, input_size: tuple[int, int, int], elem_bytes:
     per_block: dict[str, int] = {}
     current = [""]
     blocks = blocks_of(model)
-    handles = [m.register_forward_pre_hook(lambda mod, args, p=p: current.__setitem__(0, p)) for p, m in blocks]
+    handles = [m.register_forward_pre_hook(lambda mod, args, p=p: current.__setitem__(0, p))
+               for p, m in blocks]
 
     def pack(t: torch.Tensor):
         ptr = t.untyped_storage().data_ptr()
@@ -241,10 +240,10 @@ def stored_bytes(model: nn.Module, input_size: tuple[int, int, int], elem_bytes:
 # aten ops that launch no kernel of their own: views, metadata, allocation, and the composite ops whose
 # pieces are seen (and counted) as they dispatch (``to`` -> ``_to_copy`` when it copies, ``matmul`` ->
 # ``mm``); a CPU scalar
-_NO_LAUNCH = {"view", "_unsafe_view", "as_strided", "permute", "expand", "reshape", "select", "slice", "unsqueeze",
-              "squeeze", "diagonal", "t", "transpose", "alias", "detach", "empty", "empty_like", "empty_strided",
-              "new_empty", "lift_fresh", "unbind", "split", "flatten", "contiguous", "to", "matmul", "outer",
-              "numpy_T", "scalar_tensor", "float"}
+_NO_LAUNCH = {"view", "_unsafe_view", "as_strided", "permute", "expand", "reshape", "select", "slice",
+              "unsqueeze", "squeeze", "diagonal", "t", "transpose", "alias", "detach", "empty", "empty_like",
+              "empty_strided", "new_empty", "lift_fresh", "unbind", "split", "flatten", "contiguous", "to",
+              "matmul", "outer", "numpy_T", "scalar_tensor", "float"}
 
 
 class _CountLaunches(torch.utils._python_dispatch.TorchDispatchMode):
@@ -260,7 +259,8 @@ class _CountLaunches(torch.utils._python_dispatch.TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace == "convfirstnet":  # run the op's body below this mode, counting its aten ops
             x = next(a for a in args if isinstance(a, torch.Tensor))
-            keys = torch._C._dispatch_keys(x) & torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
+            below = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
+            keys = torch._C._dispatch_keys(x) & below
             with self:
                 return func.redispatch(keys, *args, **kwargs)
         if func.__name__.split(".")[0] not in _NO_LAUNCH:
@@ -268,7 +268,8 @@ class _CountLaunches(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def record_fused_block(block: nn.Module, in_shape: tuple, batch: int, dtype: torch.dtype, tgt) -> tuple[list, int]:
+def record_fused_block(block: nn.Module, in_shape: tuple, batch: int, dtype: torch.dtype, tgt
+                       ) -> tuple[list, int]:
     """The Triton launches of one training step of ``block`` (forward + backward) on meta tensors, and the
     number of other kernel launches (small aten ops) the step makes."""
     import copy
@@ -324,20 +325,25 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
         if fused:
             mine = [e for e, o in zip(est.launches, owner) if o == path]
             # the small aten ops between the launches: one launch gap each (in a CUDA graph)
-            predicted = {end: sum(e.predicted(end) for e in mine) + glue[path] * hw.launch_graph_us.pick(end) * 1e-6
-                         for end in ENDS}
+            predicted = {end: sum(e.predicted(end) for e in mine)
+                         + glue[path] * hw.launch_graph_us.pick(end) * 1e-6 for end in ENDS}
             bounds = sorted({e.bound("high") for e in mine})
             n_launches = len(mine)
             spills = max(est.variants[e.variant]["stack_bytes"] for e in mine)
-            mma = sorted({k for e in mine for k in est.variants[e.variant]["mma_kind"].split("+") if k != "none"})
+            kinds = {k for e in mine for k in est.variants[e.variant]["mma_kind"].split("+")}
+            mma = sorted(kinds - {"none"})
         else:
-            predicted, bounds, n_launches, spills, mma = layerwise, ["layer-wise bound"], len(kernels), None, []
+            predicted, bounds, n_launches = layerwise, ["layer-wise bound"], len(kernels)
+            spills, mma = None, []
         rows.append(dict(
-            block=path, stage=_stage_label(path), kind=type(m).__name__ + (f" s{m.stride}" if hasattr(m, "stride") else ""),
-            fused=fused, launches=n_launches, glue_launches=glue.get(path, 0), predicted_ms={k: v * 1e3 for k, v in predicted.items()},
+            block=path, stage=_stage_label(path),
+            kind=type(m).__name__ + (f" s{m.stride}" if hasattr(m, "stride") else ""),
+            fused=fused, launches=n_launches, glue_launches=glue.get(path, 0),
+            predicted_ms={k: v * 1e3 for k, v in predicted.items()},
             layerwise_ms={k: v * 1e3 for k, v in layerwise.items()}, bounds=bounds, stack_bytes=spills,
             mma_kinds=mma, layerwise_kernels=len(kernels),
-            stored_bytes=batch * stored_fused.get(path, 0), layerwise_stored_bytes=batch * stored_lw.get(path, 0),
+            stored_bytes=batch * stored_fused.get(path, 0),
+            layerwise_stored_bytes=batch * stored_lw.get(path, 0),
         ))
     stages: dict[str, dict] = {}
     for r in rows:
@@ -376,10 +382,12 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         model=name or type(model).__name__, batch=batch, input_size=list(input_size), dtype=dtype,
         target=dict(arch=tgt.arch, name=tgt.device.name if hasattr(tgt.device, "name") else str(tgt.arch)),
-        versions=dict(convfirstnet=convfirstnet.__version__, torch=torch.__version__, triton=triton.__version__),
+        versions=dict(convfirstnet=convfirstnet.__version__, torch=torch.__version__,
+                      triton=triton.__version__),
         git=git_info(), targets=TARGETS, total=total, stages=list(stages.values()), fused_blocks=fused_only,
         blocks=rows, variants=est.variants if est else [],
-        spilling_variants={v["index"]: v["stack_bytes"] for v in (est.variants if est else []) if v["stack_bytes"]},
+        spilling_variants={v["index"]: v["stack_bytes"] for v in (est.variants if est else [])
+                           if v["stack_bytes"]},
     )
 
 
@@ -390,13 +398,14 @@ def _ms(d: dict) -> str:
 def to_markdown(rep: dict) -> str:
     t = rep["total"]
     lines = [
-        f"# Training step, {rep['model']}, batch {rep['batch']}, {rep['input_size'][-1]}x{rep['input_size'][-1]}, "
-        f"{rep['dtype']}, sm_{rep['target']['arch']}",
+        f"# Training step, {rep['model']}, batch {rep['batch']}, "
+        f"{rep['input_size'][-1]}x{rep['input_size'][-1]}, {rep['dtype']}, sm_{rep['target']['arch']}",
         "",
-        "Static estimate (fused blocks: compiled launches, low-high ends of the cost model) against the layer-wise "
-        "training bound (every layer's forward, dgrad, wgrad, the BatchNorm passes, stored activations written "
-        "and read back; convfirstnet/analysis/training.py). Blocks without a fused training op are counted at "
-        "their layer-wise bound. Estimates, not measurements.",
+        "Static estimate (fused blocks: compiled launches, low-high ends of the cost model, plus one "
+        "launch gap per small aten op between them) against the layer-wise training bound (every layer's "
+        "forward, dgrad, wgrad, the BatchNorm passes, stored activations written and read back; "
+        "convfirstnet/analysis/training.py). Blocks without a fused training op are counted at their "
+        "layer-wise bound. Estimates, not measurements.",
         "",
         "| stage | blocks (fused) | predicted ms | layer-wise bound ms | ratio (low, high) | stored MB | "
         "layer-wise stored MB | stored ratio |",
@@ -405,16 +414,17 @@ def to_markdown(rep: dict) -> str:
     for s in [*rep["stages"], t]:
         r = s["step_over_layerwise"]
         lines.append(
-            f"| {s['stage']} | {s['blocks']} ({s['fused_blocks']}) | {_ms(s['predicted_ms'])} | {_ms(s['layerwise_ms'])} "
-            f"| {r['low']:.2f}, {r['high']:.2f} | {s['stored_bytes'] / 1e6:.0f} | {s['layerwise_stored_bytes'] / 1e6:.0f} "
-            f"| {s['stored_over_layerwise']:.2f} |")
+            f"| {s['stage']} | {s['blocks']} ({s['fused_blocks']}) | {_ms(s['predicted_ms'])} "
+            f"| {_ms(s['layerwise_ms'])} | {r['low']:.2f}, {r['high']:.2f} | {s['stored_bytes'] / 1e6:.0f} "
+            f"| {s['layerwise_stored_bytes'] / 1e6:.0f} | {s['stored_over_layerwise']:.2f} |")
     f = rep["fused_blocks"]
     if f["blocks"]:
         lines += [
             "",
-            f"Fused blocks only ({f['blocks']}): predicted {_ms(f['predicted_ms'])} ms against a layer-wise bound of "
-            f"{_ms(f['layerwise_ms'])} ms (ratio {f['predicted_ms']['high'] / f['layerwise_ms']['high']:.2f} at the "
-            f"high ends); stored {f['stored_bytes'] / 1e6:.0f} MB against {f['layerwise_stored_bytes'] / 1e6:.0f} MB "
+            f"Fused blocks only ({f['blocks']}): predicted {_ms(f['predicted_ms'])} ms against a layer-wise "
+            f"bound of {_ms(f['layerwise_ms'])} ms (ratio "
+            f"{f['predicted_ms']['high'] / f['layerwise_ms']['high']:.2f} at the high ends); stored "
+            f"{f['stored_bytes'] / 1e6:.0f} MB against {f['layerwise_stored_bytes'] / 1e6:.0f} MB "
             f"({f['stored_bytes'] / max(1, f['layerwise_stored_bytes']):.2f}).",
         ]
     tg = rep["targets"]
@@ -422,14 +432,15 @@ def to_markdown(rep: dict) -> str:
     lines += [
         "",
         f"Targets (high end): step <= {tg['step_over_layerwise']} x layer-wise: {r:.2f} "
-        f"({'met' if r <= tg['step_over_layerwise'] else 'NOT met'}); stored <= {tg['stored_over_layerwise']} x "
-        f"layer-wise: {t['stored_over_layerwise']:.2f} "
-        f"({'met' if t['stored_over_layerwise'] <= tg['stored_over_layerwise'] else 'NOT met'}); spilling variants: "
-        f"{len(rep['spilling_variants'])}.",
+        f"({'met' if r <= tg['step_over_layerwise'] else 'NOT met'}); stored <= "
+        f"{tg['stored_over_layerwise']} x layer-wise: {t['stored_over_layerwise']:.2f} "
+        f"({'met' if t['stored_over_layerwise'] <= tg['stored_over_layerwise'] else 'NOT met'}); "
+        f"spilling variants: {len(rep['spilling_variants'])}.",
         "",
         "## Blocks",
         "",
-        "| block | kind | fused | launches (+ small aten ops) | predicted ms | layer-wise ms | bound | MMA | stack B |",
+        "| block | kind | fused | launches (+ small aten ops) | predicted ms | layer-wise ms | bound | MMA "
+        "| stack B |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for b in rep["blocks"]:

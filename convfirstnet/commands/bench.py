@@ -390,8 +390,8 @@ def prepare(
 _TRAIN_KERNELS = {"fused": "auto", "fused-inductor": "auto", "eager": "reference", "inductor": "reference"}
 
 
-def prepare_train(backend: str, train_model: nn.Module, is_convfirstnet: bool, x: torch.Tensor, y: torch.Tensor,
-                  dtype: torch.dtype) -> tuple[Callable[[], object], dict]:
+def prepare_train(backend: str, train_model: nn.Module, is_convfirstnet: bool, x: torch.Tensor,
+                  y: torch.Tensor, dtype: torch.dtype) -> tuple[Callable[[], object], dict]:
     """A zero-argument callable that runs one training step of ``backend``, plus notes (module docstring).
     Runs under the backend's CONVFIRSTNET_KERNELS (set by the caller)."""
     device = x.device
@@ -401,7 +401,8 @@ def prepare_train(backend: str, train_model: nn.Module, is_convfirstnet: bool, x
             raise Skip("fused training ops exist only for ConvFirstNet models")
         from convfirstnet.training_kernels import triton_selected
 
-        notes["kernels"] = "triton" if triton_selected(x) else "layer-wise (the fused training ops run on CUDA)"
+        on = triton_selected(x)
+        notes["kernels"] = "triton" if on else "layer-wise (the fused training ops run on CUDA)"
     model = copy.deepcopy(train_model).to(device).to(memory_format=torch.channels_last).train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     forward = model
@@ -477,7 +478,8 @@ def run_train(args, device, dtype, peak, measured) -> list[dict]:
         for backend in args.train_backends:
             for batch in args.batch_sizes:
                 g = torch.Generator().manual_seed(0)
-                x = torch.randn(batch, 3, res, res, generator=g).to(device).contiguous(memory_format=torch.channels_last)
+                x = torch.randn(batch, 3, res, res, generator=g).to(device)
+                x = x.contiguous(memory_format=torch.channels_last)
                 y = torch.randint(0, classes, (batch,), generator=g).to(device)
                 row = dict(model=key, backend=backend, batch=batch, resolution=res,
                            dtype=str(dtype).removeprefix("torch."), macs_per_image=macs, params=params,

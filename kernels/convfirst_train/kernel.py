@@ -172,7 +172,7 @@ def _moments_kernel(
 
 @triton.jit
 def _ffn_fwd_kernel(
-    a_ptr, w1_ptr, w2_ptr, p_ptr,  # a (M, CI), p (M, CO) contiguous; w1 (R, CI), w2 (CO, R) contiguous, a's dtype
+    a_ptr, w1_ptr, w2_ptr, p_ptr,  # a (M, CI), p (M, CO); w1 (R, CI), w2 (CO, R): contiguous, a's dtype
     k1_ptr, t1_ptr, k2_ptr, t2_ptr,  # fp32 affine of the input (CI: BN1, or identity) and of BN2 (R)
     mean_ptr, m2_ptr,  # fp32 partials of p per tile: (tiles, CO) each
     M, R,
@@ -191,10 +191,12 @@ def _ffn_fwd_kernel(
     for h0 in range(0, R, BH):
         hh = h0 + tl.arange(0, BH)
         hok = hh < R
-        w1t = tl.load(w1_ptr + hh[None, :] * CI + ci[:, None], mask=hok[None, :] & (ci < CI)[:, None], other=0.0)
+        w1t = tl.load(w1_ptr + hh[None, :] * CI + ci[:, None], mask=hok[None, :] & (ci < CI)[:, None],
+                      other=0.0)
         z = tl.dot(y, w1t, input_precision=PRECISION)
         h = tl.maximum(z * _vec(k2_ptr, hh, R)[None, :] + _vec(t2_ptr, hh, R)[None, :], 0.0).to(dt)
-        w2t = tl.load(w2_ptr + co[None, :] * R + hh[:, None], mask=hok[:, None] & (co < CO)[None, :], other=0.0)
+        w2t = tl.load(w2_ptr + co[None, :] * R + hh[:, None], mask=hok[:, None] & (co < CO)[None, :],
+                      other=0.0)
         acc = tl.dot(h, w2t, acc, input_precision=PRECISION)
     p = acc.to(dt)
     _store_tile(p_ptr, p, rows, rok, CO, CPO)
@@ -215,7 +217,8 @@ def _residual_kernel(
     stride-2 block's out = k3 p + t3)."""
     rows, rok = _rows_of(tl.program_id(0), M, BM)
     c = tl.arange(0, CP)
-    q = _load_tile(p_ptr, rows, rok, C, CP).to(tl.float32) * _vec(k3_ptr, c, C)[None, :] + _vec(t3_ptr, c, C)[None, :]
+    q = (_load_tile(p_ptr, rows, rok, C, CP).to(tl.float32) * _vec(k3_ptr, c, C)[None, :]
+         + _vec(t3_ptr, c, C)[None, :])
     if RESIDUAL:
         d = tl.load(drop_ptr + rows // HW, mask=rok, other=0.0)
         q = _load_tile(x_ptr, rows, rok, C, CP).to(tl.float32) + d[:, None] * q
@@ -305,7 +308,8 @@ def _prep_kernel(
     rows, rok = _rows_of(tl.program_id(0), M, BM)
     c = tl.arange(0, CP)
     if WRITE_Y:
-        y = _load_tile(a_ptr, rows, rok, C, CP).to(tl.float32) * _vec(k1_ptr, c, C)[None, :] + _vec(t1_ptr, c, C)[None, :]
+        y = (_load_tile(a_ptr, rows, rok, C, CP).to(tl.float32) * _vec(k1_ptr, c, C)[None, :]
+             + _vec(t1_ptr, c, C)[None, :])
         _store_tile(y_ptr, y, rows, rok, C, CP)
     d = tl.load(drop_ptr + rows // HW, mask=rok, other=0.0)
     dq = _load_tile(dout_ptr, rows, rok, C, CP).to(tl.float32) * d[:, None]
@@ -451,7 +455,8 @@ def _blur_bwd_kernel(
     _store_tile(dxd_ptr, gx, rows, rok, C, CP)
     gy = gy.to(dy_ptr.dtype.element_ty)
     _store_tile(dy_ptr, gy, rows, rok, C, CP)
-    a_hat = (_load_tile(a_ptr, rows, rok, C, CP).to(tl.float32) - _vec(m1_ptr, c, C)[None, :]) * _vec(r1_ptr, c, C)[None, :]
+    a = _load_tile(a_ptr, rows, rok, C, CP).to(tl.float32)
+    a_hat = (a - _vec(m1_ptr, c, C)[None, :]) * _vec(r1_ptr, c, C)[None, :]
     dyf = gy.to(tl.float32)
     _store_vec(sums_ptr + t * 2 * C, tl.sum(dyf, axis=0), c, C)
     _store_vec(sums_ptr + t * 2 * C + C, tl.sum(dyf * a_hat, axis=0), c, C)

@@ -26,7 +26,7 @@ import triton
 
 from .._batchnorm import affine, backward_terms, linear_moments, merge_moments, share_counts
 from .._cost import KernelCost, Loop
-from .._launch import GROUP_WIDTH, launch
+from .._launch import launch
 from ..gconv.launcher import gconv3x3_dgrad_triton, gconv3x3_triton, gconv3x3_wgrad_triton
 from .kernel import (
     _bn_input_grad_kernel,
@@ -42,7 +42,9 @@ from .kernel import (
 )
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MIN_SHARE_ROWS = 1024  # rows per share of the moments and sums passes at least; 4096 left Small's 32 x 32 maps with 32 programs (latency bound: 53 -> 15 us for the C = 96 moments)
+# rows per share of the moments and sums passes at least; 4096 left Small's 32 x 32 maps with 32 programs
+# (latency bound: 53 -> 15 us for the C = 96 moments)
+MIN_SHARE_ROWS = 1024
 SHARES = 512  # programs of the moments and sums passes at most (about 4 per SM of an H100)
 WEIGHT_PROGRAMS = 1024  # shares x hidden chunks of the weights pass at most
 PARTIAL_SHARE = 0.1  # weights pass: fp32 partials at most this share of its bytes read
@@ -189,7 +191,8 @@ def out_grad(dout, p, drop, mean3, r3, k3, hw: int, cfg: TrainConfig, training: 
     tiles = triton.cdiv(m, cfg.block_m)
     per, shares = shares_of(tiles, cfg.block_m, p.device.type == "cpu")
     part = torch.empty((shares, 2, co), dtype=torch.float32, device=p.device)
-    launch(_out_sums_kernel, (shares,), dout, p, drop, mean3, r3, part, m, hw, tiles, per, C=co, CP=cfg.cp_out,
+    launch(_out_sums_kernel, (shares,), dout, p, drop, mean3, r3, part, m, hw, tiles, per, C=co,
+           CP=cfg.cp_out,
            BM=cfg.block_m, num_warps=4 if cfg.cp_out <= 32 else 8,
            cost=lambda: sums_cost(cfg, m, co, p.element_size(), shares, per))
     dbeta3, dgamma3 = _pair(part)
@@ -216,8 +219,8 @@ def ffn_backward(y, dp, a, w1d, w2d, k2, t2, mean2, r2, mean_in, cov_in, mean1, 
     dw2_part = torch.empty((shares, co, r), **f32)
     g_part = torch.empty((shares, r, ci), **f32)
     sums = torch.empty((shares, 2, r), **f32)
-    launch(_ffn_bwd_weights_kernel, (shares, chunks), y, dp, w1d, w2d, k2, t2, mean2, r2, dw2_part, g_part, sums,
-           m, r, wtiles, per, CI=ci, CPI=cfg.cp_in, CO=co, CPO=cfg.cp_out, BM=cfg.block_m_weights,
+    launch(_ffn_bwd_weights_kernel, (shares, chunks), y, dp, w1d, w2d, k2, t2, mean2, r2, dw2_part, g_part,
+           sums, m, r, wtiles, per, CI=ci, CPI=cfg.cp_in, CO=co, CPO=cfg.cp_out, BM=cfg.block_m_weights,
            BH=cfg.block_h_weights, PRECISION=cfg.precision, num_warps=8, num_stages=cfg.stages_weights,
            cost=lambda: ffn_bwd_weights_cost(cfg, m, ci, co, r, eb, shares, per, chunks))
     dbeta2, dgamma2 = _pair(sums)
@@ -252,7 +255,8 @@ def bn_input_grad(dy, a, k1, u1, w1v, mean1) -> torch.Tensor:
 
 def _grads(dw_conv, dw1, dw2, vecs, params):
     w1, w2 = params[:2]
-    return (dw_conv, dw1.to(w1.dtype), dw2.to(w2.dtype), *[v.to(like.dtype) for v, like in zip(vecs, params[2:])])
+    vecs = [v.to(like.dtype) for v, like in zip(vecs, params[2:])]
+    return (dw_conv, dw1.to(w1.dtype), dw2.to(w2.dtype), *vecs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -381,15 +385,16 @@ def convfirst_s2_train_triton(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, g
     out = _map(n, k, ho, wo, x)
     rows = _elementwise_rows(k)
     launch(_residual_kernel, (triton.cdiv(mo, rows),), p, p, out, k3, k3, t3, mo, ho * wo, C=k, CP=cfg.cp_out,
-           BM=rows, RESIDUAL=False, num_warps=4, cost=lambda: elementwise_cost("BN3", mo, k, x.element_size(), 2))
+           BM=rows, RESIDUAL=False, num_warps=4,
+           cost=lambda: elementwise_cost("BN3", mo, k, x.element_size(), 2))
     stats = _owned((m1, v1, m2, v2, m3, v3, mean_u, cov_u), (running_mean1, running_var1, running_mean2,
                                                              running_var2, running_mean3, running_var3))
     return (out, a, u, p, *stats)
 
 
 def convfirst_s2_train_backward_triton(dout, x, a, u, p, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, gamma3,
-                                       beta3, mean1, var1, mean2, var2, mean3, var3, batch_mean_u, batch_cov_u,
-                                       training: bool, eps: float):
+                                       beta3, mean1, var1, mean2, var2, mean3, var3, batch_mean_u,
+                                       batch_cov_u, training: bool, eps: float):
     """Backward; returns what reference.convfirst_s2_train_backward_reference returns."""
     n, c, h, w = x.shape
     r, k = w1.shape[0], w2.shape[0]
@@ -408,7 +413,8 @@ def convfirst_s2_train_backward_triton(dout, x, a, u, p, w_conv, w1, w2, gamma1,
     dp = _map(n, k, ho, wo, p)
     mo = n * ho * wo
     rows = _elementwise_rows(k)
-    launch(_prep_kernel, (triton.cdiv(mo, rows),), p, dout, p, ones, p, dp, k3, k3, k3, w3, c3, mo, ho * wo, C=k,
+    launch(_prep_kernel, (triton.cdiv(mo, rows),), p, dout, p, ones, p, dp, k3, k3, k3, w3, c3, mo, ho * wo,
+           C=k,
            CP=cfg.cp_out, BM=rows, WRITE_Y=False, num_warps=4,
            cost=lambda: elementwise_cost("dp", mo, k, p.element_size(), 3))
     dw1, dw2, dgamma2, dbeta2, du, _ = ffn_backward(u, dp, None, w1d, w2d, k2, t2, mean2, r2, batch_mean_u,
@@ -418,8 +424,9 @@ def convfirst_s2_train_backward_triton(dout, x, a, u, p, w_conv, w1, w2, gamma1,
     rows = _elementwise_rows(c)
     tiles = triton.cdiv(m, rows)
     part1 = torch.empty((tiles, 2, c), **f32)
-    launch(_blur_bwd_kernel, (tiles,), du, a, dxd, dy, mean1, r1, part1, m, h, w, ho, wo, C=c, CP=_pow2(c), BM=rows,
-           num_warps=4, cost=lambda: blur_cost("BlurPool transpose", n, c, h, w, x.element_size(), backward=True))
+    launch(_blur_bwd_kernel, (tiles,), du, a, dxd, dy, mean1, r1, part1, m, h, w, ho, wo, C=c, CP=_pow2(c),
+           BM=rows, num_warps=4,
+           cost=lambda: blur_cost("BlurPool transpose", n, c, h, w, x.element_size(), backward=True))
     dbeta1, dgamma1 = _pair(part1)
     u1, w1v = backward_terms(dgamma1, dbeta1, k1, r1, m, training)
     da = bn_input_grad(dy, a, k1, u1, w1v, mean1)
@@ -470,7 +477,8 @@ def blur_cost(what: str, n: int, c: int, h: int, w: int, eb: int, backward: bool
     element of the 2C-channel blur, as count_macs counts BlurPool."""
     ho, wo = (h + 1) // 2, (w + 1) // 2
     full = (3 if backward else 2) * n * h * w * c
-    return KernelCost(useful_macs=9 * n * ho * wo * 2 * c, mma_macs=0, dram_bytes=eb * (full + n * ho * wo * 2 * c),
+    return KernelCost(useful_macs=9 * n * ho * wo * 2 * c, mma_macs=0,
+                      dram_bytes=eb * (full + n * ho * wo * 2 * c),
                       note=f"{what} C={c}")
 
 
@@ -488,20 +496,23 @@ def ffn_bwd_weights_cost(cfg: TrainConfig, m: int, ci: int, co: int, r: int, eb:
         mma_macs=tiles * chunks * 2 * cfg.block_m_weights * (cfg.cp_in + cfg.cp_out) * cfg.block_h_weights
         * _passes(cfg),
         # y and dp read once from DRAM (the chunks of a share run side by side and share them in L2)
-        dram_bytes=eb * m * (ci + co) + 4 * shares * ((ci + co) * r + 2 * r) + chunks * eb * (ci + co) * cfg.block_h_weights,
+        dram_bytes=(eb * m * (ci + co) + 4 * shares * ((ci + co) * r + 2 * r)
+                    + chunks * eb * (ci + co) * cfg.block_h_weights),
         l2_bytes=(chunks - 1) * eb * m * (ci + co),
         loops=(Loop("tiles", per),),
         note=f"FFN backward weights {ci}->{r}->{co}, {shares} shares of {per} tiles x {chunks} chunks",
     )
 
 
-def ffn_bwd_input_cost(cfg: TrainConfig, m: int, ci: int, co: int, r: int, eb: int, bn_sums: bool) -> KernelCost:
+def ffn_bwd_input_cost(cfg: TrainConfig, m: int, ci: int, co: int, r: int, eb: int, bn_sums: bool
+                       ) -> KernelCost:
     tiles = triton.cdiv(m, cfg.block_m)
     chunks = triton.cdiv(r, cfg.block_h)
     return KernelCost(
         useful_macs=m * (ci + co) * r,
         mma_macs=tiles * chunks * cfg.block_m * cfg.block_h * (2 * cfg.cp_in + cfg.cp_out) * _passes(cfg),
-        dram_bytes=eb * m * (2 * ci + co + (ci if bn_sums else 0)) + eb * (ci + co) * r + (8 * tiles * ci if bn_sums else 0),
+        dram_bytes=(eb * m * (2 * ci + co + (ci if bn_sums else 0)) + eb * (ci + co) * r
+                    + (8 * tiles * ci if bn_sums else 0)),
         loops=(Loop("hidden", chunks),),
         note=f"FFN backward input {ci}->{r}->{co}",
     )

@@ -40,7 +40,8 @@ OP = "convfirst_s1_train"
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _check_param(name: str, t: torch.Tensor, shape: tuple, x: torch.Tensor, weight: bool, op: str = OP) -> None:
+def _check_param(name: str, t: torch.Tensor, shape: tuple, x: torch.Tensor, weight: bool, op: str = OP
+                 ) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"convfirstnet.{op}: {name} must be a tensor, got {type(t).__name__}")
     if tuple(t.shape) != shape:
@@ -80,7 +81,8 @@ def check_inputs(x, w_conv, w1, w2, bn: dict, drop_scale, training: bool, stride
     _check_param("w1", w1, (r, c1), x, True, op)
     _check_param("w2", w2, (k, r), x, True, op)
     for name, t in bn.items():
-        _check_param(name, t, (r,) if name.endswith("2") else (k,) if name.endswith("3") else (c,), x, False, op)
+        width = r if name.endswith("2") else k if name.endswith("3") else c
+        _check_param(name, t, (width,), x, False, op)
     if drop_scale is not None:
         _check_param("drop_scale", drop_scale, (x.shape[0],), x, False, op)
     if stride == 2 and x.numel() and min(x.shape[2], x.shape[3]) < 2:
@@ -100,10 +102,11 @@ def _triton_ok(x: torch.Tensor) -> bool:
     if not use_triton(x):
         return False
     if x.dtype not in DTYPES:
-        raise TypeError(f"convfirstnet.{OP}: the Triton kernels run float16, bfloat16 and float32, got {x.dtype}")
+        raise TypeError(f"convfirstnet.{OP}: the Triton kernels run float16, bfloat16 and float32, "
+                        f"got {x.dtype}")
     if x.dtype == torch.bfloat16 and x.device.type == "cpu":
-        raise TypeError(f"convfirstnet.{OP}: bfloat16 through the Triton interpreter gives wrong tl.dot results; "
-                        "use float16/float32, or CONVFIRSTNET_KERNELS=reference on CPU")
+        raise TypeError(f"convfirstnet.{OP}: bfloat16 through the Triton interpreter gives wrong tl.dot "
+                        "results; use float16/float32, or CONVFIRSTNET_KERNELS=reference on CPU")
     return True
 
 
@@ -131,14 +134,14 @@ def convfirst_s1_train_backward(
     grad_out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, p: torch.Tensor, w_conv: torch.Tensor,
     w1: torch.Tensor, w2: torch.Tensor, gamma1: torch.Tensor, beta1: torch.Tensor, gamma2: torch.Tensor,
     beta2: torch.Tensor, gamma3: torch.Tensor, beta3: torch.Tensor, mean1: torch.Tensor, var1: torch.Tensor,
-    mean2: torch.Tensor, var2: torch.Tensor, mean3: torch.Tensor, var3: torch.Tensor, batch_mean1: torch.Tensor,
-    batch_cov1: torch.Tensor, drop_scale: torch.Tensor, training: bool, eps: float,
+    mean2: torch.Tensor, var2: torch.Tensor, mean3: torch.Tensor, var3: torch.Tensor,
+    batch_mean1: torch.Tensor, batch_cov1: torch.Tensor, drop_scale: torch.Tensor, training: bool, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``convfirst_s1_train``'s out: (dx, dw_conv, dw1, dw2, dgamma1, dbeta1, dgamma2, dbeta2,
     dgamma3, dbeta3), from the saved narrow maps a, p and the statistics the forward returned."""
-    args = (grad_out, x, a, p, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, gamma3, beta3, mean1, var1, mean2,
-            var2, mean3, var3, batch_mean1, batch_cov1, drop_scale, training, eps)
+    args = (grad_out, x, a, p, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, gamma3, beta3, mean1, var1,
+            mean2, var2, mean3, var3, batch_mean1, batch_cov1, drop_scale, training, eps)
     for name, t in (("grad_out", grad_out), ("a", a), ("p", p)):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(x.shape) or t.dtype != x.dtype:
             raise ValueError(f"convfirstnet.{OP}_backward: {name} must match x ({tuple(x.shape)}, {x.dtype})")
@@ -177,10 +180,12 @@ def convfirst_s2_train_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``convfirst_s2_train``'s out (as the stride-1 backward)."""
-    args = (grad_out, x, a, u, p, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, gamma3, beta3, mean1, var1, mean2,
-            var2, mean3, var3, batch_mean_u, batch_cov_u, training, eps)
-    if not isinstance(grad_out, torch.Tensor) or tuple(grad_out.shape) != tuple(p.shape) or grad_out.dtype != x.dtype:
-        raise ValueError(f"convfirstnet.convfirst_s2_train_backward: grad_out must match p ({tuple(p.shape)}, {x.dtype})")
+    args = (grad_out, x, a, u, p, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, gamma3, beta3, mean1, var1,
+            mean2, var2, mean3, var3, batch_mean_u, batch_cov_u, training, eps)
+    if (not isinstance(grad_out, torch.Tensor) or tuple(grad_out.shape) != tuple(p.shape)
+            or grad_out.dtype != x.dtype):
+        raise ValueError(f"convfirstnet.convfirst_s2_train_backward: grad_out must match p "
+                         f"({tuple(p.shape)}, {x.dtype})")
     if _triton_ok(x):
         return convfirst_s2_train_backward_triton(*args)
     return convfirst_s2_train_backward_reference(*args)

@@ -162,7 +162,8 @@ def convfirst_s2_train_reference(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2
     m1, v1 = _stats(A) if training else (running_mean1.to(ct), running_var1.to(ct))
     _, k1, t1 = affine(gamma1.to(ct), beta1.to(ct), m1, v1, eps)
     y = _image(A * k1 + t1, x, dt)
-    u = blurpool_reference(torch.cat([x, y], dim=1).to(ct)).to(dt).contiguous(memory_format=torch.channels_last)
+    u = blurpool_reference(torch.cat([x, y], dim=1).to(ct)).to(dt)
+    u = u.contiguous(memory_format=torch.channels_last)
     U = _rows(u, ct)
     mean_u = U.mean(0)
     cov_u = (U - mean_u).T @ (U - mean_u) / U.shape[0]

@@ -230,7 +230,8 @@ def gconv3x3_dgrad_triton(dy: torch.Tensor, w: torch.Tensor, h: int, wd: int, st
     eb, wb = dy.element_size(), w.element_size()
     cost = lambda: conv_cost(f"dgrad s{stride}", cfg, n, c, h, wd, stride, eb, wb)
     if stride == 1:
-        launch(_gconv_fwd_kernel, grid, *args, STRIDE=1, FLIP=True, RESIDUAL=residual is not None, **_meta(cfg, c),
+        launch(_gconv_fwd_kernel, grid, *args, STRIDE=1, FLIP=True, RESIDUAL=residual is not None,
+               **_meta(cfg, c),
                cost=(lambda: conv_cost("dgrad s1 + residual", cfg, n, c, h, wd, 1, eb, wb, residual=True))
                if residual is not None else cost)
     else:

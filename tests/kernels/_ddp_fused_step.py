@@ -17,8 +17,8 @@ from convfirstnet.blocks import ConvFirst  # noqa: E402
 
 def make_net() -> nn.Module:
     torch.manual_seed(0)
-    net = nn.Sequential(ConvFirst(16, 16, 1, 3), ConvFirst(16, 16, 1, 3, drop_path=0.3), nn.AdaptiveAvgPool2d(1),
-                        nn.Flatten(), nn.Linear(16, 4))
+    net = nn.Sequential(ConvFirst(16, 16, 1, 3), ConvFirst(16, 16, 1, 3, drop_path=0.3),
+                        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))
     for m in net.modules():
         if isinstance(m, nn.BatchNorm2d):
             nn.init.uniform_(m.weight, 0.5, 1.5)

@@ -49,7 +49,8 @@ TOL = {torch.float32: 2e-5}
 RUNNING_TOL = {torch.float32: 1e-6, torch.float16: 1e-3}
 
 
-def make_block(c: int, t: int, drop: float, seed: int = 0, k: int | None = None, stride: int = 1) -> ConvFirst:
+def make_block(c: int, t: int, drop: float, seed: int = 0, k: int | None = None, stride: int = 1
+               ) -> ConvFirst:
     """A ConvFirst block with BatchNorm parameters and running statistics away from their initial
     values (so that no term of the BatchNorm backward vanishes)."""
     torch.manual_seed(seed)
@@ -91,7 +92,8 @@ def compare(block, x, dout, dtype, seed=1):
     fused_block = copy.deepcopy(block).to(dtype)
     xd = x.to(dtype)
     out, grads, bufs = run_block(fused_block, xd, dout, seed, fused=True)
-    out_ref, grads_ref, bufs_ref = run_block(ref_block, xd.double(), dout.to(dtype).double(), seed, fused=False)
+    dout_ref = dout.to(dtype).double()
+    out_ref, grads_ref, bufs_ref = run_block(ref_block, xd.double(), dout_ref, seed, fused=False)
     grads, grads_ref = {"out": out, **grads}, {"out": out_ref, **grads_ref}
     scales = _scales(grads_ref)
     errors = {}
@@ -172,8 +174,9 @@ def test_fp16_forward_and_backward_match_the_reference(interpreter_backend):
     names = ["x", "conv_dw.weight", "conv_expand.weight", "conv_project.weight", "bn_dw.weight", "bn_dw.bias",
              "bn_expand.weight", "bn_expand.bias", "bn_project.weight", "bn_project.bias"]
     scales = _scales({n: e.double() for n, e in zip(names, expect)})
-    assert_within({n: (a.double() - e.double()).abs().max().item() / scales[n] for n, a, e in zip(names, grads, expect)},
-                  3e-3)
+    errors = {n: (a.double() - e.double()).abs().max().item() / scales[n]
+              for n, a, e in zip(names, grads, expect)}
+    assert_within(errors, 3e-3)
 
 
 def test_two_steps_momentum_none_and_nchw_input(interpreter_backend):
@@ -189,7 +192,8 @@ def test_two_steps_momentum_none_and_nchw_input(interpreter_backend):
         out_ref = ref(x.double())
         assert (out.double() - out_ref).abs().max() <= TOL[torch.float32] * out_ref.abs().max()
     for (name, b), r in zip(block.named_buffers(), ref.buffers()):
-        torch.testing.assert_close(b.double(), r.double(), rtol=RUNNING_TOL[torch.float32], atol=1e-7, msg=name)
+        torch.testing.assert_close(b.double(), r.double(), rtol=RUNNING_TOL[torch.float32], atol=1e-7,
+                                   msg=name)
 
 
 def test_backward_is_deterministic(interpreter_backend):
@@ -239,12 +243,13 @@ def test_reference_is_autograd_of_the_training_form(training, stride):
     else:
         args = (*args[:16], training, 1e-5)
         res = convfirst_s2_train_reference(*args)
-        grads = convfirst_s2_train_backward_reference(dout, x.detach(), *res[1:4], *args[1:10], *res[4:], training,
-                                                      1e-5)
+        grads = convfirst_s2_train_backward_reference(dout, x.detach(), *res[1:4], *args[1:10], *res[4:],
+                                                      training, 1e-5)
     torch.testing.assert_close(res[0], out.detach(), rtol=1e-12, atol=1e-12)
     expect = [x.grad, block.conv_dw.weight.grad, block.conv_expand.weight.grad.flatten(1),
               block.conv_project.weight.grad.flatten(1)]
-    expect += [t.grad for bn in (block.bn_dw, block.bn_expand, block.bn_project) for t in (bn.weight, bn.bias)]
+    bns = (block.bn_dw, block.bn_expand, block.bn_project)
+    expect += [t.grad for bn in bns for t in (bn.weight, bn.bias)]
     for got, want in zip(grads, expect):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
@@ -326,7 +331,8 @@ from convfirstnet.blocks import ConvFirst
 for stride in (1, 2):
     block = ConvFirst(16, 16 * stride, stride, 3).train()
     x = torch.randn(2, 16, 8, 8).contiguous(memory_format=torch.channels_last).requires_grad_()
-    backend = aot_autograd(fw_compiler=capture(f"forward s{stride}"), bw_compiler=capture(f"backward s{stride}"))
+    backend = aot_autograd(fw_compiler=capture(f"forward s{stride}"),
+                           bw_compiler=capture(f"backward s{stride}"))
     torch.compile(block, fullgraph=True, backend=backend)(x).sum().backward()
 print(json.dumps(graphs))
 """
@@ -462,7 +468,8 @@ def test_small_block_compiles_for_sm90_without_spills():
         assert comp.shared <= SMEM_LIMIT[90], f"{name}: {comp.shared} B of shared memory"
         meta = dict(comp.variant.meta)
         narrowest = min(meta.get(k, 1 << 20) for k in ("CP", "CPI", "CPO"))
-        if comp.variant.name.startswith("_ffn") or (comp.variant.name == "_moments_kernel" and narrowest >= 64):
+        big_moments = comp.variant.name == "_moments_kernel" and narrowest >= 64
+        if comp.variant.name.startswith("_ffn") or big_moments:
             # the weight-gradient dots of C = 32 have M = 32 < 64 (mma.sync); all others are wgmma
             allowed = ("wgmma", "wgmma+mma.sync") if narrowest < 64 else ("wgmma",)
             assert comp.mma_kind in allowed, f"{name}: {comp.mma_kind}"
@@ -539,7 +546,8 @@ def test_ddp_gloo_two_processes_equal_layerwise():
     script = Path(__file__).with_name("_ddp_fused_step.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(script)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
