@@ -561,3 +561,85 @@ def test_mixed_batchnorm_modes_fall_back():
     block = make_block(16, 3, 0.0).train()
     block.bn_expand.eval()
     assert "differ in mode" in unsupported(block, torch.randn(1, 16, 4, 4))
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU only (skipped without CUDA): fp16 / bf16 autocast against the fp32 training form at Small's shapes
+# ------------------------------------------------------------------------------------------------
+
+# (C, K, stride, t, map side): every ConvFirst block shape of ConvFirstNet-Small at 256 x 256
+SMALL_BLOCKS = [(32, 32, 1, 3, 128), (32, 64, 2, 6, 128), (64, 64, 1, 6, 64), (64, 96, 2, 6, 64),
+                (96, 96, 1, 6, 32)]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _norm_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """||got - ref|| / ||ref||: a norm, since 16-bit rounding flips ReLU masks near zero (each flip moves
+    one term of a gradient; see test_fp16_forward_and_backward_match_the_reference)."""
+    return ((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("c,k,stride,t,side", SMALL_BLOCKS)
+def test_small_blocks_autocast_gpu(monkeypatch, dtype, c, k, stride, t, side):
+    """Batch 16 under autocast: the fused Triton block against the same block layer-wise in fp32: output,
+    input and parameter gradients within 16-bit rounding in norm (fp16 2e-2, bf16 6e-2: a few roundings
+    of u = 2^-11 / 2^-8 through the BatchNorm backwards), running statistics within 1e-2."""
+    block = make_block(c, t, 0.0, k=k, stride=stride).cuda().train()
+    ref = copy.deepcopy(block)
+    x = torch.randn(16, c, side, side, device="cuda").contiguous(memory_format=CL)
+    dout = torch.randn(16, k, -(-side // stride), -(-side // stride), device="cuda")
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "triton")
+    xa = x.clone().requires_grad_()
+    with torch.autocast("cuda", dtype):
+        out = block(xa)
+    out.float().backward(dout)
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "reference")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    xb = x.clone().requires_grad_()
+    out_ref = ref(xb)
+    out_ref.backward(dout)
+    tol = 2e-2 if dtype == torch.float16 else 6e-2
+    assert out.dtype == dtype and _norm_error(out, out_ref) <= tol
+    assert _norm_error(xa.grad, xb.grad) <= tol
+    for (name, p), q in zip(block.named_parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32 and _norm_error(p.grad, q.grad) <= tol, name
+    for (name, b), r in zip(block.named_buffers(), ref.buffers()):
+        if b.is_floating_point():
+            assert _norm_error(b, r) <= 1e-2, name
+
+
+@cuda
+@pytest.mark.gpu
+def test_backward_bitwise_deterministic_gpu(monkeypatch):
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "triton")
+    block = make_block(64, 6, 0.0).cuda().half().train()
+    x = torch.randn(32, 64, 56, 56, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
+    dout = torch.randn_like(x)
+    _, g1, _ = run_block(copy.deepcopy(block), x, dout, 0, fused=True)
+    _, g2, _ = run_block(copy.deepcopy(block), x, dout, 0, fused=True)
+    for name in g1:
+        assert torch.equal(g1[name], g2[name]), name
+
+
+@cuda
+@pytest.mark.gpu
+def test_compiled_training_step_gpu(monkeypatch):
+    """torch.compile(fullgraph=True) of a training step through the fused Triton ops equals eager."""
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "triton")
+    torch._dynamo.reset()
+    net = torch.nn.Sequential(make_block(32, 32, 0.0, k=64, stride=2), make_block(64, 6, 0.0)).cuda()
+    ref = copy.deepcopy(net)
+    x = torch.randn(8, 32, 64, 64, device="cuda").contiguous(memory_format=CL)
+    step = torch.compile(lambda m, x: m(x).float().square().mean(), fullgraph=True)
+    with torch.autocast("cuda", torch.float16):
+        loss = step(net, x)
+        loss_ref = ref(x).float().square().mean()
+    loss.backward()
+    loss_ref.backward()
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-3, atol=1e-4)
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        assert _norm_error(p.grad, q.grad) <= 1e-2, name
