@@ -278,7 +278,7 @@ def record_fused_block(block: nn.Module, in_shape: tuple, batch: int, dtype: tor
     x = torch.empty(batch, *in_shape[1:], device="meta", dtype=dtype).contiguous(
         memory_format=torch.channels_last).requires_grad_()
     counter = _CountLaunches()
-    with recording(tgt.sms, tgt.l2_bytes) as rec, counter:
+    with recording(sms=tgt.sms, l2_bytes=tgt.l2_bytes) as rec, counter:
         out = meta(x)
         out.backward(torch.empty_like(out))
     return rec.launches, counter.count

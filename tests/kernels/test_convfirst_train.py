@@ -338,6 +338,8 @@ print(json.dumps(graphs))
 """
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_torch_compile_traces_triton_branch():
     """torch.compile(fullgraph=True) of a training-form ConvFirst block's forward + backward through the
     fused ops' Triton branch (real JITFunctions, in a subprocess without the interpreter): every launch
@@ -440,6 +442,7 @@ def record_block(c: int, r: int, hw: int, n: int = 128, dtype=torch.float16):
     return rec.launches
 
 
+@pytest.mark.compile
 @pytest.mark.slow
 def test_small_block_compiles_for_sm90_without_spills():
     """Every launch of a training step of Small's stage-3 block (C = 96, R = 576), the weights pass of its
@@ -532,6 +535,7 @@ def test_model_runs_convfirst_fused_and_says_what_is_not(interpreter_backend, mo
         torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_ddp_gloo_two_processes_equal_layerwise():
     """torch.distributed.run, 2 CPU processes (gloo): two DDP steps (SGD with momentum, drop-path, running
