@@ -24,6 +24,7 @@ from timm.layers import BlurPool2d, DropPath, SEModule
 
 from .folding import fold_conv_bn
 from .kernels._launch import GROUP_WIDTH
+from .training_kernels import dispatch as _fused_training
 MIN_INPUT_SIZE = 32  # five stride-2 stages; each BlurPool reflects one pixel, so needs a 2x2 map
 INPUT_DTYPES = "float32, float16, bfloat16 or float64"
 
@@ -200,6 +201,9 @@ class ConvFirst(nn.Module):
         self.drop_path = DropPath(drop_path) if drop_path > 0 and stride == 1 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _fused_training(self, x)  # the fused training op when the Triton kernels are selected
+        if out is not None:
+            return out
         y = self.bn_dw(self.conv_dw(x))
         u = y if self.stride == 1 else self.blur(torch.cat([x, y], dim=1))
         out = self.bn_project(self.conv_project(self.act(self.bn_expand(self.conv_expand(u)))))
@@ -268,6 +272,9 @@ class MBConv(nn.Module):
         self.drop_path = DropPath(drop_path) if drop_path > 0 and stride == 1 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _fused_training(self, x)  # None until MBConv has a fused training op (warns once)
+        if out is not None:
+            return out
         h = self.act(self.bn_expand(self.conv_expand(x)))
         g = self.blur(self.act(self.bn_dw(self.conv_dw(h))))
         out = self.bn_project(self.conv_project(self.se(g)))

@@ -9,6 +9,7 @@ Importing this package registers the ops.
 """
 
 from .convfirst import op as _convfirst_op  # noqa: F401
+from .convfirst_train import op as _convfirst_train_op  # noqa: F401
 from .gconv import op as _gconv_op  # noqa: F401
 from .head import op as _head_op  # noqa: F401
 from .mbconv import op as _mbconv_op  # noqa: F401

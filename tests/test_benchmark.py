@@ -432,6 +432,39 @@ def test_gpu_backends_smoke(tmp_path, monkeypatch):
         assert r["peak_mem_mb"] > 0
 
 
+def test_cpu_train_run_writes_record(tmp_path, capsys):
+    """--train: one training step per iteration, fused and eager side by side, a record of mode train; on
+    CPU the fused training ops are not selected and the record says so."""
+    argv = ["pico", "--train", "--resolution", "32", "--batch-sizes", "2", "--iters", "1", "--warmup", "0",
+            "--device", "cpu", "--out-dir", str(tmp_path)]
+    assert benchmark.main(argv) == 0
+    path, rec = _only_record(tmp_path)
+    assert path.name.endswith("_cpu_float32_train-pico.json") and rec["mode"] == "train"
+    by = {r["backend"]: r for r in rec["results"]}
+    assert set(by) == {"fused", "eager"} and all(r["status"] == "ok" for r in by.values())
+    assert by["fused"]["kernels"].startswith("layer-wise")
+    eager = by["eager"]
+    assert eager["tflops"] == pytest.approx(2 * 3 * eager["macs_per_image"] * eager["img_per_s"] / 1e12)
+    assert "| convfirstnet_pico@32 | fused | 2 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        benchmark.build_parser().parse_args(["--train", "--train-backends", "fused,bogus"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+def test_gpu_train_backends_smoke(tmp_path, monkeypatch):
+    """--train on a GPU: the fused training ops take their Triton kernels; img/s and peak memory per backend."""
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "auto")
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
+    argv = ["pico", "--train", "--batch-sizes", "8", "--iters", "3", "--warmup", "1", "--train-backends",
+            "fused,eager", "--out-dir", str(tmp_path)]
+    assert benchmark.main(argv) == 0
+    _, rec = _only_record(tmp_path)
+    by = {r["backend"]: r for r in rec["results"]}
+    assert all(r["status"] == "ok" for r in by.values()), rec["results"]
+    assert by["fused"]["kernels"] == "triton" and all(r["peak_mem_mb"] > 0 for r in by.values())
+
+
 def test_documented_results_match_committed_records():
     """The results block of docs/bench.md is exactly what the generator makes of benchmarks/results/."""
     root = Path(__file__).resolve().parent.parent

@@ -28,7 +28,7 @@ def test_wheel_layout(wheel):
     for block in ("stem", "convfirst", "mbconv", "head"):
         for part in ("reference.py", "op.py", "kernel.py"):
             assert f"convfirstnet/kernels/{block}/{part}" in names
-    for block in ("gconv", "stem", "head"):
+    for block in ("gconv", "stem", "head", "convfirst_train"):
         for part in ("reference.py", "op.py", "kernel.py", "launcher.py"):
             assert f"convfirstnet/kernels/{block}/{part}" in names
     assert "convfirstnet/kernels/_activations.py" in names
@@ -49,6 +49,8 @@ def test_wheel_imports_outside_checkout(wheel, tmp_path):
         "assert importlib.util.find_spec('kernels') is None or 'convfirstnet' not in str(importlib.util.find_spec('kernels').origin);"
         "assert hasattr(torch.ops.convfirstnet, 'convfirst');"
         "assert hasattr(torch.ops.convfirstnet, 'gconv3x3_wgrad');"
+        "assert hasattr(torch.ops.convfirstnet, 'convfirst_s2_train_backward');"
+        "from convfirstnet.training_kernels import fused_forward;"
         "from convfirstnet.gconv import GroupConv3x3;"
         "from convfirstnet.weights import manifest; assert manifest()['models'] == {};"
         "print('ok')"

@@ -183,6 +183,7 @@ def test_smoke(tiny_data, tmp_path, capsys):
         os.umask(old)
     printed = capsys.readouterr().out
     assert "no checkpoint" in printed and "dropout 0.2, drop-path 0.2" in printed
+    assert "kernels torch" in printed  # the default on CPU: every layer in PyTorch
     records = read_log(out)
     steps = [r for r in records if r["kind"] == "train"]
     assert [r["global_step"] for r in steps] == [1, 2, 3, 4]
@@ -402,3 +403,46 @@ def test_learns_and_weight_file_evaluates(tmp_path, capsys, monkeypatch):
     assert results["fused"]["num_images"] == 64 and results["fused"]["checkpoint"] == str(path)
     assert results["fused"]["top1_correct"] == results["unfused"]["top1_correct"]
     assert results["fused"]["top1"] == results["unfused"]["top1"] >= 90
+
+
+def test_kernels_triton_needs_cuda_or_the_interpreter(tiny_data, tmp_path, capsys, monkeypatch):
+    """--kernels triton on CPU without Triton's interpreter is a one-line error before anything is made."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # read per call by kernels._launch.interpreter_enabled
+    out = tmp_path / "out" / "run"
+    argv = [*SMALL, "--data", str(tiny_data), "--output", str(out), "--kernels", "triton"]
+    assert train_imagenet.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "--kernels triton needs CUDA" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.interpreter
+@pytest.mark.slow
+def test_kernels_triton_runs_the_fused_training_blocks(tiny_data, tmp_path, capsys, monkeypatch):
+    """--kernels triton (here in Triton's interpreter): the ConvFirst blocks run the fused training ops,
+    the MBConv blocks their layers with one line saying so; the checkpoint is the layer-wise state_dict;
+    CONVFIRSTNET_KERNELS is restored after the run."""
+    import warnings
+
+    from convfirstnet import training_kernels
+
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("interpreter test: runs where there is no GPU")
+    monkeypatch.delenv("CONVFIRSTNET_KERNELS", raising=False)
+    monkeypatch.setattr(training_kernels, "_WARNED", set())
+    calls = []
+    fused = training_kernels.fused_forward
+    monkeypatch.setattr(training_kernels, "fused_forward", lambda b, x: calls.append(b) or fused(b, x))
+    out = tmp_path / "run"
+    argv = [*SMALL, "--data", str(tiny_data), "--output", str(out), "--kernels", "triton"]
+    argv += "--epochs 1 --batch-size 8 --warmup-epochs 0 --aug none --max-steps 1 --no-ema".split()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert train_imagenet.main(argv) == 0
+    assert "kernels triton" in capsys.readouterr().out
+    assert len(calls) == 6  # Pico's six ConvFirst blocks, one training step
+    assert [str(w.message).split(":")[0] for w in caught if "layer-wise" in str(w.message)] == ["MBConv"]
+    assert "CONVFIRSTNET_KERNELS" not in os.environ
+    (ckpt,) = out.glob("recovery-*.pth.tar")
+    state = load(ckpt)["state_dict"]
+    assert "stages.0.0.bn_dw.running_var" in state and "stages.0.0.conv_dw.weight" in state

@@ -28,6 +28,20 @@ median; achieved TFLOP/s is 2 x MACs x img/s with MACs counted by ``convfirstnet
 tensor-core peak from ``convfirstnet.analysis.devices`` (or ``--peak-tflops``, or the matmul peak
 measured with ``--measure-peak``).
 
+Training mode (``--train``) times one training step per iteration (zero_grad, forward under autocast
+to ``--dtype`` with fp32 master weights, cross-entropy, backward, SGD step) of the training form in
+train mode, channels-last, with ``--train-backends``:
+
+* ``fused``: the fused training ops for the blocks that have them (``convfirstnet.training_kernels``:
+  Triton forward and backward on CUDA, ``CONVFIRSTNET_KERNELS=auto``), the other layers in PyTorch;
+* ``fused-inductor``: the same under ``torch.compile``;
+* ``eager``: the layer-wise training form (``CONVFIRSTNET_KERNELS=reference``: cuDNN's grouped convs);
+* ``inductor``: ``torch.compile`` of the layer-wise training step.
+
+Images/s and peak memory (CUDA) per backend, side by side; TFLOP/s counts 3 x the forward MACs per image
+(forward, input gradient, weight gradient). On CPU ``fused`` runs the same layers as ``eager`` (the
+fused training ops take the Triton path on CUDA only), which the record's ``kernels`` note states.
+
 A backend that cannot run here (CUDA graphs on CPU, fused kernels for a non-ConvFirstNet model, an
 out-of-memory batch, a compiler error) is reported as skipped with the reason; the run goes on.
 """
@@ -59,6 +73,7 @@ from ._cli import ArgumentParser, ToolError, run_reporting
 from ._timing import measure_matmul_peak, summarize, throughput, time_iterations
 
 NETWORK_BACKENDS = ("fused", "fused-cudagraph", "eager", "inductor", "inductor-max-autotune")
+TRAIN_BACKENDS = ("fused", "fused-inductor", "eager", "inductor")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 DEFAULT_MODELS = ("convfirstnet_pico", "convfirstnet_nano", "convfirstnet_tiny", "convfirstnet_small")
 # option -> (CUDA default, CPU default); block mode times batch PAPER_BATCH on either
@@ -80,6 +95,15 @@ def _int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def _train_backend_list(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [n for n in names if n not in TRAIN_BACKENDS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown training backend(s) {bad or text!r}; choose from "
+                                         f"{', '.join(TRAIN_BACKENDS)}")
+    return names
 
 
 def _backend_list(text: str) -> list[str]:
@@ -159,6 +183,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="dense fp16/bf16 peak TFLOP/s to use instead of the device table",
+    )
+    p.add_argument(
+        "--train",
+        action="store_true",
+        help="time training steps (forward + backward + SGD step) instead of inference",
+    )
+    p.add_argument(
+        "--train-backends",
+        type=_train_backend_list,
+        default=None,
+        help=f"with --train: comma list of {', '.join(TRAIN_BACKENDS)} (default: fused,eager,inductor on "
+        "CUDA; fused,eager on CPU)",
     )
     p.add_argument(
         "--out-dir",
@@ -349,6 +385,111 @@ def prepare(
         notes["compile_s"] = round(time.perf_counter() - t0, 3)
         return run, notes
     raise ValueError(f"unknown backend {backend!r}")
+
+
+_TRAIN_KERNELS = {"fused": "auto", "fused-inductor": "auto", "eager": "reference", "inductor": "reference"}
+
+
+def prepare_train(backend: str, train_model: nn.Module, is_convfirstnet: bool, x: torch.Tensor,
+                  y: torch.Tensor, dtype: torch.dtype) -> tuple[Callable[[], object], dict]:
+    """A zero-argument callable that runs one training step of ``backend``, plus notes (module docstring).
+    Runs under the backend's CONVFIRSTNET_KERNELS (set by the caller)."""
+    device = x.device
+    notes: dict = {}
+    if backend.startswith("fused"):
+        if not is_convfirstnet:
+            raise Skip("fused training ops exist only for ConvFirstNet models")
+        from convfirstnet.training_kernels import triton_selected
+
+        on = triton_selected(x)
+        notes["kernels"] = "triton" if on else "layer-wise (the fused training ops run on CUDA)"
+    model = copy.deepcopy(train_model).to(device).to(memory_format=torch.channels_last).train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    forward = model
+    if backend in ("inductor", "fused-inductor"):
+        torch._dynamo.reset()
+        forward = torch.compile(model, dynamic=False)
+    autocast = dtype != torch.float32
+
+    def step() -> object:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=dtype, enabled=autocast):
+            loss = nn.functional.cross_entropy(forward(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    if backend in ("inductor", "fused-inductor"):
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        notes["compile_s"] = round(time.perf_counter() - t0, 3)
+    notes["_keep"] = (model, opt)
+    return step, notes
+
+
+def run_train_case(backend: str, train_model: nn.Module, is_convfirstnet: bool, x: torch.Tensor,
+                   y: torch.Tensor, dtype: torch.dtype, warmup: int, iters: int) -> dict:
+    """Prepare, warm up and time one training backend; a dict with status ok or skipped."""
+    import os
+
+    device = x.device
+    saved = os.environ.get("CONVFIRSTNET_KERNELS")
+    os.environ["CONVFIRSTNET_KERNELS"] = _TRAIN_KERNELS[backend]
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        fn, notes = prepare_train(backend, train_model, is_convfirstnet, x, y, dtype)
+        times = time_iterations(fn, device, warmup, iters)
+    except Skip as e:
+        return dict(status="skipped", reason=str(e))
+    except torch.cuda.OutOfMemoryError as e:
+        return dict(status="skipped", reason=f"out of memory: {_short_error(e)}")
+    except Exception as e:  # a compiler or kernel failure must not end the whole run
+        print(f"[bench] {backend} (train) failed:\n{traceback.format_exc(limit=4)}", file=sys.stderr)
+        return dict(status="skipped", reason=f"failed: {_short_error(e)}")
+    finally:
+        if saved is None:
+            os.environ.pop("CONVFIRSTNET_KERNELS", None)
+        else:
+            os.environ["CONVFIRSTNET_KERNELS"] = saved
+        gc.collect()
+    result = dict(status="ok", times_ms=summarize(times))
+    result.update({k: v for k, v in notes.items() if not k.startswith("_")})
+    if device.type == "cuda":
+        result["peak_mem_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    del notes
+    return result
+
+
+def run_train(args, device, dtype, peak, measured) -> list[dict]:
+    results = []
+    for spec in args.models or list(DEFAULT_MODELS):
+        name, res = parse_model_spec(spec, args.resolution)
+        try:
+            train_model, key, is_cfn = build_model(name)
+        except Skip as e:
+            results.append(dict(model=name, status="skipped", reason=str(e)))
+            continue
+        macs, params = model_cost(train_model, (3, res, res))
+        classes = getattr(train_model, "num_classes", 1000)
+        for backend in args.train_backends:
+            for batch in args.batch_sizes:
+                g = torch.Generator().manual_seed(0)
+                x = torch.randn(batch, 3, res, res, generator=g).to(device)
+                x = x.contiguous(memory_format=torch.channels_last)
+                y = torch.randint(0, classes, (batch,), generator=g).to(device)
+                row = dict(model=key, backend=backend, batch=batch, resolution=res,
+                           dtype=str(dtype).removeprefix("torch."), macs_per_image=macs, params=params,
+                           train_macs_per_image=3 * macs)
+                row.update(run_train_case(backend, train_model, is_cfn, x, y, dtype, args.warmup, args.iters))
+                _figures(row, batch, 3 * macs, peak, measured)
+                results.append(row)
+                print(f"[bench] train {_progress(row)}", file=sys.stderr)
+                del x, y
+    return results
 
 
 def _short_error(e: BaseException) -> str:
@@ -637,6 +778,8 @@ def record_filename(record: dict) -> str:
             if len(models) <= 4
             else f"{len(models)}models"
         )
+        if record["mode"] == "train":
+            what = f"train-{what}"
     parts = [stamp, device_slug, record["settings"]["dtype"], _slug(what)]
     if record.get("tag"):
         parts.append(_slug(record["tag"]))
@@ -678,9 +821,15 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 if device.type == "cuda"
                 else ["fused", "eager"]
             )
+    if args.train and args.blocks:
+        raise ToolError("--train times whole models; it does not combine with --blocks")
+    if args.train_backends is not None and not args.train:
+        raise ToolError("--train-backends needs --train")
+    if args.train and args.train_backends is None:
+        args.train_backends = ["fused", "eager", "inductor"] if device.type == "cuda" else ["fused", "eager"]
     defaults = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
     defaulted = [k for k in ("batch_sizes", "warmup", "iters") if getattr(args, k) is None]
-    if args.blocks and args.batch_sizes is None:
+    if (args.blocks or args.train) and args.batch_sizes is None:
         args.batch_sizes = [PAPER_BATCH]
         defaulted.remove("batch_sizes")
     for key in defaulted:
@@ -739,13 +888,16 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.blocks:
         results = run_blocks(args, device, dtype, peak, measured)
         table = block_table(results)
+    elif args.train:
+        results = run_train(args, device, dtype, peak, measured)
+        table = network_table(results)
     else:
         results = run_network(args, device, dtype, peak, measured)
         table = network_table(results)
 
     record = dict(
         schema=SCHEMA,
-        mode="blocks" if args.blocks else "network",
+        mode="blocks" if args.blocks else "train" if args.train else "network",
         date=now.strftime("%Y-%m-%dT%H:%M:%SZ"),
         command=command_line("convfirstnet bench", argv),
         tag=args.tag,
@@ -758,7 +910,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             else [],
             blocks=args.blocks,
             block_depth=args.block_depth if args.blocks else None,
-            backends=args.backends,
+            backends=args.train_backends if args.train else args.backends,
             batch_sizes=args.batch_sizes,
             resolution=args.resolution,
             dtype=str(dtype).removeprefix("torch."),

@@ -48,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write the per-block diagnosis (what binds, the redesign targets) as Markdown here",
     )
     p.add_argument(
+        "--train",
+        action="store_true",
+        help="one training step (forward + backward) instead of inference: the fused training blocks' "
+        "launches against the layer-wise training bound, and the activation bytes stored for the backward "
+        "(convfirstnet/analysis/training.py)",
+    )
+    p.add_argument(
         "--render",
         default=None,
         metavar="JSON",
@@ -92,6 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.img_size < 32:
             raise ValueError(f"--img-size must be at least 32 (five stride-2 stages), got {args.img_size}")
         model = create_model(name)
+        if args.train:
+            return _train_report(model, name, args, argv, say)
         rep = build_report(
             model,
             (model.in_chans, args.img_size, args.img_size),
@@ -121,6 +130,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(args.diagnosis).parent.mkdir(parents=True, exist_ok=True)
         Path(args.diagnosis).write_text(diagnosis(rep))
         say(f"diagnosis: {args.diagnosis}")
+    return 0
+
+
+def _train_report(model, name: str, args, argv: list[str], say) -> int:
+    from convfirstnet.analysis.training import build_training_report, to_markdown as train_markdown
+
+    if args.diagnosis or args.render:
+        raise ValueError("--diagnosis and --render apply to the inference report, not to --train")
+    rep = build_training_report(model, (model.in_chans, args.img_size, args.img_size), batch=args.batch,
+                                dtype=args.dtype, arch=args.arch, jobs=args.jobs, progress=say, name=name)
+    rep["command"] = "convfirstnet kernels " + shlex.join(argv)
+    text = train_markdown(rep)
+    print(text, end="")
+    for path, content in ((args.json, json.dumps(rep, indent=1) + "\n"), (args.markdown, text)):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(content)
+            say(f"written: {path}")
     return 0
 
 

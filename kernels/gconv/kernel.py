@@ -289,17 +289,19 @@ def store_wgrad_pair(ptr, acc, co0, gok, T0: tl.constexpr, G: tl.constexpr, ATOM
 
 @triton.jit
 def _gconv_fwd_kernel(
-    # pointers: input (N, H, W, C) through strides, weight (C, 8, 3, 3), output (N, HO, WO, C) contiguous
-    x_ptr, w_ptr, y_ptr,
+    # pointers: input (N, H, W, C) through strides, weight (C, 8, 3, 3), output (N, HO, WO, C) contiguous,
+    # (RESIDUAL) a contiguous (N, HO, WO, C) map added to the output
+    x_ptr, w_ptr, y_ptr, res_ptr,
     # sizes: C8 = C / 8 groups (C in groups: the compiler then knows pixel rows are whole 16-byte vectors)
     H, W, HO, WO, C8,
     # strides: x's pixel strides in units of 8 elements (unit channel stride), w's in elements
     sxn8, sxh8, sxw8, swo, swi, swh, sww,
     # meta-parameters
     STRIDE: tl.constexpr, FLIP: tl.constexpr, G: tl.constexpr, MASK_C: tl.constexpr, TH: tl.constexpr,
-    TW: tl.constexpr, PRECISION: tl.constexpr,
+    TW: tl.constexpr, PRECISION: tl.constexpr, RESIDUAL: tl.constexpr = False,
 ):
-    """Forward (FLIP = False) and stride-1 dgrad (FLIP = True, x = dy, y = dx)."""
+    """Forward (FLIP = False) and stride-1 dgrad (FLIP = True, x = dy, y = dx). RESIDUAL: y += res, in
+    fp32 before the one rounding (a block's dx = dout + dgrad: the sum never makes its own pass)."""
     BM: tl.constexpr = TH * TW
     # strides passed in units of 8 elements, so that the compiler knows every 8-channel group is one
     # aligned 16-byte vector (tl.multiple_of on a scalar argument is dropped by Triton 3.8)
@@ -313,8 +315,10 @@ def _gconv_fwd_kernel(
     pix = x_ptr + n.to(tl.int64) * sxn + r * sxh + c * sxw + co0
     acc = gconv_tile(pix, r, c, ok, gok, H, W, sxh, sxw, w_ptr, co0, swo, swi, swh, sww, G, BM, FLIP,
                      PRECISION)
-    out = y_ptr + (n.to(tl.int64) * HO * WO + oh * WO + ow) * C + co0
-    store_group_tile(out, acc, ok, gok, G)
+    pix_out = (n.to(tl.int64) * HO * WO + oh * WO + ow) * C + co0
+    if RESIDUAL:
+        acc += load_group_tile(res_ptr + pix_out, ok, gok, G).to(tl.float32)
+    store_group_tile(y_ptr + pix_out, acc, ok, gok, G)
 
 
 @triton.jit

@@ -201,21 +201,28 @@ def gconv3x3_triton(x: torch.Tensor, w: torch.Tensor, stride: int) -> torch.Tens
     x = _nhwc(x)
     cfg = tile_config(c, ho, wo, x.dtype)
     grid = (_tiles(n, ho, wo, cfg), triton.cdiv(c, cfg.channels))
-    launch(_gconv_fwd_kernel, grid, x, w, y, h, wd, ho, wo, c // GROUP_WIDTH, *_vector_strides(x),
-           *w.stride(), STRIDE=stride, FLIP=False, **_meta(cfg, c),
+    launch(_gconv_fwd_kernel, grid, x, w, y, None, h, wd, ho, wo, c // GROUP_WIDTH, *_vector_strides(x),
+           *w.stride(), STRIDE=stride, FLIP=False, RESIDUAL=False, **_meta(cfg, c),
            cost=lambda: conv_cost("forward", cfg, n, c, h, wd, stride, x.element_size(), w.element_size()))
     return y
 
 
-def gconv3x3_dgrad_triton(dy: torch.Tensor, w: torch.Tensor, h: int, wd: int, stride: int) -> torch.Tensor:
-    """Input gradient: dy (N, C, H', W') -> dx (N, C, H, W) NHWC in dy's dtype."""
+def gconv3x3_dgrad_triton(dy: torch.Tensor, w: torch.Tensor, h: int, wd: int, stride: int,
+                          residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Input gradient: dy (N, C, H', W') -> dx (N, C, H, W) NHWC in dy's dtype. ``residual`` (stride 1; an
+    (N, C, H, W) map in dy's dtype): added to dx in fp32 before dx is rounded and stored (the fused
+    training blocks' dx = dout + dgrad(da) in one pass)."""
     check_supported("gconv3x3_dgrad", dy)
     n, c, ho, wo = dy.shape
     dx = torch.empty((n, c, h, wd), dtype=dy.dtype, device=dy.device, memory_format=torch.channels_last)
     if dx.numel() == 0:
         return dx
     dy = _nhwc(dy)
-    args = (dy, w, dx, h, wd, ho, wo, c // GROUP_WIDTH, *_vector_strides(dy), *w.stride())
+    if residual is not None:
+        assert stride == 1 and tuple(residual.shape) == tuple(dx.shape) and residual.dtype == dx.dtype
+        residual = residual.contiguous(memory_format=torch.channels_last)
+    args = (dy, w, dx, residual, h, wd, ho, wo, c // GROUP_WIDTH,  # residual None: a constexpr, never read
+            *_vector_strides(dy), *w.stride())
     # stride 1: tiles of dx pixels; stride 2: tiles of positions (a, b), each the 2x2 input pixels
     # (2a + py, 2b + px), i.e. tiles over the H' x W' map
     cfg = tile_config(c, ho, wo, dy.dtype)
@@ -223,9 +230,12 @@ def gconv3x3_dgrad_triton(dy: torch.Tensor, w: torch.Tensor, h: int, wd: int, st
     eb, wb = dy.element_size(), w.element_size()
     cost = lambda: conv_cost(f"dgrad s{stride}", cfg, n, c, h, wd, stride, eb, wb)
     if stride == 1:
-        launch(_gconv_fwd_kernel, grid, *args, STRIDE=1, FLIP=True, **_meta(cfg, c), cost=cost)
+        launch(_gconv_fwd_kernel, grid, *args, STRIDE=1, FLIP=True, RESIDUAL=residual is not None,
+               **_meta(cfg, c),
+               cost=(lambda: conv_cost("dgrad s1 + residual", cfg, n, c, h, wd, 1, eb, wb, residual=True))
+               if residual is not None else cost)
     else:
-        launch(_gconv_dgrad_s2_kernel, grid, *args, **_meta(cfg, c), cost=cost)
+        launch(_gconv_dgrad_s2_kernel, grid, *args[:3], *args[4:], **_meta(cfg, c), cost=cost)
     return dx
 
 
@@ -282,17 +292,17 @@ def useful_macs(n: int, c: int, h: int, w: int, stride: int) -> int:
     return n * ho * wo * c * 9 * GROUP_WIDTH
 
 
-def conv_cost(kind: str, cfg: TileConfig, n: int, c: int, h: int, w: int, stride: int, eb: int, wb: int
-              ) -> KernelCost:
-    """Forward or dgrad: x (dy) read once, y (dx) written once, the weights once; five [G, BM, 16] x
-    [G, 16, 8] steps per program (per tile of positions for stride-2 dgrad)."""
+def conv_cost(kind: str, cfg: TileConfig, n: int, c: int, h: int, w: int, stride: int, eb: int, wb: int,
+              residual: bool = False) -> KernelCost:
+    """Forward or dgrad: x (dy) read once, y (dx) written once (and a residual map read once), the weights
+    once; five [G, BM, 16] x [G, 16, 8] steps per program (per tile of positions for stride-2 dgrad)."""
     ho, wo = _out_hw(h, w, stride)
     programs = _tiles(n, ho, wo, cfg) * triton.cdiv(c, cfg.channels)
     loops = () if kind == "dgrad s2" else (Loop("taps", 5),)
     return KernelCost(
         useful_macs=useful_macs(n, c, h, w, stride),
         mma_macs=programs * 5 * cfg.g * cfg.block_m * 16 * 8 * _passes(cfg),
-        dram_bytes=eb * n * c * (h * w + ho * wo) + wb * c * GROUP_WIDTH * 9,
+        dram_bytes=eb * n * c * (h * w + ho * wo + (h * w if residual else 0)) + wb * c * GROUP_WIDTH * 9,
         loops=loops,
         note=f"gconv3x3 {kind} C={c} G={cfg.g} tile {cfg.tile_h}x{cfg.tile_w}",
     )

@@ -16,6 +16,9 @@ image; in fp16 every image is such an image (checked, so that the comparison can
 in bf16 those of Nano and Small (margins 0.13 ... 0.22; Pico's and Tiny's are below bf16's error).
 """
 
+import contextlib
+import os
+
 import pytest
 import torch
 
@@ -49,13 +52,29 @@ def count_launches(monkeypatch):
     return launched
 
 
+@contextlib.contextmanager
+def layerwise():
+    """The training form layer by layer (cuDNN): with the Triton kernels selected, its ConvFirst blocks
+    would otherwise run the fused training ops (convfirstnet.training_kernels)."""
+    saved = os.environ.get("CONVFIRSTNET_KERNELS")
+    os.environ["CONVFIRSTNET_KERNELS"] = "reference"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CONVFIRSTNET_KERNELS")
+        else:
+            os.environ["CONVFIRSTNET_KERNELS"] = saved
+
+
 def compare(name, batch, dtype, memory_format=torch.contiguous_format, seed=0):
     model = trained_like(name, seed=seed).cuda()
     fused = convfirstnet.fuse(model).to(dtype)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, 3, 256, 256, generator=gen).cuda()
     with torch.no_grad():
-        ref = model(x).double()
+        with layerwise():
+            ref = model(x).double()
         out = fused(x.to(dtype).contiguous(memory_format=memory_format))
     assert out.dtype == dtype and out.shape == ref.shape
     out = out.double()

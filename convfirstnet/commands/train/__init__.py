@@ -17,6 +17,9 @@ Recipe defaults (paper 6.3, which trained with timm on 8 GPUs x 256 images), fla
   ``--aug none`` turns all augmentation off;
 - EMA of the weights, timm ``ModelEmaV3`` with decay 0.9999 [--ema-decay, --no-ema];
 - fp16 autocast + GradScaler on CUDA [--no-amp], channels-last [--no-channels-last];
+- on CUDA the ConvFirst blocks run the fused training kernels (``convfirstnet.training_kernels``: Triton
+  forward and backward, BatchNorm with batch statistics, the wide activation recomputed, the same
+  state_dict), the other blocks their layers [--kernels torch: every layer in PyTorch];
 - training at 224x224 [--img-size], evaluation at the model's ``pretrained_cfg`` size, 256 with
   crop_pct 0.95 [--val-img-size].
 

@@ -4,6 +4,8 @@ first checkpoint removes what it created."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 
 from .._cli import CreatedDirs, run_reporting
 from .checkpoints import CHECKPOINT_EXT
@@ -11,6 +13,22 @@ from .loop import run_training
 from .options import build_parser
 from .output import RUN_FILES, run_files
 from .prepare import prepare
+
+
+@contextlib.contextmanager
+def kernels_backend(kernels: str):
+    """The backend switch of the fused ops (CONVFIRSTNET_KERNELS, read per call) for the run: ``triton``
+    (the training form's blocks with fused training kernels run them) or ``reference`` (every layer in
+    PyTorch), restored afterwards."""
+    saved = os.environ.get("CONVFIRSTNET_KERNELS")
+    os.environ["CONVFIRSTNET_KERNELS"] = "triton" if kernels == "triton" else "reference"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CONVFIRSTNET_KERNELS", None)
+        else:
+            os.environ["CONVFIRSTNET_KERNELS"] = saved
 
 
 def train(args: argparse.Namespace) -> int:
@@ -29,7 +47,8 @@ def train(args: argparse.Namespace) -> int:
         dirs.make(run.output)
         created = {f for f in RUN_FILES if not (run.output / f).exists()}
     try:
-        return run_training(args, run)
+        with kernels_backend(run.kernels):
+            return run_training(args, run)
     except BaseException:
         if run.primary and not any(run.output.glob(f"*{CHECKPOINT_EXT}")):
             for f in created:  # nothing to resume from: remove what this run wrote, and its folders

@@ -42,7 +42,8 @@ def run_training(args: argparse.Namespace, run: Run) -> int:
             f"{run.name}: {run.num_classes} classes, {run.num_train_images} training images, "
             f"{run.world_size} process(es) on {run.device.type}, global batch {run.global_batch}, "
             f"lr {run.lr:g}, {run.steps_per_epoch} steps/epoch, {run.num_epochs} epochs, dropout {run.drop:g}, drop-path {args.drop_path:g}, "
-            f"amp {run.use_amp}, mixup {'on' if run.mixup_fn else 'off'}, weights from {run.start}, "
+            f"amp {run.use_amp}, kernels {run.kernels}, mixup {'on' if run.mixup_fn else 'off'}, "
+            f"weights from {run.start}, "
             f"output {run.output}",
             flush=True,
         )

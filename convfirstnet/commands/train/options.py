@@ -113,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument(
+        "--kernels",
+        choices=("triton", "torch"),
+        help="triton: the blocks with fused training kernels run them (ConvFirst: Triton forward and "
+        "backward, the wide activation recomputed; the other blocks run their layers, each kind saying so "
+        "once); torch: every layer in PyTorch (default: triton on CUDA, torch on CPU). The checkpoints are "
+        "the same either way",
+    )
+    g.add_argument(
         "-j",
         "--workers",
         type=int,

@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
+from convfirstnet.kernels._launch import interpreter_enabled
+
 from .._cli import default_workers
 from .checkpoints import check_resume_file, find_resume, initial_weights
 from .data import ResumableSampler, data_folders, datasets, eval_transforms, loaders, mixup, train_transforms
@@ -47,6 +49,7 @@ class Run:
     num_train_images: int
     mixup_fn: Any
     start: str  # where the weights came from: "random init", or the initial checkpoint
+    kernels: str = "torch"  # "triton": the fused training kernels where a block has them (command.train)
 
     @property
     def primary(self) -> bool:
@@ -88,6 +91,10 @@ def prepare(args: argparse.Namespace) -> Run:
     use_amp = device.type == "cuda" if args.amp is None else args.amp
     if use_amp and device.type != "cuda":
         raise TrainError("--amp (fp16 + GradScaler) needs CUDA; use --no-amp on CPU")
+    kernels = args.kernels or ("triton" if device.type == "cuda" else "torch")
+    if kernels == "triton" and device.type != "cuda" and not interpreter_enabled():
+        raise TrainError("--kernels triton needs CUDA (on CPU the Triton kernels run only in Triton's "
+                         "interpreter, TRITON_INTERPRET=1, very slowly); use --kernels torch")
     workers = args.workers if args.workers is not None else default_workers(WORKERS)
     random_seed(args.seed, rank)
 
@@ -174,4 +181,5 @@ def prepare(args: argparse.Namespace) -> Run:
         len(train_set),
         mixup(args, num_classes),
         start,
+        kernels,
     )

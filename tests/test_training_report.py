@@ -1,0 +1,70 @@
+"""convfirstnet kernels --train (convfirstnet/analysis/training.py): the layer-wise training kernels and
+the stored-activation count, without compiling (the fused launches' estimates are those of the
+inference report's model, tested there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from convfirstnet.analysis.training import _LayerWise, blocks_of, stored_bytes
+from convfirstnet.analysis.waterline import _shape_hooks
+from convfirstnet.blocks import ConvFirst, MBConv
+from convfirstnet.factory import create_model
+
+SIZE = (3, 64, 64)
+
+
+@pytest.fixture(scope="module")
+def pico():
+    torch.manual_seed(0)
+    model = create_model("pico").train()
+    return model, _shape_hooks(model, SIZE)
+
+
+def test_layerwise_kernels_do_each_layer_three_times(pico):
+    """Forward, dgrad and wgrad of every conv: 3x the block's MACs (BlurPool: forward and its transpose)."""
+    model, shapes = pico
+    lw = _LayerWise(shapes, batch=4, eb=2)
+    for path, m in blocks_of(model):
+        if isinstance(m, ConvFirst) and m.stride == 1:
+            n, c, h, w = shapes[path][0]
+            r = m.conv_expand.out_channels
+            assert sum(k.macs for k in lw.block(path, m)) == 3 * 4 * h * w * (72 * c + 2 * c * r)
+        if isinstance(m, MBConv) and m.stride == 2:
+            kernels = lw.block(path, m)
+            blur = [k for k in kernels if ".blur" in k.name]
+            assert len(blur) == 2 and blur[0].macs == blur[1].macs > 0
+
+
+def test_stored_bytes_fused_block_keeps_three_narrow_maps(pico):
+    """A stride-1 ConvFirst block run by the fused op keeps x, a and p (C channels each, at the report's
+    element size) and per-channel statistics; the layer-wise block keeps x, a, y, z, h and p."""
+    model, shapes = pico
+    fused = stored_bytes(model, SIZE, 2, fused=True)
+    layerwise = stored_bytes(model, SIZE, 2, fused=False)
+    path = "stages.1.1"  # after a stride-2 block: its input is first kept by this block
+    block = model.get_submodule(path)
+    assert isinstance(block, ConvFirst) and block.stride == 1
+    _, c, h, w = shapes[path][0]
+    r = block.conv_expand.out_channels
+    narrow = 2 * c * h * w
+    assert 3 * narrow <= fused[path] <= 3 * narrow + 4 * (c * c + 6 * c + 2 * r) + 64
+    assert layerwise[path] >= (4 * c + 2 * r) * h * w * 2
+    assert sum(fused.values()) < sum(layerwise.values())
+    # the model's state (running statistics) is left as it was
+    bns = [b for b in model.modules() if isinstance(b, torch.nn.BatchNorm2d)]
+    assert all(int(b.num_batches_tracked) == 0 for b in bns)
+
+
+def test_fused_block_recording_counts_launches_and_small_ops():
+    """A fused stride-1 block's training step on meta tensors: the 12 Triton launches (forward 4, backward 8
+    with the wgrad reduction) and the small aten ops between them, each of which the report charges one
+    launch gap."""
+    from convfirstnet.analysis.targets import target
+    from convfirstnet.analysis.training import record_fused_block
+
+    block = ConvFirst(32, 32, 1, 3)
+    launches, small = record_fused_block(block, (1, 32, 16, 16), 8, torch.float16, target(90))
+    assert len(launches) == 12
+    assert 60 <= small <= 200, small  # 121 with torch 2.14 (per-channel arithmetic of three BatchNorms)
