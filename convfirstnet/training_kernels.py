@@ -28,7 +28,6 @@ from timm.layers import BlurPool2d
 
 import warnings
 
-from .kernels._batchnorm import update_running
 from .kernels._cost import active_recording
 from .kernels._launch import GROUP_WIDTH, HAS_TRITON, backend
 
@@ -127,14 +126,6 @@ def _drop_scale(block: nn.Module, out_dtype: torch.dtype, x: torch.Tensor) -> to
     return mask.flatten().float()
 
 
-def _momentum(bn: nn.BatchNorm2d):
-    """nn.BatchNorm2d's exponential-average factor for this step (after counting the batch)."""
-    bn.num_batches_tracked.add_(1)
-    if bn.momentum is None:
-        return 1.0 / bn.num_batches_tracked.float()
-    return bn.momentum
-
-
 def fused_forward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``block(x)`` through the fused training op (module docstring)."""
     dtype = _activation_dtype(x)
@@ -157,7 +148,9 @@ def fused_forward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if training:
         full = x.shape[0] * x.shape[2] * x.shape[3]  # BN1 normalises the full-resolution conv output
         with torch.no_grad():
-            for i, bn in enumerate((bn1, bn2, bn3)):
-                update_running(bn.running_mean, bn.running_var, stats[2 * i], stats[2 * i + 1],
-                               full if i == 0 else rows, _momentum(bn))
+            torch.ops.convfirstnet.bn_update_running(
+                *stats, bn1.running_mean, bn1.running_var, bn2.running_mean, bn2.running_var,
+                bn3.running_mean, bn3.running_var, bn1.num_batches_tracked, bn2.num_batches_tracked,
+                bn3.num_batches_tracked, full, rows, rows,
+                *(-1.0 if bn.momentum is None else float(bn.momentum) for bn in (bn1, bn2, bn3)))
     return out

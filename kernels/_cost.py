@@ -90,7 +90,20 @@ class Recording:
 
     def add(self, kernel: Any, grid: tuple, args: tuple, meta: dict, cost: Callable[[], KernelCost] | None):
         grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))
+        args = tuple(_metadata_only(a) for a in args)
         self.launches.append(Launch(kernel, grid, args, dict(meta), cost() if cost else None, self.block))
+
+
+def _metadata_only(a: Any) -> Any:
+    """A meta tensor with ``a``'s dtype, shape, strides and storage offset on a storage of its own: the
+    recording keeps what binding a launch needs, not the op's tensors (a reference kept to a gradient
+    would stop autograd from taking it over, and the counted step would copy it)."""
+    import torch
+
+    if not isinstance(a, torch.Tensor) or a.device.type != "meta":
+        return a
+    base = torch.empty(a.untyped_storage().nbytes() // a.element_size(), dtype=a.dtype, device="meta")
+    return base.as_strided(a.shape, a.stride(), a.storage_offset())
 
 
 _RECORDING: contextvars.ContextVar[Recording | None] = contextvars.ContextVar("convfirstnet_recording", default=None)

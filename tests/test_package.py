@@ -31,6 +31,7 @@ def test_wheel_layout(wheel):
     for block in ("gconv", "stem", "head", "convfirst_train"):
         for part in ("reference.py", "op.py", "kernel.py", "launcher.py"):
             assert f"convfirstnet/kernels/{block}/{part}" in names
+    assert "convfirstnet/kernels/convfirst_train/finalize.py" in names
     assert "convfirstnet/kernels/_activations.py" in names
     assert "convfirstnet/kernels/_launch.py" in names
     assert "convfirstnet/weights_manifest/manifest.json" in names

@@ -1,33 +1,38 @@
 """Triton kernels of the ConvFirst stride-1 training block (reference.py is the specification; the
-launcher in launcher.py picks tiles, runs the per-channel arithmetic between launches and declares
-costs). The grouped 3x3 conv, its dgrad and wgrad are the gconv kernels (kernels/gconv).
+launcher in launcher.py picks tiles and shares and declares costs; the per-channel arithmetic between
+the passes runs in the finalize kernels of finalize.py). The grouped 3x3 conv, its dgrad and wgrad are
+the gconv kernels (kernels/gconv).
 
 Passes (M = N x H x W pixels, rows of the NHWC maps; C block channels, R = t C hidden)
 ------------------------------------------------------------------------------------------
 Forward
   1. gconv forward: a = gconv(x), stored (narrow, C channels: kept for the backward).
   2. ``_moments_kernel`` (COV): per share of row tiles, the mean and the centred C x C second moment
-     of a (one [C, BM] x [BM, C] dot per tile). The host merges the shares (Chan's formula) into
-     BN1's mean and variance and the covariance of a, from which BN2's statistics follow exactly:
-     y = k1 a + t1 is affine, so mean(z) = W1 mean(y) and var(z) = diag(W1 Cov(y) W1^T). No pass
-     over the wide z.
-  3. ``_ffn_fwd_kernel``: per tile of BM rows, y = k1 a + t1, then over hidden chunks of BH:
-     h = ReLU(k2 (y W1^T) + t2) and p += h W2^T; p stored (narrow) with the tile's mean and centred
-     second moment per channel (BN3's statistics, merged by the host).
-  4. ``_residual_kernel``: out = x + d_n (k3 p + t3).
+     of a (one [C, BM] x [BM, C] dot per tile). ``_merge_moments_kernel`` merges the shares (Chan's
+     formula) into BN1's mean and variance and the covariance of a, from which
+     ``_linear_moments_kernel`` gives BN2's statistics exactly: y = k1 a + t1 is affine, so mean(z) =
+     W1 mean(y) and var(z) = diag(W1 Cov(y) W1^T). No pass over the wide z.
+  3. ``_ffn_fwd_kernel``: per tile of BM rows of its share, y = k1 a + t1, then over hidden chunks of
+     BH: h = ReLU(k2 (y W1^T) + t2) and p += h W2^T; p stored (narrow) with the share's mean and
+     centred second moment per channel (BN3's statistics, merged by ``_merge_moments_kernel``).
+  4. ``_residual_kernel``: out = x + d_n (k3 p + t3); ``_bn_running_kernel`` updates the three running
+     statistics in place (a separate op: the block's op is functional).
 Backward (dout given)
-  5. ``_out_sums_kernel``: per share, sum dq and sum dq p_hat (dq = d_n dout): BN3's dbeta, dgamma.
+  5. ``_out_sums_kernel``: per share, sum dq and sum dq p_hat (dq = d_n dout): BN3's dbeta, dgamma,
+     finished with every BatchNorm's r, k, t by ``_bn_terms_kernel``.
   6. ``_prep_kernel``: y = k1 a + t1 and dp = k3 dq + w3 p + c3 (BN3's backward, kernels/_batchnorm.py),
      each stored once in the activation dtype (narrow): the two inputs of the FFN's backward passes.
   7. ``_ffn_bwd_weights_kernel``, grid (shares, hidden chunks): per tile of the share, recompute z and
      h of the chunk; dh = dp W2[:, chunk]; dzn = dh [zn > 0]; accumulate dW2[:, chunk] += dp^T h,
      G[chunk] += dzn^T y, and the chunk's sums of dzn and dzn z_hat (BN2's dbeta, dgamma). The weight
-     gradient partials are written per share (fp32) and summed by the host in a fixed order. dW1 needs
+     gradient partials are written per share (fp32, one row per share), summed in a fixed order by the
+     gconv wgrad reduction and finished by ``_ffn_weights_finalize_kernel``. dW1 needs
      dz = k2 dzn + u2 + w2 (z - m2), whose u2, w2 need the sums over the whole batch; it is linear in
      dzn, so dW1 = k2 G + u2 sum(y)^T + w2 (z - m2)^T y, and (z - m2)^T y = M W1 Cov(y) + M (W1 mean(y)
      - m2) mean(y)^T comes from the forward's statistics of a: no second pass.
-  8. ``_ffn_bwd_input_kernel``: per tile, over all chunks: recompute z, dzn, dz; dy += dz W1[chunk];
-     dy stored (narrow) with the tile's sums of dy and dy a_hat (BN1's dbeta, dgamma).
+  8. ``_ffn_bwd_input_kernel``: per tile of its share, over all chunks: recompute z, dzn, dz; dy +=
+     dz W1[chunk]; dy stored (narrow) with the share's sums of dy and dy a_hat (BN1's dbeta, dgamma,
+     finished by ``_bn_terms_kernel``).
   9. ``_bn_input_grad_kernel``: da = k1 dy + u1 + w1 (a - m1), stored (narrow).
  10. gconv dgrad with dout added before its store (dx = dout + dgrad(da), one pass) and wgrad
      (deterministic two-stage reduction).
@@ -59,25 +64,26 @@ benchmarks/static/small_b128_sm90_train.md: the static cost model's low-high end
 
     kernel                   registers  shared KB  MMA
     _moments_kernel           92-221     <= 128    wgmma (C = 32: mma.sync)
-    _ffn_fwd_kernel          106-255     <= 80     wgmma
-    _ffn_bwd_weights_kernel  150-230     <= 216    wgmma (C = 32: its M = 32 weight dots on mma.sync)
-    _ffn_bwd_input_kernel    118-177     <= 113    wgmma
+    _ffn_fwd_kernel          184-254     <= 81     wgmma (8 warps at CP = 128)
+    _ffn_bwd_weights_kernel  150-230     <= 217    wgmma (C = 32: its M = 32 weight dots on mma.sync)
+    _ffn_bwd_input_kernel    162-252     <= 114    wgmma
+    finalize (finalize.py)    31-196     <= 65     mma.sync (the tf32x3 W1 Cov products)
     elementwise, BlurPool     54-176     <= 2      -
     no variant spills (stack 0 B).
 
     block (C -> K, map)      fused step (ms)   layer-wise training bound (ms)   stored MB fused / layer-wise
-    s1 32, 128^2               1.70-2.16            3.23-3.99                      269 / 1208
-    s2 32 -> 64, 128^2         1.49-1.97            2.32-2.85                      405 / 1351
-    s1 64, 64^2                1.20-1.46            2.59-3.20                      204 / 1074
-    s2 64 -> 96, 64^2          0.90-1.18            1.15-1.41                      202 /  672
-    s1 96, 32^2                0.71-0.87            0.99-1.22                       81 /  403
-    (fused: 12 or 15 Triton launches plus 121-126 small aten ops per step, one CUDA-graph launch gap each:
-    0.16-0.17 ms of every block; torch.compile fuses most of them, a finalize kernel per phase would too)
+    s1 32, 128^2               1.60-2.04            3.23-3.99                      269 / 1208
+    s2 32 -> 64, 128^2         1.40-1.87            2.32-2.85                      405 / 1351
+    s1 64, 64^2                1.12-1.40            2.59-3.20                      204 / 1074
+    s2 64 -> 96, 64^2          0.82-1.10            1.15-1.41                      202 /  672
+    s1 96, 32^2                0.61-0.76            0.99-1.22                       81 /  403
+    (fused: 20 or 24 Triton launches per step, of which 7 or 8 are the small finalize kernels, plus the
+    drop-path mask's ops; before the finalize kernels, 121-126 small aten ops cost 0.16-0.17 ms per block)
 
 Where the time goes: the narrow passes (gconv, moments, BN3 + residual, sums, prep, BN1's input
 gradient: each a DRAM pass over C-channel maps) bound stage 1; the weights pass (L2: y and dp re-read by
-each of R / 32 chunk programs) and the input pass (latency, one 8-warp program per SM) bound stage 3,
-where padding 96 channels to 128 costs a quarter of every dot. What a GPU run must confirm: the static
+each of R / 32 chunk programs) and the input pass (latency) bound stage 3, where padding 96 channels to
+128 costs a quarter of every dot. What a GPU run must confirm: the static
 latency and L2 terms of the weights and input passes, the weight partials' reduction order on the
 device (deterministic by construction), fp16/bf16 gradients against the fp32 training form at the
 model's shapes, and ``convfirstnet bench --train`` against eager cuDNN and torch.compile.
@@ -172,39 +178,49 @@ def _moments_kernel(
 
 @triton.jit
 def _ffn_fwd_kernel(
-    a_ptr, w1_ptr, w2_ptr, p_ptr,  # a (M, CI), p (M, CO); w1 (R, CI), w2 (CO, R): contiguous, a's dtype
-    k1_ptr, t1_ptr, k2_ptr, t2_ptr,  # fp32 affine of the input (CI: BN1, or identity) and of BN2 (R)
-    mean_ptr, m2_ptr,  # fp32 partials of p per tile: (tiles, CO) each
-    M, R,
+    a_ptr, w1_ptr, w2_ptr, p_ptr,  # a (M, CI), p (M, CO) contiguous; w1 (R, CI), w2 (CO, R) as stored
+    k1_ptr, t1_ptr, k2_ptr, t2_ptr,  # fp32 affine of the input (CI: BN1; AFFINE_IN) and of BN2 (R)
+    mean_ptr, m2_ptr,  # fp32 partials of p per share: (shares, CO) each
+    M, R, TILES, TILES_PER_SHARE,
     CI: tl.constexpr, CPI: tl.constexpr, CO: tl.constexpr, CPO: tl.constexpr, BM: tl.constexpr,
-    BH: tl.constexpr, PRECISION: tl.constexpr,
+    BH: tl.constexpr, PRECISION: tl.constexpr, AFFINE_IN: tl.constexpr,
 ):
-    """p = W2 ReLU(k2 (W1 y) + t2) with y = k1 a + t1, over hidden chunks; p's tile moments."""
-    t = tl.program_id(0)
+    """Per tile of the share: p = W2 ReLU(k2 (W1 y) + t2) with y = k1 a + t1 (AFFINE_IN; else y = a),
+    over hidden chunks; the share's moments of p (Chan's merge tile by tile, as _moments_kernel)."""
+    share = tl.program_id(0)
     dt = a_ptr.dtype.element_ty
-    rows, rok = _rows_of(t, M, BM)
     ci = tl.arange(0, CPI)
     co = tl.arange(0, CPO)
-    y = (_load_tile(a_ptr, rows, rok, CI, CPI).to(tl.float32) * _vec(k1_ptr, ci, CI)[None, :]
-         + _vec(t1_ptr, ci, CI)[None, :]).to(dt)
-    acc = tl.zeros((BM, CPO), tl.float32)
-    for h0 in range(0, R, BH):
-        hh = h0 + tl.arange(0, BH)
-        hok = hh < R
-        w1t = tl.load(w1_ptr + hh[None, :] * CI + ci[:, None], mask=hok[None, :] & (ci < CI)[:, None],
-                      other=0.0)
-        z = tl.dot(y, w1t, input_precision=PRECISION)
-        h = tl.maximum(z * _vec(k2_ptr, hh, R)[None, :] + _vec(t2_ptr, hh, R)[None, :], 0.0).to(dt)
-        w2t = tl.load(w2_ptr + co[None, :] * R + hh[:, None], mask=hok[:, None] & (co < CO)[None, :],
-                      other=0.0)
-        acc = tl.dot(h, w2t, acc, input_precision=PRECISION)
-    p = acc.to(dt)
-    _store_tile(p_ptr, p, rows, rok, CO, CPO)
-    # BN3 statistics of the stored (rounded) p, as a layer-wise BatchNorm reads it
-    nt = tl.minimum(M - t * BM, BM).to(tl.float32)
-    mean, pc = _tile_moments(tl.where(rok[:, None], p.to(tl.float32), 0.0), rok, nt)
-    _store_vec(mean_ptr + t * CO, mean, co, CO)
-    _store_vec(m2_ptr + t * CO, tl.sum(pc * pc, axis=0), co, CO)
+    mean = tl.zeros((CPO,), tl.float32)
+    m2 = tl.zeros((CPO,), tl.float32)
+    t0 = share * TILES_PER_SHARE
+    for t in range(t0, tl.minimum(t0 + TILES_PER_SHARE, TILES)):
+        rows, rok = _rows_of(t, M, BM)
+        y = _load_tile(a_ptr, rows, rok, CI, CPI)
+        if AFFINE_IN:
+            y = (y.to(tl.float32) * _vec(k1_ptr, ci, CI)[None, :] + _vec(t1_ptr, ci, CI)[None, :]).to(dt)
+        acc = tl.zeros((BM, CPO), tl.float32)
+        for h0 in range(0, R, BH):
+            hh = h0 + tl.arange(0, BH)
+            hok = hh < R
+            w1t = tl.load(w1_ptr + hh[None, :] * CI + ci[:, None], mask=hok[None, :] & (ci < CI)[:, None],
+                          other=0.0).to(dt)
+            z = tl.dot(y, w1t, input_precision=PRECISION)
+            h = tl.maximum(z * _vec(k2_ptr, hh, R)[None, :] + _vec(t2_ptr, hh, R)[None, :], 0.0).to(dt)
+            w2t = tl.load(w2_ptr + co[None, :] * R + hh[:, None], mask=hok[:, None] & (co < CO)[None, :],
+                          other=0.0).to(dt)
+            acc = tl.dot(h, w2t, acc, input_precision=PRECISION)
+        p = acc.to(dt)
+        _store_tile(p_ptr, p, rows, rok, CO, CPO)
+        # BN3 statistics of the stored (rounded) p, as a layer-wise BatchNorm reads it
+        n_prev = ((t - t0) * BM).to(tl.float32)
+        nt = tl.minimum(M - t * BM, BM).to(tl.float32)
+        tm, pc = _tile_moments(tl.where(rok[:, None], p.to(tl.float32), 0.0), rok, nt)
+        d = tm - mean
+        m2 += tl.sum(pc * pc, axis=0) + d * d * (n_prev * nt / (n_prev + nt))
+        mean += d * (nt / (n_prev + nt))
+    _store_vec(mean_ptr + share * CO, mean, co, CO)
+    _store_vec(m2_ptr + share * CO, m2, co, CO)
 
 
 @triton.jit
@@ -273,21 +289,23 @@ def _blur_cat_kernel(
 
 @triton.jit
 def _out_sums_kernel(
-    dout_ptr, p_ptr, drop_ptr, m3_ptr, r3_ptr, part_ptr,  # part: fp32 (shares, 2, C): sum dq, sum dq p_hat
-    M, HW, TILES, TILES_PER_SHARE,
-    C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr,
+    dout_ptr, p_ptr, drop_ptr, m3_ptr, v3_ptr, part_ptr,  # part: fp32 (shares, 2, C): sum dq, sum dq p_hat
+    M, HW, TILES, TILES_PER_SHARE, eps,
+    C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr, DROP: tl.constexpr,
 ):
+    """BN3's sums per share (dq = d_n dout with drop-path (DROP), else dout; p_hat with BN3's statistics)."""
     share = tl.program_id(0)
     c = tl.arange(0, CP)
     m3 = _vec(m3_ptr, c, C)
-    r3 = _vec(r3_ptr, c, C)
+    r3 = 1.0 / tl.sqrt(tl.load(v3_ptr + c, mask=c < C, other=1.0) + eps)
     s_dq = tl.zeros((CP,), tl.float32)
     s_dqp = tl.zeros((CP,), tl.float32)
     t0 = share * TILES_PER_SHARE
     for t in range(t0, tl.minimum(t0 + TILES_PER_SHARE, TILES)):
         rows, rok = _rows_of(t, M, BM)
-        d = tl.load(drop_ptr + rows // HW, mask=rok, other=0.0)
-        dq = _load_tile(dout_ptr, rows, rok, C, CP).to(tl.float32) * d[:, None]
+        dq = _load_tile(dout_ptr, rows, rok, C, CP).to(tl.float32)
+        if DROP:
+            dq = dq * tl.load(drop_ptr + rows // HW, mask=rok, other=0.0)[:, None]
         p_hat = (_load_tile(p_ptr, rows, rok, C, CP).to(tl.float32) - m3[None, :]) * r3[None, :]
         s_dq += tl.sum(dq, axis=0)
         s_dqp += tl.sum(dq * p_hat, axis=0)
@@ -300,7 +318,7 @@ def _prep_kernel(
     a_ptr, dout_ptr, p_ptr, drop_ptr, y_ptr, dp_ptr,  # maps (M, C) contiguous; drop (N,) fp32
     k1_ptr, t1_ptr, k3_ptr, w3_ptr, c3_ptr,  # y = k1 a + t1; dp = k3 dq + w3 p + c3 (dq = d_n dout)
     M, HW,
-    C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr, WRITE_Y: tl.constexpr,
+    C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr, WRITE_Y: tl.constexpr, DROP: tl.constexpr,
 ):
     """The two inputs of the FFN's backward passes, each rounded once to the activation dtype (where a
     layer-wise network has them): y (recomputed from a; WRITE_Y) and dp (BN3's and drop-path's
@@ -311,8 +329,9 @@ def _prep_kernel(
         y = (_load_tile(a_ptr, rows, rok, C, CP).to(tl.float32) * _vec(k1_ptr, c, C)[None, :]
              + _vec(t1_ptr, c, C)[None, :])
         _store_tile(y_ptr, y, rows, rok, C, CP)
-    d = tl.load(drop_ptr + rows // HW, mask=rok, other=0.0)
-    dq = _load_tile(dout_ptr, rows, rok, C, CP).to(tl.float32) * d[:, None]
+    dq = _load_tile(dout_ptr, rows, rok, C, CP).to(tl.float32)
+    if DROP:
+        dq = dq * tl.load(drop_ptr + rows // HW, mask=rok, other=0.0)[:, None]
     p = _load_tile(p_ptr, rows, rok, C, CP).to(tl.float32)
     dp = _vec(k3_ptr, c, C)[None, :] * dq + _vec(w3_ptr, c, C)[None, :] * p + _vec(c3_ptr, c, C)[None, :]
     _store_tile(dp_ptr, dp, rows, rok, C, CP)
@@ -320,10 +339,10 @@ def _prep_kernel(
 
 @triton.jit
 def _ffn_bwd_weights_kernel(
-    y_ptr, dp_ptr, w1_ptr, w2_ptr,  # y (M, CI), dp (M, CO) contiguous; w1 (R, CI), w2 (CO, R), y's dtype
+    y_ptr, dp_ptr, w1_ptr, w2_ptr,  # y (M, CI), dp (M, CO) contiguous; w1 (R, CI), w2 (CO, R) as stored
     k2_ptr, t2_ptr, m2_ptr, r2_ptr,  # BN2: affine, mean, 1/std (R)
-    dw2_ptr, g_ptr, sums_ptr,  # fp32 partials: dW2 (shares, CO, R), dzn^T y (shares, R, CI), (shares, 2, R)
-    M, R, TILES, TILES_PER_SHARE,
+    part_ptr,  # fp32 partials, one row of TOTAL per share: dW2 (CO, R) | dzn^T y (R, CI) | sums (2, R)
+    M, R, TILES, TILES_PER_SHARE, TOTAL,
     CI: tl.constexpr, CPI: tl.constexpr, CO: tl.constexpr, CPO: tl.constexpr, BM: tl.constexpr,
     BH: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -337,8 +356,9 @@ def _ffn_bwd_weights_kernel(
     co = tl.arange(0, CPO)
     wmi = hok[None, :] & (ci < CI)[:, None]
     wmo = hok[None, :] & (co < CO)[:, None]
-    w1t = tl.load(w1_ptr + hh[None, :] * CI + ci[:, None], mask=wmi, other=0.0)  # [CPI, BH]
-    w2c = tl.load(w2_ptr + co[:, None] * R + hh[None, :], mask=wmo, other=0.0)  # [CPO, BH]
+    dt = y_ptr.dtype.element_ty
+    w1t = tl.load(w1_ptr + hh[None, :] * CI + ci[:, None], mask=wmi, other=0.0).to(dt)  # [CPI, BH]
+    w2c = tl.load(w2_ptr + co[:, None] * R + hh[None, :], mask=wmo, other=0.0).to(dt)  # [CPO, BH]
     k2, t2 = _vec(k2_ptr, hh, R), _vec(t2_ptr, hh, R)
     m2, r2 = _vec(m2_ptr, hh, R), _vec(r2_ptr, hh, R)
     acc_w2 = tl.zeros((CPO, BH), tl.float32)
@@ -358,10 +378,11 @@ def _ffn_bwd_weights_kernel(
         s_dzz += tl.sum(dzn * (z - m2[None, :]), axis=0)
         acc_w2 = tl.dot(tl.trans(dp), h, acc_w2, input_precision=PRECISION)
         acc_g = tl.dot(tl.trans(y), dzn.to(y.dtype), acc_g, input_precision=PRECISION)
-    tl.store(dw2_ptr + share.to(tl.int64) * CO * R + co[:, None] * R + hh[None, :], acc_w2, mask=wmo)
-    tl.store(g_ptr + share.to(tl.int64) * CI * R + hh[None, :] * CI + ci[:, None], acc_g, mask=wmi)
-    _store_vec(sums_ptr + share * 2 * R, s_dzn, hh, R)
-    _store_vec(sums_ptr + share * 2 * R + R, s_dzz * r2, hh, R)
+    base = part_ptr + share.to(tl.int64) * TOTAL
+    tl.store(base + co[:, None] * R + hh[None, :], acc_w2, mask=wmo)
+    tl.store(base + CO * R + hh[None, :] * CI + ci[:, None], acc_g, mask=wmi)
+    _store_vec(base + CO * R + R * CI, s_dzn, hh, R)
+    _store_vec(base + CO * R + R * CI + R, s_dzz * r2, hh, R)
 
 
 @triton.jit
@@ -369,97 +390,110 @@ def _ffn_bwd_input_kernel(
     y_ptr, dp_ptr, a_ptr, w1_ptr, w2_ptr, dy_ptr,  # y, a, dy (M, CI); dp (M, CO); w1 (R, CI), w2 (CO, R)
     m1_ptr, r1_ptr,  # BN1: mean, 1/std (CI)
     k2_ptr, t2_ptr, m2_ptr, u2_ptr, w2v_ptr,  # BN2: affine, mean; dz = k2 dzn + u2 + w2 (z - m2) (R)
-    sums_ptr,  # fp32 per-tile partials (tiles, 2, CI): sum dy, sum dy a_hat
-    M, R,
+    sums_ptr,  # fp32 per-share partials (shares, 2, CI): sum dy, sum dy a_hat
+    M, R, TILES, TILES_PER_SHARE,
     CI: tl.constexpr, CPI: tl.constexpr, CO: tl.constexpr, CPO: tl.constexpr, BM: tl.constexpr,
     BH: tl.constexpr, PRECISION: tl.constexpr, BN_SUMS: tl.constexpr,
 ):
-    """dy = sum over hidden chunks of dz W1[chunk], stored, with (BN_SUMS: the stride-1 block, whose
-    FFN input is BN1's output) the tile's sums of dy and dy a_hat."""
-    t = tl.program_id(0)
-    rows, rok = _rows_of(t, M, BM)
+    """Per tile of the share: dy = sum over hidden chunks of dz W1[chunk], stored, with (BN_SUMS: the
+    stride-1 block, whose FFN input is BN1's output) the share's sums of dy and dy a_hat."""
+    share = tl.program_id(0)
     ci = tl.arange(0, CPI)
     co = tl.arange(0, CPO)
-    y = _load_tile(y_ptr, rows, rok, CI, CPI)
-    dp = _load_tile(dp_ptr, rows, rok, CO, CPO)
-    dt = y.dtype
-    dy = tl.zeros((BM, CPI), tl.float32)
-    for h0 in range(0, R, BH):
-        hh = h0 + tl.arange(0, BH)
-        hok = hh < R
-        w1t = tl.load(w1_ptr + hh[None, :] * CI + ci[:, None], mask=hok[None, :] & (ci < CI)[:, None],
-                      other=0.0)  # [CPI, BH]
-        w2c = tl.load(w2_ptr + co[:, None] * R + hh[None, :], mask=hok[None, :] & (co < CO)[:, None],
-                      other=0.0)  # [CPO, BH]
-        z = tl.dot(y, w1t, input_precision=PRECISION)
-        zn = z * _vec(k2_ptr, hh, R)[None, :] + _vec(t2_ptr, hh, R)[None, :]
-        dzn = tl.where(zn > 0.0, tl.dot(dp, w2c, input_precision=PRECISION), 0.0)
-        dz = (_vec(k2_ptr, hh, R)[None, :] * dzn + _vec(u2_ptr, hh, R)[None, :]
-              + _vec(w2v_ptr, hh, R)[None, :] * (z - _vec(m2_ptr, hh, R)[None, :]))
-        dz = tl.where(rok[:, None], dz, 0.0).to(dt)
-        dy = tl.dot(dz, tl.trans(w1t), dy, input_precision=PRECISION)
-    dy = dy.to(dt)
-    _store_tile(dy_ptr, dy, rows, rok, CI, CPI)
+    dt = y_ptr.dtype.element_ty
+    s_dy = tl.zeros((CPI,), tl.float32)
+    s_dya = tl.zeros((CPI,), tl.float32)
+    t0 = share * TILES_PER_SHARE
+    for t in range(t0, tl.minimum(t0 + TILES_PER_SHARE, TILES)):
+        rows, rok = _rows_of(t, M, BM)
+        y = _load_tile(y_ptr, rows, rok, CI, CPI)
+        dp = _load_tile(dp_ptr, rows, rok, CO, CPO)
+        dy = tl.zeros((BM, CPI), tl.float32)
+        for h0 in range(0, R, BH):
+            hh = h0 + tl.arange(0, BH)
+            hok = hh < R
+            w1t = tl.load(w1_ptr + hh[None, :] * CI + ci[:, None], mask=hok[None, :] & (ci < CI)[:, None],
+                          other=0.0).to(dt)  # [CPI, BH]
+            w2c = tl.load(w2_ptr + co[:, None] * R + hh[None, :], mask=hok[None, :] & (co < CO)[:, None],
+                          other=0.0).to(dt)  # [CPO, BH]
+            z = tl.dot(y, w1t, input_precision=PRECISION)
+            zn = z * _vec(k2_ptr, hh, R)[None, :] + _vec(t2_ptr, hh, R)[None, :]
+            dzn = tl.where(zn > 0.0, tl.dot(dp, w2c, input_precision=PRECISION), 0.0)
+            dz = (_vec(k2_ptr, hh, R)[None, :] * dzn + _vec(u2_ptr, hh, R)[None, :]
+                  + _vec(w2v_ptr, hh, R)[None, :] * (z - _vec(m2_ptr, hh, R)[None, :]))
+            dz = tl.where(rok[:, None], dz, 0.0).to(dt)
+            dy = tl.dot(dz, tl.trans(w1t), dy, input_precision=PRECISION)
+        dy = dy.to(dt)
+        _store_tile(dy_ptr, dy, rows, rok, CI, CPI)
+        if BN_SUMS:
+            # BN1's sums from the stored (rounded) dy, as a layer-wise BatchNorm backward reads it
+            a = _load_tile(a_ptr, rows, rok, CI, CPI).to(tl.float32)
+            a_hat = (a - _vec(m1_ptr, ci, CI)[None, :]) * _vec(r1_ptr, ci, CI)[None, :]
+            dyf = dy.to(tl.float32)
+            s_dy += tl.sum(dyf, axis=0)
+            s_dya += tl.sum(dyf * a_hat, axis=0)
     if BN_SUMS:
-        # BN1's sums from the stored (rounded) dy, as a layer-wise BatchNorm backward reads it
-        a = _load_tile(a_ptr, rows, rok, CI, CPI).to(tl.float32)
-        a_hat = (a - _vec(m1_ptr, ci, CI)[None, :]) * _vec(r1_ptr, ci, CI)[None, :]
-        dyf = dy.to(tl.float32)
-        _store_vec(sums_ptr + t * 2 * CI, tl.sum(dyf, axis=0), ci, CI)
-        _store_vec(sums_ptr + t * 2 * CI + CI, tl.sum(dyf * a_hat, axis=0), ci, CI)
+        _store_vec(sums_ptr + share * 2 * CI, s_dy, ci, CI)
+        _store_vec(sums_ptr + share * 2 * CI + CI, s_dya, ci, CI)
 
 
 @triton.jit
 def _blur_bwd_kernel(
     du_ptr, a_ptr, dxd_ptr, dy_ptr,  # du (N, HO, WO, 2C); a, dx_direct, dy (N, H, W, C), all contiguous
-    m1_ptr, r1_ptr, sums_ptr,  # BN1 mean, 1/std (C); fp32 per-tile partials (tiles, 2, C)
-    M, H, W, HO, WO,  # M = N H W input pixels
+    m1_ptr, r1_ptr, sums_ptr,  # BN1 mean, 1/std (C); fp32 per-share partials (shares, 2, C)
+    M, H, W, HO, WO, TILES, TILES_PER_SHARE,  # M = N H W input pixels
     C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr,
 ):
     """The transpose of ``_blur_cat_kernel``'s BlurPool, as a gather per input pixel (no atomics): pixel
     (i, j) receives f[dh] f[dw] / 16 du(oh, ow) from every output pixel whose tap (dh, dw) reads it after
     the reflection: 2 oh + dh - 1 = i (or its reflection, which lands on the same oh) leaves oh in
     {i // 2, i // 2 + 1}, ow alike: four candidates. Writes x's direct gradient
-    and dy (BN1's output gradient) with the tile's sums of dy and dy a_hat."""
-    t = tl.program_id(0)
-    rows, rok = _rows_of(t, M, BM)
+    and dy (BN1's output gradient) with the share's sums of dy and dy a_hat."""
+    share = tl.program_id(0)
     c = tl.arange(0, CP)
-    n = rows // (H * W)
-    q = rows % (H * W)
-    i = q // W
-    j = q % W
-    m = rok[:, None]
-    if CP > C:
-        m = m & (c < C)[None, :]
-    gx = tl.zeros((BM, CP), tl.float32)
-    gy = tl.zeros((BM, CP), tl.float32)
-    for eh in tl.static_range(2):
-        oh = i // 2 + eh
-        wr = tl.zeros((BM,), tl.float32)
-        for dh in tl.static_range(3):
-            hit = _reflect(2 * oh + dh - 1, H) == i
-            wr += tl.where(hit, (2 - (dh - 1) * (dh - 1)) / 4.0, 0.0)
-        wr = tl.where((oh >= 0) & (oh < HO), wr, 0.0)
-        for ew in tl.static_range(2):
-            ow = j // 2 + ew
-            wc = tl.zeros((BM,), tl.float32)
-            for dw in tl.static_range(3):
-                hit = _reflect(2 * ow + dw - 1, W) == j
-                wc += tl.where(hit, (2 - (dw - 1) * (dw - 1)) / 4.0, 0.0)
-            wc = tl.where((ow >= 0) & (ow < WO), wc, 0.0)
-            wgt = wr * wc
-            ok = m & (wgt > 0.0)[:, None]
-            src = du_ptr + ((n.to(tl.int64) * HO + oh) * WO + ow)[:, None] * (2 * C) + c[None, :]
-            gx += wgt[:, None] * tl.load(src, mask=ok, other=0.0).to(tl.float32)
-            gy += wgt[:, None] * tl.load(src + C, mask=ok, other=0.0).to(tl.float32)
-    _store_tile(dxd_ptr, gx, rows, rok, C, CP)
-    gy = gy.to(dy_ptr.dtype.element_ty)
-    _store_tile(dy_ptr, gy, rows, rok, C, CP)
-    a = _load_tile(a_ptr, rows, rok, C, CP).to(tl.float32)
-    a_hat = (a - _vec(m1_ptr, c, C)[None, :]) * _vec(r1_ptr, c, C)[None, :]
-    dyf = gy.to(tl.float32)
-    _store_vec(sums_ptr + t * 2 * C, tl.sum(dyf, axis=0), c, C)
-    _store_vec(sums_ptr + t * 2 * C + C, tl.sum(dyf * a_hat, axis=0), c, C)
+    s_dy = tl.zeros((CP,), tl.float32)
+    s_dya = tl.zeros((CP,), tl.float32)
+    t0 = share * TILES_PER_SHARE
+    for t in range(t0, tl.minimum(t0 + TILES_PER_SHARE, TILES)):
+        rows, rok = _rows_of(t, M, BM)
+        n = rows // (H * W)
+        q = rows % (H * W)
+        i = q // W
+        j = q % W
+        m = rok[:, None]
+        if CP > C:
+            m = m & (c < C)[None, :]
+        gx = tl.zeros((BM, CP), tl.float32)
+        gy = tl.zeros((BM, CP), tl.float32)
+        for eh in tl.static_range(2):
+            oh = i // 2 + eh
+            wr = tl.zeros((BM,), tl.float32)
+            for dh in tl.static_range(3):
+                hit = _reflect(2 * oh + dh - 1, H) == i
+                wr += tl.where(hit, (2 - (dh - 1) * (dh - 1)) / 4.0, 0.0)
+            wr = tl.where((oh >= 0) & (oh < HO), wr, 0.0)
+            for ew in tl.static_range(2):
+                ow = j // 2 + ew
+                wc = tl.zeros((BM,), tl.float32)
+                for dw in tl.static_range(3):
+                    hit = _reflect(2 * ow + dw - 1, W) == j
+                    wc += tl.where(hit, (2 - (dw - 1) * (dw - 1)) / 4.0, 0.0)
+                wc = tl.where((ow >= 0) & (ow < WO), wc, 0.0)
+                wgt = wr * wc
+                ok = m & (wgt > 0.0)[:, None]
+                src = du_ptr + ((n.to(tl.int64) * HO + oh) * WO + ow)[:, None] * (2 * C) + c[None, :]
+                gx += wgt[:, None] * tl.load(src, mask=ok, other=0.0).to(tl.float32)
+                gy += wgt[:, None] * tl.load(src + C, mask=ok, other=0.0).to(tl.float32)
+        _store_tile(dxd_ptr, gx, rows, rok, C, CP)
+        gy = gy.to(dy_ptr.dtype.element_ty)
+        _store_tile(dy_ptr, gy, rows, rok, C, CP)
+        a = _load_tile(a_ptr, rows, rok, C, CP).to(tl.float32)
+        a_hat = (a - _vec(m1_ptr, c, C)[None, :]) * _vec(r1_ptr, c, C)[None, :]
+        dyf = gy.to(tl.float32)
+        s_dy += tl.sum(dyf, axis=0)
+        s_dya += tl.sum(dyf * a_hat, axis=0)
+    _store_vec(sums_ptr + share * 2 * C, s_dy, c, C)
+    _store_vec(sums_ptr + share * 2 * C + C, s_dya, c, C)
 
 
 @triton.jit

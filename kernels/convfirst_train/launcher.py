@@ -1,5 +1,7 @@
-"""Host side of the ConvFirst stride-1 training kernels (kernel.py): tiles, the per-channel arithmetic
-between launches (kernels/_batchnorm.py), launches with their cost declarations.
+"""Host side of the ConvFirst training kernels (kernel.py, finalize.py): tiles and shares, launches with
+their cost declarations. The per-channel arithmetic between the passes runs in the finalize kernels (a
+block's training step is 20 launches at stride 1, 24 at stride 2, and no other op but the drop-path
+mask's); per-channel vectors travel between launches in fp32 buffers (finalize.py's VEC_* rows).
 
 Every function here assumes the op's checks passed (op.py). x and dout are read as contiguous NHWC
 (copied once if they are not); a, p, dy, da and the outputs are contiguous NHWC.
@@ -24,10 +26,18 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .._batchnorm import affine, backward_terms, linear_moments, merge_moments, share_counts
 from .._cost import KernelCost, Loop
 from .._launch import launch
-from ..gconv.launcher import gconv3x3_dgrad_triton, gconv3x3_triton, gconv3x3_wgrad_triton
+from ..gconv.kernel import _wgrad_reduce_kernel
+from ..gconv.launcher import gconv3x3_dgrad_triton, gconv3x3_triton, gconv3x3_wgrad_triton, reduce_cost
+from .finalize import (
+    VEC_C, VEC_K, VEC_R, VEC_ROWS, VEC_T, VEC_U, VEC_W,
+    _bn_running_kernel,
+    _bn_terms_kernel,
+    _ffn_weights_finalize_kernel,
+    _linear_moments_kernel,
+    _merge_moments_kernel,
+)
 from .kernel import (
     _bn_input_grad_kernel,
     _ffn_bwd_input_kernel,
@@ -52,6 +62,13 @@ ELEMENTWISE_ELEMS = 4096  # elements per program of the elementwise passes (32 p
 # Under the interpreter (CPU tensors) shares of two tiles, so that small test maps run every share
 # loop more than once (the same code as the GPU's, other sizes).
 INTERPRETER_SHARE_TILES = 2
+# Finalize launches (finalize.py): SB shares per step ([SB, BLOCK] loads, 4096 elements on a GPU), BH
+# hidden channels and BJ columns per dot of the FFN statistics. Under the interpreter, two shares per step
+# and 16 columns, so that the tests' small maps and widths run those loops more than once.
+FIN = dict(sb=128, merge_block=64, terms_block=64, running_block=512, bh=16, bj=32, reduce_block=64,
+           reduce_sb=64, warps=8)
+FIN_INTERPRETER = dict(sb=2, merge_block=256, terms_block=32, running_block=32, bh=32, bj=16,
+                       reduce_block=2048, reduce_sb=2, warps=4)
 
 
 @dataclass(frozen=True)
@@ -88,8 +105,10 @@ def train_config(c_in: int, c_out: int, r: int, dtype: torch.dtype) -> TrainConf
     # static estimate of Small's stride-1 blocks at batch 128: 64 x 32 and 1-2 stages were latency
     # bound (C = 64: 566-617 us against 264 us), 128 x 64 spilled, 256 x 32 was slower (397 us).
     bmw, bhw, stages = (64, 16, 2) if fp32 else (128, 32, 3)
-    return TrainConfig(cpi, cpo, bm, bh, bmw, min(bhw, bh), stages, 4 if cp <= 32 else 8, 4,
-                       "tf32x3" if fp32 else "tf32")
+    # the forward on 8 warps at CP = 128: its tile loop (one program per share) left 4 warps at 255
+    # registers with 176-312 B of stack
+    return TrainConfig(cpi, cpo, bm, bh, bmw, min(bhw, bh), stages, 4 if cp <= 32 else 8,
+                       8 if cp >= 128 else 4, "tf32x3" if fp32 else "tf32")
 
 
 def shares_of(tiles: int, block_m: int, interpreter: bool, cap: int = SHARES) -> tuple[int, int]:
@@ -115,28 +134,18 @@ def weight_shares(tiles: int, chunks: int, c_in: int, c_out: int, r: int, cfg: T
     return per, triton.cdiv(tiles, per)
 
 
+def tile_shares(tiles: int, interpreter: bool) -> tuple[int, int]:
+    """(tiles per share, shares) of the FFN forward and input passes and the BlurPool transpose: at most
+    SHARES programs (each writes one row of partial statistics), no minimum share size (these passes
+    have work enough per tile)."""
+    per = INTERPRETER_SHARE_TILES if interpreter else triton.cdiv(tiles, SHARES)
+    per = min(per, max(1, tiles))
+    return per, triton.cdiv(tiles, per)
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """A contiguous NHWC tensor (copied once if it is not)."""
     return t.contiguous(memory_format=torch.channels_last)
-
-
-def _pair(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two per-channel sums of (shares, 2, C) partials, each summed over the shares in a fixed order
-    (two separate tensors: op outputs must not alias)."""
-    return part[:, 0].sum(0), part[:, 1].sum(0)
-
-
-def _owned(tensors, inputs) -> list[torch.Tensor]:
-    """The op's outputs must not alias its inputs or each other: clone only those that would (a running
-    statistic returned as it is, a mean returned twice, a covariance's diagonal view)."""
-    seen = {id(t) for t in inputs}
-    out = []
-    for t in tensors:
-        if id(t) in seen or t._base is not None:
-            t = t.clone()
-        seen.add(id(t))
-        out.append(t)
-    return out
 
 
 def _map(n: int, c: int, h: int, w: int, like: torch.Tensor) -> torch.Tensor:
@@ -147,116 +156,242 @@ def _elementwise_rows(c: int) -> int:
     return ELEMENTWISE_ELEMS // _pow2(c)
 
 
+def _f32(*shape, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.float32, device=like.device)
+
+
+def _vecs(width: int, like: torch.Tensor) -> torch.Tensor:
+    """One BatchNorm's per-channel vectors (finalize.py: rows r, k, t, u, w, c)."""
+    return _f32(VEC_ROWS, width, like=like)
+
+
+def _fwd_vecs(width: int, like: torch.Tensor) -> list:
+    """The training forward's k and t of one BatchNorm, as tensors of their own: a kernel writing rows of
+    one buffer would make torch.compile's functionalization copy the buffer back (select_scatter)."""
+    vec = [None] * VEC_ROWS
+    vec[VEC_K], vec[VEC_T] = _f32(width, like=like), _f32(width, like=like)
+    return vec
+
+
+# ------------------------------------------------------------------------------------------------
+# Finalize launches (finalize.py): the per-channel arithmetic between the passes
+# ------------------------------------------------------------------------------------------------
+
+
+def _fin(interpreter: bool) -> dict:
+    return FIN_INTERPRETER if interpreter else FIN
+
+
+def merge_moments(mean_part, m2_part, rows: int, rows_per_share: int, c: int, full: bool, *, gamma=None,
+                  beta=None, eps: float = 0.0, vec=None, mean_copy: bool = False):
+    """Chan's merge of per-share partials: (mean, var, cov (full) or None, a copy of the mean or None);
+    with ``vec``, BatchNorm's k and t of the batch statistics written to its rows."""
+    shares = mean_part.shape[0]
+    fin = _fin(mean_part.device.type == "cpu")
+    mean, var = _f32(c, like=mean_part), _f32(c, like=mean_part)
+    cov = _f32(c, c, like=mean_part) if full else None
+    copy = _f32(c, like=mean_part) if mean_copy else None
+    m2_strides = (c * c, c, 1) if m2_part.dim() == 3 else (c, 1, 0)
+    total = c * c if full else c
+    block, sb = fin["merge_block"], fin["sb"]
+    affine = vec is not None
+    launch(_merge_moments_kernel, (triton.cdiv(total, block),), mean_part, m2_part, mean,
+           copy if mean_copy else mean, var, cov if full else mean, gamma if affine else mean,
+           beta if affine else mean, vec[VEC_K] if affine else mean, vec[VEC_T] if affine else mean, shares,
+           rows, rows_per_share, eps, *m2_strides, C=c, FULL=full, AFFINE=affine, COPY=mean_copy, SB=sb,
+           BLOCK=block, num_warps=fin["warps"],
+           cost=lambda: finalize_cost("merge moments", 4 * shares * (2 * total + c) + 4 * (total + 3 * c),
+                                      (Loop("shares", triton.cdiv(shares, sb)),) * 2,
+                                      f"C={c}, {shares} shares"))
+    return mean, var, cov, copy
+
+
+def linear_moments(mean_in, cov_in, kin, tin, w1, ref, gamma2, beta2, eps: float, vec2):
+    """BN2's batch mean and variance from its input's statistics (finalize.py), k2 and t2 into vec2."""
+    r, ci = w1.shape
+    fin = _fin(w1.device.type == "cpu")
+    mean2, var2 = _f32(r, like=cov_in), _f32(r, like=cov_in)
+    cpi, bj = _pow2(ci), fin["bj"]
+    affine = kin is not None
+    launch(_linear_moments_kernel, (triton.cdiv(r, fin["bh"]),), mean_in, cov_in, kin if affine else mean_in,
+           tin if affine else mean_in, w1, ref, gamma2, beta2, mean2, var2, vec2[VEC_K], vec2[VEC_T], r, eps,
+           cpi, CI=ci, CPI=cpi, BH=fin["bh"], BJ=bj, AFFINE_IN=affine, num_warps=fin["warps"],
+           cost=lambda: finalize_cost("linear moments",
+                                      4 * (ci * ci * triton.cdiv(r, fin["bh"]) + ci * r + 6 * r),
+                                      (Loop("column blocks", triton.cdiv(cpi, bj)),), f"{ci}->{r}"))
+    return mean2, var2
+
+
+def bn_terms(bns, eps: float, rows: int, training: bool, sums=None):
+    """(r, k, t) of each BatchNorm (gamma, beta, mean, var, vec) of ``bns`` into its vec; with ``sums``
+    (index into bns, (S, 2, W) partials): that one's backward terms and (dgamma, dbeta)."""
+    like = bns[0][4]
+    fin = _fin(like.device.type == "cpu")
+    padded = list(bns) + [bns[0]] * (3 - len(bns))
+    args = []
+    for gamma, beta, mean, var, vec in padded:
+        args += [gamma, beta, mean, var, vec, vec.shape[1]]
+    width = max(b[4].shape[1] for b in bns)
+    if sums is not None:
+        which, part = sums
+        g = bns[which][0]
+        dgamma, dbeta = torch.empty_like(g), torch.empty_like(g)
+        shares = part.shape[0]
+    else:
+        which, part, dgamma, dbeta, shares = -1, like, like, like, 0
+    block, sb = fin["terms_block"], fin["sb"]
+    launch(_bn_terms_kernel, (triton.cdiv(width, block), len(bns)), *args, part, dgamma, dbeta, shares, rows,
+           eps,
+           SUMS1=which == 0, SUMS2=which == 1, SUMS3=which == 2, TRAINING=training, SB=sb, BLOCK=block,
+           num_warps=fin["warps"],
+           cost=lambda: finalize_cost("BatchNorm terms", 4 * (2 * shares * width + sum(7 * b[4].shape[1]
+                                                                                     for b in bns)),
+                                      (Loop("shares", triton.cdiv(shares, sb)),) if sums is not None else (),
+                                      f"{len(bns)} BatchNorms"
+                                      + (f", sums of {shares} shares" if shares else "")))
+    return (dgamma, dbeta) if sums is not None else None
+
+
+def update_running_triton(stats, running, counts, rows, momenta) -> None:
+    """nn.BatchNorm2d's running-statistics update of three BatchNorms in place, one launch (finalize.py)."""
+    fin = _fin(stats[0].device.type == "cpu")
+    args = []
+    for i in range(3):
+        args += [stats[2 * i], stats[2 * i + 1], running[2 * i], running[2 * i + 1], counts[i],
+                 running[2 * i].shape[0], rows[i], -1.0 if momenta[i] is None else float(momenta[i])]
+    launch(_bn_running_kernel, (3,), *args, BLOCK=fin["running_block"], num_warps=4,
+           cost=lambda: finalize_cost("running statistics", 4 * 4 * sum(r.shape[0] for r in running),
+                                      tuple(Loop(f"channel blocks {i + 1}", triton.cdiv(r.shape[0],
+                                                                                      fin["running_block"]))
+                                            for i, r in enumerate(running[::2])), "3 BatchNorms"))
+
+
 # ------------------------------------------------------------------------------------------------
 # Pieces shared by the stride-1 and stride-2 blocks
 # ------------------------------------------------------------------------------------------------
 
 
-def moments_triton(a: torch.Tensor, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch mean (C,) and biased covariance (C, C) of a contiguous NHWC map, fp32."""
+def moments_triton(a: torch.Tensor, cfg: TrainConfig):
+    """Per-share partials of the batch mean and centred C x C second moment of a contiguous NHWC map, fp32:
+    (mean (S, C), m2 (S, C, C), rows per share)."""
     n, c, h, w = a.shape
     m = n * h * w
     tiles = triton.cdiv(m, cfg.block_m)
     per, shares = shares_of(tiles, cfg.block_m, a.device.type == "cpu")
-    mean = torch.empty((shares, c), dtype=torch.float32, device=a.device)
-    m2 = torch.empty((shares, c, c), dtype=torch.float32, device=a.device)
+    mean = _f32(shares, c, like=a)
+    m2 = _f32(shares, c, c, like=a)
     launch(_moments_kernel, (shares,), a, mean, m2, m, tiles, per, C=c, CP=_pow2(c), BM=cfg.block_m,
            PRECISION=cfg.precision, num_warps=4 if _pow2(c) <= 32 else 8,
            cost=lambda: moments_cost(cfg, m, c, a.element_size(), shares, per))
-    return merge_moments(share_counts(m, per * cfg.block_m, shares, a.device), mean, m2)
+    return mean, m2, per * cfg.block_m
 
 
-def ffn_forward(inp, k_in, t_in, w1d, w2d, k2, t2, cfg: TrainConfig, training: bool):
-    """p = W2 ReLU(BN2(W1 (k_in inp + t_in))) and p's batch mean and variance (zeros in eval)."""
+def ffn_forward(inp, vec_in, w1, w2, vec2, cfg: TrainConfig):
+    """p = W2 ReLU(BN2(W1 y)) with y = k1 inp + t1 (vec_in; None: y = inp) and p's per-share moments."""
     n, ci, h, w = inp.shape
-    r, co = w1d.shape[0], w2d.shape[0]
+    r, co = w1.shape[0], w2.shape[0]
     m = n * h * w
-    f32 = dict(dtype=torch.float32, device=inp.device)
     p = _map(n, co, h, w, inp)
     tiles = triton.cdiv(m, cfg.block_m)
-    pmean = torch.empty((tiles, co), **f32)
-    pm2 = torch.empty((tiles, co), **f32)
-    launch(_ffn_fwd_kernel, (tiles,), inp, w1d, w2d, p, k_in, t_in, k2, t2, pmean, pm2, m, r, CI=ci,
+    per, shares = tile_shares(tiles, inp.device.type == "cpu")
+    pmean, pm2 = _f32(shares, co, like=inp), _f32(shares, co, like=inp)
+    affine = vec_in is not None
+    launch(_ffn_fwd_kernel, (shares,), inp, w1, w2, p, vec_in[VEC_K] if affine else pmean,
+           vec_in[VEC_T] if affine else pmean, vec2[VEC_K], vec2[VEC_T], pmean, pm2, m, r, tiles, per, CI=ci,
            CPI=cfg.cp_in, CO=co, CPO=cfg.cp_out, BM=cfg.block_m, BH=cfg.block_h, PRECISION=cfg.precision,
-           num_warps=cfg.num_warps_fwd, cost=lambda: ffn_fwd_cost(cfg, m, ci, co, r, inp.element_size()))
-    if not training:
-        return p, None, None
-    return (p, *merge_moments(share_counts(m, cfg.block_m, tiles, inp.device), pmean, pm2))
+           AFFINE_IN=affine, num_warps=cfg.num_warps_fwd,
+           cost=lambda: ffn_fwd_cost(cfg, m, ci, co, r, inp.element_size(), shares, per))
+    return p, pmean, pm2, per * cfg.block_m
 
 
-def out_grad(dout, p, drop, mean3, r3, k3, hw: int, cfg: TrainConfig, training: bool):
-    """BN3's backward (with drop-path): (dbeta3, dgamma3, w3, c3) of dp = k3 dq + w3 p + c3."""
+def out_sums(dout, p, drop, mean3, var3, eps: float, hw: int, cfg: TrainConfig):
+    """BN3's backward sums per share (with drop-path when ``drop`` is given): (S, 2, K) partials."""
     n, co, h, w = p.shape
     m = n * h * w
     tiles = triton.cdiv(m, cfg.block_m)
     per, shares = shares_of(tiles, cfg.block_m, p.device.type == "cpu")
-    part = torch.empty((shares, 2, co), dtype=torch.float32, device=p.device)
-    launch(_out_sums_kernel, (shares,), dout, p, drop, mean3, r3, part, m, hw, tiles, per, C=co,
-           CP=cfg.cp_out,
-           BM=cfg.block_m, num_warps=4 if cfg.cp_out <= 32 else 8,
+    part = _f32(shares, 2, co, like=p)
+    launch(_out_sums_kernel, (shares,), dout, p, drop if drop is not None else mean3, mean3, var3, part, m,
+           hw, tiles, per, eps, C=co, CP=cfg.cp_out, BM=cfg.block_m, DROP=drop is not None,
+           num_warps=4 if cfg.cp_out <= 32 else 8,
            cost=lambda: sums_cost(cfg, m, co, p.element_size(), shares, per))
-    dbeta3, dgamma3 = _pair(part)
-    u3, w3 = backward_terms(dgamma3, dbeta3, k3, r3, m, training)
-    return dbeta3, dgamma3, w3, u3 - w3 * mean3  # c3: w3 is the small batch term, so no cancellation
+    return part
 
 
-def ffn_backward(y, dp, a, w1d, w2d, k2, t2, mean2, r2, mean_in, cov_in, mean1, r1, cfg: TrainConfig,
-                 training: bool):
+def ffn_backward(y, dp, a, w1, w2, vec1, mean1, vec2, mean2, gamma2, mean_in, cov_in, affine_in: bool,
+                 cfg: TrainConfig, training: bool):
     """The FFN's backward from its input y (M, CI) and dp (M, CO): dW1, dW2, BN2's (dgamma2, dbeta2), dy
-    and (a given: the stride-1 block, whose FFN input is BN1's output) BN1's per-tile sums.
+    and (a given: the stride-1 block, whose FFN input is BN1's output) BN1's per-share sums.
 
-    mean_in, cov_in: the batch mean and covariance of y (training), for dW1 = k2 G + u2 sum(y)^T +
-    w2 (z - m2)^T y with (z - m2)^T y = M W1 Cov(y) + M (W1 mean(y) - m2) mean(y)^T (kernel.py)."""
+    mean_in, cov_in: the batch mean and covariance of the FFN input (affine_in: of a, with y = k1 a + t1),
+    for dW1 = k2 G + u2 sum(y)^T + w2 (z - m2)^T y with (z - m2)^T y = M W1 Cov(y) + M (W1 mean(y) - m2)
+    mean(y)^T (kernel.py, finalize.py)."""
     n, ci, h, w = y.shape
-    r, co = w1d.shape[0], w2d.shape[0]
+    r, co = w1.shape[0], w2.shape[0]
     m = n * h * w
     eb = y.element_size()
-    f32 = dict(dtype=torch.float32, device=y.device)
     interpreter = y.device.type == "cpu"
+    fin = _fin(interpreter)
     chunks = triton.cdiv(r, cfg.block_h_weights)
     wtiles = triton.cdiv(m, cfg.block_m_weights)
     per, shares = weight_shares(wtiles, chunks, ci, co, r, cfg, eb, interpreter)
-    dw2_part = torch.empty((shares, co, r), **f32)
-    g_part = torch.empty((shares, r, ci), **f32)
-    sums = torch.empty((shares, 2, r), **f32)
-    launch(_ffn_bwd_weights_kernel, (shares, chunks), y, dp, w1d, w2d, k2, t2, mean2, r2, dw2_part, g_part,
-           sums, m, r, wtiles, per, CI=ci, CPI=cfg.cp_in, CO=co, CPO=cfg.cp_out, BM=cfg.block_m_weights,
-           BH=cfg.block_h_weights, PRECISION=cfg.precision, num_warps=8, num_stages=cfg.stages_weights,
+    total = co * r + r * ci + 2 * r
+    part = _f32(shares, total, like=y)
+    launch(_ffn_bwd_weights_kernel, (shares, chunks), y, dp, w1, w2, vec2[VEC_K], vec2[VEC_T], mean2,
+           vec2[VEC_R], part, m, r, wtiles, per, total, CI=ci, CPI=cfg.cp_in, CO=co, CPO=cfg.cp_out,
+           BM=cfg.block_m_weights, BH=cfg.block_h_weights, PRECISION=cfg.precision, num_warps=8,
+           num_stages=cfg.stages_weights,
            cost=lambda: ffn_bwd_weights_cost(cfg, m, ci, co, r, eb, shares, per, chunks))
-    dbeta2, dgamma2 = _pair(sums)
-    u2, w2v = backward_terms(dgamma2, dbeta2, k2, r2, m, training)
-    dw2 = dw2_part.sum(0)
-    dw1 = k2[:, None] * g_part.sum(0)
-    if training:
-        w1f = w1d.float()
-        zty = m * (w1f @ cov_in) + m * torch.outer(w1f @ mean_in - mean2, mean_in)
-        dw1 = dw1 + m * torch.outer(u2, mean_in) + w2v[:, None] * zty
+    red = _f32(total, like=y)
+    block, sb = fin["reduce_block"], fin["reduce_sb"]
+    launch(_wgrad_reduce_kernel, (triton.cdiv(total, block),), part, red, shares, total, SB=sb, BLOCK=block,
+           num_warps=4, cost=lambda: reduce_cost(shares, total, sb, 4))
+    dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
+    dgamma2, dbeta2 = torch.empty_like(gamma2), torch.empty_like(gamma2)
+    cpi = _pow2(ci)
+    launch(_ffn_weights_finalize_kernel, (triton.cdiv(r, fin["bh"]),), red, vec2, mean2, mean_in, cov_in,
+           vec1[VEC_K] if affine_in else mean_in, vec1[VEC_T] if affine_in else mean_in, w1, y, dw1, dw2,
+           dgamma2, dbeta2, r, m, cpi, co, CI=ci, CPI=cpi, CO=co, BH=fin["bh"], BJ=fin["bj"], BO=fin["bj"],
+           AFFINE_IN=affine_in,
+           TRAINING=training, num_warps=fin["warps"],
+           cost=lambda: finalize_cost("FFN weights", 4 * (2 * total + ci * ci * triton.cdiv(r, fin["bh"])),
+                                      (Loop("output blocks", triton.cdiv(co, fin["bj"])),
+                                       Loop("column blocks", triton.cdiv(cpi, fin["bj"]))),
+                                      f"{ci}->{r}->{co}"))
     dy = _map(n, ci, h, w, y)
     tiles = triton.cdiv(m, cfg.block_m)
+    ipr, ishares = tile_shares(tiles, interpreter)
     bn_sums = a is not None
-    part1 = torch.empty((tiles, 2, ci) if bn_sums else (1,), **f32)
-    launch(_ffn_bwd_input_kernel, (tiles,), y, dp, a if bn_sums else y, w1d, w2d, dy,
-           mean1 if bn_sums else k2, r1 if bn_sums else k2, k2, t2, mean2, u2, w2v, part1, m, r, CI=ci,
-           CPI=cfg.cp_in, CO=co, CPO=cfg.cp_out, BM=cfg.block_m, BH=cfg.block_h, PRECISION=cfg.precision,
-           BN_SUMS=bn_sums, num_warps=cfg.num_warps,
-           cost=lambda: ffn_bwd_input_cost(cfg, m, ci, co, r, eb, bn_sums))
+    part1 = _f32(*((ishares, 2, ci) if bn_sums else (1,)), like=y)
+    launch(_ffn_bwd_input_kernel, (ishares,), y, dp, a if bn_sums else y, w1, w2, dy,
+           mean1 if bn_sums else mean2, vec1[VEC_R] if bn_sums else mean2, vec2[VEC_K], vec2[VEC_T], mean2,
+           vec2[VEC_U], vec2[VEC_W], part1, m, r, tiles, ipr, CI=ci, CPI=cfg.cp_in, CO=co, CPO=cfg.cp_out,
+           BM=cfg.block_m, BH=cfg.block_h, PRECISION=cfg.precision, BN_SUMS=bn_sums, num_warps=cfg.num_warps,
+           cost=lambda: ffn_bwd_input_cost(cfg, m, ci, co, r, eb, bn_sums, ishares, ipr))
     return dw1, dw2, dgamma2, dbeta2, dy, (part1 if bn_sums else None)
 
 
-def bn_input_grad(dy, a, k1, u1, w1v, mean1) -> torch.Tensor:
+def bn_input_grad(dy, a, vec1, mean1) -> torch.Tensor:
     n, c, h, w = a.shape
     m = n * h * w
     da = _map(n, c, h, w, a)
     rows = _elementwise_rows(c)
-    launch(_bn_input_grad_kernel, (triton.cdiv(m, rows),), dy, a, da, k1, u1, w1v, mean1, m, C=c, CP=_pow2(c),
-           BM=rows, num_warps=4, cost=lambda: elementwise_cost("bn1 input grad", m, c, a.element_size(), 3))
+    launch(_bn_input_grad_kernel, (triton.cdiv(m, rows),), dy, a, da, vec1[VEC_K], vec1[VEC_U], vec1[VEC_W],
+           mean1, m, C=c, CP=_pow2(c), BM=rows, num_warps=4,
+           cost=lambda: elementwise_cost("bn1 input grad", m, c, a.element_size(), 3))
     return da
 
 
-def _grads(dw_conv, dw1, dw2, vecs, params):
-    w1, w2 = params[:2]
-    vecs = [v.to(like.dtype) for v, like in zip(vecs, params[2:])]
-    return (dw_conv, dw1.to(w1.dtype), dw2.to(w2.dtype), *vecs)
+def _stats_owned(stats, running) -> list[torch.Tensor]:
+    """Eval mode returns the running statistics as fp32 tensors the op owns (outputs must not alias)."""
+    return [t.float().clone() for t in stats] if running else list(stats)
+
+
+def _eval_vecs(bns, eps: float, like):
+    """Eval mode: the three BatchNorms' k and t from their running statistics, one launch."""
+    vecs = [_vecs(g.shape[0], like) for g, *_ in bns]
+    bn_terms([(g, b, m, v, vec) for (g, b, m, v), vec in zip(bns, vecs)], eps, 1, False)
+    return vecs
 
 
 # ------------------------------------------------------------------------------------------------
@@ -271,37 +406,35 @@ def convfirst_s1_train_triton(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, g
     n, c, h, w = x.shape
     r = w1.shape[0]
     m = n * h * w
-    dt = x.dtype
-    cfg = train_config(c, c, r, dt)
-    f32 = dict(dtype=torch.float32, device=x.device)
+    cfg = train_config(c, c, r, x.dtype)
     x = _flat(x)
+    w1, w2 = w1.contiguous(), w2.contiguous()  # the kernels index them densely
     a = gconv3x3_triton(x, w_conv, 1)
     if training:
-        bmean1, bcov1 = moments_triton(a, cfg)
-        m1, v1 = bmean1, bcov1.diagonal()
+        vec1, vec2, vec3 = _fwd_vecs(c, x), _fwd_vecs(r, x), _fwd_vecs(c, x)
+        part_mean, part_m2, rps = moments_triton(a, cfg)
+        m1, v1, bcov1, bmean1 = merge_moments(part_mean, part_m2, m, rps, c, True, gamma=gamma1, beta=beta1,
+                                              eps=eps, vec=vec1, mean_copy=True)
+        # y = k1 a + t1: mean(y) = k1 m1 + t1 and Cov(y) = k1 Cov(a) k1; z = W1 y
+        m2, v2 = linear_moments(bmean1, bcov1, vec1[VEC_K], vec1[VEC_T], w1, x, gamma2, beta2, eps, vec2)
     else:
-        bmean1, bcov1 = torch.zeros(c, **f32), torch.zeros((c, c), **f32)
-        m1, v1 = running_mean1.float(), running_var1.float()
-    _, k1, t1 = affine(gamma1.float(), beta1.float(), m1, v1, eps)
-    w1d, w2d = w1.to(dt).contiguous(), w2.to(dt).contiguous()
+        bns = ((gamma1, beta1, running_mean1, running_var1), (gamma2, beta2, running_mean2, running_var2),
+               (gamma3, beta3, running_mean3, running_var3))
+        vec1, vec2, vec3 = _eval_vecs(bns, eps, x)
+    p, pmean, pm2, rps = ffn_forward(a, vec1, w1, w2, vec2, cfg)
     if training:
-        # y = k1 a + t1: mean(y) = beta1 and Cov(y) = k1 Cov(a) k1; z = W1 y
-        m2, v2 = linear_moments(beta1.float(), k1[:, None] * bcov1 * k1[None, :], w1d.float())
+        m3, v3, _, _ = merge_moments(pmean, pm2, m, rps, c, False, gamma=gamma3, beta=beta3, eps=eps,
+                                     vec=vec3)
     else:
-        m2, v2 = running_mean2.float(), running_var2.float()
-    _, k2, t2 = affine(gamma2.float(), beta2.float(), m2, v2, eps)
-    p, m3, v3 = ffn_forward(a, k1, t1, w1d, w2d, k2, t2, cfg, training)
-    if not training:
-        m3, v3 = running_mean3.float(), running_var3.float()
-    _, k3, t3 = affine(gamma3.float(), beta3.float(), m3, v3, eps)
+        m1, v1, m2, v2, m3, v3 = _stats_owned((running_mean1, running_var1, running_mean2, running_var2,
+                                               running_mean3, running_var3), True)
+        bmean1, bcov1 = _f32(c, like=x).zero_(), _f32(c, c, like=x).zero_()
     out = _map(n, c, h, w, x)
     rows = _elementwise_rows(c)
-    launch(_residual_kernel, (triton.cdiv(m, rows),), x, p, out, drop_scale.float().contiguous(), k3, t3, m,
+    launch(_residual_kernel, (triton.cdiv(m, rows),), x, p, out, drop_scale, vec3[VEC_K], vec3[VEC_T], m,
            h * w, C=c, CP=cfg.cp_out, BM=rows, RESIDUAL=True, num_warps=4,
            cost=lambda: elementwise_cost("residual", m, c, x.element_size(), 3))
-    stats = _owned((m1, v1, m2, v2, m3, v3, bmean1, bcov1), (running_mean1, running_var1, running_mean2,
-                                                            running_var2, running_mean3, running_var3))
-    return (out, a, p, *stats)
+    return (out, a, p, m1, v1, m2, v2, m3, v3, bmean1, bcov1)
 
 
 def convfirst_s1_train_backward_triton(dout, x, a, p, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, gamma3,
@@ -311,34 +444,28 @@ def convfirst_s1_train_backward_triton(dout, x, a, p, w_conv, w1, w2, gamma1, be
     n, c, h, w = x.shape
     r = w1.shape[0]
     m = n * h * w
-    dt = x.dtype
     eb = x.element_size()
-    cfg = train_config(c, c, r, dt)
-    x, dout = _flat(x), _flat(dout.to(dt))
-    r1, k1, t1 = affine(gamma1.float(), beta1.float(), mean1, var1, eps)
-    r2, k2, t2 = affine(gamma2.float(), beta2.float(), mean2, var2, eps)
-    r3, k3, _ = affine(gamma3.float(), beta3.float(), mean3, var3, eps)
-    w1d, w2d = w1.to(dt).contiguous(), w2.to(dt).contiguous()
-    drop = drop_scale.float().contiguous()
-    dbeta3, dgamma3, w3, c3 = out_grad(dout, p, drop, mean3, r3, k3, h * w, cfg, training)
+    cfg = train_config(c, c, r, x.dtype)
+    x, dout = _flat(x), _flat(dout.to(x.dtype))
+    w1, w2 = w1.contiguous(), w2.contiguous()  # the kernels index them densely
+    vec1, vec2, vec3 = _vecs(c, x), _vecs(r, x), _vecs(c, x)
+    part3 = out_sums(dout, p, drop_scale, mean3, var3, eps, h * w, cfg)
+    dgamma3, dbeta3 = bn_terms([(gamma1, beta1, mean1, var1, vec1), (gamma2, beta2, mean2, var2, vec2),
+                                (gamma3, beta3, mean3, var3, vec3)], eps, m, training, sums=(2, part3))
     # y and dp, once, in the activation dtype
     y, dp = _map(n, c, h, w, a), _map(n, c, h, w, a)
     rows = _elementwise_rows(c)
-    launch(_prep_kernel, (triton.cdiv(m, rows),), a, dout, p, drop, y, dp, k1, t1, k3, w3, c3, m, h * w, C=c,
-           CP=cfg.cp_out, BM=rows, WRITE_Y=True, num_warps=4,
-           cost=lambda: elementwise_cost("y and dp", m, c, eb, 5))
-    mean_y = k1 * (batch_mean1 - mean1) + beta1.float()
-    cov_y = k1[:, None] * batch_cov1 * k1[None, :]
-    dw1, dw2, dgamma2, dbeta2, dy, part1 = ffn_backward(y, dp, a, w1d, w2d, k2, t2, mean2, r2, mean_y, cov_y,
-                                                        mean1, r1, cfg, training)
-    dbeta1, dgamma1 = _pair(part1)
-    u1, w1v = backward_terms(dgamma1, dbeta1, k1, r1, m, training)
-    da = bn_input_grad(dy, a, k1, u1, w1v, mean1)
+    launch(_prep_kernel, (triton.cdiv(m, rows),), a, dout, p, drop_scale, y, dp, vec1[VEC_K], vec1[VEC_T],
+           vec3[VEC_K], vec3[VEC_W], vec3[VEC_C], m, h * w, C=c, CP=cfg.cp_out, BM=rows, WRITE_Y=True,
+           DROP=True, num_warps=4, cost=lambda: elementwise_cost("y and dp", m, c, eb, 5))
+    dw1, dw2, dgamma2, dbeta2, dy, part1 = ffn_backward(y, dp, a, w1, w2, vec1, mean1, vec2, mean2, gamma2,
+                                                        batch_mean1, batch_cov1, True, cfg, training)
+    dgamma1, dbeta1 = bn_terms([(gamma1, beta1, mean1, var1, vec1)], eps, m, training, sums=(0, part1))
+    da = bn_input_grad(dy, a, vec1, mean1)
     # the grouped conv
     dx = gconv3x3_dgrad_triton(da, w_conv, h, w, 1, residual=dout)
     dw_conv = gconv3x3_wgrad_triton(da, x, 1, w_conv.dtype)
-    return (dx, *_grads(dw_conv, dw1, dw2, (dgamma1, dbeta1, dgamma2, dbeta2, dgamma3, dbeta3),
-                        (w1, w2, gamma1, beta1, gamma2, beta2, gamma3, beta3)))
+    return (dx, dw_conv, dw1, dw2, dgamma1, dbeta1, dgamma2, dbeta2, dgamma3, dbeta3)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -354,42 +481,42 @@ def convfirst_s2_train_triton(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, g
     r, k = w1.shape[0], w2.shape[0]
     ho, wo = (h + 1) // 2, (w + 1) // 2
     m, mo = n * h * w, n * ho * wo
-    dt = x.dtype
-    cfg = train_config(2 * c, k, r, dt)
-    f32 = dict(dtype=torch.float32, device=x.device)
+    cfg = train_config(2 * c, k, r, x.dtype)
     x = _flat(x)
+    w1, w2 = w1.contiguous(), w2.contiguous()  # the kernels index them densely
     a = gconv3x3_triton(x, w_conv, 1)
     if training:
-        m1, cov1 = moments_triton(a, cfg)
-        v1 = cov1.diagonal()
+        vec1, vec2, vec3 = _fwd_vecs(c, x), _fwd_vecs(r, x), _fwd_vecs(k, x)
+        part_mean, part_m2, rps = moments_triton(a, cfg)
+        m1, v1, _, _ = merge_moments(part_mean, part_m2, m, rps, c, False, gamma=gamma1, beta=beta1, eps=eps,
+                                     vec=vec1)
     else:
-        m1, v1 = running_mean1.float(), running_var1.float()
-    _, k1, t1 = affine(gamma1.float(), beta1.float(), m1, v1, eps)
+        bns = ((gamma1, beta1, running_mean1, running_var1), (gamma2, beta2, running_mean2, running_var2),
+               (gamma3, beta3, running_mean3, running_var3))
+        vec1, vec2, vec3 = _eval_vecs(bns, eps, x)
     u = _map(n, 2 * c, ho, wo, x)
     rows = _elementwise_rows(c)
-    launch(_blur_cat_kernel, (triton.cdiv(mo, rows),), x, a, u, k1, t1, mo, h, w, ho, wo, C=c, CP=_pow2(c),
-           BM=rows, num_warps=4, cost=lambda: blur_cost("blur(cat[x, BN1(a)])", n, c, h, w, x.element_size()))
-    w1d, w2d = w1.to(dt).contiguous(), w2.to(dt).contiguous()
+    launch(_blur_cat_kernel, (triton.cdiv(mo, rows),), x, a, u, vec1[VEC_K], vec1[VEC_T], mo, h, w, ho, wo,
+           C=c, CP=_pow2(c), BM=rows, num_warps=4,
+           cost=lambda: blur_cost("blur(cat[x, BN1(a)])", n, c, h, w, x.element_size()))
     if training:
-        mean_u, cov_u = moments_triton(u, cfg)
-        m2, v2 = linear_moments(mean_u, cov_u, w1d.float())
+        part_mean, part_m2, rps = moments_triton(u, cfg)
+        mean_u, _, cov_u, _ = merge_moments(part_mean, part_m2, mo, rps, 2 * c, True)
+        m2, v2 = linear_moments(mean_u, cov_u, None, None, w1, x, gamma2, beta2, eps, vec2)
+    p, pmean, pm2, rps = ffn_forward(u, None, w1, w2, vec2, cfg)
+    if training:
+        m3, v3, _, _ = merge_moments(pmean, pm2, mo, rps, k, False, gamma=gamma3, beta=beta3, eps=eps,
+                                     vec=vec3)
     else:
-        mean_u, cov_u = torch.zeros(2 * c, **f32), torch.zeros((2 * c, 2 * c), **f32)
-        m2, v2 = running_mean2.float(), running_var2.float()
-    _, k2, t2 = affine(gamma2.float(), beta2.float(), m2, v2, eps)
-    ones, zeros = torch.ones(2 * c, **f32), torch.zeros(2 * c, **f32)
-    p, m3, v3 = ffn_forward(u, ones, zeros, w1d, w2d, k2, t2, cfg, training)
-    if not training:
-        m3, v3 = running_mean3.float(), running_var3.float()
-    _, k3, t3 = affine(gamma3.float(), beta3.float(), m3, v3, eps)
+        m1, v1, m2, v2, m3, v3 = _stats_owned((running_mean1, running_var1, running_mean2, running_var2,
+                                               running_mean3, running_var3), True)
+        mean_u, cov_u = _f32(2 * c, like=x).zero_(), _f32(2 * c, 2 * c, like=x).zero_()
     out = _map(n, k, ho, wo, x)
     rows = _elementwise_rows(k)
-    launch(_residual_kernel, (triton.cdiv(mo, rows),), p, p, out, k3, k3, t3, mo, ho * wo, C=k, CP=cfg.cp_out,
-           BM=rows, RESIDUAL=False, num_warps=4,
+    launch(_residual_kernel, (triton.cdiv(mo, rows),), p, p, out, vec3[VEC_K], vec3[VEC_K], vec3[VEC_T], mo,
+           ho * wo, C=k, CP=cfg.cp_out, BM=rows, RESIDUAL=False, num_warps=4,
            cost=lambda: elementwise_cost("BN3", mo, k, x.element_size(), 2))
-    stats = _owned((m1, v1, m2, v2, m3, v3, mean_u, cov_u), (running_mean1, running_var1, running_mean2,
-                                                             running_var2, running_mean3, running_var3))
-    return (out, a, u, p, *stats)
+    return (out, a, u, p, m1, v1, m2, v2, m3, v3, mean_u, cov_u)
 
 
 def convfirst_s2_train_backward_triton(dout, x, a, u, p, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, gamma3,
@@ -399,41 +526,36 @@ def convfirst_s2_train_backward_triton(dout, x, a, u, p, w_conv, w1, w2, gamma1,
     n, c, h, w = x.shape
     r, k = w1.shape[0], w2.shape[0]
     ho, wo = (h + 1) // 2, (w + 1) // 2
-    m = n * h * w
-    dt = x.dtype
-    cfg = train_config(2 * c, k, r, dt)
-    f32 = dict(dtype=torch.float32, device=x.device)
-    x, dout = _flat(x), _flat(dout.to(dt))
-    r1, k1, _ = affine(gamma1.float(), beta1.float(), mean1, var1, eps)
-    r2, k2, t2 = affine(gamma2.float(), beta2.float(), mean2, var2, eps)
-    r3, k3, _ = affine(gamma3.float(), beta3.float(), mean3, var3, eps)
-    w1d, w2d = w1.to(dt).contiguous(), w2.to(dt).contiguous()
-    ones = torch.ones(n, **f32)
-    dbeta3, dgamma3, w3, c3 = out_grad(dout, p, ones, mean3, r3, k3, ho * wo, cfg, training)
+    m, mo = n * h * w, n * ho * wo
+    cfg = train_config(2 * c, k, r, x.dtype)
+    x, dout = _flat(x), _flat(dout.to(x.dtype))
+    w1, w2 = w1.contiguous(), w2.contiguous()  # the kernels index them densely
+    vec1, vec2, vec3 = _vecs(c, x), _vecs(r, x), _vecs(k, x)
+    part3 = out_sums(dout, p, None, mean3, var3, eps, ho * wo, cfg)
+    dgamma3, dbeta3 = bn_terms([(gamma1, beta1, mean1, var1, vec1), (gamma2, beta2, mean2, var2, vec2),
+                                (gamma3, beta3, mean3, var3, vec3)], eps, mo, training, sums=(2, part3))
     dp = _map(n, k, ho, wo, p)
-    mo = n * ho * wo
     rows = _elementwise_rows(k)
-    launch(_prep_kernel, (triton.cdiv(mo, rows),), p, dout, p, ones, p, dp, k3, k3, k3, w3, c3, mo, ho * wo,
-           C=k,
-           CP=cfg.cp_out, BM=rows, WRITE_Y=False, num_warps=4,
-           cost=lambda: elementwise_cost("dp", mo, k, p.element_size(), 3))
-    dw1, dw2, dgamma2, dbeta2, du, _ = ffn_backward(u, dp, None, w1d, w2d, k2, t2, mean2, r2, batch_mean_u,
-                                                    batch_cov_u, None, None, cfg, training)
+    launch(_prep_kernel, (triton.cdiv(mo, rows),), p, dout, p, p, p, dp, vec3[VEC_K], vec3[VEC_K],
+           vec3[VEC_K], vec3[VEC_W], vec3[VEC_C], mo, ho * wo, C=k, CP=cfg.cp_out, BM=rows, WRITE_Y=False,
+           DROP=False, num_warps=4, cost=lambda: elementwise_cost("dp", mo, k, p.element_size(), 3))
+    dw1, dw2, dgamma2, dbeta2, du, _ = ffn_backward(u, dp, None, w1, w2, vec1, None, vec2, mean2, gamma2,
+                                                    batch_mean_u, batch_cov_u, False, cfg, training)
     # BlurPool's transpose: x's direct gradient, dy, BN1's sums
     dxd, dy = _map(n, c, h, w, x), _map(n, c, h, w, x)
     rows = _elementwise_rows(c)
     tiles = triton.cdiv(m, rows)
-    part1 = torch.empty((tiles, 2, c), **f32)
-    launch(_blur_bwd_kernel, (tiles,), du, a, dxd, dy, mean1, r1, part1, m, h, w, ho, wo, C=c, CP=_pow2(c),
-           BM=rows, num_warps=4,
-           cost=lambda: blur_cost("BlurPool transpose", n, c, h, w, x.element_size(), backward=True))
-    dbeta1, dgamma1 = _pair(part1)
-    u1, w1v = backward_terms(dgamma1, dbeta1, k1, r1, m, training)
-    da = bn_input_grad(dy, a, k1, u1, w1v, mean1)
+    per, shares = tile_shares(tiles, x.device.type == "cpu")
+    part1 = _f32(shares, 2, c, like=x)
+    launch(_blur_bwd_kernel, (shares,), du, a, dxd, dy, mean1, vec1[VEC_R], part1, m, h, w, ho, wo, tiles,
+           per, C=c, CP=_pow2(c), BM=rows, num_warps=4,
+           cost=lambda: blur_cost("BlurPool transpose", n, c, h, w, x.element_size(), backward=True,
+                                  loops=(Loop("tiles", per),)))
+    dgamma1, dbeta1 = bn_terms([(gamma1, beta1, mean1, var1, vec1)], eps, m, training, sums=(0, part1))
+    da = bn_input_grad(dy, a, vec1, mean1)
     dx = gconv3x3_dgrad_triton(da, w_conv, h, w, 1, residual=dxd)
     dw_conv = gconv3x3_wgrad_triton(da, x, 1, w_conv.dtype)
-    return (dx, *_grads(dw_conv, dw1, dw2, (dgamma1, dbeta1, dgamma2, dbeta2, dgamma3, dbeta3),
-                        (w1, w2, gamma1, beta1, gamma2, beta2, gamma3, beta3)))
+    return (dx, dw_conv, dw1, dw2, dgamma1, dbeta1, dgamma2, dbeta2, dgamma3, dbeta3)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -456,14 +578,15 @@ def moments_cost(cfg: TrainConfig, m: int, c: int, eb: int, shares: int, per: in
                       note=f"moments C={c}, {shares} shares of {per} tiles")
 
 
-def ffn_fwd_cost(cfg: TrainConfig, m: int, ci: int, co: int, r: int, eb: int) -> KernelCost:
+def ffn_fwd_cost(cfg: TrainConfig, m: int, ci: int, co: int, r: int, eb: int, shares: int, per: int
+                 ) -> KernelCost:
     tiles = triton.cdiv(m, cfg.block_m)
     chunks = triton.cdiv(r, cfg.block_h)
     return KernelCost(
         useful_macs=m * (ci + co) * r,
         mma_macs=tiles * chunks * cfg.block_m * (cfg.cp_in + cfg.cp_out) * cfg.block_h * _passes(cfg),
-        dram_bytes=eb * m * (ci + co) + eb * (ci + co) * r + 8 * tiles * co,
-        loops=(Loop("hidden", chunks),),
+        dram_bytes=eb * m * (ci + co) + eb * (ci + co) * r + 8 * shares * co,
+        loops=(Loop("tiles", per, (Loop("hidden", chunks),)),),
         note=f"FFN forward {ci}->{r}->{co} BM={cfg.block_m} BH={cfg.block_h}",
     )
 
@@ -472,13 +595,14 @@ def elementwise_cost(what: str, m: int, c: int, eb: int, maps: int) -> KernelCos
     return KernelCost(useful_macs=0, mma_macs=0, dram_bytes=maps * eb * m * c, note=f"{what} C={c}")
 
 
-def blur_cost(what: str, n: int, c: int, h: int, w: int, eb: int, backward: bool = False) -> KernelCost:
+def blur_cost(what: str, n: int, c: int, h: int, w: int, eb: int, backward: bool = False, loops: tuple = ()
+              ) -> KernelCost:
     """x and a (forward; backward: a, dx_direct, dy) at full resolution, u (2C) at half: 9 MACs per output
     element of the 2C-channel blur, as count_macs counts BlurPool."""
     ho, wo = (h + 1) // 2, (w + 1) // 2
     full = (3 if backward else 2) * n * h * w * c
     return KernelCost(useful_macs=9 * n * ho * wo * 2 * c, mma_macs=0,
-                      dram_bytes=eb * (full + n * ho * wo * 2 * c),
+                      dram_bytes=eb * (full + n * ho * wo * 2 * c), loops=loops,
                       note=f"{what} C={c}")
 
 
@@ -504,15 +628,20 @@ def ffn_bwd_weights_cost(cfg: TrainConfig, m: int, ci: int, co: int, r: int, eb:
     )
 
 
-def ffn_bwd_input_cost(cfg: TrainConfig, m: int, ci: int, co: int, r: int, eb: int, bn_sums: bool
-                       ) -> KernelCost:
+def ffn_bwd_input_cost(cfg: TrainConfig, m: int, ci: int, co: int, r: int, eb: int, bn_sums: bool,
+                       shares: int, per: int) -> KernelCost:
     tiles = triton.cdiv(m, cfg.block_m)
     chunks = triton.cdiv(r, cfg.block_h)
     return KernelCost(
         useful_macs=m * (ci + co) * r,
         mma_macs=tiles * chunks * cfg.block_m * cfg.block_h * (2 * cfg.cp_in + cfg.cp_out) * _passes(cfg),
         dram_bytes=(eb * m * (2 * ci + co + (ci if bn_sums else 0)) + eb * (ci + co) * r
-                    + (8 * tiles * ci if bn_sums else 0)),
-        loops=(Loop("hidden", chunks),),
+                    + (8 * shares * ci if bn_sums else 0)),
+        loops=(Loop("tiles", per, (Loop("hidden", chunks),)),),
         note=f"FFN backward input {ci}->{r}->{co}",
     )
+
+
+def finalize_cost(what: str, dram_bytes: int, loops: tuple, note: str) -> KernelCost:
+    """A finalize launch (finalize.py): per-channel partials and vectors read and written once, no MMA."""
+    return KernelCost(useful_macs=0, mma_macs=0, dram_bytes=dram_bytes, loops=loops, note=f"{what} {note}")

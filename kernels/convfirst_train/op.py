@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from .._launch import GROUP_WIDTH, HAS_TRITON, check_activation, define_op, use_triton
+from .._batchnorm import update_running
+from .._launch import GROUP_WIDTH, HAS_TRITON, check_activation, define_op, triton_op, use_triton
 from .reference import (
     convfirst_s1_train_backward_reference,
     convfirst_s1_train_reference,
@@ -34,6 +35,7 @@ if HAS_TRITON:
         convfirst_s1_train_triton,
         convfirst_s2_train_backward_triton,
         convfirst_s2_train_triton,
+        update_running_triton,
     )
 
 OP = "convfirst_s1_train"
@@ -189,6 +191,52 @@ def convfirst_s2_train_backward(
     if _triton_ok(x):
         return convfirst_s2_train_backward_triton(*args)
     return convfirst_s2_train_backward_reference(*args)
+
+
+# ------------------------------------------------------------------------------------------------
+# The running statistics of a block's three BatchNorms, in place (one launch)
+# ------------------------------------------------------------------------------------------------
+
+_RUNNING = ("running_mean1", "running_var1", "running_mean2", "running_var2", "running_mean3", "running_var3",
+            "num_batches_tracked1", "num_batches_tracked2", "num_batches_tracked3")
+
+
+def bn_update_running(
+    mean1: torch.Tensor, var1: torch.Tensor, mean2: torch.Tensor, var2: torch.Tensor, mean3: torch.Tensor,
+    var3: torch.Tensor, running_mean1: torch.Tensor, running_var1: torch.Tensor, running_mean2: torch.Tensor,
+    running_var2: torch.Tensor, running_mean3: torch.Tensor, running_var3: torch.Tensor,
+    num_batches_tracked1: torch.Tensor, num_batches_tracked2: torch.Tensor,
+    num_batches_tracked3: torch.Tensor,
+    rows1: int, rows2: int, rows3: int, momentum1: float, momentum2: float, momentum3: float,
+) -> None:
+    """nn.BatchNorm2d's training-mode update of three BatchNorms from a fused block's batch statistics
+    (mean_i, biased var_i over rows_i values per channel): num_batches_tracked_i += 1, then running =
+    (1 - f) running + f batch with the unbiased variance, f = momentum_i, or 1 / num_batches_tracked_i
+    where momentum_i < 0 (nn.BatchNorm2d's momentum=None). One Triton launch, else PyTorch ops."""
+    stats = (mean1, var1, mean2, var2, mean3, var3)
+    running = (running_mean1, running_var1, running_mean2, running_var2, running_mean3, running_var3)
+    counts = (num_batches_tracked1, num_batches_tracked2, num_batches_tracked3)
+    rows, momenta = (rows1, rows2, rows3), (momentum1, momentum2, momentum3)
+    for i in range(3):
+        if stats[2 * i].shape != running[2 * i].shape or stats[2 * i + 1].shape != running[2 * i + 1].shape:
+            raise ValueError(f"convfirstnet.bn_update_running: BatchNorm {i + 1}'s statistics "
+                             f"{tuple(stats[2 * i].shape)} do not match its running statistics "
+                             f"{tuple(running[2 * i].shape)}")
+    if HAS_TRITON and use_triton(mean1) and mean1.dtype == torch.float32:
+        update_running_triton(stats, running, counts, rows, [None if f < 0 else f for f in momenta])
+        return
+    for i in range(3):
+        counts[i].add_(1)
+        f = 1.0 / counts[i].float() if momenta[i] < 0 else momenta[i]
+        update_running(running[2 * i], running[2 * i + 1], stats[2 * i], stats[2 * i + 1], rows[i], f)
+
+
+if HAS_TRITON:
+    bn_update_running = triton_op("convfirstnet::bn_update_running", bn_update_running, mutates_args=_RUNNING)
+else:  # pragma: no cover - machines without triton
+    bn_update_running = torch.library.custom_op("convfirstnet::bn_update_running", bn_update_running,
+                                                mutates_args=_RUNNING)
+    bn_update_running.register_fake(lambda *args: None)
 
 
 # ------------------------------------------------------------------------------------------------
