@@ -28,8 +28,7 @@ import triton
 
 from .._cost import KernelCost, Loop
 from .._launch import launch
-from ..gconv.kernel import _wgrad_reduce_kernel
-from ..gconv.launcher import gconv3x3_dgrad_triton, gconv3x3_triton, gconv3x3_wgrad_triton, reduce_cost
+from ..gconv.launcher import gconv3x3_dgrad_triton, gconv3x3_triton, gconv3x3_wgrad_triton, reduce_partials
 from .finalize import (
     VEC_C, VEC_K, VEC_R, VEC_ROWS, VEC_T, VEC_U, VEC_W,
     _bn_running_kernel,
@@ -344,8 +343,7 @@ def ffn_backward(y, dp, a, w1, w2, vec1, mean1, vec2, mean2, gamma2, mean_in, co
            cost=lambda: ffn_bwd_weights_cost(cfg, m, ci, co, r, eb, shares, per, chunks))
     red = _f32(total, like=y)
     block, sb = fin["reduce_block"], fin["reduce_sb"]
-    launch(_wgrad_reduce_kernel, (triton.cdiv(total, block),), part, red, shares, total, SB=sb, BLOCK=block,
-           num_warps=4, cost=lambda: reduce_cost(shares, total, sb, 4))
+    reduce_partials(part, red, shares, total, block=block, sb=sb)
     dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
     dgamma2, dbeta2 = torch.empty_like(gamma2), torch.empty_like(gamma2)
     cpi = _pow2(ci)

@@ -398,7 +398,6 @@ def _gconv_wgrad_kernel(
     PRECISION: tl.constexpr, ATOMIC: tl.constexpr,
 ):
     """Weight-gradient partials: program (share, channel block) sums its share of tiles in tile order."""
-    BM: tl.constexpr = TH * TW
     sxn, sxh, sxw = 8 * sxn8, 8 * sxh8, 8 * sxw8  # 16-byte vectors of 8 channels (see the forward)
     syn, syh, syw = 8 * syn8, 8 * syh8, 8 * syw8
     C = 8 * C8

@@ -270,9 +270,17 @@ def gconv3x3_wgrad_triton(
            **_meta(cfg, c), cost=cost)
     block, sb = (INTERPRETER_REDUCE_BLOCK, INTERPRETER_REDUCE_SB) if interpreter else (REDUCE_BLOCK,
                                                                                        REDUCE_SB)
-    launch(_wgrad_reduce_kernel, (triton.cdiv(total, block),), partials, dw, shares, total, SB=sb,
-           BLOCK=block, num_warps=NUM_WARPS, cost=lambda: reduce_cost(shares, total, sb, out_dtype.itemsize))
+    reduce_partials(partials, dw, shares, total, block=block, sb=sb)
     return dw
+
+
+def reduce_partials(partials: torch.Tensor, out: torch.Tensor, shares: int, total: int, *, block: int,
+                    sb: int) -> None:
+    """out[i] = sum over s of partials[s, i] (fp32, s in a fixed order: bitwise reproducible), for the
+    ``total`` elements of each of ``shares`` partial rows; ``sb`` rows at a time, ``block`` elements per
+    program. The deterministic second stage of every weight gradient summed from per-share partials."""
+    launch(_wgrad_reduce_kernel, (triton.cdiv(total, block),), partials, out, shares, total, SB=sb,
+           BLOCK=block, num_warps=NUM_WARPS, cost=lambda: reduce_cost(shares, total, sb, out.element_size()))
 
 
 # ------------------------------------------------------------------------------------------------
