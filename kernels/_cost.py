@@ -85,6 +85,7 @@ class Recording:
     # launchers' defaults (an H100)
     sms: int | None = None
     l2_bytes: int | None = None
+    arch: int | None = None  # compute capability x 10 (90: H100), for launchers whose tiles depend on it
 
     def add(self, kernel: Any, grid: tuple, args: tuple, meta: dict, cost: Callable[[], KernelCost] | None):
         grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))
@@ -99,12 +100,14 @@ def active_recording() -> Recording | None:
 
 
 @contextlib.contextmanager
-def recording(*, sms: int | None = None, l2_bytes: int | None = None) -> Iterator[Recording]:
+def recording(
+    *, sms: int | None = None, l2_bytes: int | None = None, arch: int | None = None
+) -> Iterator[Recording]:
     """Record launches instead of running them. Inside, every op takes its Triton path whatever the
     device (meta tensors are the intended input: shapes without memory), and each ``launch`` appends
-    a :class:`Launch` with its cost declaration. ``sms`` and ``l2_bytes``: the target GPU, for
-    launchers that size their grids or batch slices by it."""
-    rec = Recording(sms=sms, l2_bytes=l2_bytes)
+    a :class:`Launch` with its cost declaration. ``sms``, ``l2_bytes`` and ``arch``: the target GPU,
+    for launchers that size their grids, batch slices or tiles by it."""
+    rec = Recording(sms=sms, l2_bytes=l2_bytes, arch=arch)
     token = _RECORDING.set(rec)
     try:
         yield rec

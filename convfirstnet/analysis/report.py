@@ -61,8 +61,8 @@ def record_launches(model: nn.Module, x: torch.Tensor, target: Target | None = N
     ``target``: the GPU the launchers size their grids and batch slices for (default: theirs, an H100)."""
     labels: list[str | None] = []
     handles = []
-    sms, l2_bytes = (target.sms, target.l2_bytes) if target else (None, None)
-    with recording(sms=sms, l2_bytes=l2_bytes) as rec:
+    sms, l2_bytes, arch = (target.sms, target.l2_bytes, target.arch) if target else (None, None, None)
+    with recording(sms=sms, l2_bytes=l2_bytes, arch=arch) as rec:
 
         def enter(path: str):
             def hook(module, args):

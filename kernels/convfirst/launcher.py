@@ -20,7 +20,7 @@ tests/kernels/test_convfirst.py, all of them with CONVFIRSTNET_FULL_MATRIX=1.
     conv output's buffer made 64 KB, a 100 KB carve-out), and x's address split into image base and int32
     pixel offsets (split_base: with per-pixel 64-bit pointers ptxas spilled 8-16 B; C = 32 and 64
     compile to fewer instructions with them). On sm_80 (192 KB L1 + shared) the working set does not fit
-    beside the 60 KB: the cached chunks then cost what streamed ones do, and the report counts so.
+    beside the 60 KB, and the wide layout spilled 32-88 B: there, and on any GPU but sm_90, they stream.
   * stride 2, fp16: 8 x 8 output tiles with 4 warps and 2 programs per SM up to 32 input channels,
     every chunk resident unless the output has a second part (K = 48: those spilled, so they stream);
     8 x 16 tiles, 8 warps and 16-channel blur parts for 48-64 with 60 KB of resident chunks (Small's
@@ -56,6 +56,7 @@ S2_PART = 16  # channels per blur/conv part of the stride-2 kernel when the inpu
 # times; recorded launches (meta tensors) are sized for the recording's target, by default an H100.
 INTERPRETER_SMS = 1
 RECORD_SMS = 132
+RECORD_ARCH = 90
 # W1 + W2 bytes of the hidden chunks a wide stride-1 program loads through L1 (ld.global, re-read from L1 by
 # its later tiles): with the halo tile and the conv weights (C = 96: 62 + 15 KB) 176 of the 192 KB of L1
 # that its 60 KB of shared memory leave on an H100 (the compile test checks the fit)
@@ -132,9 +133,10 @@ def resident_chunks(a_width: int, k_parts: tuple[int, int], bh: int, r: int, eb:
 
 
 def convfirst_config(
-    c: int, k: int, stride: int, dtype: torch.dtype = torch.float16, r: int | None = None
+    c: int, k: int, stride: int, dtype: torch.dtype = torch.float16, r: int | None = None, arch: int = 90
 ) -> ConvFirstConfig:
-    """The tile config for a C -> K block with R hidden channels (default 6C) in `dtype`."""
+    """The tile config for a C -> K block with R hidden channels (default 6C) in `dtype`, for a GPU of
+    compute capability `arch` (x 10)."""
     r = 6 * c if r is None else r
     k_parts = channel_parts(k)
     bh = hidden_block(r)
@@ -158,7 +160,7 @@ def convfirst_config(
         res = resident_chunks(sum(c_parts), k_parts, bh, r, eb, budget)
         cfg = ConvFirstConfig(1, c, k, c_parts, k_parts, th, tw, bh, False, warps, 1, precision_for(dtype),
                               r, res, per_sm)
-        if width > 64 and not fp32:
+        if width > 64 and not fp32 and arch == 90:
             # 60 KB of shared memory (the conv's 32-channel dots staged, the narrow part first; the residual
             # added after the FFN, so that its layout conversion does not meet the conv output's buffer):
             # a 64 KB carve-out leaves 192 KB of L1 for the halo tile, the conv weights and the cached
@@ -271,7 +273,7 @@ def convfirst_triton(
         return out
     x = _vector_strides(x)
     b_conv, b1, b2 = b_conv.contiguous(), b1.contiguous(), b2.contiguous()
-    cfg = convfirst_config(c, k, stride, x.dtype, r)
+    cfg = convfirst_config(c, k, stride, x.dtype, r, device_arch(x.device))
     tiles = n * triton.cdiv(ho, cfg.tile_h) * triton.cdiv(wo, cfg.tile_w)
     grid = (programs_for(cfg, tiles, x.device),)
     # inline asm does not run in the interpreter (CPU tensors); GPU and recorded launches use it
@@ -310,6 +312,16 @@ def device_sms(device: torch.device) -> int:
         return INTERPRETER_SMS
     rec = active_recording()
     return rec and rec.sms or RECORD_SMS
+
+
+def device_arch(device: torch.device) -> int:
+    """Compute capability x 10 of the device the launch runs on (CPU, the interpreter: sm_90's configs;
+    meta: the recording's target, by default an H100)."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return 10 * major + minor
+    rec = active_recording() if device.type == "meta" else None
+    return rec and rec.arch or RECORD_ARCH
 
 
 def programs_for(cfg: ConvFirstConfig, tiles: int, device: torch.device) -> int:

@@ -379,12 +379,12 @@ def _cases():
     return sampled(every, lambda case: case in SAMPLE)
 
 
-def _record(shape, dtype):
+def _record(shape, dtype, arch=90):
     c, r, k, stride = shape
     hw = MAP[(c, r)] if stride == 1 else (128 if c <= 24 else 64)
     p = make_block(c, r, k, stride, dtype, device="meta")
     x = torch.empty(128, c, hw, hw, device="meta", dtype=dtype).contiguous(memory_format=torch.channels_last)
-    with recording() as rec:
+    with recording(arch=arch) as rec:  # the launcher's tiles for that GPU
         torch.ops.convfirstnet.convfirst(x, *p.values(), stride)
     return rec.launches[0]
 
@@ -395,7 +395,7 @@ def gpu_builds():
 
     variants = {}
     for shape, dtype, arch in _cases():
-        launch = _record(shape, dtype)
+        launch = _record(shape, dtype, arch)
         v = variant_of(launch, arch)
         variants.setdefault(v.key, (v, shape, dtype, launch))
     rows = list(variants.values())
@@ -446,7 +446,7 @@ def test_shipped_configs_compile_for_gpu(gpu_builds):
 
     for v, (c, r, k, stride), dtype, launch, comp in gpu_builds:
         what = f"C={c} R={r} K={k} stride {stride} {dtype} sm_{v.arch}"
-        cfg = K.convfirst_config(c, k, stride, dtype, r)
+        cfg = K.convfirst_config(c, k, stride, dtype, r, v.arch)
         eb = dtype.itemsize
         assert comp.shared <= SMEM_LIMIT[v.arch], f"{what}: {comp.shared} B of shared memory"
         if v.arch == 90 and dtype != torch.float32:  # the performance targets (issue 18); the fp32
@@ -477,9 +477,9 @@ def test_shipped_configs_compile_for_gpu(gpu_builds):
         assert bool(strong) == (cfg.resident + cfg.cached < cfg.chunks), f"{what}: L2-only loads {strong}"
         assert all(op.endswith("STRONG.GPU") for op in strong), what
         # the declared L1 working set (halo tile, conv weights, biases, cached chunks) fits in the L1 that
-        # the compiled shared memory leaves (the report's rule for counting L1 re-reads as hits); sm_90,
-        # the target the cached chunks are sized for
-        if v.arch == 90:
+        # the compiled shared memory leaves (the report's rule for counting L1 re-reads as hits); sm_90 and
+        # 16-bit, what the targets hold (the fp32 checking path's 3xTF32 tiles do not fit beside two programs)
+        if v.arch == 90 and dtype != torch.float32:
             t = target(v.arch)
             l1 = hardware(v.arch).l1_bytes(cfg.programs_per_sm * (comp.shared + t.smem_reserved_per_block))
             assert launch.cost.l1_working_set_bytes <= l1 / cfg.programs_per_sm, (
@@ -509,7 +509,7 @@ def test_shipped_configs_compile_for_gpu(gpu_builds):
                 per_tile = (25 * m * c1 // 2 + nw * (9 * cfg.c_parts[1] * c1 // 2 + c1 // 2 + kw)) * eb
             per_tile += cfg.chunks * 32 * nw * 4  # b1: at most one 4-byte vector per chunk and thread
             # the cached chunks' weights, loaded per tile through L1 (unpadded: masked columns are not fetched)
-            per_tile += min(cfg.cached * cfg.block_h, r - cfg.resident * cfg.block_h) * (
+            per_tile += max(0, min(cfg.cached * cfg.block_h, r - cfg.resident * cfg.block_h)) * (
                 (c if stride == 1 else 2 * c) + k) * eb
             assert body <= per_tile, f"{what}: {body} B requested per tile, over the {per_tile} B bound"
             # the bound can tell a re-read where its slack is below the resident bytes: Small's stride-1
