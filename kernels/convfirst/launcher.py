@@ -173,6 +173,8 @@ def convfirst_config(
     if dtype == torch.float16 and cp <= 32:
         # a second output part's resident chunks spilled (K = 48): those stream their weights
         c_parts, (th, tw, warps, per_sm, budget) = (cp, cp), (8, 8, 4, 2, 0 if k_parts[1] else 64 << 10)
+        if arch < 90:  # mma.sync: 64-channel chunks spilled 104 B at 32 -> 64 (sm_80); 32 keep all resident
+            bh = min(bh, 32)
     elif dtype == torch.float16:
         c_parts, (th, tw, warps, per_sm, budget) = (cp, S2_PART), (8, 16, 8, 1, 60 << 10)
     else:  # the blur runs in fp32: parts of 16 channels
