@@ -42,11 +42,19 @@ What stays on chip, and where (each claim pinned by the compile test in tests/ke
   compile time); used only as wgmma B operands, they are stored to shared memory once and stay there
   for all the program's tiles. The number is the launcher's (a shared-memory budget per config): all
   chunks where they fit beside the tile (Small's stage 1 and 2: 12 and 96 KB), a prefix otherwise.
+* L1, cached: the next CACHED hidden chunks (a runtime loop) load their weights per tile with plain
+  ld.global (LDG without .STRONG): the program's first tile fetches them from L2, its later tiles
+  find them in L1, where they stay beside the halo tile and the conv weights (the launcher declares
+  them in the L1 working set; the compile test checks that it fits in the L1 the compiled shared
+  memory leaves). Used where resident chunks do not fit (C = 96: 8 of 18 chunks, 96 KB).
 * L2 only: the weights of the other hidden chunks (a runtime loop, "streamed") are loaded per tile with
   ld.global.cg (LDG.E.128.STRONG.GPU): fetched from L2 by every tile, not allocated in L1.
-Resident chunks cost registers across the tile loop as well (observed, not dissected: the 32 -> 48
-stride-2 variant compiles to 234 registers with no chunk resident and spills with two or more; C = 96
-on 16 x 16 tiles spills with four), which sets the budgets in launcher.py.
+Resident chunks cost registers across the tile loop: each wgmma k-step on a resident [K, N] weight
+tile needs its own 64-bit shared-memory descriptor, computed once before the tile loop and live
+through it (C = 96, 16 x 16 tiles: 10 descriptors per 32-channel chunk; with 8 chunks ptxas spilled
+77 of them, with 2 already 216 B; the 32 -> 48 stride-2 variant spills with two or more). Cached
+chunks reuse the streamed loop's buffers and descriptors: no register cost. That sets the budgets in
+launcher.py.
 
 Stride 1: the grouped conv as batched two-tap dots
 --------------------------------------------------
@@ -56,7 +64,13 @@ a channel part at once (a batched 3-D dot over the G groups):
     [x(tap 2s)[:, g] | x(tap 2s + 1)[:, g]]   [G, M, 16]   @   [W_g(tap 2s); W_g(tap 2s + 1)]   [G, 16, 8]
 
 The tenth tap slot is masked to zero, so the issued conv MACs are 10/9 of the useful ones. The
-batched dot compiles to mma.sync (m16n8k16); its [G, M, 8] result is permuted to [M, C] once. The five
+batched dot compiles to mma.sync (m16n8k16); its [G, M, 8] result is permuted to [M, C] once. Triton
+spreads the warps over the batch dimension, so with fewer groups than warps (a 32-channel part on 8
+warps) several warps computed the same group: the batch is MS x G, the tile's rows cut into MS slices
+(``_m_slices``), which keeps every warp on work of its own (C = 96: 1.34 -> 1.01 G mma.sync MACs per
+launch, the declared figure). A part can be computed SUB channels at a time (one step loop each,
+joined by a layout-only reshape): the operands of a dot are staged through shared memory, [MS x G,
+M / MS, 16] in fp16 = 4 M P bytes, 64 KB for a 64-channel part of a 16 x 16 tile. The five
 steps are a runtime loop (STEPS = 5 passed as a value, so that ptxas keeps the loop and one step's
 operands live; unrolled, it hoisted all 50 window loads and spilled). The weights are read through
 their strides; FusedConvFirst stores w_conv tap-major (blocks.tap_major: memory order kh, kw, ci, co),
@@ -64,7 +78,8 @@ where each tap's [16, 8] group block is two 16-byte vectors.
 
 FFN over hidden chunks (both kernels)
 -------------------------------------
-acc starts at residual + b2 (stride 1) or b2 (stride 2); for each chunk of BLOCK_H hidden channels
+acc starts at residual + b2 (stride 1; wide blocks, RES_LATE: b2, the residual added after the last
+chunk) or b2 (stride 2); for each chunk of BLOCK_H hidden channels
 
     hid = ReLU(A @ W1[chunk]^T + b1[chunk]);   acc += hid @ W2[:, chunk]^T
 
@@ -115,17 +130,21 @@ tile). Next largest terms at the slow end: stage 1 issue 83; 32 -> 64 DRAM 74; C
     32,192,64,2,128^2      8x8     4   3/3   248   58 KB  2  |  74-80     507-625  latency 79  1.28x   83-123
     64,384,64,1, 64^2 (x4) 8x16    8   6/6   175  130 KB  1  | 107-123    344-425  latency 121 1.21x  119-175
     64,384,96,2, 64^2      8x16    8   2/6   255  100 KB  1  |  69-85     254-313  latency 84  2.50x   74-89
-    96,576,96,1, 32^2 (x5) 16x16   8  0/18   246   66 KB  1  |  66-84     132-162  latency 83  3.41x   60-81
+    96,576,96,1, 32^2 (x5) 16x16   8  0/18   255   60 KB  1  |  63-76     132-162  latency 75  2.66x   60-81
 
-    stage 1 / 2 / 3: 0.163-0.201 / 0.502-0.571 / 0.399-0.505 ms (before 0.405-0.598 / 0.557-0.821 /
-    0.372-0.493), 0.18 / 0.25 / 0.45 of the layer-wise bound at the slow end; no stack in any of them.
+    stage 1 / 2 / 3: 0.163-0.201 / 0.503-0.571 / 0.381-0.466 ms (before 0.405-0.598 / 0.557-0.821 /
+    0.372-0.493), 0.18 / 0.25 / 0.42 of the layer-wise bound at the slow end; no stack in any of them.
 
 Stage 1 sits on its DRAM bound. The t = 6 blocks are bound by one warp's path: with one program per
 SM (the resident weights fill shared memory) every warpgroup waits for its own wgmma groups, chunk
 after chunk, so the waits add the tensor time to the stall cycles. C = 96 cannot keep its weights
-(221 KB) beside a 256-pixel tile: 16 x 16 tiles keep the L2 traffic at 3.4x (8 x 16 tiles with a
-resident prefix were 5-6x), and a resident prefix on 16 x 16 tiles spilled (its 96 + 48 + 96 KB of
-accumulators, conv output and hidden tile leave no registers for the descriptors).
+(221 KB) beside a 256-pixel tile: the 96 fp32 accumulator registers per thread cap the tile at 256
+pixels, a resident prefix spills (its descriptors, above), and shared memory and L1 are one 256 KB
+array per SM. Per SM: the conv output (48 KB of shared memory, the expand's A operand for every chunk)
+and the streamed chunk's buffers (12 KB) in a 64 KB carve-out; in the 192 KB of L1 the halo tile (62
+KB), the conv weights (15 KB) and 8 cached chunks (96 KB). The other 10 chunks (123 KB per tile) come
+from L2: 2.66x (before: 3.41x, all streamed). 2.5x needs about 118 KB cached, and the working set
+then no longer fits in L1 (9 chunks: 188 of 192 KB, 2.57x).
 
 Not in the model (a GPU run decides): whether another warpgroup's work overlaps a warpgroup's wgmma
 wait (the model says no); the small-N dots (the conv's m16n8k16, stride 2's N = 16) below peak; L1
@@ -203,12 +222,30 @@ def _load_vec(ptr, KB: tl.constexpr, P: tl.constexpr, K: tl.constexpr):
 # ------------------------------------------------------------------------------------------------
 
 
+@triton.constexpr_function
+def _m_slices(warps, groups, block_m):
+    """Slices of the tile's rows that make the conv's batch (slices x groups) cover every warp."""
+    ms = 1
+    while ms * groups < warps and block_m // (2 * ms) >= 16:
+        ms *= 2
+    return ms
+
+
+@triton.jit
+def _rows(v, MS: tl.constexpr, G: tl.constexpr, MM: tl.constexpr):
+    """[MS x MM] per-pixel values -> [MS x G, MM, 1]: batch entry b holds slice b // G of the rows."""
+    if MS == 1:
+        return v[None, :, None]
+    else:
+        return tl.reshape(tl.broadcast_to(tl.reshape(v, (MS, 1, MM)), (MS, G, MM)), (MS * G, MM))[:, :, None]
+
+
 @triton.jit
 def _gconv_pairs(
     x_pix, oh, ow, m_ok, H, W, sxh, sxw, STEPS,
     wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr,
     C: tl.constexpr, CB: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, WARPS: tl.constexpr,
 ):
     """Grouped 3x3 conv (padding 1) of channels [CB, CB + P) for a tile: [BLOCK_M, P] in x's dtype.
 
@@ -221,18 +258,24 @@ def _gconv_pairs(
     (LDGSTS.E.BYPASS: L2 only) whatever its cache modifier.
     """
     G: tl.constexpr = P // 8
-    g = tl.arange(0, G)[:, None, None]
+    MS: tl.constexpr = _m_slices(WARPS, G, BLOCK_M)
+    # batch = MS x G (M split in MS slices of MM rows), so that every warp owns batch entries of its
+    # own instead of repeating another's (a batch of G < num_warps entries is computed several times)
+    MM: tl.constexpr = BLOCK_M // MS
+    B: tl.constexpr = MS * G
+    g = tl.arange(0, B)[:, None, None] % G
     j = tl.arange(0, 16)[None, None, :]  # K index: tap half (j // 8), channel in group (j % 8)
-    ok3 = m_ok[None, :, None]
+
+    ok3 = _rows(m_ok, MS, G, MM)
     if CB + P > C:
         ok3 = ok3 & (CB + 8 * g + j % 8 < C)
-    x_base = x_pix[None, :, None] + (CB + 8 * g + j % 8)  # [G, M, 16], 8 contiguous channels per tap
-    oh3 = oh[None, :, None]
-    ow3 = ow[None, :, None]
+    x_base = _rows(x_pix, MS, G, MM) + (CB + 8 * g + j % 8)  # [B, MM, 16], 8 contiguous channels per tap
+    oh3 = _rows(oh, MS, G, MM)
+    ow3 = _rows(ow, MS, G, MM)
     wj = tl.arange(0, 16)[None, :, None]
-    wco = CB + 8 * g + tl.arange(0, 8)[None, None, :]  # [G, 1, 8] output channel
-    w_base = wc_ptr + wco * swc_o + (wj % 8) * swc_i  # [G, 16, 8]
-    acc = tl.zeros((G, BLOCK_M, 8), tl.float32)
+    wco = CB + 8 * g + tl.arange(0, 8)[None, None, :]  # [B, 1, 8] output channel
+    w_base = wc_ptr + wco * swc_o + (wj % 8) * swc_i  # [B, 16, 8]
+    acc = tl.zeros((B, MM, 8), tl.float32)
     for step in tl.range(0, STEPS, num_stages=1):
         tap = 2 * step + j // 8
         dh = tap // 3 - 1
@@ -240,7 +283,7 @@ def _gconv_pairs(
         ih = oh3 + dh
         iw = ow3 + dw
         ok = ok3 & (tap < 9) & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        xv = tl.load(x_base + dh * sxh + dw * sxw, mask=ok, other=0.0)
+        xv = tl.load(x_base + (dh * sxh + dw * sxw), mask=ok, other=0.0)
         wtap = 2 * step + wj // 8
         w_ok = wtap < 9
         if CB + P > C:
@@ -251,8 +294,44 @@ def _gconv_pairs(
         acc += tl.load(bc_ptr + wco, mask=wco < C, other=0.0).to(tl.float32)
     else:
         acc += tl.load(bc_ptr + wco).to(tl.float32)
-    # [G, M, 8] -> [M, P]: channel 8g + n of pixel m
-    return tl.reshape(tl.permute(acc.to(x_pix.dtype.element_ty), (1, 0, 2)), (BLOCK_M, P))
+    # [MS x G, MM, 8] -> [M, P]: channel 8g + n of pixel (b // G) MM + m
+    y = tl.reshape(acc.to(x_pix.dtype.element_ty), (MS, G, MM, 8))
+    return tl.reshape(tl.permute(y, (0, 2, 1, 3)), (BLOCK_M, P))
+
+
+@triton.jit
+def _cat_channels(a, b):
+    """[M, P] and [M, P] -> [M, 2P] (a's channels first)."""
+    M: tl.constexpr = a.shape[0]
+    P: tl.constexpr = a.shape[1]
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (M, 2 * P))
+
+
+@triton.jit
+def _gconv_part(
+    x_pix, oh, ow, m_ok, H, W, sxh, sxw, STEPS,
+    wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr,
+    C: tl.constexpr, CB: tl.constexpr, P: tl.constexpr, SUB: tl.constexpr, BLOCK_M: tl.constexpr,
+    PRECISION: tl.constexpr, WARPS: tl.constexpr,
+):
+    """The grouped conv of channels [CB, CB + P) computed SUB channels at a time (``_gconv_pairs``, one
+    step loop each), joined into [BLOCK_M, P]."""
+    tl.static_assert(P <= SUB or P == 2 * SUB or P == 4 * SUB, "a part is 1, 2 or 4 conv dots wide")
+    if P <= SUB:
+        return _gconv_pairs(x_pix, oh, ow, m_ok, H, W, sxh, sxw, STEPS, wc_ptr, swc_o, swc_i, swc_h, swc_w,
+                            bc_ptr, C, CB, P, BLOCK_M, PRECISION, WARPS)
+    elif P == 2 * SUB:
+        y0 = _gconv_pairs(x_pix, oh, ow, m_ok, H, W, sxh, sxw, STEPS, wc_ptr, swc_o, swc_i, swc_h, swc_w,
+                          bc_ptr, C, CB, SUB, BLOCK_M, PRECISION, WARPS)
+        y1 = _gconv_pairs(x_pix, oh, ow, m_ok, H, W, sxh, sxw, STEPS, wc_ptr, swc_o, swc_i, swc_h, swc_w,
+                          bc_ptr, C, CB + SUB, SUB, BLOCK_M, PRECISION, WARPS)
+        return _cat_channels(y0, y1)
+    else:
+        y0 = _gconv_part(x_pix, oh, ow, m_ok, H, W, sxh, sxw, STEPS, wc_ptr, swc_o, swc_i, swc_h, swc_w,
+                         bc_ptr, C, CB, 2 * SUB, SUB, BLOCK_M, PRECISION, WARPS)
+        y1 = _gconv_part(x_pix, oh, ow, m_ok, H, W, sxh, sxw, STEPS, wc_ptr, swc_o, swc_i, swc_h, swc_w,
+                         bc_ptr, C, CB + 2 * SUB, 2 * SUB, SUB, BLOCK_M, PRECISION, WARPS)
+        return _cat_channels(y0, y1)
 
 
 @triton.jit
@@ -368,22 +447,51 @@ def _hidden_chunk(ys, acc0, acc1, w1s, OFF: tl.constexpr, w2_0, w2_1, b1_ptr, H0
 
 
 @triton.jit
+def _streamed_chunks(
+    ys, acc0, acc1, w1_ptr, b1_ptr, w2_ptr, sw1_r, sw1_c, sw2_k, sw2_r, H_START: tl.constexpr, H_END,
+    NPX: tl.constexpr, NG: tl.constexpr, PW: tl.constexpr, PWL: tl.constexpr, CG: tl.constexpr,
+    K0: tl.constexpr, K1: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BH: tl.constexpr,
+    MOD: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr,
+):
+    """acc += the hidden chunks [H_START, H_END) (H_END a runtime value, which keeps the compiler from
+    unrolling the loop), their weights loaded per tile with cache modifier MOD, not software-pipelined."""
+    NA: tl.constexpr = NG * NPX
+    for h0 in tl.range(H_START, H_END, BH, num_stages=1):
+        h_ok = h0 + tl.arange(0, BH) < R
+        w1s_h = ()
+        for p in tl.static_range(NA):
+            w1s_h = w1s_h + (_w1_part(w1_ptr, sw1_r, sw1_c, h0, h_ok, BH, R % BH != 0,
+                                      _a_base(p, NPX, PW, CG), _a_width(p, NPX, PW, PWL),
+                                      _a_end(p, NPX, CG), MOD),)
+        w2_0 = _w2_part(w2_ptr, sw2_k, sw2_r, h0, h_ok, BH, R % BH != 0, 0, K0, K, MOD)
+        w2_1 = w2_0
+        if K1 > 0:
+            w2_1 = _w2_part(w2_ptr, sw2_k, sw2_r, h0, h_ok, BH, R % BH != 0, K0, K1, K, MOD)
+        acc0, acc1 = _hidden_chunk(ys, acc0, acc1, w1s_h, 0, w2_0, w2_1, b1_ptr, h0, h_ok, NA, K1, BH,
+                                   PRECISION, ASM)
+    return acc0, acc1
+
+
+@triton.jit
 def _ffn_chunks(
     ys, acc0, acc1, w1s, w2a, w2b,
     w1_ptr, b1_ptr, w2_ptr, sw1_r, sw1_c, sw2_k, sw2_r, R_RUN,
     NPX: tl.constexpr, NG: tl.constexpr, PW: tl.constexpr, PWL: tl.constexpr, CG: tl.constexpr,
     K0: tl.constexpr, K1: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BH: tl.constexpr,
-    RES: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr,
+    RES: tl.constexpr, CACHED: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr,
 ):
     """acc += ReLU(A @ W1^T + b1) @ W2^T over the hidden chunks of BH channels (the hidden tile never
     leaves the chip). A is given as NG x NPX parts ys (``_a_base``, ``_a_width``); the output as
     power-of-two parts acc0 [M, K0] (channels [0, K0)) and acc1 [M, K1] ([K0, K0 + K1)), valid below K.
 
-    The first RES chunks take their weights from the resident tuples (``_resident_weights``, unrolled);
-    the others (a runtime loop up to R_RUN = R, which keeps the compiler from unrolling it) load them
-    per tile with ld.global.cg, not software-pipelined: L2 traffic that does not pass through L1, where
-    the conv windows of the tile stay. (Pipelined, the pieces narrower than 16 bytes became
-    cp.async.ca, which allocates in L1; ld.global.cg never does.)
+    Three kinds of chunks, in order:
+    * the first RES take their weights from the resident tuples (``_resident_weights``, unrolled);
+    * the next CACHED load theirs per tile with plain ld.global (a runtime loop): L1-allocating loads,
+      which the program's later tiles find in L1 (the launcher declares them in the L1 working set);
+    * the others (a runtime loop up to R_RUN = R) load theirs per tile with ld.global.cg: L2 traffic
+      that does not pass through L1, where the conv windows and the cached chunks stay. (Pipelined,
+      the pieces narrower than 16 bytes became cp.async.ca, which allocates in L1; ld.global.cg never
+      does.)
     """
     NA: tl.constexpr = NG * NPX
     for i in tl.static_range(RES):
@@ -394,20 +502,14 @@ def _ffn_chunks(
         else:
             acc0, acc1 = _hidden_chunk(ys, acc0, acc1, w1s, i * NA, w2a[i], w2a[i], b1_ptr, i * BH, h_ok,
                                        NA, K1, BH, PRECISION, ASM)
-    if RES * BH < R:
-        for h0 in tl.range(RES * BH, R_RUN, BH, num_stages=1):
-            h_ok = h0 + tl.arange(0, BH) < R
-            w1s_h = ()
-            for p in tl.static_range(NA):
-                w1s_h = w1s_h + (_w1_part(w1_ptr, sw1_r, sw1_c, h0, h_ok, BH, R % BH != 0,
-                                          _a_base(p, NPX, PW, CG), _a_width(p, NPX, PW, PWL),
-                                          _a_end(p, NPX, CG), ".cg"),)
-            w2_0 = _w2_part(w2_ptr, sw2_k, sw2_r, h0, h_ok, BH, R % BH != 0, 0, K0, K, ".cg")
-            w2_1 = w2_0
-            if K1 > 0:
-                w2_1 = _w2_part(w2_ptr, sw2_k, sw2_r, h0, h_ok, BH, R % BH != 0, K0, K1, K, ".cg")
-            acc0, acc1 = _hidden_chunk(ys, acc0, acc1, w1s_h, 0, w2_0, w2_1, b1_ptr, h0, h_ok, NA, K1, BH,
-                                       PRECISION, ASM)
+    if (RES + CACHED) * BH < R:
+        acc0, acc1 = _streamed_chunks(ys, acc0, acc1, w1_ptr, b1_ptr, w2_ptr, sw1_r, sw1_c, sw2_k, sw2_r,
+                                      (RES + CACHED) * BH, R_RUN, NPX, NG, PW, PWL, CG, K0, K1, K, R, BH,
+                                      ".cg", PRECISION, ASM)
+    if CACHED > 0:
+        acc0, acc1 = _streamed_chunks(ys, acc0, acc1, w1_ptr, b1_ptr, w2_ptr, sw1_r, sw1_c, sw2_k, sw2_r,
+                                      RES * BH, tl.minimum(R_RUN, (RES + CACHED) * BH), NPX, NG, PW, PWL,
+                                      CG, K0, K1, K, R, BH, "", PRECISION, ASM)
     return acc0, acc1
 
 
@@ -428,7 +530,8 @@ def _convfirst_s1_kernel(
     C: tl.constexpr, NPX: tl.constexpr, PW: tl.constexpr, PWL: tl.constexpr, K0: tl.constexpr,
     K1: tl.constexpr,
     R: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, BLOCK_H: tl.constexpr, RESIDENT: tl.constexpr,
-    PRECISION: tl.constexpr, ASM: tl.constexpr,
+    CACHED: tl.constexpr, SUB: tl.constexpr, RES_LATE: tl.constexpr, SPLIT_BASE: tl.constexpr,
+    WARPS: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr,
 ):
     tl.static_assert(PWL >= 16 and (NPX - 1) * PW + PWL >= C, "conv parts must cover C")
     tl.static_assert(K0 >= 16 and K0 + K1 >= C, "output parts must cover C")
@@ -441,23 +544,38 @@ def _convfirst_s1_kernel(
                                       K0, K1, C, R, BLOCK_H, RESIDENT)
     for t in tl.range(tl.program_id(0), TILES, tl.num_programs(0), num_stages=1):
         n, oh, ow, m_ok = _tile_pixels(t, H, W, TH, TW)
-        x_pix = x_ptr + n * sxn + oh * sxh + ow * sxw
+        if SPLIT_BASE:  # the image's base pointer, then int32 pixel offsets (see the launcher's table)
+            x_pix = (x_ptr + n * sxn) + (oh * sxh + ow * sxw)
+        else:
+            x_pix = x_ptr + n * sxn + oh * sxh + ow * sxw
         out_pix = out_ptr + (n.to(tl.int64) * H * W + oh * W + ow) * C
         ys = ()
-        for p in tl.static_range(NPX):
-            ys = ys + (_gconv_pairs(x_pix, oh, ow, m_ok, H, W, sxh, sxw, STEPS, wc_ptr, swc_o, swc_i, swc_h,
-                                    swc_w, bc_ptr, C, _a_base(p, NPX, PW, C), _a_width(p, NPX, PW, PWL),
-                                    BLOCK_M, PRECISION),)
-        acc0 = _load_part(x_pix, m_ok, 0, K0, C) + _load_vec(b2_ptr, 0, K0, C)[None, :]
-        acc1 = acc0
-        if K1 > 0:
-            acc1 = _load_part(x_pix, m_ok, K0, K1, C) + _load_vec(b2_ptr, K0, K1, C)[None, :]
+        for q in tl.static_range(NPX):  # the last (narrower) part first
+            ys = (_gconv_part(x_pix, oh, ow, m_ok, H, W, sxh, sxw, STEPS, wc_ptr, swc_o, swc_i, swc_h,
+                              swc_w, bc_ptr, C, _a_base(NPX - 1 - q, NPX, PW, C),
+                              _a_width(NPX - 1 - q, NPX, PW, PWL), SUB, BLOCK_M, PRECISION,
+                              WARPS),) + ys
+        if RES_LATE:
+            acc0 = tl.zeros((BLOCK_M, K0), tl.float32) + _load_vec(b2_ptr, 0, K0, C)[None, :]
+            acc1 = acc0
+            if K1 > 0:
+                acc1 = tl.zeros((BLOCK_M, K1), tl.float32) + _load_vec(b2_ptr, K0, K1, C)[None, :]
+        else:
+            acc0 = _load_part(x_pix, m_ok, 0, K0, C) + _load_vec(b2_ptr, 0, K0, C)[None, :]
+            acc1 = acc0
+            if K1 > 0:
+                acc1 = _load_part(x_pix, m_ok, K0, K1, C) + _load_vec(b2_ptr, K0, K1, C)[None, :]
         acc0, acc1 = _ffn_chunks(ys, acc0, acc1, w1s, w2a, w2b, w1_ptr, b1_ptr, w2_ptr, sw1_r, sw1_c,
                                  sw2_k, sw2_r, R_RUN, NPX, 1, PW, PWL, C, K0, K1, C, R, BLOCK_H, RESIDENT,
-                                 PRECISION, ASM)
-        _store_part(out_pix, acc0, m_ok, 0, K0, C)
-        if K1 > 0:
-            _store_part(out_pix, acc1, m_ok, K0, K1, C)
+                                 CACHED, PRECISION, ASM)
+        if RES_LATE:  # one output part at a time: a part's residual is live only until its store
+            _store_part(out_pix, acc0 + _load_part(x_pix, m_ok, 0, K0, C), m_ok, 0, K0, C)
+            if K1 > 0:
+                _store_part(out_pix, acc1 + _load_part(x_pix, m_ok, K0, K1, C), m_ok, K0, K1, C)
+        else:
+            _store_part(out_pix, acc0, m_ok, 0, K0, C)
+            if K1 > 0:
+                _store_part(out_pix, acc1, m_ok, K0, K1, C)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -567,7 +685,8 @@ def _convfirst_s2_kernel(
     # meta-parameters
     C: tl.constexpr, CP2: tl.constexpr, NPX: tl.constexpr, K: tl.constexpr, K0: tl.constexpr,
     K1: tl.constexpr, R: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, BLOCK_H: tl.constexpr,
-    RESIDENT: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr, BLUR_F16: tl.constexpr,
+    RESIDENT: tl.constexpr, CACHED: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr,
+    BLUR_F16: tl.constexpr,
     ROW_LOOP: tl.constexpr,
 ):
     tl.static_assert(CP2 >= 16 and NPX * CP2 >= C and NPX <= 4, "blur/conv parts must cover C")
@@ -617,7 +736,7 @@ def _convfirst_s2_kernel(
             acc1 = tl.zeros((BLOCK_M, K1), tl.float32) + _load_vec(b2_ptr, K0, K1, K)[None, :]
         acc0, acc1 = _ffn_chunks(uxs + uys, acc0, acc1, w1s, w2a, w2b, w1_ptr, b1_ptr, w2_ptr, sw1_r, sw1_c,
                                  sw2_k, sw2_r, R_RUN, NPX, 2, CP2, CP2, C, K0, K1, K, R, BLOCK_H, RESIDENT,
-                                 PRECISION, ASM)
+                                 CACHED, PRECISION, ASM)
         out_pix = out_ptr + (n.to(tl.int64) * HO * WO + oh * WO + ow) * K
         _store_part(out_pix, acc0, m_ok, 0, K0, K)
         if K1 > 0:

@@ -12,8 +12,15 @@ tests/kernels/test_convfirst.py, all of them with CONVFIRSTNET_FULL_MATRIX=1.
     fits on sm_80), all hidden chunks resident (BLOCK_H <= 32); 16 x 16 tiles on 4 warps needed 240
     registers (2 per SM) and spilled at R = 6C. 33-64 channels: 8 x 16 tiles, 8 warps, one program
     per SM with every chunk resident (C = 64: 96 KB); 16 x 16 tiles spilled. Wider (C = 72, 96): 16 x 16
-    tiles, 8 warps, BLOCK_H 32, all chunks streamed from L2 (a resident prefix spilled; 8 x 16 tiles
-    doubled the streamed bytes per pixel).
+    tiles, 8 warps, BLOCK_H 32, no chunk resident (a resident prefix spilled its wgmma descriptors; 8 x 16
+    tiles doubled the streamed bytes per pixel): 96 KB of chunks cached in L1 (L1_CACHED_BUDGET), the
+    rest streamed from L2. Their layout keeps shared memory at 60 KB, so that 192 KB of L1 hold the
+    cached chunks beside the halo tile: conv dots of 32 channels (conv_sub) with the narrow part first,
+    the residual added after the FFN (residual_late: added before, its layout conversion beside the
+    conv output's buffer made 64 KB, a 100 KB carve-out), and x's address split into image base and int32
+    pixel offsets (split_base: with per-pixel 64-bit pointers ptxas spilled 8-16 B; C = 32 and 64
+    compile to fewer instructions with them). On sm_80 (192 KB L1 + shared) the working set does not fit
+    beside the 60 KB, and the wide layout spilled 32-88 B: there, and on any GPU but sm_90, they stream.
   * stride 2, fp16: 8 x 8 output tiles with 4 warps and 2 programs per SM up to 32 input channels,
     every chunk resident unless the output has a second part (K = 48: those spilled, so they stream);
     8 x 16 tiles, 8 warps and 16-channel blur parts for 48-64 with 60 KB of resident chunks (Small's
@@ -32,7 +39,7 @@ under torch.compile and CUDA-graph capture. Widths above 128 (stride 1) or 64 in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -49,6 +56,11 @@ S2_PART = 16  # channels per blur/conv part of the stride-2 kernel when the inpu
 # times; recorded launches (meta tensors) are sized for the recording's target, by default an H100.
 INTERPRETER_SMS = 1
 RECORD_SMS = 132
+RECORD_ARCH = 90
+# W1 + W2 bytes of the hidden chunks a wide stride-1 program loads through L1 (ld.global, re-read from L1 by
+# its later tiles): with the halo tile and the conv weights (C = 96: 62 + 15 KB) 176 of the 192 KB of L1
+# that its 60 KB of shared memory leave on an H100 (the compile test checks the fit)
+L1_CACHED_BUDGET = 96 << 10
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,10 @@ class ConvFirstConfig:
     r: int = 0  # hidden channels
     resident: int = 0  # hidden chunks whose W1 and W2 stay in shared memory for all of a program's tiles
     programs_per_sm: int = 0  # persistent programs per SM (0: one program per tile)
+    split_base: bool = False  # stride 1: x's address as image base + int32 pixel offsets
+    residual_late: bool = False  # stride 1: the residual is added after the FFN
+    conv_sub: int = 0  # stride 1: channels per conv dot (0: a whole channel part)
+    cached: int = 0  # the next hidden chunks, whose W1 and W2 are loaded per tile through L1 (they stay there)
 
     @property
     def block_m(self) -> int:
@@ -117,9 +133,10 @@ def resident_chunks(a_width: int, k_parts: tuple[int, int], bh: int, r: int, eb:
 
 
 def convfirst_config(
-    c: int, k: int, stride: int, dtype: torch.dtype = torch.float16, r: int | None = None
+    c: int, k: int, stride: int, dtype: torch.dtype = torch.float16, r: int | None = None, arch: int = 90
 ) -> ConvFirstConfig:
-    """The tile config for a C -> K block with R hidden channels (default 6C) in `dtype`."""
+    """The tile config for a C -> K block with R hidden channels (default 6C) in `dtype`, for a GPU of
+    compute capability `arch` (x 10)."""
     r = 6 * c if r is None else r
     k_parts = channel_parts(k)
     bh = hidden_block(r)
@@ -137,17 +154,27 @@ def convfirst_config(
             bh = min(bh, 32)
         elif width <= 64:
             th, tw, warps, per_sm, budget = 8, 16, 8, 1, 128 << 10
-        else:  # the weights do not fit beside the tile and its registers: all streamed from L2
+        else:  # the weights do not fit beside the tile and its registers: a part of them cached in L1
             th, tw, warps, per_sm, budget = 16, 16, 8, 1, 0
             bh = min(bh, 32)
         res = resident_chunks(sum(c_parts), k_parts, bh, r, eb, budget)
-        return ConvFirstConfig(1, c, k, c_parts, k_parts, th, tw, bh, False, warps, 1, precision_for(dtype),
-                               r, res, per_sm)
+        cfg = ConvFirstConfig(1, c, k, c_parts, k_parts, th, tw, bh, False, warps, 1, precision_for(dtype),
+                              r, res, per_sm)
+        if width > 64 and not fp32 and arch == 90:
+            # 60 KB of shared memory (the conv's 32-channel dots staged, the narrow part first; the residual
+            # added after the FFN, so that its layout conversion does not meet the conv output's buffer):
+            # a 64 KB carve-out leaves 192 KB of L1 for the halo tile, the conv weights and the cached
+            # chunks. The base/offset split of x's address is what ptxas compiles without spilling here.
+            cached = min(cfg.chunks - res, L1_CACHED_BUDGET // (bh * (c + k) * eb))
+            cfg = replace(cfg, conv_sub=32, residual_late=True, split_base=True, cached=cached)
+        return cfg
     cp = max(16, triton.next_power_of_2(c))
     # (parts, tile h, tile w, warps, programs per SM, shared memory for resident weights)
     if dtype == torch.float16 and cp <= 32:
         # a second output part's resident chunks spilled (K = 48): those stream their weights
         c_parts, (th, tw, warps, per_sm, budget) = (cp, cp), (8, 8, 4, 2, 0 if k_parts[1] else 64 << 10)
+        if arch < 90:  # mma.sync: 64-channel chunks spilled 104 B at 32 -> 64 (sm_80); 32 keep all resident
+            bh = min(bh, 32)
     elif dtype == torch.float16:
         c_parts, (th, tw, warps, per_sm, budget) = (cp, S2_PART), (8, 16, 8, 1, 60 << 10)
     else:  # the blur runs in fp32: parts of 16 channels
@@ -248,7 +275,7 @@ def convfirst_triton(
         return out
     x = _vector_strides(x)
     b_conv, b1, b2 = b_conv.contiguous(), b1.contiguous(), b2.contiguous()
-    cfg = convfirst_config(c, k, stride, x.dtype, r)
+    cfg = convfirst_config(c, k, stride, x.dtype, r, device_arch(x.device))
     tiles = n * triton.cdiv(ho, cfg.tile_h) * triton.cdiv(wo, cfg.tile_w)
     grid = (programs_for(cfg, tiles, x.device),)
     # inline asm does not run in the interpreter (CPU tensors); GPU and recorded launches use it
@@ -261,15 +288,19 @@ def convfirst_triton(
                *wstrides, C=c, NPX=1 + (cfg.c_parts[1] > 0), PW=cfg.c_parts[0],
                PWL=cfg.c_parts[1] or cfg.c_parts[0], K0=cfg.k_parts[0], K1=cfg.k_parts[1],
                R=r, TH=cfg.tile_h, TW=cfg.tile_w,
-               BLOCK_H=cfg.block_h, RESIDENT=cfg.resident, PRECISION=cfg.precision, ASM=asm,
-               num_warps=cfg.num_warps, num_stages=cfg.num_stages, cost=cost)
+               BLOCK_H=cfg.block_h, RESIDENT=cfg.resident, CACHED=cfg.cached,
+               SUB=cfg.conv_sub or 128, RES_LATE=cfg.residual_late,
+               SPLIT_BASE=cfg.split_base, WARPS=cfg.num_warps,
+               PRECISION=cfg.precision,
+               ASM=asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages, cost=cost)
     else:
         xs8 = (x.stride(0) // 8, x.stride(2) // 8, x.stride(3) // 8)
         cp2 = cfg.c_parts[1]
         launch(_convfirst_s2_kernel, grid, x, w_conv, b_conv, w1, b1, w2, b2, out, h, w, ho, wo, tiles, r,
                *xs8, *wstrides, C=c, CP2=cp2, NPX=triton.cdiv(c, cp2), K=k, K0=cfg.k_parts[0],
                K1=cfg.k_parts[1], R=r, TH=cfg.tile_h, TW=cfg.tile_w, BLOCK_H=cfg.block_h,
-               RESIDENT=cfg.resident, PRECISION=cfg.precision, ASM=asm, BLUR_F16=x.dtype == torch.float16,
+               RESIDENT=cfg.resident, CACHED=cfg.cached, PRECISION=cfg.precision, ASM=asm,
+               BLUR_F16=x.dtype == torch.float16,
                ROW_LOOP=cfg.row_loop, num_warps=cfg.num_warps, num_stages=cfg.num_stages, cost=cost)
     return out
 
@@ -285,6 +316,16 @@ def device_sms(device: torch.device) -> int:
     return rec and rec.sms or RECORD_SMS
 
 
+def device_arch(device: torch.device) -> int:
+    """Compute capability x 10 of the device the launch runs on (CPU, the interpreter: sm_90's configs;
+    meta: the recording's target, by default an H100)."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return 10 * major + minor
+    rec = active_recording() if device.type == "meta" else None
+    return rec and rec.arch or RECORD_ARCH
+
+
 def programs_for(cfg: ConvFirstConfig, tiles: int, device: torch.device) -> int:
     """Programs of a launch over `tiles` tiles: one per tile, or persistent programs (programs_per_sm per
     SM), as few as give the busiest one no more tiles (each loads its resident weights once)."""
@@ -296,12 +337,27 @@ def programs_for(cfg: ConvFirstConfig, tiles: int, device: torch.device) -> int:
 
 def _l1_declaration(eb: int, trips: int, halo: int, small: int) -> dict:
     """The L1 part of a persistent program's declaration (elements -> bytes): per tile its halo window
-    (re-read by the conv taps, and by the residual, from L1), once the conv weights and the biases
-    (re-read by every tile, b1 of the streamed chunks included). The streamed chunks' weights are not in
-    it: they are ld.global.cg (LDG...STRONG.GPU, L2 only, counted in full by the report; the compile
-    test pins that these are the only loads that skip L1)."""
+    (re-read by the conv taps, and by the residual, from L1), once the conv weights, the biases (re-read
+    by every tile, b1 of the streamed chunks included) and the cached chunks' W1 and W2 (plain
+    ld.global, re-read by every tile). The streamed chunks' weights are not in it: they are
+    ld.global.cg (LDG...STRONG.GPU, L2 only, counted in full by the report; the compile test pins that
+    these are the only loads that skip L1, and that the working set fits in the L1 that the compiled
+    shared memory leaves)."""
     return dict(l1_unique_bytes_per_program=eb * (trips * halo + small),
                 l1_working_set_bytes=eb * (halo + small))
+
+
+def _chunk_loops(cfg: ConvFirstConfig) -> tuple[Loop, ...]:
+    """The runtime hidden-chunk loops of one tile: cached (through L1), then streamed (L2 only)."""
+    cached = min(cfg.chunks - cfg.resident, cfg.cached)
+    streamed = cfg.chunks - cfg.resident - cached
+    return ((Loop("streamed", streamed),) if streamed else ()) + ((Loop("cached", cached),) if cached else ())
+
+
+def _cached_elements(cfg: ConvFirstConfig, c1: int) -> int:
+    """W1 and W2 elements of the cached chunks (masked rows and columns are not fetched)."""
+    lo = cfg.resident * cfg.block_h
+    return max(0, min(cfg.r, lo + cfg.cached * cfg.block_h) - lo) * (c1 + cfg.k)
 
 
 def launch_cost(cfg: ConvFirstConfig, n: int, h: int, w: int, programs: int) -> KernelCost:
@@ -322,28 +378,27 @@ def launch_cost(cfg: ConvFirstConfig, n: int, h: int, w: int, programs: int) -> 
         # L1-allocating loads: per tile its halo window (the nine taps and the residual re-read it from
         # L1), per program the conv weights and biases (re-read by every tile)
         halo = (cfg.tile_h + 2) * (cfg.tile_w + 2) * cfg.c
-        small = 9 * GROUP_WIDTH * cfg.c + cfg.c + r + cfg.k
+        # one five-step loop per conv dot: a channel part, or its slices of conv_sub channels
+        conv_loops = sum(max(1, p // (cfg.conv_sub or p)) for p in cfg.c_parts if p)
+        small = 9 * GROUP_WIDTH * cfg.c + cfg.c + r + cfg.k + _cached_elements(cfg, c1)
         return KernelCost(
             useful_macs=useful_macs(n, cfg.c, h, w, r, cfg.k, 1),
             mma_macs=programs * trips * (conv + ffn),
             dram_bytes=eb * (n * cfg.c * h * w + n * cfg.k * ho * wo + weights),
-            loops=(Loop("tiles", trips, tuple(Loop("conv", 5) for p in cfg.c_parts if p)
-                        + ((Loop("streamed", chunks - cfg.resident),) if cfg.resident < chunks else ())),),
+            loops=(Loop("tiles", trips, tuple(Loop("conv", 5) for _ in range(conv_loops)) + _chunk_loops(cfg)),),
             **_l1_declaration(eb, trips, halo, small),
             note=f"C={cfg.c} K={cfg.k} R={r} tile {cfg.tile_h}x{cfg.tile_w}, {cfg.resident}/{chunks} chunks "
-                 f"resident, {trips} tiles per program",
+                 f"resident, {min(cfg.cached, chunks - cfg.resident)} cached, {trips} tiles per program",
         )
     cp2 = cfg.c_parts[1]
     npx = triton.cdiv(cfg.c, cp2)
     conv = 9 * cp2 * cp2 * npx * bm  # nine block-diagonal [CP2, CP2] tap dots per channel part
     ffn = chunks * bh * (2 * cp2 * npx + kw) * bm
-    inner = [Loop("taprow", 3) for _ in range(npx) if cfg.row_loop]
-    if cfg.resident < chunks:
-        inner.append(Loop("streamed", chunks - cfg.resident))
+    inner = [Loop("taprow", 3) for _ in range(npx) if cfg.row_loop] + list(_chunk_loops(cfg))
     # L1-allocating loads: per tile the 5x5 windows (the halo tile of the blurred 2x downsample,
     # re-read across taps from L1), per program the conv weights and the biases
     halo = (2 * cfg.tile_h + 3) * (2 * cfg.tile_w + 3) * cfg.c
-    small = 9 * GROUP_WIDTH * cfg.c + cfg.c + r + cfg.k
+    small = 9 * GROUP_WIDTH * cfg.c + cfg.c + r + cfg.k + _cached_elements(cfg, c1)
     return KernelCost(
         useful_macs=useful_macs(n, cfg.c, h, w, r, cfg.k, cfg.stride),
         mma_macs=programs * trips * (conv + ffn),

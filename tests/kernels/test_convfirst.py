@@ -115,7 +115,7 @@ def test_interpreter_cases_run_every_loop_more_than_once():
     """The SHAPES cases drive each persistent tile loop through several tiles (the interpreter runs
     INTERPRETER_SMS x programs_per_sm programs), with every hidden chunk resident, none, and a prefix,
     so that the streamed loop runs several trips too; checked on the configs, no kernel runs."""
-    tile_trips, resident = [], set()
+    tile_trips, resident, cached = [], set(), set()
     for p in SHAPES:
         n, c, h, w, r, k, stride = p.values
         for dtype in (torch.float32, torch.float16):
@@ -127,8 +127,14 @@ def test_interpreter_cases_run_every_loop_more_than_once():
                 resident.add((stride, "all"))
             elif tile_trips[-1] > 1 and cfg.chunks - cfg.resident > 1:
                 resident.add((stride, "none" if cfg.resident == 0 else "prefix"))
+            streamed = cfg.chunks - cfg.resident - cfg.cached
+            if tile_trips[-1] > 1 and cfg.cached > 1 and streamed > 1:
+                cached.add((c, cfg.conv_sub, cfg.residual_late, cfg.split_base))
     assert sum(t > 1 for t in tile_trips) >= 2 * len(tile_trips) // 3  # the rest: maps of one tile
     assert resident == {(s, kind) for s in (1, 2) for kind in ("all", "none", "prefix")}
+    # the L1-cached loop and the streamed loop after it, both several trips, with the wide layout (conv
+    # dots of 32 channels: two for the 64-channel part, the 16-channel part in M slices; residual last)
+    assert {(72, 32, True, True), (96, 32, True, True)} <= cached
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -295,12 +301,15 @@ def test_cost_declaration(c, r, k, stride, hw):
     assert cost.mma_macs >= cost.useful_macs * (0.4 if stride == 2 else 1.0)  # stride 2 blurs first
     (tile_loop,) = cost.loops
     assert tile_loop.name == "tiles" and tile_loop.trips == trips
-    streamed = [lp for lp in tile_loop.body if lp.name == "streamed"]
-    assert [lp.trips for lp in streamed] == ([cfg.chunks - cfg.resident] if cfg.resident < cfg.chunks else [])
-    # the L1 working set is one tile's halo window plus the conv weights and biases
+    chunk_loops = {lp.name: lp.trips for lp in tile_loop.body if lp.name in ("cached", "streamed")}
+    left = cfg.chunks - cfg.resident
+    assert chunk_loops == {name: t for name, t in (("cached", cfg.cached), ("streamed", left - cfg.cached)) if t}
+    # the L1 working set is one tile's halo window plus the conv weights, the biases and the cached chunks'
+    # weights (each hidden channel: a row of W1 and a column of W2)
     halo = (cfg.tile_h + 2) * (cfg.tile_w + 2) if stride == 1 else (2 * cfg.tile_h + 3) * (2 * cfg.tile_w + 3)
-    assert cost.l1_working_set_bytes == 2 * (halo * c + 72 * c + c + r + k)
-    assert cost.l1_unique_bytes_per_program == 2 * (trips * halo * c + 72 * c + c + r + k)
+    cached = cfg.cached * cfg.block_h * ((c if stride == 1 else 2 * c) + k)
+    assert cost.l1_working_set_bytes == 2 * (halo * c + 72 * c + c + r + k + cached)
+    assert cost.l1_unique_bytes_per_program == 2 * (trips * halo * c + 72 * c + c + r + k + cached)
 
 
 def test_large_batch_uses_one_grid_dimension():
@@ -382,12 +391,12 @@ def _cases():
     return sampled(every, lambda case: case in SAMPLE)
 
 
-def _record(shape, dtype):
+def _record(shape, dtype, arch=90):
     c, r, k, stride = shape
     hw = MAP[(c, r)] if stride == 1 else (128 if c <= 24 else 64)
     p = make_block(c, r, k, stride, dtype, device="meta")
     x = torch.empty(128, c, hw, hw, device="meta", dtype=dtype).contiguous(memory_format=torch.channels_last)
-    with recording() as rec:
+    with recording(arch=arch) as rec:  # the launcher's tiles for that GPU
         torch.ops.convfirstnet.convfirst(x, *p.values(), stride)
     return rec.launches[0]
 
@@ -398,7 +407,7 @@ def gpu_builds():
 
     variants = {}
     for shape, dtype, arch in _cases():
-        launch = _record(shape, dtype)
+        launch = _record(shape, dtype, arch)
         v = variant_of(launch, arch)
         variants.setdefault(v.key, (v, shape, dtype, launch))
     rows = list(variants.values())
@@ -444,11 +453,12 @@ def _shared_stores(insns, lo, hi, num_warps):
 @pytest.mark.compile
 def test_shipped_configs_compile_for_gpu(gpu_builds):
     from convfirstnet.analysis.compiled import weigh, weighted_counts
+    from convfirstnet.analysis.hardware import hardware
     from convfirstnet.analysis.targets import target
 
     for v, (c, r, k, stride), dtype, launch, comp in gpu_builds:
         what = f"C={c} R={r} K={k} stride {stride} {dtype} sm_{v.arch}"
-        cfg = K.convfirst_config(c, k, stride, dtype, r)
+        cfg = K.convfirst_config(c, k, stride, dtype, r, v.arch)
         eb = dtype.itemsize
         assert comp.shared <= SMEM_LIMIT[v.arch], f"{what}: {comp.shared} B of shared memory"
         if v.arch == 90 and dtype != torch.float32:  # the performance targets (issue 18); the fp32
@@ -476,8 +486,17 @@ def test_shipped_configs_compile_for_gpu(gpu_builds):
         assert not any(op.startswith("LDGSTS") for op in opcodes), f"{what}: cp.async in the listing"
         assert any(op.startswith("LDG.E.128") and "STRONG" not in op for op in opcodes), what
         strong = [op for op in opcodes if op.startswith("LDG") and "STRONG" in op]
-        assert bool(strong) == (cfg.resident < cfg.chunks), f"{what}: L2-only loads {strong}"
+        assert bool(strong) == (cfg.resident + cfg.cached < cfg.chunks), f"{what}: L2-only loads {strong}"
         assert all(op.endswith("STRONG.GPU") for op in strong), what
+        # the declared L1 working set (halo tile, conv weights, biases, cached chunks) fits in the L1 that
+        # the compiled shared memory leaves (the report's rule for counting L1 re-reads as hits); sm_90 and
+        # 16-bit, what the targets hold (the fp32 checking path's 3xTF32 tiles do not fit beside two programs)
+        if v.arch == 90 and dtype != torch.float32:
+            t = target(v.arch)
+            l1 = hardware(v.arch).l1_bytes(cfg.programs_per_sm * (comp.shared + t.smem_reserved_per_block))
+            assert launch.cost.l1_working_set_bytes <= l1 / cfg.programs_per_sm, (
+                f"{what}: L1 working set {launch.cost.l1_working_set_bytes} B, {l1} B of L1 beside "
+                f"{comp.shared} B of shared memory")
         # resident: the weights of the first `resident` hidden chunks are loaded from global memory and
         # stored to shared memory before the tile loop (the outermost loop), once per program
         c1 = -(-c // 16) * 16 if stride == 1 else 2 * cfg.c_parts[1] * -(-c // cfg.c_parts[1])
@@ -501,6 +520,9 @@ def test_shipped_configs_compile_for_gpu(gpu_builds):
             else:
                 per_tile = (25 * m * c1 // 2 + nw * (9 * cfg.c_parts[1] * c1 // 2 + c1 // 2 + kw)) * eb
             per_tile += cfg.chunks * 32 * nw * 4  # b1: at most one 4-byte vector per chunk and thread
+            # the cached chunks' weights, loaded per tile through L1 (unpadded: masked columns are not fetched)
+            per_tile += max(0, min(cfg.cached * cfg.block_h, r - cfg.resident * cfg.block_h)) * (
+                (c if stride == 1 else 2 * c) + k) * eb
             assert body <= per_tile, f"{what}: {body} B requested per tile, over the {per_tile} B bound"
             # the bound can tell a re-read where its slack is below the resident bytes: Small's stride-1
             # variants (Pico's 3 KB of stage-1 weights hide in the slack of the per-warp broadcasts)
