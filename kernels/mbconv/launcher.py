@@ -176,6 +176,13 @@ class MBConvGeometry:
         return conv_rows(self.rb)
 
     @property
+    def conv_split(self) -> int:
+        """Pixel sub-tiles per conv group: the batched conv dot gets at least one batch entry per warp
+        (Triton spreads the warps over the batch first; with fewer entries than warps each warp
+        repeated another's mma.sync), each sub-tile at least 16 rows (an mma.sync M)."""
+        return max(1, min(self.hidden_warps // (self.rb // 8), self.cm // 16))
+
+    @property
     def tiles(self) -> int:
         return triton.cdiv(self.h, self.cm // self.tw) * triton.cdiv(self.w, self.tw)
 
@@ -249,7 +256,7 @@ class MBConvGeometry:
                     EXACT=self.exact,
                     RESIDENT=self.resident, XM=XM if self.resident else 16,
                     HWP=self.hwp if self.resident else 1,
-                    ZB=ZERO_BLOCK, SILU=silu, PREC=prec,
+                    ZB=ZERO_BLOCK, SILU=silu, PREC=prec, CS=self.conv_split,
                     num_warps=self.hidden_warps, num_stages=1)
 
     def project_constexprs(self, silu: int, prec: str) -> dict:
