@@ -140,12 +140,10 @@ def _tile(t, ncol, H, W, m, TW: tl.constexpr, TH: tl.constexpr, EXACT: tl.conste
 
 
 @triton.jit
-def _x_rows(x_ptr, row0, n0, nimg, N, H, W, IB, IMG, ROWE, rc, c_ok, C, sxn, sxc, sxh, sxw,
+def _x_rows(x_ptr, row0, n0, nimg, N, H, W, rc, c_ok, sxn, sxc, sxh, sxw,
             ROWS: tl.constexpr, HWP: tl.constexpr, MASK_C: tl.constexpr, EXACT: tl.constexpr):
-    """Rows row0 ... row0 + ROWS - 1 of a RESIDENT item's x tile (image (row // HWP) of the item, pixel
-    row % HWP; rows past H W or past the item's images are zero): the [ROWS, CP] tile, the padded
-    position of each row in the h slot (the image clamped into the program's IB slots) and which rows
-    are real."""
+    """Rows row0 ... row0 + ROWS - 1 of a RESIDENT item's x tile, [ROWS, CP] (image (row // HWP) of the
+    item, pixel row % HWP; rows past H W or past the item's images are zero)."""
     mx = row0 + tl.arange(0, ROWS)
     xi = mx // HWP
     xpix = mx % HWP
@@ -158,10 +156,20 @@ def _x_rows(x_ptr, row0, n0, nimg, N, H, W, IB, IMG, ROWE, rc, c_ok, C, sxn, sxc
     else:
         xp = (x_ptr + xn * sxn + xy * sxh + xx * sxw)[:, None] + rc[None, :] * sxc
     if MASK_C:
-        xt = tl.load(xp, mask=ok[:, None] & c_ok[None, :], other=0.0)
+        return tl.load(xp, mask=ok[:, None] & c_ok[None, :], other=0.0)
     else:
-        xt = tl.load(xp, mask=ok[:, None], other=0.0)
-    return xt, tl.minimum(xi, IB - 1) * IMG + (xy + 1) * ROWE + (xx + 1) * 8, ok
+        return tl.load(xp, mask=ok[:, None], other=0.0)
+
+
+@triton.jit
+def _x_slot(nimg, H, W, IB, IMG, ROWE, ROWS: tl.constexpr, HWP: tl.constexpr):
+    """The padded position in the h slot of each row of a RESIDENT item's x tile (the image clamped
+    into the program's IB slots), and whether the row is real (see ``_x_rows``)."""
+    mx = tl.arange(0, ROWS)
+    xi = mx // HWP
+    xpix = mx % HWP
+    xy = tl.minimum(xpix // W, H - 1)
+    return tl.minimum(xi, IB - 1) * IMG + (xy + 1) * ROWE + (xpix % W + 1) * 8, (xpix < H * W) & (xi < nimg)
 
 
 # IB and CG are not specialized (the value 1 would otherwise compile a variant of its own)
@@ -174,7 +182,7 @@ def _mbconv_hidden_kernel(
     MASK_C: tl.constexpr, MASK_R: tl.constexpr,
     TW: tl.constexpr, BM: tl.constexpr, EM: tl.constexpr, TWO: tl.constexpr, BMO: tl.constexpr,
     EXACT: tl.constexpr, RESIDENT: tl.constexpr, XM: tl.constexpr, HWP: tl.constexpr,
-    ZB: tl.constexpr, SILU: tl.constexpr, PREC: tl.constexpr, CS: tl.constexpr,
+    ZB: tl.constexpr, SILU: tl.constexpr, PREC: tl.constexpr, CS: tl.constexpr, SEB: tl.constexpr,
 ):
     G: tl.constexpr = RB // 8
     GS: tl.constexpr = G * CS  # conv batch: each group's pixel tile split in CS sub-tiles
@@ -239,8 +247,7 @@ def _mbconv_hidden_kernel(
         if RESIDENT:
             # the item's images as one [XM, CP] x tile, read once for all its chunks: loop-invariant in
             # the chunk loop, so the compiler keeps it in shared memory (a test checks the SASS)
-            xt, qx, x_ok = _x_rows(x_ptr, 0, n0, nimg, N, H, W, IB, IMG, ROWE, rc, c_ok, C, sxn, sxc, sxh,
-                                   sxw, XM, HWP, MASK_C, EXACT)
+            xt = _x_rows(x_ptr, 0, n0, nimg, N, H, W, rc, c_ok, sxn, sxc, sxh, sxw, XM, HWP, MASK_C, EXACT)
         for ch in range(ch0, tl.minimum(ch0 + CG, NCHUNK)):
             r0 = ch * RB
             r_ok = (r0 + rr) < R
@@ -262,6 +269,9 @@ def _mbconv_hidden_kernel(
                 # ---- expand of all the item's pixels: h = SiLU(x W_exp^T + b) into the padded slot
                 tl.debug_barrier()  # the previous chunk's reads of the slot are done
                 hv = _silu(tl.dot(xt, we, input_precision=PREC), hb_e, SILU).to(dtype)
+                # the rows' slot positions, computed here rather than kept from the x tile's load (in
+                # that layout they held registers across the chunk loop)
+                qx, x_ok = _x_slot(nimg, H, W, IB, IMG, ROWE, XM, HWP)
                 tl.store(hs + qx[:, None] + hcol, hv, mask=x_ok[:, None])
                 tl.debug_barrier()
             for i in range(0, nimg):
@@ -331,7 +341,7 @@ def _mbconv_hidden_kernel(
                     _blur(gs, g_ptr, ms, n, r0, rr, r_ok, H, W, OH, OW, R, ncol_o, ntile_o, mo, RB, TWO, THO,
                           EXACT, MASK_R)
                 tl.debug_barrier()
-                _se_partial(ms, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, sw1_r, SP)
+                _se_partial(ms, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, sw1_r, SP, SEB)
 
 
 @triton.jit
@@ -373,14 +383,17 @@ def _blur(gs, g_ptr, ms, n, r0, rr, r_ok, H, W, OH, OW, R, ncol_o, ntile_o, mo, 
 
 
 @triton.jit
-def _se_partial(mean_ptr, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, sw1_r, SP: tl.constexpr):
+def _se_partial(mean_ptr, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, sw1_r, SP: tl.constexpr,
+                SEB: tl.constexpr):
     """The first SE layer's share of one (image, chunk): zpart[n, chunk] = W_se1[:, chunk] @ mean[n, chunk]
     (fp32). The chunk's mean comes through the per-program slot: reducing it straight from the conv's
     layout pushed the registers past 255 (spills)."""
     mc = tl.load(mean_ptr + rr)
     zrow = z_ptr + (tl.cast(n, tl.int64) * NCHUNK + ch) * SP
-    for s0 in tl.static_range(0, SP, 16):
-        s2 = s0 + tl.arange(0, 16)
+    # SEB rows of W_se1 per step (the launcher's choice: at 16 warps all SP rows in one step, one
+    # 16-byte vector per thread; four steps of 16 held four sets of addresses across the loops)
+    for s0 in tl.static_range(0, SP, SEB):
+        s2 = s0 + tl.arange(0, SEB)
         w1c = tl.load(w1_ptr + s2[:, None] * sw1_s + (r0 + rr)[None, :] * sw1_r,
                       mask=(s2[:, None] < S) & r_ok[None, :], other=0.0)
         tl.store(zrow + s2, tl.sum(w1c.to(tl.float32) * mc[None, :], axis=1))
