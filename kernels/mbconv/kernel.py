@@ -17,8 +17,10 @@ written once in the input dtype (``gbuf``, (N, H'W', R)) and read back once. Two
    (a block of IB images, a group of CG hidden chunks of RB channels). Per chunk the program loads
    the chunk's weights once, then expand (wgmma) + bias + SiLU -> ``h`` in a per-program scratch slot
    (zero-padded borders: the conv's zero padding), barrier, and per image the grouped conv from the
-   slot in 64-pixel tiles (nine taps as five two-tap K = 16 steps of a batched [G, 64, 16] x
-   [G, 16, 8] ``tl.dot``: mma.sync, 10/9 of the useful conv MACs) + bias + SiLU; stride 1: ``g`` to
+   slot in tiles of BM pixels (nine taps as five two-tap K = 16 steps of a batched [G CS, BM / CS, 16]
+   x [G CS, 16, 8] ``tl.dot``: mma.sync, 10/9 of the useful conv MACs; each of the G groups' tiles is
+   split in CS pixel sub-tiles so that every warp gets a batch entry of its own: with fewer entries
+   than warps, Triton had each warp repeat another's mma.sync) + bias + SiLU; stride 1: ``g`` to
    ``gbuf`` and the pool in registers; stride 2: ``g`` to a second slot, barrier, BlurPool from it
    (``_blur``: reflect padding folded into the indices), the blurred ``g`` to ``gbuf``. Per (image,
    chunk) the first SE layer's share ``zpart[n, chunk] = W_se1[:, chunk] @ mean[n, chunk]``
@@ -98,9 +100,11 @@ def _sigmoid(e, MODE: tl.constexpr):
 
 
 @triton.jit
-def _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, J: tl.constexpr, G: tl.constexpr):
-    """Weights of taps 2J and 2J + 1 as the [G, 16, 8] operand (the tenth tap's are zero)."""
-    g = tl.arange(0, G)[:, None, None]
+def _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, J: tl.constexpr, G: tl.constexpr,
+                 CS: tl.constexpr):
+    """Weights of taps 2J and 2J + 1 as the [G CS, 16, 8] operand (the tenth tap's are zero): batch
+    entry b holds group b // CS (each group's weights CS times, for its CS pixel sub-tiles)."""
+    g = (tl.arange(0, G * CS) // CS)[:, None, None]
     k = tl.arange(0, 16)[None, :, None]
     co = tl.arange(0, 8)[None, None, :]
     tap = 2 * J + k // 8
@@ -110,15 +114,15 @@ def _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, J: tl.constexpr, 
 
 
 @triton.jit
-def _conv_pair_h(hs, q, PW, J: tl.constexpr, G: tl.constexpr):
-    """Taps 2J and 2J + 1 (the tenth tap re-reads tap 8; its weights are zero) of the pixels at padded
-    positions q, as the [G, BM, 16] operand: k < 8 input channels of tap 2J, k >= 8 of tap 2J + 1.
-    Scratch layout [padded row][group][padded column][8]."""
-    g = tl.arange(0, G)[:, None, None]
+def _conv_pair_h(hs, q, PW, J: tl.constexpr, G: tl.constexpr, CS: tl.constexpr):
+    """Taps 2J and 2J + 1 (the tenth tap re-reads tap 8; its weights are zero) as the [G CS, BM / CS, 16]
+    operand: batch entry b is group b // CS at the padded positions q[b] (its pixel sub-tile), k < 8
+    input channels of tap 2J, k >= 8 of tap 2J + 1. Scratch layout [padded row][group][padded column][8]."""
+    g = (tl.arange(0, G * CS) // CS)[:, None, None]
     k = tl.arange(0, 16)[None, None, :]
     tap = tl.minimum(2 * J + k // 8, 8)
     off = (tap // 3 - 1) * (G * PW * 8) + (tap % 3 - 1) * 8
-    return tl.load(hs + g * (PW * 8) + q[None, :, None] + off + k % 8)
+    return tl.load(hs + g * (PW * 8) + q[:, :, None] + off + k % 8)
 
 
 @triton.jit
@@ -136,12 +140,10 @@ def _tile(t, ncol, H, W, m, TW: tl.constexpr, TH: tl.constexpr, EXACT: tl.conste
 
 
 @triton.jit
-def _x_rows(x_ptr, row0, n0, nimg, N, H, W, IB, IMG, ROWE, rc, c_ok, C, sxn, sxc, sxh, sxw,
+def _x_rows(x_ptr, row0, n0, nimg, N, H, W, rc, c_ok, sxn, sxc, sxh, sxw,
             ROWS: tl.constexpr, HWP: tl.constexpr, MASK_C: tl.constexpr, EXACT: tl.constexpr):
-    """Rows row0 ... row0 + ROWS - 1 of a RESIDENT item's x tile (image (row // HWP) of the item, pixel
-    row % HWP; rows past H W or past the item's images are zero): the [ROWS, CP] tile, the padded
-    position of each row in the h slot (the image clamped into the program's IB slots) and which rows
-    are real."""
+    """Rows row0 ... row0 + ROWS - 1 of a RESIDENT item's x tile, [ROWS, CP] (image (row // HWP) of the
+    item, pixel row % HWP; rows past H W or past the item's images are zero)."""
     mx = row0 + tl.arange(0, ROWS)
     xi = mx // HWP
     xpix = mx % HWP
@@ -154,10 +156,20 @@ def _x_rows(x_ptr, row0, n0, nimg, N, H, W, IB, IMG, ROWE, rc, c_ok, C, sxn, sxc
     else:
         xp = (x_ptr + xn * sxn + xy * sxh + xx * sxw)[:, None] + rc[None, :] * sxc
     if MASK_C:
-        xt = tl.load(xp, mask=ok[:, None] & c_ok[None, :], other=0.0)
+        return tl.load(xp, mask=ok[:, None] & c_ok[None, :], other=0.0)
     else:
-        xt = tl.load(xp, mask=ok[:, None], other=0.0)
-    return xt, tl.minimum(xi, IB - 1) * IMG + (xy + 1) * ROWE + (xx + 1) * 8, ok
+        return tl.load(xp, mask=ok[:, None], other=0.0)
+
+
+@triton.jit
+def _x_slot(nimg, H, W, IB, IMG, ROWE, ROWS: tl.constexpr, HWP: tl.constexpr):
+    """The padded position in the h slot of each row of a RESIDENT item's x tile (the image clamped
+    into the program's IB slots), and whether the row is real (see ``_x_rows``)."""
+    mx = tl.arange(0, ROWS)
+    xi = mx // HWP
+    xpix = mx % HWP
+    xy = tl.minimum(xpix // W, H - 1)
+    return tl.minimum(xi, IB - 1) * IMG + (xy + 1) * ROWE + (xpix % W + 1) * 8, (xpix < H * W) & (xi < nimg)
 
 
 # IB and CG are not specialized (the value 1 would otherwise compile a variant of its own)
@@ -170,9 +182,11 @@ def _mbconv_hidden_kernel(
     MASK_C: tl.constexpr, MASK_R: tl.constexpr,
     TW: tl.constexpr, BM: tl.constexpr, EM: tl.constexpr, TWO: tl.constexpr, BMO: tl.constexpr,
     EXACT: tl.constexpr, RESIDENT: tl.constexpr, XM: tl.constexpr, HWP: tl.constexpr,
-    ZB: tl.constexpr, SILU: tl.constexpr, PREC: tl.constexpr,
+    ZB: tl.constexpr, SILU: tl.constexpr, PREC: tl.constexpr, CS: tl.constexpr, SEB: tl.constexpr,
 ):
     G: tl.constexpr = RB // 8
+    GS: tl.constexpr = G * CS  # conv batch: each group's pixel tile split in CS sub-tiles
+    MS: tl.constexpr = BM // CS
     TH: tl.constexpr = BM // TW
     THO: tl.constexpr = BMO // TWO
     dtype = x_ptr.dtype.element_ty
@@ -212,10 +226,11 @@ def _mbconv_hidden_kernel(
     rr = tl.arange(0, RB)
     rc = tl.arange(0, CP)
     c_ok = rc < C
-    m = tl.arange(0, BM)
+    bs = tl.arange(0, GS)
+    m = ((bs % CS) * MS)[:, None] + tl.arange(0, MS)[None, :]  # [GS, MS]: pixel of the tile
     me = tl.arange(0, EM)
     THE: tl.constexpr = EM // TW
-    g3 = tl.arange(0, G)[:, None, None]
+    g3 = (bs // CS)[:, None, None]
     c3 = tl.arange(0, 8)[None, None, :]
     ncol = tl.cdiv(W, TW)
     ntile = tl.cdiv(H, TH) * ncol
@@ -232,8 +247,7 @@ def _mbconv_hidden_kernel(
         if RESIDENT:
             # the item's images as one [XM, CP] x tile, read once for all its chunks: loop-invariant in
             # the chunk loop, so the compiler keeps it in shared memory (a test checks the SASS)
-            xt, qx, x_ok = _x_rows(x_ptr, 0, n0, nimg, N, H, W, IB, IMG, ROWE, rc, c_ok, C, sxn, sxc, sxh,
-                                   sxw, XM, HWP, MASK_C, EXACT)
+            xt = _x_rows(x_ptr, 0, n0, nimg, N, H, W, rc, c_ok, sxn, sxc, sxh, sxw, XM, HWP, MASK_C, EXACT)
         for ch in range(ch0, tl.minimum(ch0 + CG, NCHUNK)):
             r0 = ch * RB
             r_ok = (r0 + rr) < R
@@ -246,15 +260,18 @@ def _mbconv_hidden_kernel(
                 we = tl.load(wexp_ptr + (r0 + rr)[None, :] * swe_r + rc[:, None] * swe_c)
             hb_e = 0.5 * tl.load(bexp_ptr + r0 + rr, mask=r_ok, other=0.0).to(tl.float32)[None, :]
             hb_c = 0.5 * tl.load(bconv_ptr + r3, mask=r3 < R, other=0.0).to(tl.float32)
-            w0 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 0, G)
-            w1 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 1, G)
-            w2 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 2, G)
-            w3 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 3, G)
-            w4 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 4, G)
+            w0 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 0, G, CS)
+            w1 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 1, G, CS)
+            w2 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 2, G, CS)
+            w3 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 3, G, CS)
+            w4 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 4, G, CS)
             if RESIDENT:
                 # ---- expand of all the item's pixels: h = SiLU(x W_exp^T + b) into the padded slot
                 tl.debug_barrier()  # the previous chunk's reads of the slot are done
                 hv = _silu(tl.dot(xt, we, input_precision=PREC), hb_e, SILU).to(dtype)
+                # the rows' slot positions, computed here rather than kept from the x tile's load (in
+                # that layout they held registers across the chunk loop)
+                qx, x_ok = _x_slot(nimg, H, W, IB, IMG, ROWE, XM, HWP)
                 tl.store(hs + qx[:, None] + hcol, hv, mask=x_ok[:, None])
                 tl.debug_barrier()
             for i in range(0, nimg):
@@ -285,18 +302,18 @@ def _mbconv_hidden_kernel(
                     tl.debug_barrier()
                 # ---- grouped conv (+ SiLU), 64-pixel tiles
                 if STRIDE == 1:
-                    pool = tl.zeros((G, BM, 8), dtype=tl.float32)
+                    pool = tl.zeros((GS, MS, 8), dtype=tl.float32)
                 for t in tl.range(0, ntile, num_stages=1):
                     y, xx_, yc, xc, ok = _tile(t, ncol, H, W, m, TW, TH, EXACT)
                     qp = (yc + 1) * ROWE + (xc + 1) * 8
-                    acc = tl.dot(_conv_pair_h(hi, qp, PW, 0, G), w0, input_precision=PREC)
-                    acc = tl.dot(_conv_pair_h(hi, qp, PW, 1, G), w1, acc, input_precision=PREC)
-                    acc = tl.dot(_conv_pair_h(hi, qp, PW, 2, G), w2, acc, input_precision=PREC)
-                    acc = tl.dot(_conv_pair_h(hi, qp, PW, 3, G), w3, acc, input_precision=PREC)
-                    acc = tl.dot(_conv_pair_h(hi, qp, PW, 4, G), w4, acc, input_precision=PREC)
+                    acc = tl.dot(_conv_pair_h(hi, qp, PW, 0, G, CS), w0, input_precision=PREC)
+                    acc = tl.dot(_conv_pair_h(hi, qp, PW, 1, G, CS), w1, acc, input_precision=PREC)
+                    acc = tl.dot(_conv_pair_h(hi, qp, PW, 2, G, CS), w2, acc, input_precision=PREC)
+                    acc = tl.dot(_conv_pair_h(hi, qp, PW, 3, G, CS), w3, acc, input_precision=PREC)
+                    acc = tl.dot(_conv_pair_h(hi, qp, PW, 4, G, CS), w4, acc, input_precision=PREC)
                     v = _silu(acc, hb_c, SILU)
-                    pix = (y * W + xx_)[None, :, None]
-                    ok3 = ok[None, :, None]
+                    pix = (y * W + xx_)[:, :, None]
+                    ok3 = ok[:, :, None]
                     if STRIDE == 1:
                         gp = g_ptr + (n * OHW + pix).to(tl.int64) * R + r3
                         if EXACT:
@@ -315,13 +332,16 @@ def _mbconv_hidden_kernel(
                             tl.store(gs + pix * RB + g3 * 8 + c3, v.to(dtype), mask=ok3)
                 if STRIDE == 1:
                     r2 = tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]
-                    tl.store(ms + r2, tl.sum(pool, axis=1) / OHW)
+                    psum = tl.sum(pool, axis=1)
+                    if CS > 1:  # the group's CS sub-tiles
+                        psum = tl.sum(tl.reshape(psum, (G, CS, 8)), axis=1)
+                    tl.store(ms + r2, psum / OHW)
                 else:
                     tl.debug_barrier()
                     _blur(gs, g_ptr, ms, n, r0, rr, r_ok, H, W, OH, OW, R, ncol_o, ntile_o, mo, RB, TWO, THO,
                           EXACT, MASK_R)
                 tl.debug_barrier()
-                _se_partial(ms, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, sw1_r, SP)
+                _se_partial(ms, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, sw1_r, SP, SEB)
 
 
 @triton.jit
@@ -363,14 +383,17 @@ def _blur(gs, g_ptr, ms, n, r0, rr, r_ok, H, W, OH, OW, R, ncol_o, ntile_o, mo, 
 
 
 @triton.jit
-def _se_partial(mean_ptr, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, sw1_r, SP: tl.constexpr):
+def _se_partial(mean_ptr, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, sw1_r, SP: tl.constexpr,
+                SEB: tl.constexpr):
     """The first SE layer's share of one (image, chunk): zpart[n, chunk] = W_se1[:, chunk] @ mean[n, chunk]
     (fp32). The chunk's mean comes through the per-program slot: reducing it straight from the conv's
     layout pushed the registers past 255 (spills)."""
     mc = tl.load(mean_ptr + rr)
     zrow = z_ptr + (tl.cast(n, tl.int64) * NCHUNK + ch) * SP
-    for s0 in tl.static_range(0, SP, 16):
-        s2 = s0 + tl.arange(0, 16)
+    # SEB rows of W_se1 per step (the launcher's choice: at 16 warps all SP rows in one step, one
+    # 16-byte vector per thread; four steps of 16 held four sets of addresses across the loops)
+    for s0 in tl.static_range(0, SP, SEB):
+        s2 = s0 + tl.arange(0, SEB)
         w1c = tl.load(w1_ptr + s2[:, None] * sw1_s + (r0 + rr)[None, :] * sw1_r,
                       mask=(s2[:, None] < S) & r_ok[None, :], other=0.0)
         tl.store(zrow + s2, tl.sum(w1c.to(tl.float32) * mc[None, :], axis=1))

@@ -12,7 +12,7 @@ Choices (kernel.py explains the kernels)
   stay in L1 (``SLOT_L1_*``: 16x16 and 32x32 stride 2 take 32), 32 for fp32 (3xTF32 holds each
   operand twice; at 64 the C = 256 expand needed more shared memory than sm_90 has).
 * RESIDENT items (H W <= 256, 16-bit data): XM = 256 rows of x (IB = 256 / HWP images, fewer while
-  their h slots would not stay in L1), one 8-warp program per SM (x takes 128 KB of shared memory at
+  their h slots would not stay in L1), one 16-warp program per SM (x takes 128 KB of shared memory at
   C = 256); chunk groups: as few as keep every SM busy (``chunk_groups``: 16x16 one group, 8x8 four).
   Other maps (and fp32, and sm_80): items of one image and one chunk, one 16-warp program per SM on
   sm_90, 4-warp programs elsewhere (two per SM where both slots fit the L1 an A100 leaves them).
@@ -61,9 +61,9 @@ from .kernel import _mbconv_hidden_kernel, _mbconv_project_kernel
 FP32_PRECISION = "tf32x3"  # dot precision for fp32 operands; fp16/bf16 operands ignore it
 RB, RB_SMALL = 64, 32  # hidden channels per chunk (module docstring)
 BMO = 64  # blur output pixels per tile
-# Conv tile: CONV_ELEMS / RB pixels (G = RB / 8 groups), so that the [G, BM, 16] tap-pair operand is
-# 16 KB whatever RB (as gconv's tiles): fewer rows per group left warps computing the same batched
-# mma.sync (8 warps at RB = 32 issued twice the conv's MACs, 16 warps four times).
+# Conv tile: CONV_ELEMS / RB pixels (G = RB / 8 groups), so that the tap-pair operand is 16 KB whatever
+# RB (as gconv's tiles); the batch is split further into pixel sub-tiles where G is below the warps
+# (``conv_split``).
 CONV_ELEMS = 4096
 BM = 64  # pixels per warpgroup of an expand tile (the wgmma M)
 XM = 256  # rows of a RESIDENT item's x tile (a [256, 256] fp16 tile is 128 KB of shared memory)
@@ -81,14 +81,16 @@ SLOT_L1_TILED = 160 * 1024
 # Two 4-warp tiled programs of ~60 KB of shared memory each on an A100 (192 KB of L1 + shared memory
 # per SM, carve-out 132 KB) leave 60 KB of L1 for both slots.
 SLOT_L1_PAIR = 56 * 1024
-# Hidden kernel programs, one per SM. RESIDENT: 8 warps (16 spilled inside the loops at the
-# 128-register limit). Tiled, 16-bit data on sm_90: 16 warps, so that a warp's stall-cycle chain is a
-# quarter of what 4 would leave it (32x32 stride 2: 188 -> ~150 us predicted at the high end), with
-# expand tiles of EM = 256 pixels (a 64-row wgmma per warpgroup; 64-pixel tiles at 8 or 16 warps
-# compiled to mma.sync). fp32 and sm_80 (16 warps spilled there): 4 warps, EM = 64, two programs per
-# SM where both slots stay in L1.
-HIDDEN_WARPS = 8
+# Hidden kernel programs, one per SM, of 16 warps on sm_90 with 16-bit data: a warp's stall-cycle chain
+# is half what 8 warps leave it (at the 128-register limit; the conv batch split CS and the one-load
+# SE partial keep the loops free of spills, and 16x16 stride 1 takes 32-pixel conv tiles). RESIDENT
+# 16x16 stride 1: 119 -> 116 us per block predicted at the high end against 8 warps, 8x8 40 -> 33,
+# 16x16 stride 2 107 -> 85. Tiled: expand tiles of EM = 256 pixels (a 64-row wgmma per warpgroup;
+# 64-pixel tiles at 8 or 16 warps compiled to mma.sync). fp32 and sm_80 (16 warps spilled there):
+# 4 warps, EM = 64, two programs per SM where both slots stay in L1.
+HIDDEN_WARPS = 16
 HIDDEN_WARPS_TILED = 16
+HIDDEN_WARPS_SM80 = 8  # RESIDENT programs below sm_90 (C <= 128 there: the x tile fits)
 # Projection tiles: 128 pixel rows (two wgmma warpgroups of 64) x 128 output channels per accumulator,
 # two accumulators for K <= 256, K steps of 64 hidden channels, 8 warps, 3 pipeline stages.
 P_BM, P_BH, P_BR, P_WARPS, P_STAGES = 128, 128, 64, 8, 3
@@ -145,6 +147,7 @@ class MBConvGeometry:
     tpi: int  # projection tiles per image (1 when ipt > 1)
     g_in_l2: bool  # g (plus the scratch) fits in L2_SHARE of the L2: the projection reads it from L2
     hidden_warps: int
+    cm: int  # pixels per conv tile
 
     @property
     def hw(self) -> int:
@@ -170,10 +173,13 @@ class MBConvGeometry:
     def items(self) -> int:
         return self.image_blocks * self.groups
 
+
     @property
-    def cm(self) -> int:
-        """Pixels per conv tile."""
-        return conv_rows(self.rb)
+    def conv_split(self) -> int:
+        """Pixel sub-tiles per conv group: the batched conv dot gets at least one batch entry per warp
+        (Triton spreads the warps over the batch first; with fewer entries than warps each warp
+        repeated another's mma.sync), each sub-tile at least 16 rows (an mma.sync M)."""
+        return max(1, min(self.hidden_warps // (self.rb // 8), self.cm // 16))
 
     @property
     def tiles(self) -> int:
@@ -249,7 +255,8 @@ class MBConvGeometry:
                     EXACT=self.exact,
                     RESIDENT=self.resident, XM=XM if self.resident else 16,
                     HWP=self.hwp if self.resident else 1,
-                    ZB=ZERO_BLOCK, SILU=silu, PREC=prec,
+                    ZB=ZERO_BLOCK, SILU=silu, PREC=prec, CS=self.conv_split,
+                    SEB=min(self.sp, 4 * self.hidden_warps),
                     num_warps=self.hidden_warps, num_stages=1)
 
     def project_constexprs(self, silu: int, prec: str) -> dict:
@@ -305,7 +312,10 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
     # little at C = 256; fp32: 3xTF32 keeps each operand as two parts, 299 KB at C = 128)
     resident = hwp <= XM and not fp32 and (XM + RB) * cp * elem + RESIDENT_SMEM_EXTRA <= gpu.shared_per_block
     ib = max(1, XM // hwp) if resident else 1
-    warps = HIDDEN_WARPS if resident else (HIDDEN_WARPS_TILED if gpu.arch >= 90 and not fp32 else 4)
+    if resident:
+        warps = HIDDEN_WARPS if gpu.arch >= 90 else HIDDEN_WARPS_SM80
+    else:
+        warps = HIDDEN_WARPS_TILED if gpu.arch >= 90 and not fp32 else 4
 
     def slot_bytes(ib: int, rb: int) -> int:
         return ((ib if resident else 1) * rb * (h + 2) * (w + 2) + (rb * h * w if stride == 2 else 0)) * elem
@@ -319,7 +329,12 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
         while ib > 1 and slot_bytes(ib, rb) > limit:  # small maps: fewer images per slot
             ib //= 2
     # EXACT: the conv (and tiled expand, and blur) tiles cover the map exactly, with dense pixel rows
-    exact = dense and w == tw and h % (conv_rows(rb) // tw) == 0
+    cm = conv_rows(rb)
+    if resident and stride == 1 and warps >= 16 and hwp > 64:
+        # half-size conv tiles on RESIDENT stride-1 maps of more than 64 pixels (Small's 16x16): with
+        # 64-pixel tiles the 16-warp sm_90 compile spilled 24-40 B inside the chunk loop (Triton 3.8)
+        cm //= 2
+    exact = dense and w == tw and h % (cm // tw) == 0
     if not resident:
         exact = exact and h % max(1, BM * (warps // 4) // tw) == 0
     if stride == 2:
@@ -348,7 +363,7 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
         sp=max(16, triton.next_power_of_2(s)), tw=tw, two=two, exact=exact, resident=resident,
         hwp=hwp, ib=ib, chunks_per_group=cg, programs=programs, p_bm=p_bm, p_bh=bn // halves, halves=halves,
         ipt=ipt, tpi=tpi, g_in_l2=g_in_l2,
-        hidden_warps=warps)
+        hidden_warps=warps, cm=cm)
 
 
 def check_supported(x: torch.Tensor, c: int, r: int, k: int) -> None:

@@ -447,9 +447,9 @@ def test_shipped_variants_compile_without_spills(mbconv_compiled):
     """Every variant compiles for its target and fits in shared memory; on sm_90 the expand and
     projection dots are wgmma (HGMMA) and the grouped conv mma.sync. Fused Small's fp16 variants (at
     256x256, sm_90 and sm_80) have no spill code in their inner loops (chunks, tiles, R steps); the
-    8-warp RESIDENT hidden kernels sit at 255 registers and two of them (16x16, both strides) keep
-    16-72 B of stack, stored before the work-item loop and reloaded once per item (the static cost
-    report lists them). Other widths and map sizes are not yet held to the register
+    16-warp RESIDENT hidden kernels sit at the 128-register limit and two of them (16x16, both
+    strides) keep 8-24 B of stack, stored and reloaded outside the chunk loop (the static cost report
+    lists them). Other widths and map sizes are not yet held to the register
     budget: fp32 variants (3xTF32 holds each operand as two parts) spill up to ~1.5 KB."""
     assert len({v.meta["STRIDE"] for v, _, _ in mbconv_compiled if "STRIDE" in v.meta}) == 2
     assert {v.meta["RESIDENT"] for v, _, _ in mbconv_compiled if "RESIDENT" in v.meta} == {True, False}
