@@ -10,7 +10,12 @@ parameters and buffers (so the state_dict, checkpoints, optimisers and ``fuse()`
 * drop-path draws its per-image mask as timm's ``DropPath`` does (same shape, dtype and generator
   calls, so a seeded run draws the same mask).
 
-The forward and backward are ``torch.ops.convfirstnet.convfirst_s1_train`` (+ ``_backward``): Triton
+MBConv + SE blocks have no fused training op: in training mode they run the recompute path
+(mbconv_recompute.py: the layers' own kernels, only the narrow input stored, the wide activations
+recomputed in the backward; the running statistics updated once, by nn.BatchNorm2d's rule); in eval
+mode their layers.
+
+The ConvFirst forward and backward are ``torch.ops.convfirstnet.convfirst_s1_train`` (+ ``_backward``): Triton
 kernels on CUDA (and in the interpreter with ``CONVFIRSTNET_KERNELS=triton``), the PyTorch reference
 otherwise. ``unsupported(block, x)`` names what the fused op cannot run (a block without a fused
 training op, a norm other than BatchNorm2d, group width or kernel size of the grouped conv, dtype);
@@ -25,15 +30,17 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from timm.layers import BlurPool2d
+from timm.layers.activations import Sigmoid  # SEModule's gate ('sigmoid')
 
 import warnings
 
 from .kernels._cost import active_recording
 from .kernels._launch import GROUP_WIDTH, HAS_TRITON, backend
+from .mbconv_recompute import recompute_forward
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the fused training kernels run
 
-__all__ = ["dispatch", "fused_forward", "unsupported"]
+__all__ = ["dispatch", "fused_forward", "recomputes", "unsupported"]
 _WARNED: set[str] = set()
 
 
@@ -41,10 +48,18 @@ def _bns(block: nn.Module) -> tuple[nn.Module, ...]:
     return block.bn_dw, block.bn_expand, block.bn_project
 
 
+def recomputes(block: nn.Module) -> bool:
+    """Whether ``block``'s training path is the memory-lean recompute (mbconv_recompute.py: layer-wise
+    kernels, the wide activations recomputed in the backward) rather than a fused training op."""
+    return type(block).__name__ == "MBConv"
+
+
 def unsupported(block: nn.Module, x: torch.Tensor | None = None) -> str | None:
-    """Why the fused training op cannot run ``block`` (on ``x``), or None."""
+    """Why the fused training op (MBConv: the recompute path) cannot run ``block`` (on ``x``), or None."""
     name = type(block).__name__
-    if name != "ConvFirst":  # blocks.ConvFirst (not imported: blocks imports this module)
+    if name == "MBConv":  # blocks.MBConv (not imported: blocks imports this module)
+        return _unsupported_mbconv(block, x)
+    if name != "ConvFirst":
         return f"{name}: no fused training op for this block yet"
     if block.stride not in (1, 2):
         return f"{name} stride {block.stride}: the fused training ops run stride 1 and 2"
@@ -74,6 +89,10 @@ def unsupported(block: nn.Module, x: torch.Tensor | None = None) -> str | None:
             return f"{name}: the 1x1 layers must be dense and bias-free"
     if not isinstance(block.act, nn.ReLU):
         return f"{name}: activation {type(block.act).__name__}: the fused op implements ReLU"
+    return _unsupported_dtype(name, x)
+
+
+def _unsupported_dtype(name: str, x: torch.Tensor | None) -> str | None:
     if x is not None:
         dtype = _activation_dtype(x)
         if dtype not in DTYPES:
@@ -81,6 +100,54 @@ def unsupported(block: nn.Module, x: torch.Tensor | None = None) -> str | None:
         if x.device.type == "cpu" and dtype == torch.bfloat16:
             return f"{name}: bfloat16 on CPU (the Triton interpreter computes bf16 tl.dot wrongly)"
     return None
+
+
+def _unsupported_mbconv(block: nn.Module, x: torch.Tensor | None) -> str | None:
+    """What the recompute path (mbconv_recompute.py) does not implement, or None."""
+    name = "MBConv"
+    if block.stride not in (1, 2):
+        return f"{name} stride {block.stride}: the recompute path runs stride 1 and 2"
+    bns = (block.bn_expand, block.bn_dw, block.bn_project)
+    for bn in bns:
+        if type(bn) is not nn.BatchNorm2d:
+            return f"{name}: norm layer {type(bn).__name__}: the recompute path implements BatchNorm2d only"
+        if not bn.affine or not bn.track_running_stats:
+            return f"{name}: BatchNorm2d without affine parameters or running statistics is not supported"
+    if len({bn.training for bn in bns}) > 1 or len({bn.eps for bn in bns}) > 1:
+        return (f"{name}: its BatchNorms differ in mode (train / eval) or eps: the recompute path runs them "
+                "as one")
+    conv = block.conv_dw
+    c = conv.in_channels
+    if type(conv) is not nn.Conv2d and type(conv).__name__ != "GroupConv3x3":
+        return f"{name}: grouped conv {type(conv).__name__}: expected an nn.Conv2d"
+    if conv.kernel_size != (3, 3):
+        return f"{name}: grouped conv kernel size {conv.kernel_size}: only 3x3 is supported"
+    if c % GROUP_WIDTH or conv.groups != c // GROUP_WIDTH or conv.out_channels != c:
+        return (f"{name}: grouped conv of group width {c // conv.groups}: only group width {GROUP_WIDTH} is "
+                "supported")
+    if (conv.bias is not None or conv.padding != (1, 1) or conv.stride != (1, 1) or conv.dilation != (1, 1)
+            or conv.padding_mode != "zeros"):
+        return f"{name}: grouped conv with a bias, padding other than 1, stride or dilation is not supported"
+    for conv1 in (block.conv_expand, block.conv_project):
+        if (type(conv1) is not nn.Conv2d or conv1.kernel_size != (1, 1) or conv1.bias is not None
+                or conv1.groups != 1 or conv1.stride != (1, 1) or conv1.padding != (0, 0)):
+            return f"{name}: the 1x1 layers must be dense, bias-free nn.Conv2d"
+    if type(block.act) is not nn.SiLU:
+        return f"{name}: activation {type(block.act).__name__}: the recompute path implements SiLU"
+    se = block.se
+    if (type(se).__name__ != "SEModule" or getattr(se, "add_maxpool", False) or type(se.bn) is not nn.Identity
+            or type(se.act) is not nn.ReLU or type(se.gate) not in (nn.Sigmoid, Sigmoid)
+            or se.fc1.bias is None or se.fc2.bias is None):
+        return f"{name}: squeeze-excite other than timm's SEModule (mean pool, ReLU, sigmoid gate, biases)"
+    if block.stride == 2:
+        blur = block.blur
+        if (not isinstance(blur, BlurPool2d) or blur.filt_size != 3 or blur.stride != 2
+                or blur.pad_mode != "reflect"):
+            return (f"{name} stride 2: downsampling {type(blur).__name__}: the recompute path implements "
+                    "BlurPool2d")
+    if type(block.drop_path).__name__ not in ("DropPath", "Identity"):
+        return f"{name}: drop path {type(block.drop_path).__name__}: expected timm's DropPath"
+    return _unsupported_dtype(name, x)
 
 
 def triton_selected(x: torch.Tensor) -> bool:
@@ -96,6 +163,8 @@ def dispatch(block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """``fused_forward(block, x)`` when the Triton kernels are selected and can run the block; None
     (run the layers) otherwise, with one warning line per distinct reason when they were selected."""
     if not triton_selected(x):
+        return None
+    if recomputes(block) and not block.bn_expand.training:  # eval mode: the layers, as ever
         return None
     reason = unsupported(block, x)
     if reason is None:
@@ -127,8 +196,10 @@ def _drop_scale(block: nn.Module, out_dtype: torch.dtype, x: torch.Tensor) -> to
 
 
 def fused_forward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``block(x)`` through the fused training op (module docstring)."""
+    """``block(x)`` through the fused training op (module docstring); MBConv through the recompute path."""
     dtype = _activation_dtype(x)
+    if recomputes(block):
+        return recompute_forward(block, x, dtype, _drop_scale(block, dtype, x))
     x = x.to(dtype)
     bn1, bn2, bn3 = _bns(block)
     training, eps = bn1.training, bn1.eps  # the three agree (unsupported() checks)

@@ -1,0 +1,197 @@
+"""MBConv + SE training that stores only the block's narrow input: the wide hidden activations (expand,
+grouped conv, SE, gate; R = 4C channels) are recomputed from it in the backward, with layer-wise
+kernels. No fused Triton kernel: the same layers as the training form, run twice.
+
+    torch.ops.convfirstnet.mbconv_recompute_train(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d,
+        w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p, beta_p, running_mean_e, running_var_e,
+        running_mean_d, running_var_d, running_mean_p, running_var_p, drop_scale, stride, factors, eps)
+        -> (out, new running_mean_e, running_var_e, running_mean_d, running_var_d, running_mean_p,
+            running_var_p)
+
+    h = SiLU(BN_e(W_exp x));  a = SiLU(BN_d(gconv3x3(h)));  g = BlurPool(a) when stride 2, else a
+    q = g sigmoid(W_se2 ReLU(W_se1 mean_hw(g) + b_se1) + b_se2);  o = BN_p(W_proj q)
+    out = x + d_n o (stride 1; d_n the drop-path scale of image n), o (stride 2)
+
+Weights in the module's shapes (4-D); the three BatchNorms normalise with the batch statistics
+(``torch.native_batch_norm``, training mode). Their running statistics are updated on copies with
+``factors`` (momentum, or 1 / num_batches_tracked), by the same kernel and rule as ``nn.BatchNorm2d``, and
+returned: the caller copies them back (a differentiable op must not mutate its inputs). Only ``out``
+is differentiable. Autograd saves x, the weights and drop_scale; ``mbconv_recompute_train_backward``
+reruns the forward without touching any running statistic (running stats None, the same batch
+statistics, deterministically) and applies aten's backward of each layer (``convolution_backward``,
+``native_batch_norm_backward``, ``silu_backward``, ...): the formulas autograd of the training form uses.
+
+The group-width-8 conv runs ``torch.ops.convfirstnet.gconv3x3`` (+ ``_dgrad``, ``_wgrad``) when the
+Triton kernels are selected for x (``kernels._launch.use_triton``), ``F.conv2d`` otherwise. Both ops are
+opaque custom ops, so ``torch.compile(fullgraph=True)`` keeps the recompute in the backward instead of
+merging it with the forward (which would store the wide tensors again).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kernels._blurpool import blur_filter
+from .kernels._launch import GROUP_WIDTH, use_triton
+
+aten = torch.ops.aten
+T = torch.Tensor
+_1x1 = {"stride": [1, 1], "padding": [0, 0], "dilation": [1, 1], "transposed": False,
+        "output_padding": [0, 0]}
+
+
+def _layers(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,
+            beta_p, drop_scale, stride: int, eps: float, running=None, factors=None) -> dict:
+    """The training-form forward; every intermediate the backward needs. ``running``: the six running
+    statistics to update in place (None: leave them alone, as the recompute must)."""
+    dt = x.dtype
+    run = running or (None,) * 6
+    fac = factors or (0.0,) * 3
+    v = {"x": x}
+    v["e"] = F.conv2d(x, w_exp.to(dt))
+    v["eb"], v["mean_e"], v["rstd_e"] = torch.native_batch_norm(v["e"], gamma_e, beta_e, run[0], run[1], True,
+                                                                fac[0], eps)
+    h = F.silu(v["eb"])
+    if use_triton(h):
+        h = h.contiguous(memory_format=torch.channels_last)
+        v["d"] = torch.ops.convfirstnet.gconv3x3(h, w_dw, 1, True)
+    else:
+        v["d"] = F.conv2d(h, w_dw.to(dt), None, 1, 1, 1, h.shape[1] // GROUP_WIDTH)
+    v["h"] = h
+    v["db"], v["mean_d"], v["rstd_d"] = torch.native_batch_norm(v["d"], gamma_d, beta_d, run[2], run[3], True,
+                                                                fac[1], eps)
+    a = F.silu(v["db"])
+    if stride == 2:  # timm's BlurPool2d: reflect padding of one pixel, [1 2 1]^2 / 16, stride 2
+        v["apad"] = F.pad(a, (1, 1, 1, 1), mode="reflect")
+        v["a"], g = a, F.conv2d(v["apad"], blur_filter(a.shape[1], dt, a.device), stride=2, groups=a.shape[1])
+    else:
+        g = a
+    v["g"] = g
+    v["p"] = g.mean((2, 3), keepdim=True)
+    v["r"] = torch.relu(F.conv2d(v["p"], w_se1.to(dt), b_se1.to(dt)))
+    v["gate"] = torch.sigmoid(F.conv2d(v["r"], w_se2.to(dt), b_se2.to(dt)))
+    v["q"] = g * v["gate"]
+    v["o"] = F.conv2d(v["q"], w_proj.to(dt))
+    ob, v["mean_p"], v["rstd_p"] = torch.native_batch_norm(v["o"], gamma_p, beta_p, run[4], run[5], True,
+                                                           fac[2], eps)
+    v["out"] = x + ob * drop_scale.to(dt)[:, None, None, None] if stride == 1 else ob
+    return v
+
+
+def _forward(x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d: T, w_se1: T, b_se1: T,
+             w_se2: T, b_se2: T, w_proj: T, gamma_p: T, beta_p: T, rm_e: T, rv_e: T, rm_d: T, rv_d: T,
+             rm_p: T, rv_p: T, drop_scale: T, stride: int, factors: list[float], eps: float
+             ) -> tuple[T, T, T, T, T, T, T]:
+    running = tuple(t.clone() for t in (rm_e, rv_e, rm_d, rv_d, rm_p, rv_p))
+    v = _layers(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,
+                beta_p, drop_scale, stride, eps, running, tuple(factors))
+    return (v["out"], *running)
+
+
+mbconv_recompute_train = torch.library.custom_op("convfirstnet::mbconv_recompute_train", _forward,
+                                                 mutates_args=())
+mbconv_recompute_train.register_fake(_forward)  # every layer runs on fake / meta tensors
+
+
+def _bn_backward(grad, v: dict, gamma, which: str, bn: str, eps: float):
+    """aten's training-mode BatchNorm backward of v[which] with the batch statistics it was normalised by."""
+    return aten.native_batch_norm_backward(grad, v[which], gamma, None, None, v["mean_" + bn],
+                                           v["rstd_" + bn], True, eps, [True, True, True])
+
+
+def _backward(grad_out: T, x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d: T, w_se1: T,
+              b_se1: T, w_se2: T, b_se2: T, w_proj: T, gamma_p: T, beta_p: T, drop_scale: T, stride: int,
+              eps: float) -> tuple[T, T, T, T, T, T, T, T, T, T, T, T, T, T]:
+    dt = x.dtype
+    v = _layers(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,
+                beta_p, drop_scale, stride, eps)
+    grad_out = grad_out.to(dt)
+    dob = grad_out * drop_scale.to(dt)[:, None, None, None] if stride == 1 else grad_out
+    do, dgamma_p, dbeta_p = _bn_backward(dob, v, gamma_p, "o", "p", eps)
+    dq, dw_proj, _ = aten.convolution_backward(do, v["q"], w_proj.to(dt), None, **_1x1, groups=1,
+                                               output_mask=[True, True, False])
+    g, gate = v["g"], v["gate"]
+    dgate = (dq * g).sum((2, 3), keepdim=True)
+    dt_se = aten.sigmoid_backward(dgate, gate)
+    dr, dw_se2, db_se2 = aten.convolution_backward(dt_se, v["r"], w_se2.to(dt), [w_se2.shape[0]], **_1x1,
+                                                   groups=1, output_mask=[True, True, True])
+    ds = aten.threshold_backward(dr, v["r"], 0)
+    dp, dw_se1, db_se1 = aten.convolution_backward(ds, v["p"], w_se1.to(dt), [w_se1.shape[0]], **_1x1,
+                                                   groups=1, output_mask=[True, True, True])
+    dg = dq * gate + dp / (g.shape[2] * g.shape[3])  # the gate's input, and the pool's broadcast
+    if stride == 2:
+        a = v["a"]
+        dpad, _, _ = aten.convolution_backward(dg, v["apad"], blur_filter(a.shape[1], dt, a.device), None,
+                                               [2, 2], [0, 0], [1, 1], False, [0, 0], a.shape[1],
+                                               [True, False, False])
+        da = aten.reflection_pad2d_backward(dpad, a, [1, 1, 1, 1])
+    else:
+        da = dg
+    dd, dgamma_d, dbeta_d = _bn_backward(aten.silu_backward(da, v["db"]), v, gamma_d, "d", "d", eps)
+    h = v["h"]
+    if use_triton(h):
+        dd = dd.contiguous(memory_format=torch.channels_last)
+        dh = torch.ops.convfirstnet.gconv3x3_dgrad(dd, w_dw, h.shape[2], h.shape[3], 1)
+        dw_dw = torch.ops.convfirstnet.gconv3x3_wgrad(dd, h, w_dw.dtype, 1, True)
+    else:
+        dh, dw_dw, _ = aten.convolution_backward(dd, h, w_dw.to(dt), None, [1, 1], [1, 1], [1, 1], False,
+                                                 [0, 0], h.shape[1] // GROUP_WIDTH, [True, True, False])
+    de, dgamma_e, dbeta_e = _bn_backward(aten.silu_backward(dh, v["eb"]), v, gamma_e, "e", "e", eps)
+    dx, dw_exp, _ = aten.convolution_backward(de, x, w_exp.to(dt), None, **_1x1, groups=1,
+                                              output_mask=[True, True, False])
+    if stride == 1:
+        dx = dx + grad_out
+    grads = (dx, dw_exp, dgamma_e, dbeta_e, dw_dw, dgamma_d, dbeta_d, dw_se1, db_se1, dw_se2, db_se2, dw_proj,
+             dgamma_p, dbeta_p)
+    params = (x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,
+              beta_p)
+    return tuple(gr.to(p.dtype) for gr, p in zip(grads, params))
+
+
+mbconv_recompute_train_backward = torch.library.custom_op("convfirstnet::mbconv_recompute_train_backward",
+                                                          _backward, mutates_args=())
+mbconv_recompute_train_backward.register_fake(_backward)
+
+
+def _setup(ctx, inputs, output) -> None:
+    ctx.stride, ctx.eps = inputs[21], inputs[23]
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*inputs[:14], inputs[20])  # x, the weights, drop_scale: nothing wide
+
+
+def _autograd(ctx, grad_out, *unused):
+    if grad_out is None:
+        return (None,) * 24
+    x, *weights, drop_scale = ctx.saved_tensors
+    grads = torch.ops.convfirstnet.mbconv_recompute_train_backward(grad_out, x, *weights, drop_scale,
+                                                                   ctx.stride, ctx.eps)
+    return (*grads, *(None,) * 10)
+
+
+torch.library.register_autograd("convfirstnet::mbconv_recompute_train", _autograd, setup_context=_setup)
+
+
+def recompute_forward(block, x: torch.Tensor, dtype: torch.dtype, drop: torch.Tensor) -> torch.Tensor:
+    """``block(x)`` of a training-mode MBConv (blocks.MBConv) through the op, its BatchNorms updated as
+    ``nn.BatchNorm2d`` does: num_batches_tracked += 1, then running = (1 - f) running + f batch (unbiased
+    variance), f = momentum, or 1 / num_batches_tracked when momentum is None. ``drop``: the drop-path
+    scale per image, drawn by the caller."""
+    bns = (block.bn_expand, block.bn_dw, block.bn_project)
+    factors = []
+    with torch.no_grad():
+        for bn in bns:
+            bn.num_batches_tracked.add_(1)
+            factors.append(1.0 / float(bn.num_batches_tracked) if bn.momentum is None else float(bn.momentum))
+    se = block.se
+    res = torch.ops.convfirstnet.mbconv_recompute_train(
+        x.to(dtype), block.conv_expand.weight, bns[0].weight, bns[0].bias, block.conv_dw.weight,
+        bns[1].weight, bns[1].bias, se.fc1.weight, se.fc1.bias, se.fc2.weight, se.fc2.bias,
+        block.conv_project.weight, bns[2].weight, bns[2].bias,
+        *(t for bn in bns for t in (bn.running_mean, bn.running_var)), drop, block.stride, factors, bns[0].eps)
+    with torch.no_grad():
+        for i, bn in enumerate(bns):
+            bn.running_mean.copy_(res[1 + 2 * i])
+            bn.running_var.copy_(res[2 + 2 * i])
+    return res[0]
