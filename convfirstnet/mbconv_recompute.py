@@ -75,7 +75,8 @@ def _layers(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se
     v["o"] = F.conv2d(v["q"], w_proj.to(dt))
     ob, v["mean_p"], v["rstd_p"] = torch.native_batch_norm(v["o"], gamma_p, beta_p, run[4], run[5], True,
                                                            fac[2], eps)
-    v["out"] = x + ob * drop_scale.to(dt)[:, None, None, None] if stride == 1 else ob
+    if running is not None:  # the forward (the recompute needs BN_p's statistics only)
+        v["out"] = x + ob * drop_scale.to(dt)[:, None, None, None] if stride == 1 else ob
     return v
 
 
@@ -173,6 +174,11 @@ def _autograd(ctx, grad_out, *unused):
 torch.library.register_autograd("convfirstnet::mbconv_recompute_train", _autograd, setup_context=_setup)
 
 
+# The small ops of a step besides the layers' kernels: 3 num_batches_tracked increments, 6 copies of the
+# running statistics in the op and 6 copies back (the static training report charges each a launch gap)
+SMALL_OPS_PER_STEP = 15
+
+
 def recompute_forward(block, x: torch.Tensor, dtype: torch.dtype, drop: torch.Tensor) -> torch.Tensor:
     """``block(x)`` of a training-mode MBConv (blocks.MBConv) through the op, its BatchNorms updated as
     ``nn.BatchNorm2d`` does: num_batches_tracked += 1, then running = (1 - f) running + f batch (unbiased
@@ -189,7 +195,8 @@ def recompute_forward(block, x: torch.Tensor, dtype: torch.dtype, drop: torch.Te
         x.to(dtype), block.conv_expand.weight, bns[0].weight, bns[0].bias, block.conv_dw.weight,
         bns[1].weight, bns[1].bias, se.fc1.weight, se.fc1.bias, se.fc2.weight, se.fc2.bias,
         block.conv_project.weight, bns[2].weight, bns[2].bias,
-        *(t for bn in bns for t in (bn.running_mean, bn.running_var)), drop, block.stride, factors, bns[0].eps)
+        *(t for bn in bns for t in (bn.running_mean, bn.running_var)), drop, block.stride, factors,
+        bns[0].eps)
     with torch.no_grad():
         for i, bn in enumerate(bns):
             bn.running_mean.copy_(res[1 + 2 * i])

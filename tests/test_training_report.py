@@ -70,3 +70,28 @@ def test_fused_block_recording_counts_launches_and_small_ops():
     launches, small = record_fused_block(block, (1, 32, 16, 16), 8, torch.float16, target(90))
     assert len(launches) == 20
     assert small <= 3, small  # 1 with torch 2.14 (121 before the finalize kernels)
+
+
+def test_mbconv_recompute_counts_its_forward_twice_and_stores_its_input(pico):
+    """An MBConv block on the recompute path: the report counts its layer-wise kernels plus the forward
+    kernels run again in the backward (3 convs, 3 BatchNorms' statistics and normalise passes, the SE's
+    pool, fc1, fc2 and gate, BlurPool at stride 2: the forward MACs once more), and stores its narrow
+    input and the (N,) drop-path scale only, measured through the same saved_tensors_hooks."""
+    model, shapes = pico
+    lw = _LayerWise(shapes, batch=4, eb=2)
+    fused = stored_bytes(model, SIZE, 2, fused=True)
+    layerwise = stored_bytes(model, SIZE, 2, fused=False)
+    seen = set()
+    for path, m in blocks_of(model):
+        if not isinstance(m, MBConv) or m.stride in seen:
+            continue
+        seen.add(m.stride)
+        again = lw.recompute(path, m)
+        forward = [k for k in lw.block(path, m) if k.name.endswith(" forward")]
+        assert len(again) == 13 + (m.stride == 2)
+        assert sum(k.macs for k in again) == sum(k.macs for k in forward) > 0
+        assert all(k.bytes > 0 for k in again)
+        _, c, h, w = shapes[path][0]
+        assert fused[path] == 2 * c * h * w + 4  # x at 2 bytes, the drop-path scale in fp32 (batch 1)
+        assert layerwise[path] > 10 * fused[path]
+    assert seen == {1, 2}

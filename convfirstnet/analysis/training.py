@@ -12,6 +12,13 @@ Per block of the training-form model (``stem``, ``stages.i.j``, ``head``, ``clas
   counted while recording and each costs one launch gap in a CUDA graph (torch.compile would fuse
   many of them). Blocks without a fused training op run layer-wise and are counted at their
   layer-wise bound (below), which is optimistic for them;
+* recompute, layer-wise kernels: the MBConv + SE blocks in training mode (``training_kernels.recomputes``;
+  convfirstnet/mbconv_recompute.py) store only their narrow input and recompute the wide activations
+  in the backward with the layers' own kernels. They are counted as their layer-wise kernels (below)
+  plus the forward kernels run again in the backward (expand, BatchNorm statistics and normalise + SiLU,
+  grouped conv, BatchNorm, BlurPool, SE pool, fc1, fc2, gate, project, BatchNorm: ``_LayerWise.recompute``),
+  plus one launch gap per small op of the path (``mbconv_recompute.SMALL_OPS_PER_STEP``: the running
+  statistics' copies). Not a fused kernel: slower than layer-wise by the recompute;
 * layer-wise training bound: every layer as its own kernels, each at max(tensor, DRAM, L2) time of
   its MACs and bytes plus one launch gap in a CUDA graph (``estimate.layerwise_time``, the waterline's
   rule with the report's constants). Kernels and bytes (activations in the report's dtype, every input
@@ -50,7 +57,7 @@ import torch
 import torch.nn as nn
 
 import convfirstnet
-from convfirstnet import training_kernels
+from convfirstnet import mbconv_recompute, training_kernels
 from convfirstnet.blocks import ConvFirst, Head, MBConv, Stem
 from convfirstnet.kernels._cost import recording
 
@@ -65,6 +72,8 @@ FORMAT = "convfirstnet-training-report/1"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 BLOCK_TYPES = (Stem, ConvFirst, MBConv, Head, nn.Linear)
 TARGETS = dict(step_over_layerwise=0.5, stored_over_layerwise=0.25)  # issue 20, item 3 (high end)
+# how a block trains, by (fused, recompute)
+PATHS = {(True, False): "fused", (False, True): "recompute, layer-wise kernels", (False, False): "layer-wise"}
 
 
 @dataclass(frozen=True)
@@ -136,6 +145,32 @@ class _LayerWise:
         self.conv(f"{path}.fc2", se.fc2)
         self.add(f"{path} gate", 0, g + pooled, g)
         self.add(f"{path} gate backward", 0, 2 * g, g)
+
+    def recompute(self, path: str, m: nn.Module) -> list[TrainKernel]:
+        """The forward kernels an MBConv's recompute path runs again in the backward (module docstring):
+        every output written again, so read back by the backward as the layer-wise one is."""
+        self.kernels = []
+        for conv, bn, act in ((m.conv_expand, "bn_expand", True), (m.conv_dw, "bn_dw", True),
+                              (m.conv_project, "bn_project", False)):
+            name = next(n for n, c in m.named_children() if c is conv)
+            e_in, e_out = self.elems(f"{path}.{name}", 0), self.elems(f"{path}.{name}", 1)
+            kh, kw = conv.kernel_size
+            macs = e_out * (conv.in_channels // conv.groups) * kh * kw
+            self.add(f"{path}.{name} recompute", macs, e_in, e_out, conv.weight.numel() * self.eb)
+            e = self.elems(f"{path}.{bn}", 1)
+            self.add(f"{path}.{bn} recompute statistics", 0, e, 0)
+            self.add(f"{path}.{bn} recompute normalise", 0, e, e)
+            if name == "conv_dw":
+                if m.stride == 2:
+                    e_in, e_out = self.elems(f"{path}.blur", 0), self.elems(f"{path}.blur", 1)
+                    self.add(f"{path}.blur recompute", 9 * e_out, e_in, e_out)
+                g, pooled = self.elems(f"{path}.se", 0), self.elems(f"{path}.se.fc1", 0)
+                self.add(f"{path}.se pool recompute", 0, g, pooled)
+                for fc in (m.se.fc1, m.se.fc2):
+                    self.add(f"{path}.se fc recompute", self.n * fc.in_channels * fc.out_channels,
+                             self.n * fc.in_channels, self.n * fc.out_channels, fc.weight.numel() * self.eb)
+                self.add(f"{path}.se gate recompute", 0, g + pooled, g)
+        return self.kernels
 
     def block(self, path: str, m: nn.Module) -> list[TrainKernel]:
         self.kernels = []
@@ -304,9 +339,11 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
 
     # fused blocks: record, compile, estimate
     launches, owner = [], []
-    fused_paths, glue = [], {}
+    fused_paths, glue, recomputed = [], {}, set()
     for path, m in blocks:
-        if training_kernels.unsupported(m) is None:
+        if training_kernels.unsupported(m) is None and training_kernels.recomputes(m):
+            recomputed.add(path)
+        elif training_kernels.unsupported(m) is None:
             ls, glue[path] = record_fused_block(m, shapes[path][0], batch, torch_dtype, tgt)
             launches += ls
             owner += [path] * len(ls)
@@ -332,13 +369,22 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
             spills = max(est.variants[e.variant]["stack_bytes"] for e in mine)
             kinds = {k for e in mine for k in est.variants[e.variant]["mma_kind"].split("+")}
             mma = sorted(kinds - {"none"})
+        elif path in recomputed:
+            again = lw.recompute(path, m)
+            predicted = {end: layerwise[end] + sum(layerwise_time(k, hw, end) for k in again)
+                         + mbconv_recompute.SMALL_OPS_PER_STEP * hw.launch_graph_us.pick(end) * 1e-6
+                         for end in ENDS}
+            bounds, n_launches = ["layer-wise bound + recompute"], len(kernels) + len(again)
+            glue[path] = mbconv_recompute.SMALL_OPS_PER_STEP
+            spills, mma = None, []
         else:
             predicted, bounds, n_launches = layerwise, ["layer-wise bound"], len(kernels)
             spills, mma = None, []
         rows.append(dict(
             block=path, stage=_stage_label(path),
             kind=type(m).__name__ + (f" s{m.stride}" if hasattr(m, "stride") else ""),
-            fused=fused, launches=n_launches, glue_launches=glue.get(path, 0),
+            fused=fused, recompute=path in recomputed,
+            path=PATHS[(fused, path in recomputed)], launches=n_launches, glue_launches=glue.get(path, 0),
             predicted_ms={k: v * 1e3 for k, v in predicted.items()},
             layerwise_ms={k: v * 1e3 for k, v in layerwise.items()}, bounds=bounds, stack_bytes=spills,
             mma_kinds=mma, layerwise_kernels=len(kernels),
@@ -348,17 +394,19 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
     stages: dict[str, dict] = {}
     for r in rows:
         s = stages.setdefault(r["stage"], dict(stage=r["stage"], blocks=0, fused_blocks=0,
-                                               predicted_ms={e: 0.0 for e in ENDS},
+                                               recompute_blocks=0, predicted_ms={e: 0.0 for e in ENDS},
                                                layerwise_ms={e: 0.0 for e in ENDS}, stored_bytes=0,
                                                layerwise_stored_bytes=0))
         s["blocks"] += 1
         s["fused_blocks"] += r["fused"]
+        s["recompute_blocks"] += r["recompute"]
         for e in ENDS:
             s["predicted_ms"][e] += r["predicted_ms"][e]
             s["layerwise_ms"][e] += r["layerwise_ms"][e]
         s["stored_bytes"] += r["stored_bytes"]
         s["layerwise_stored_bytes"] += r["layerwise_stored_bytes"]
     total = dict(stage="total", blocks=len(rows), fused_blocks=sum(r["fused"] for r in rows),
+                 recompute_blocks=sum(r["recompute"] for r in rows),
                  predicted_ms={e: sum(s["predicted_ms"][e] for s in stages.values()) for e in ENDS},
                  layerwise_ms={e: sum(s["layerwise_ms"][e] for s in stages.values()) for e in ENDS},
                  stored_bytes=sum(s["stored_bytes"] for s in stages.values()),
@@ -404,17 +452,20 @@ def to_markdown(rep: dict) -> str:
         "Static estimate (fused blocks: compiled launches, low-high ends of the cost model, plus one "
         "launch gap per small aten op between them) against the layer-wise training bound (every layer's "
         "forward, dgrad, wgrad, the BatchNorm passes, stored activations written and read back; "
-        "convfirstnet/analysis/training.py). Blocks without a fused training op are counted at their "
-        "layer-wise bound. Estimates, not measurements.",
+        "convfirstnet/analysis/training.py). MBConv blocks (recompute, layer-wise kernels: only the narrow "
+        "input stored) are counted at their layer-wise bound plus the forward kernels recomputed in the "
+        "backward; other blocks without a fused training op at their layer-wise bound. Estimates, not "
+        "measurements.",
         "",
-        "| stage | blocks (fused) | predicted ms | layer-wise bound ms | ratio (low, high) | stored MB | "
-        "layer-wise stored MB | stored ratio |",
+        "| stage | blocks (fused, recompute) | predicted ms | layer-wise bound ms | ratio (low, high) "
+        "| stored MB | layer-wise stored MB | stored ratio |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for s in [*rep["stages"], t]:
         r = s["step_over_layerwise"]
         lines.append(
-            f"| {s['stage']} | {s['blocks']} ({s['fused_blocks']}) | {_ms(s['predicted_ms'])} "
+            f"| {s['stage']} | {s['blocks']} ({s['fused_blocks']}, {s['recompute_blocks']}) "
+            f"| {_ms(s['predicted_ms'])} "
             f"| {_ms(s['layerwise_ms'])} | {r['low']:.2f}, {r['high']:.2f} | {s['stored_bytes'] / 1e6:.0f} "
             f"| {s['layerwise_stored_bytes'] / 1e6:.0f} | {s['stored_over_layerwise']:.2f} |")
     f = rep["fused_blocks"]
@@ -426,6 +477,19 @@ def to_markdown(rep: dict) -> str:
             f"{f['predicted_ms']['high'] / f['layerwise_ms']['high']:.2f} at the high ends); stored "
             f"{f['stored_bytes'] / 1e6:.0f} MB against {f['layerwise_stored_bytes'] / 1e6:.0f} MB "
             f"({f['stored_bytes'] / max(1, f['layerwise_stored_bytes']):.2f}).",
+        ]
+    rc = [b for b in rep["blocks"] if b.get("recompute")]
+    if rc:
+        def total(key, end=None):
+            return sum(b[key][end] if end else b[key] for b in rc)
+        lines += [
+            "",
+            f"Recompute blocks only ({len(rc)}, layer-wise kernels): predicted "
+            f"{total('predicted_ms', 'low'):.3f}-{total('predicted_ms', 'high'):.3f} ms against a layer-wise "
+            f"bound of {total('layerwise_ms', 'low'):.3f}-{total('layerwise_ms', 'high'):.3f} ms (ratio "
+            f"{total('predicted_ms', 'high') / total('layerwise_ms', 'high'):.2f} at the high ends); stored "
+            f"{total('stored_bytes') / 1e6:.0f} MB against {total('layerwise_stored_bytes') / 1e6:.0f} MB "
+            f"({total('stored_bytes') / max(1, total('layerwise_stored_bytes')):.2f}).",
         ]
     tg = rep["targets"]
     r = t["step_over_layerwise"]["high"]
@@ -439,14 +503,15 @@ def to_markdown(rep: dict) -> str:
         "",
         "## Blocks",
         "",
-        "| block | kind | fused | launches (+ small aten ops) | predicted ms | layer-wise ms | bound | MMA "
+        "| block | kind | path | launches (+ small aten ops) | predicted ms | layer-wise ms | bound | MMA "
         "| stack B |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for b in rep["blocks"]:
         lines.append(
-            f"| {b['block']} | {b['kind']} | {'yes' if b['fused'] else 'no'} | {b['launches']}"
-            f"{' (+ %d)' % b['glue_launches'] if b['fused'] else ''} | {_ms(b['predicted_ms'])} "
+            f"| {b['block']} | {b['kind']} | {b.get('path', 'fused' if b['fused'] else 'layer-wise')} "
+            f"| {b['launches']}{' (+ %d)' % b['glue_launches'] if b['fused'] or b.get('recompute') else ''} "
+            f"| {_ms(b['predicted_ms'])} "
             f"| {_ms(b['layerwise_ms'])} | {', '.join(b['bounds'])} | {', '.join(b['mma_kinds']) or '-'} "
             f"| {'' if b['stack_bytes'] is None else b['stack_bytes']} |")
     return "\n".join(lines) + "\n"
