@@ -4,7 +4,8 @@ kernels. No fused Triton kernel: the same layers as the training form, run twice
 
     torch.ops.convfirstnet.mbconv_recompute_train(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d,
         w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p, beta_p, running_mean_e, running_var_e,
-        running_mean_d, running_var_d, running_mean_p, running_var_p, drop_scale, stride, factors, eps)
+        running_mean_d, running_var_d, running_mean_p, running_var_p, drop_scale, stride, momenta, eps,
+        num_batches_tracked)
         -> (out, new running_mean_e, running_var_e, running_mean_d, running_var_d, running_mean_p,
             running_var_p)
 
@@ -14,9 +15,10 @@ kernels. No fused Triton kernel: the same layers as the training form, run twice
 
 Weights in the module's shapes (4-D); the three BatchNorms normalise with the batch statistics
 (``torch.native_batch_norm``, training mode). Their running statistics are updated on copies with
-``factors`` (momentum, or 1 / num_batches_tracked), by the same kernel and rule as ``nn.BatchNorm2d``, and
-returned: the caller copies them back (a differentiable op must not mutate its inputs). Only ``out``
-is differentiable. Autograd saves x, the weights and drop_scale; ``mbconv_recompute_train_backward``
+the factor of ``nn.BatchNorm2d`` (``momenta``: each one's momentum, or -1 for None: then 1 /
+num_batches_tracked, which the caller has already counted), by the same kernel and rule, and returned:
+the caller copies them back (a differentiable op must not mutate its inputs). Only ``out`` is
+differentiable. Autograd saves x, the weights and drop_scale; ``mbconv_recompute_train_backward``
 reruns the forward without touching any running statistic (running stats None, the same batch
 statistics, deterministically) and applies aten's backward of each layer (``convolution_backward``,
 ``native_batch_norm_backward``, ``silu_backward``, ...): the formulas autograd of the training form uses.
@@ -82,17 +84,31 @@ def _layers(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se
 
 def _forward(x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d: T, w_se1: T, b_se1: T,
              w_se2: T, b_se2: T, w_proj: T, gamma_p: T, beta_p: T, rm_e: T, rv_e: T, rm_d: T, rv_d: T,
-             rm_p: T, rv_p: T, drop_scale: T, stride: int, factors: list[float], eps: float
+             rm_p: T, rv_p: T, drop_scale: T, stride: int, momenta: list[float], eps: float, counts: list[T]
              ) -> tuple[T, T, T, T, T, T, T]:
-    running = tuple(t.clone() for t in (rm_e, rv_e, rm_d, rv_d, rm_p, rv_p))
+    # nn.BatchNorm2d's factor: the momentum, or 1 / num_batches_tracked (already counted) for momentum None
+    factors = tuple(m if m >= 0 else 1.0 / float(n) for m, n in zip(momenta, counts))
+    return _train(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj,
+                  gamma_p, beta_p, (rm_e, rv_e, rm_d, rv_d, rm_p, rv_p), drop_scale, stride, factors, eps)
+
+
+def _train(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,
+           beta_p, running, drop_scale, stride, factors, eps):
+    running = tuple(t.clone() for t in running)
     v = _layers(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,
-                beta_p, drop_scale, stride, eps, running, tuple(factors))
+                beta_p, drop_scale, stride, eps, running, factors)
     return (v["out"], *running)
+
+
+def _fake(*args):
+    """Every layer on fake / meta tensors; only the momentum-None factor would read a value."""
+    *tensors, drop_scale, stride, momenta, eps, counts = args
+    return _train(*tensors[:14], tuple(tensors[14:20]), drop_scale, stride, (0.0,) * 3, eps)
 
 
 mbconv_recompute_train = torch.library.custom_op("convfirstnet::mbconv_recompute_train", _forward,
                                                  mutates_args=())
-mbconv_recompute_train.register_fake(_forward)  # every layer runs on fake / meta tensors
+mbconv_recompute_train.register_fake(_fake)
 
 
 def _bn_backward(grad, v: dict, gamma, which: str, bn: str, eps: float):
@@ -164,11 +180,11 @@ def _setup(ctx, inputs, output) -> None:
 
 def _autograd(ctx, grad_out, *unused):
     if grad_out is None:
-        return (None,) * 24
+        return (*(None,) * 24, [None] * 3)
     x, *weights, drop_scale = ctx.saved_tensors
     grads = torch.ops.convfirstnet.mbconv_recompute_train_backward(grad_out, x, *weights, drop_scale,
                                                                    ctx.stride, ctx.eps)
-    return (*grads, *(None,) * 10)
+    return (*grads, *(None,) * 10, [None] * 3)  # counts: a list of three
 
 
 torch.library.register_autograd("convfirstnet::mbconv_recompute_train", _autograd, setup_context=_setup)
@@ -185,18 +201,17 @@ def recompute_forward(block, x: torch.Tensor, dtype: torch.dtype, drop: torch.Te
     variance), f = momentum, or 1 / num_batches_tracked when momentum is None. ``drop``: the drop-path
     scale per image, drawn by the caller."""
     bns = (block.bn_expand, block.bn_dw, block.bn_project)
-    factors = []
     with torch.no_grad():
         for bn in bns:
             bn.num_batches_tracked.add_(1)
-            factors.append(1.0 / float(bn.num_batches_tracked) if bn.momentum is None else float(bn.momentum))
     se = block.se
     res = torch.ops.convfirstnet.mbconv_recompute_train(
         x.to(dtype), block.conv_expand.weight, bns[0].weight, bns[0].bias, block.conv_dw.weight,
         bns[1].weight, bns[1].bias, se.fc1.weight, se.fc1.bias, se.fc2.weight, se.fc2.bias,
         block.conv_project.weight, bns[2].weight, bns[2].bias,
-        *(t for bn in bns for t in (bn.running_mean, bn.running_var)), drop, block.stride, factors,
-        bns[0].eps)
+        *(t for bn in bns for t in (bn.running_mean, bn.running_var)), drop, block.stride,
+        [-1.0 if bn.momentum is None else float(bn.momentum) for bn in bns], bns[0].eps,
+        [bn.num_batches_tracked for bn in bns])
     with torch.no_grad():
         for i, bn in enumerate(bns):
             bn.running_mean.copy_(res[1 + 2 * i])

@@ -156,9 +156,11 @@ def test_unsupported_block_warns_once_and_runs_the_layers(recompute, monkeypatch
 
 def test_compiled_training_step_fullgraph(recompute):
     """torch.compile(fullgraph=True) of forward + backward + SGD step (the ops are opaque custom ops):
-    the loss, parameters and buffers of the eager layer-wise training form."""
+    the loss, parameters and buffers of the eager layer-wise training form; one BatchNorm with momentum
+    None (the cumulative average: its factor 1 / num_batches_tracked is read inside the op)."""
     torch._dynamo.reset()
     block = make_block(32, 32, 1, 0.25)
+    block.bn_dw.momentum = None
     ref = copy.deepcopy(block)
     step = torch.compile(lambda x: block(x).square().mean(), fullgraph=True)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (block, ref)]
@@ -176,3 +178,17 @@ def test_compiled_training_step_fullgraph(recompute):
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(block.state_dict().items(), ref.state_dict().values()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_opcheck():
+    """Schema, fake-tensor implementation (the layers on fake tensors) and AOT dispatch of the op."""
+    block = make_block(32, 32, 1, 0.0)
+    bns = (block.bn_expand, block.bn_dw, block.bn_project)
+    se = block.se
+    x = torch.randn(2, 32, 4, 4).contiguous(memory_format=CL).requires_grad_()
+    args = (x, block.conv_expand.weight, bns[0].weight, bns[0].bias, block.conv_dw.weight, bns[1].weight,
+            bns[1].bias, se.fc1.weight, se.fc1.bias, se.fc2.weight, se.fc2.bias, block.conv_project.weight,
+            bns[2].weight, bns[2].bias, *(t for bn in bns for t in (bn.running_mean, bn.running_var)),
+            torch.ones(2), 1, [0.1, -1.0, 0.1], 1e-5, [bn.num_batches_tracked + 1 for bn in bns])
+    torch.library.opcheck(torch.ops.convfirstnet.mbconv_recompute_train, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
