@@ -192,3 +192,50 @@ def test_opcheck():
             torch.ones(2), 1, [0.1, -1.0, 0.1], 1e-5, [bn.num_batches_tracked + 1 for bn in bns])
     torch.library.opcheck(torch.ops.convfirstnet.mbconv_recompute_train, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+# ------------------------------------------------------------------------------------------------
+# 16-bit autocast against the fp32 training form: on CPU at a small size (fp16), on a GPU (skipped
+# without one) at ConvFirstNet-Small's MBConv shapes with the gconv on the Triton kernels
+# ------------------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _autocast_errors(c: int, k: int, stride: int, side: int, n: int, device: str, dtype: torch.dtype,
+                     monkeypatch) -> dict:
+    """||got - ref|| / ||ref|| of the output and every gradient: the recompute path under autocast
+    against the layer-wise block in fp32 on the same (16-bit rounded) input and drop-path mask."""
+    block = make_block(c, k, stride, 0.2 if stride == 1 else 0.0).to(device)
+    ref = copy.deepcopy(block)
+    x = torch.randn(n, c, side, side, device=device).to(dtype).float().contiguous(memory_format=CL)
+    out_side = (side + stride - 1) // stride
+    dout = torch.randn(n, k, out_side, out_side, device=device)
+    monkeypatch.setattr(training_kernels, "triton_selected", lambda t: True)
+    with torch.autocast(device, dtype=dtype):
+        got = _step(block, x, dout, seed=5)
+    monkeypatch.setattr(training_kernels, "triton_selected", lambda t: False)
+    want = _step(ref, x, dout, seed=5)
+    errors = {name: ((got[name].double() - r.double()).norm() / r.double().norm().clamp_min(1e-30)).item()
+              for name, r in want.items()}
+    assert got["out"].dtype == dtype and got["x"].dtype == torch.float32
+    assert all(int(b) == 1 for name, b in block.named_buffers() if name.endswith("num_batches_tracked"))
+    return errors
+
+
+def test_fp16_autocast_cpu(recompute, monkeypatch):
+    """fp16 (2^-11) against fp32: errors of a few 2^-11 through a block (observed <= 2e-3)."""
+    errors = _autocast_errors(32, 32, 1, 6, 4, "cpu", torch.float16, monkeypatch)
+    assert max(errors.values()) <= 1e-2, errors
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("c,k,stride,side", [(96, 256, 2, 32), (256, 256, 1, 16), (256, 256, 1, 8)])
+def test_small_mbconv_autocast_gpu(monkeypatch, dtype, c, k, stride, side):
+    """Small's MBConv shapes (stage 4's first block, stage 4, stage 5), batch 8, the gconv on the Triton
+    kernels: norm errors against fp32 within a few units of the dtype's rounding (bf16: 2^-8)."""
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "auto")
+    errors = _autocast_errors(c, k, stride, side, 8, "cuda", dtype, monkeypatch)
+    assert max(errors.values()) <= (1e-2 if dtype == torch.float16 else 5e-2), errors
