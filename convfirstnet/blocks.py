@@ -272,7 +272,7 @@ class MBConv(nn.Module):
         self.drop_path = DropPath(drop_path) if drop_path > 0 and stride == 1 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _fused_training(self, x)  # None until MBConv has a fused training op (warns once)
+        out = _fused_training(self, x)  # training mode with the Triton kernels selected: the recompute path
         if out is not None:
             return out
         h = self.act(self.bn_expand(self.conv_expand(x)))
