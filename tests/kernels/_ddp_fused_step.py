@@ -1,5 +1,6 @@
-"""Two DDP (gloo) training steps of a small net of stride-1 ConvFirst blocks, once through the fused
-training op (Triton kernels in the interpreter) and once layer-wise; run by torch.distributed.run from
+"""Two DDP (gloo) training steps of a small net of stride-1 ConvFirst blocks and an MBConv block, once
+through the fused training op and the MBConv recompute path (Triton kernels in the interpreter) and
+once layer-wise; run by torch.distributed.run from
 tests/kernels/test_convfirst_train.py. Rank 0 prints the largest differences as JSON."""
 
 import json
@@ -12,13 +13,14 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from convfirstnet.blocks import ConvFirst  # noqa: E402
+from convfirstnet.blocks import ConvFirst, MBConv  # noqa: E402
 
 
 def make_net() -> nn.Module:
     torch.manual_seed(0)
     net = nn.Sequential(ConvFirst(16, 16, 1, 3), ConvFirst(16, 16, 1, 3, drop_path=0.3),
-                        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))
+                        MBConv(16, 16, 1, drop_path=0.3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                        nn.Linear(16, 4))
     for m in net.modules():
         if isinstance(m, nn.BatchNorm2d):
             nn.init.uniform_(m.weight, 0.5, 1.5)

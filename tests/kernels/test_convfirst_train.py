@@ -557,8 +557,9 @@ def test_model_runs_convfirst_fused_and_mbconv_recomputed(interpreter_backend, m
 @pytest.mark.slow
 def test_ddp_gloo_two_processes_equal_layerwise():
     """torch.distributed.run, 2 CPU processes (gloo): two DDP steps (SGD with momentum, drop-path, running
-    statistics) of a net of stride-1 ConvFirst blocks through the fused Triton kernels (interpreter)
-    give the parameters and buffers of the same steps layer-wise under DDP, on both replicas."""
+    statistics) of a net of stride-1 ConvFirst blocks and an MBConv block through the fused Triton
+    kernels and the recompute path (interpreter) give the parameters and buffers of the same steps
+    layer-wise under DDP, on both replicas."""
     import json
     import os
     import subprocess
