@@ -115,10 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--kernels",
         choices=("triton", "torch"),
-        help="triton: the blocks with fused training kernels run them (ConvFirst: Triton forward and "
-        "backward, the wide activation recomputed; the other blocks run their layers, each kind saying so "
-        "once); torch: every layer in PyTorch (default: triton on CUDA, torch on CPU). The checkpoints are "
-        "the same either way",
+        help="triton: the ConvFirst blocks run fused training kernels (Triton forward and backward, the "
+        "wide activation recomputed), the MBConv + SE blocks their layers with only the block input stored "
+        "(the wide activations recomputed in the backward), the stem and head their layers; torch: every "
+        "layer in PyTorch (default: triton on CUDA, torch on CPU). The checkpoints are the same either way",
     )
     g.add_argument(
         "-j",
