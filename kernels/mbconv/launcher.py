@@ -15,7 +15,11 @@ Choices (kernel.py explains the kernels)
   their h slots would not stay in L1), one 16-warp program per SM (x takes 128 KB of shared memory at
   C = 256); chunk groups: as few as keep every SM busy (``chunk_groups``: 16x16 one group, 8x8 four).
   Other maps (and fp32, and sm_80): items of one image and one chunk, one 16-warp program per SM on
-  sm_90, 4-warp programs elsewhere (two per SM where both slots fit the L1 an A100 leaves them).
+  sm_90. Below sm_90 (16-bit data): one 8-warp program per SM where its slot stays in the L1 the
+  program's shared memory leaves (``SLOT_L1_SM80_*``), with 128-pixel expand tiles on stride-1 maps of
+  at least 128 pixels (16x16) and 64-pixel ones otherwise, and items of XM / HWP images (8x8: four,
+  so each chunk's weights are read once per four images); 4-warp programs elsewhere (fp32, 32x32
+  stride 2; two per SM where both slots fit the L1 an A100 leaves them).
 * One launch pair over the whole batch. ``g`` stays in L2 for the projection where it fits in
   L2_SHARE of the L2 beside the scratch (8x8 and 16x16 stride 2 at batch 128); otherwise its read is
   DRAM traffic. Cutting the batch into slices whose ``g`` fits was predicted slower for Small at batch
@@ -91,6 +95,17 @@ SLOT_L1_PAIR = 56 * 1024
 HIDDEN_WARPS = 16
 HIDDEN_WARPS_TILED = 16
 HIDDEN_WARPS_SM80 = 8  # RESIDENT programs below sm_90 (C <= 128 there: the x tile fits)
+# Tiled 16-bit programs below sm_90: 8 warps (a 4-warp program, one per SM, was latency-bound: 221 us
+# per 16x16 stride-1 block on an A100 against 115 at 8 warps), where the slot stays in the L1 that one
+# 8-warp program's shared memory leaves: 74 KB with 64-pixel expand tiles (carve-out 100 KB, 92 KB of
+# L1), 106 KB with 128-pixel ones (carve-out 132 KB, 60 KB of L1), as compiled for sm_80 at C = 256.
+# Larger slots (32x32 stride 2: 136 KB) keep 4-warp programs (29 KB of shared memory, 160 KB of L1).
+# Without a register limit ptxas compiled the 16x16 stride-2 one to 128 registers and 72 B of spills in
+# the chunk loop (Triton 3.8); with maxnreg = 255 it takes 224 and spills nothing.
+HIDDEN_WARPS_TILED_SM80 = 8
+HIDDEN_MAXNREG_SM80 = 255
+SLOT_L1_SM80_8W = 88 * 1024
+SLOT_L1_SM80_EM128 = 56 * 1024
 # Projection tiles: 128 pixel rows (two wgmma warpgroups of 64) x 128 output channels per accumulator,
 # two accumulators for K <= 256, K steps of 64 hidden channels, 8 warps, 3 pipeline stages.
 P_BM, P_BH, P_BR, P_WARPS, P_STAGES = 128, 128, 64, 8, 3
@@ -148,6 +163,8 @@ class MBConvGeometry:
     g_in_l2: bool  # g (plus the scratch) fits in L2_SHARE of the L2: the projection reads it from L2
     hidden_warps: int
     cm: int  # pixels per conv tile
+    em: int  # pixels per expand tile of the tiled path
+    maxnreg: bool = False  # compile the hidden kernel with HIDDEN_MAXNREG_SM80
 
     @property
     def hw(self) -> int:
@@ -241,11 +258,6 @@ class MBConvGeometry:
         return self.r % P_BR == 0 and self.s == self.sp and rows_full and self.k % self.p_bn == 0
 
     @property
-    def em(self) -> int:
-        """Pixels per expand tile of the tiled path: 64 per warpgroup."""
-        return BM * max(1, self.hidden_warps // 4)
-
-    @property
     def tiles_e(self) -> int:
         return triton.cdiv(self.h, self.em // self.tw) * triton.cdiv(self.w, self.tw)
 
@@ -257,7 +269,13 @@ class MBConvGeometry:
                     HWP=self.hwp if self.resident else 1,
                     ZB=ZERO_BLOCK, SILU=silu, PREC=prec, CS=self.conv_split,
                     SEB=min(self.sp, 4 * self.hidden_warps),
-                    num_warps=self.hidden_warps, num_stages=1)
+                    num_warps=self.hidden_warps, num_stages=1, **self.hidden_options)
+
+    @property
+    def hidden_options(self) -> dict:
+        """Compile options beyond warps and stages: the 8-warp tiled programs below sm_90 may use every
+        register (HIDDEN_WARPS_TILED_SM80)."""
+        return dict(maxnreg=HIDDEN_MAXNREG_SM80) if self.maxnreg else {}
 
     def project_constexprs(self, silu: int, prec: str) -> dict:
         return dict(RESIDUAL=self.stride == 1, BM=self.p_bm, BH=self.p_bh, HALVES=self.halves, BR=P_BR,
@@ -324,8 +342,15 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
     rb = RB_SMALL if fp32 else RB
     while rb > 16 and slot_bytes(1, rb) > limit:  # the slot must stay in L1 (module docstring)
         rb //= 2
+    em = BM * max(1, warps // 4)
+    if not resident and not fp32 and gpu.arch < 90 and slot_bytes(1, rb) <= SLOT_L1_SM80_8W:
+        # tiled 16-bit programs below sm_90: 8 warps where the slot stays in the L1 they leave
+        # (module docstring); 128-pixel expand tiles where even those leave room, items of XM pixels
+        warps = HIDDEN_WARPS_TILED_SM80
+        em = 2 * BM if h * w >= 2 * BM and slot_bytes(1, rb) <= SLOT_L1_SM80_EM128 else BM
+        ib = max(1, XM // hwp)
+    ib = min(ib, triton.next_power_of_2(max(n, 1)))
     if resident:
-        ib = min(ib, triton.next_power_of_2(max(n, 1)))
         while ib > 1 and slot_bytes(ib, rb) > limit:  # small maps: fewer images per slot
             ib //= 2
     # EXACT: the conv (and tiled expand, and blur) tiles cover the map exactly, with dense pixel rows
@@ -336,7 +361,7 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
         cm //= 2
     exact = dense and w == tw and h % (cm // tw) == 0
     if not resident:
-        exact = exact and h % max(1, BM * (warps // 4) // tw) == 0
+        exact = exact and h % max(1, em // tw) == 0
     if stride == 2:
         exact = exact and h % 2 == 0 and w % 2 == 0 and ow == two and (oh % (BMO // two) == 0)
     nchunk = triton.cdiv(r, rb)
@@ -363,7 +388,8 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
         sp=max(16, triton.next_power_of_2(s)), tw=tw, two=two, exact=exact, resident=resident,
         hwp=hwp, ib=ib, chunks_per_group=cg, programs=programs, p_bm=p_bm, p_bh=bn // halves, halves=halves,
         ipt=ipt, tpi=tpi, g_in_l2=g_in_l2,
-        hidden_warps=warps, cm=cm)
+        hidden_warps=warps, cm=cm, em=em,
+        maxnreg=warps == HIDDEN_WARPS_TILED_SM80 and not resident and gpu.arch < 90)
 
 
 def check_supported(x: torch.Tensor, c: int, r: int, k: int) -> None:
