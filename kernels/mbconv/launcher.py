@@ -15,11 +15,11 @@ Choices (kernel.py explains the kernels)
   their h slots would not stay in L1), one 16-warp program per SM (x takes 128 KB of shared memory at
   C = 256); chunk groups: as few as keep every SM busy (``chunk_groups``: 16x16 one group, 8x8 four).
   Other maps (and fp32, and sm_80): items of one image and one chunk, one 16-warp program per SM on
-  sm_90. Below sm_90 (16-bit data): one 8-warp program per SM where its slot stays in the L1 the
-  program's shared memory leaves (``SLOT_L1_SM80_*``), with 128-pixel expand tiles on stride-1 maps of
-  at least 128 pixels (16x16) and 64-pixel ones otherwise, and items of XM / HWP images (8x8: four,
-  so each chunk's weights are read once per four images); 4-warp programs elsewhere (fp32, 32x32
-  stride 2; two per SM where both slots fit the L1 an A100 leaves them).
+  sm_90. Below sm_90 (16-bit data): one 8-warp program per SM, with the largest chunk and expand tile
+  whose slot stays in the L1 the program's shared memory leaves (``sm80_tiling``: 16x16 stride 1 RB 64,
+  EM 128; 16x16 stride 2 and 8x8 RB 64, EM 64; 32x32 stride 2 RB 16, EM 256), and items of XM / HWP
+  images (8x8: four, so each chunk's weights are read once per four images); 4-warp programs
+  elsewhere (fp32; two per SM where both slots fit the L1 an A100 leaves them).
 * One launch pair over the whole batch. ``g`` stays in L2 for the projection where it fits in
   L2_SHARE of the L2 beside the scratch (8x8 and 16x16 stride 2 at batch 128); otherwise its read is
   DRAM traffic. Cutting the batch into slices whose ``g`` fits was predicted slower for Small at batch
@@ -96,16 +96,23 @@ HIDDEN_WARPS = 16
 HIDDEN_WARPS_TILED = 16
 HIDDEN_WARPS_SM80 = 8  # RESIDENT programs below sm_90 (C <= 128 there: the x tile fits)
 # Tiled 16-bit programs below sm_90: 8 warps (a 4-warp program, one per SM, was latency-bound: 221 us
-# per 16x16 stride-1 block on an A100 against 115 at 8 warps), where the slot stays in the L1 that one
-# 8-warp program's shared memory leaves: 74 KB with 64-pixel expand tiles (carve-out 100 KB, 92 KB of
-# L1), 106 KB with 128-pixel ones (carve-out 132 KB, 60 KB of L1), as compiled for sm_80 at C = 256.
-# Larger slots (32x32 stride 2: 136 KB) keep 4-warp programs (29 KB of shared memory, 160 KB of L1).
-# Without a register limit ptxas compiled the 16x16 stride-2 one to 128 registers and 72 B of spills in
-# the chunk loop (Triton 3.8); with maxnreg = 255 it takes 224 and spills nothing.
+# per 16x16 stride-1 block on an A100 against 113 at 8 warps), with the largest expand tile EM (of
+# EM_SM80) and chunk RB (halved down to 16) whose slot stays in the L1 that the program's shared memory
+# leaves (``sm80_tiling``). That shared memory is the x tile and the W_exp chunk plus
+# TILED_SMEM_EXTRA_SM80, as compiled for sm_80: 106 KB at EM = 128, RB = 64, C = 256 (16x16 stride 1),
+# 74 KB at EM = 64 (16x16 stride 2, 8x8), 78 KB at EM = 256, RB = 16, C = 96 (32x32 stride 2: at RB = 32
+# its 136 KB slot fit beside no tile). Without a register limit ptxas compiled the 16x16 stride-2 one to
+# 128 registers and 72 B of spills in the chunk loop (Triton 3.8); with maxnreg = 255 it takes 224 and
+# spills nothing.
 HIDDEN_WARPS_TILED_SM80 = 8
 HIDDEN_MAXNREG_SM80 = 255
-SLOT_L1_SM80_8W = 88 * 1024
-SLOT_L1_SM80_EM128 = 56 * 1024
+EM_SM80 = (256, 128, 64)
+TILED_SMEM_EXTRA_SM80 = 10 * 1024
+# An A100 SM: 192 KB of L1 + shared memory; the shared-memory carve-outs (KB) the driver picks the
+# smallest that holds the program from, 1 KB reserved per program (CUDA C++ Programming Guide, compute
+# capability 8.0; the cost model's figures, convfirstnet/analysis/hardware.py)
+L1_SHARED_SM80 = 192 * 1024
+CARVEOUTS_KB_SM80 = (0, 8, 16, 32, 64, 100, 132, 164)
 # Projection tiles: 128 pixel rows (two wgmma warpgroups of 64) x 128 output channels per accumulator,
 # two accumulators for K <= 256, K steps of 64 hidden channels, 8 warps, 3 pipeline stages.
 P_BM, P_BH, P_BR, P_WARPS, P_STAGES = 128, 128, 64, 8, 3
@@ -302,6 +309,30 @@ def chunk_groups(image_blocks: int, nchunk: int, programs: int) -> int:
     return best
 
 
+def l1_left_sm80(shared: int) -> int:
+    """L1 bytes an A100 SM leaves beside one program of ``shared`` bytes of shared memory."""
+    for kb in CARVEOUTS_KB_SM80:
+        if kb * 1024 >= shared + 1024:
+            return L1_SHARED_SM80 - kb * 1024
+    return 0
+
+
+def sm80_tiling(rb: int, cp: int, elem: int, hw: int, shared_per_block: int,
+                slot_bytes) -> tuple[int, int] | None:
+    """(RB, EM) of an 8-warp tiled program below sm_90: the largest chunk (halving ``rb`` down to 16),
+    then the largest expand tile (of EM_SM80, at most the map), whose scratch slot and means fit in the
+    L1 left beside the program's shared memory (HIDDEN_WARPS_TILED_SM80); None if none fits."""
+    while rb >= 16:
+        for em in EM_SM80:
+            if em > max(BM, triton.next_power_of_2(hw)):
+                continue
+            shared = (em + rb) * cp * elem + TILED_SMEM_EXTRA_SM80
+            if shared <= shared_per_block and slot_bytes(1, rb) + rb * 4 <= l1_left_sm80(shared):
+                return rb, em
+        rb //= 2
+    return None
+
+
 def target_info(device: torch.device) -> GPUInfo:
     """The GPU the launches are sized for (the interpreter: INTERPRETER_* programs and L2)."""
     info = device_info(device)
@@ -343,11 +374,12 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
     while rb > 16 and slot_bytes(1, rb) > limit:  # the slot must stay in L1 (module docstring)
         rb //= 2
     em = BM * max(1, warps // 4)
-    if not resident and not fp32 and gpu.arch < 90 and slot_bytes(1, rb) <= SLOT_L1_SM80_8W:
-        # tiled 16-bit programs below sm_90: 8 warps where the slot stays in the L1 they leave
-        # (module docstring); 128-pixel expand tiles where even those leave room, items of XM pixels
+    tiling = None
+    if not resident and not fp32 and gpu.arch < 90:
+        tiling = sm80_tiling(rb, cp, elem, h * w, gpu.shared_per_block, slot_bytes)
+    if tiling is not None:  # 8-warp tiled programs below sm_90 (HIDDEN_WARPS_TILED_SM80), items of XM pixels
+        rb, em = tiling
         warps = HIDDEN_WARPS_TILED_SM80
-        em = 2 * BM if h * w >= 2 * BM and slot_bytes(1, rb) <= SLOT_L1_SM80_EM128 else BM
         ib = max(1, XM // hwp)
     ib = min(ib, triton.next_power_of_2(max(n, 1)))
     if resident:

@@ -123,24 +123,26 @@ def test_matches_reference(interpreter_backend, shape):
 
 # Fused Small's widths on the tiled configurations an A100 gets (launcher: 8-warp programs below sm_90):
 # 128-pixel expand tiles (two per 16x16 image), 64-pixel ones (stride 2), items of four 8x8 images
-# (six images: a full item and a partial one), every chunk loop and tile loop running more than once.
+# (six images: a full item and a partial one), 16-channel chunks with 256-pixel expand tiles (32x32
+# stride 2, C = 96 padded to 128), every chunk loop and tile loop running more than once.
 SM80_SHAPES = [
-    (2, 256, 16, 1, 128, 1),
-    (6, 256, 8, 1, 64, 4),
-    (1, 256, 16, 2, 64, 1),
+    (2, 256, 16, 1, 64, 128, 1),
+    (6, 256, 8, 1, 64, 64, 4),
+    (1, 256, 16, 2, 64, 64, 1),
+    (1, 96, 32, 2, 16, 256, 1),
 ]
 
 
-@pytest.mark.parametrize("n, c, hw, stride, em, images", SM80_SHAPES,
-                         ids=[f"n{s[0]}-{s[2]}x{s[2]}-s{s[3]}" for s in SM80_SHAPES])
-def test_matches_reference_sm80_tiling(interpreter_backend, monkeypatch, n, c, hw, stride, em, images):
+@pytest.mark.parametrize("n, c, hw, stride, rb, em, images", SM80_SHAPES,
+                         ids=[f"n{s[0]}-c{s[1]}-{s[2]}x{s[2]}-s{s[3]}" for s in SM80_SHAPES])
+def test_matches_reference_sm80_tiling(interpreter_backend, monkeypatch, n, c, hw, stride, rb, em, images):
     from convfirstnet.kernels._launch import GPUInfo
     from convfirstnet.kernels.mbconv import launcher
 
     a100 = GPUInfo(launcher.INTERPRETER_PROGRAMS, launcher.INTERPRETER_L2, 163 * 1024, 80)
     monkeypatch.setattr(launcher, "target_info", lambda device: a100)
     geo = launcher.mbconv_config(c, 4 * c, c, hw, hw, stride, n=n, dtype=torch.float16, device="cpu")
-    assert (geo.resident, geo.hidden_warps, geo.em, geo.ib) == (False, 8, em, images)
+    assert (geo.resident, geo.hidden_warps, geo.rb, geo.em, geo.ib) == (False, 8, rb, em, images)
     x, weights = make_block(n, c, hw, hw, stride, dtype=torch.float16, seed=7)
     check(x, weights, stride)
 
