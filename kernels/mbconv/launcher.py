@@ -49,6 +49,20 @@ Against the layer-wise bound of the same model: 0.55x (16x16), 0.65x (8x8), 0.63
 (16x16) to 13x (16x16 s2) the DRAM bytes: the h slot (written once, read from L2 once per chunk)
 and the g round trip are 2.2 of the 3.5 at 16x16, and with maps this small every image's item reads
 the chunk weights (1.2 MB per block) again.
+
+On an A100 (``--arch sm_80``, same settings; mma.sync, 8-warp hidden programs, 64-row projection tiles):
+
+    block (Small)             launch   regs  smem    terms at the high end                   time
+    s1 16x16, C 256 (x17)     hidden   234  106 KB  latency 113 + waits 6, L2 115             120
+                              project  214  104 KB  L2 94 (W_proj per 64 px)                   96
+    s1 8x8, C 256 (x17)       hidden   212   74 KB  latency 35 + waits 3, L2 28                 40
+                              project  214  104 KB  tensor 29 (128 tiles on 108 SMs)          30
+    s2 32x32, C 96 -> 256     hidden   216   78 KB  L2 210 (x re-read by 24 chunks of 16)     211
+                              project  255   88 KB  latency 42                                 43
+    s2 16x16, C 256           hidden   224   74 KB  latency 127 + waits 8, L2 132            135
+                              project  209  104 KB  tensor 29                                   30
+
+Against the layer-wise bound: 0.66x (16x16), 0.79x (8x8), 0.80x (32x32 s2), 0.69x (16x16 s2).
 """
 
 from __future__ import annotations
