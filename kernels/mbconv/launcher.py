@@ -109,10 +109,11 @@ SLOT_L1_PAIR = 56 * 1024
 HIDDEN_WARPS = 16
 HIDDEN_WARPS_TILED = 16
 HIDDEN_WARPS_SM80 = 8  # RESIDENT programs below sm_90 (C <= 128 there: the x tile fits)
-# Tiled 16-bit programs below sm_90: 8 warps (a 4-warp program, one per SM, was latency-bound: 221 us
-# per 16x16 stride-1 block on an A100 against 113 at 8 warps), with the largest expand tile EM (of
-# EM_SM80) and chunk RB (halved down to 16) whose slot stays in the L1 that the program's shared memory
-# leaves (``sm80_tiling``). That shared memory is the x tile and the W_exp chunk plus
+# Tiled 16-bit programs below sm_90: 8 warps (with 4-warp programs, one per SM, the hidden kernel of a
+# 16x16 stride-1 block was predicted at 221 us on an A100, latency 207 + waits 13; at 8 warps 120,
+# latency 113 + waits 6), with the largest expand tile EM (of EM_SM80) and chunk RB (halved down to 16)
+# whose slot stays in the L1 that the program's shared memory leaves (``sm80_tiling``). That shared
+# memory is the x tile and the W_exp chunk plus
 # TILED_SMEM_EXTRA_SM80, as compiled for sm_80: 106 KB at EM = 128, RB = 64, C = 256 (16x16 stride 1),
 # 74 KB at EM = 64 (16x16 stride 2, 8x8), 78 KB at EM = 256, RB = 16, C = 96 (32x32 stride 2: at RB = 32
 # its 136 KB slot fit beside no tile). Without a register limit ptxas compiled the 16x16 stride-2 one to
