@@ -17,7 +17,7 @@ Choices (kernel.py explains the kernels)
   Other maps (and fp32, and sm_80): items of one image and one chunk, one 16-warp program per SM on
   sm_90. Below sm_90 (16-bit data): one 8-warp program per SM, with the largest chunk and expand tile
   whose slot stays in the L1 the program's shared memory leaves (``sm80_tiling``: 16x16 stride 1 RB 64,
-  EM 128; 16x16 stride 2 and 8x8 RB 64, EM 64; 32x32 stride 2 RB 16, EM 256), and items of XM / HWP
+  EM 128; 16x16 stride 2 and 8x8 RB 64, EM 64; 32x32 stride 2 RB 16, EM 128), and items of XM / HWP
   images (8x8: four, so each chunk's weights are read once per four images); 4-warp programs
   elsewhere (fp32; two per SM where both slots fit the L1 an A100 leaves them).
 * One launch pair over the whole batch. ``g`` stays in L2 for the projection where it fits in
@@ -57,12 +57,13 @@ On an A100 (``--arch sm_80``, same settings; mma.sync, 8-warp hidden programs, 6
                               project  214  104 KB  L2 94 (W_proj per 64 px)                   96
     s1 8x8, C 256 (x17)       hidden   212   74 KB  latency 35 + waits 3, L2 28                 40
                               project  214  104 KB  tensor 29 (128 tiles on 108 SMs)          30
-    s2 32x32, C 96 -> 256     hidden   216   78 KB  L2 210 (x re-read by 24 chunks of 16)     211
+    s2 32x32, C 96 -> 256     hidden   234   46 KB  L2 210 (x re-read by 24 chunks of 16),    216
+                                                latency 200 + waits 14
                               project  255   88 KB  latency 42                                 43
     s2 16x16, C 256           hidden   224   74 KB  latency 127 + waits 8, L2 132            135
                               project  209  104 KB  tensor 29                                   30
 
-Against the layer-wise bound: 0.66x (16x16), 0.79x (8x8), 0.80x (32x32 s2), 0.69x (16x16 s2).
+Against the layer-wise bound: 0.66x (16x16), 0.79x (8x8), 0.82x (32x32 s2), 0.69x (16x16 s2).
 """
 
 from __future__ import annotations
@@ -113,15 +114,16 @@ HIDDEN_WARPS_SM80 = 8  # RESIDENT programs below sm_90 (C <= 128 there: the x ti
 # 16x16 stride-1 block was predicted at 221 us on an A100, latency 207 + waits 13; at 8 warps 120,
 # latency 113 + waits 6), with the largest expand tile EM (of EM_SM80) and chunk RB (halved down to 16)
 # whose slot stays in the L1 that the program's shared memory leaves (``sm80_tiling``). That shared
-# memory is the x tile and the W_exp chunk plus
-# TILED_SMEM_EXTRA_SM80, as compiled for sm_80: 106 KB at EM = 128, RB = 64, C = 256 (16x16 stride 1),
-# 74 KB at EM = 64 (16x16 stride 2, 8x8), 78 KB at EM = 256, RB = 16, C = 96 (32x32 stride 2: at RB = 32
-# its 136 KB slot fit beside no tile). Without a register limit ptxas compiled the 16x16 stride-2 one to
-# 128 registers and 72 B of spills in the chunk loop (Triton 3.8); with maxnreg = 255 it takes 224 and
-# spills nothing.
+# memory is the x tile and the W_exp chunk plus TILED_SMEM_EXTRA_SM80, as compiled for sm_80: 106 KB at
+# EM = 128, RB = 64, C = 256 (16x16 stride 1), 74 KB at EM = 64 (16x16 stride 2, 8x8), 46 KB at
+# EM = 128, RB = 16, C = 96 (32x32 stride 2: at RB = 32 its 136 KB slot fit beside no tile). 256-pixel
+# tiles would fit there too (predicted 4 us faster for Small), but at C = 128 (Tiny's 32x32 stride 2)
+# they compiled to 255 registers and 64 B of spills in the chunk loop. Without a register limit ptxas
+# compiled the 16x16 stride-2 variant to 128 registers and 72 B of spills in the chunk loop (Triton
+# 3.8); with maxnreg = 255 it takes 224 and spills nothing.
 HIDDEN_WARPS_TILED_SM80 = 8
 HIDDEN_MAXNREG_SM80 = 255
-EM_SM80 = (256, 128, 64)
+EM_SM80 = (128, 64)
 TILED_SMEM_EXTRA_SM80 = 10 * 1024
 # An A100 SM: 192 KB of L1 + shared memory; the shared-memory carve-outs (KB) the driver picks the
 # smallest that holds the program from, 1 KB reserved per program (CUDA C++ Programming Guide, compute
