@@ -53,17 +53,17 @@ the chunk weights (1.2 MB per block) again.
 On an A100 (``--arch sm_80``, same settings; mma.sync, 8-warp hidden programs, 64-row projection tiles):
 
     block (Small)             launch   regs  smem    terms at the high end                   time
-    s1 16x16, C 256 (x17)     hidden   234  106 KB  latency 113 + waits 6, L2 115             120
+    s1 16x16, C 256 (x17)     hidden   232  106 KB  latency 112 + waits 5, L2 115             118
                               project  214  104 KB  L2 94 (W_proj per 64 px)                   96
-    s1 8x8, C 256 (x17)       hidden   212   74 KB  latency 35 + waits 3, L2 28                 40
+    s1 8x8, C 256 (x17)       hidden   212   74 KB  latency 35 + waits 2, L2 28                 38
                               project  214  104 KB  tensor 29 (128 tiles on 108 SMs)          30
     s2 32x32, C 96 -> 256     hidden   234   46 KB  L2 210 (x re-read by 24 chunks of 16),    216
                                                 latency 200 + waits 14
                               project  255   88 KB  latency 42                                 43
-    s2 16x16, C 256           hidden   224   74 KB  latency 127 + waits 8, L2 132            135
+    s2 16x16, C 256           hidden   224   74 KB  latency 126 + waits 6, L2 131            133
                               project  209  104 KB  tensor 29                                   30
 
-Against the layer-wise bound: 0.66x (16x16), 0.79x (8x8), 0.82x (32x32 s2), 0.69x (16x16 s2).
+Against the layer-wise bound: 0.66x (16x16), 0.76x (8x8), 0.82x (32x32 s2), 0.68x (16x16 s2).
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ HIDDEN_WARPS = 16
 HIDDEN_WARPS_TILED = 16
 HIDDEN_WARPS_SM80 = 8  # RESIDENT programs below sm_90 (C <= 128 there: the x tile fits)
 # Tiled 16-bit programs below sm_90: 8 warps (with 4-warp programs, one per SM, the hidden kernel of a
-# 16x16 stride-1 block was predicted at 221 us on an A100, latency 207 + waits 13; at 8 warps 120,
-# latency 113 + waits 6), with the largest expand tile EM (of EM_SM80) and chunk RB (halved down to 16)
+# 16x16 stride-1 block was predicted at 221 us on an A100, latency 207 + waits 13; at 8 warps 118,
+# latency 112 + waits 5), with the largest expand tile EM (of EM_SM80) and chunk RB (halved down to 16)
 # whose slot stays in the L1 that the program's shared memory leaves (``sm80_tiling``). That shared
 # memory is the x tile and the W_exp chunk plus TILED_SMEM_EXTRA_SM80, as compiled for sm_80: 106 KB at
 # EM = 128, RB = 64, C = 256 (16x16 stride 1), 74 KB at EM = 64 (16x16 stride 2, 8x8), 46 KB at
@@ -120,7 +120,8 @@ HIDDEN_WARPS_SM80 = 8  # RESIDENT programs below sm_90 (C <= 128 there: the x ti
 # tiles would fit there too (predicted 4 us faster for Small), but at C = 128 (Tiny's 32x32 stride 2)
 # they compiled to 255 registers and 64 B of spills in the chunk loop. Without a register limit ptxas
 # compiled the 16x16 stride-2 variant to 128 registers and 72 B of spills in the chunk loop (Triton
-# 3.8); with maxnreg = 255 it takes 224 and spills nothing.
+# 3.8); with maxnreg = 255 it takes 224 and spills nothing. The SE partial loads all SP rows of W_se1 in
+# one step (SEB = SP; 8x8: 69.4-69.9 -> 67.5-68.1 us per block predicted against steps of 32).
 HIDDEN_WARPS_TILED_SM80 = 8
 HIDDEN_MAXNREG_SM80 = 255
 EM_SM80 = (128, 64)
@@ -292,7 +293,7 @@ class MBConvGeometry:
                     RESIDENT=self.resident, XM=XM if self.resident else 16,
                     HWP=self.hwp if self.resident else 1,
                     ZB=ZERO_BLOCK, SILU=silu, PREC=prec, CS=self.conv_split,
-                    SEB=min(self.sp, 4 * self.hidden_warps),
+                    SEB=self.sp if self.maxnreg else min(self.sp, 4 * self.hidden_warps),  # sm_80: one step
                     num_warps=self.hidden_warps, num_stages=1, **self.hidden_options)
 
     @property
