@@ -33,8 +33,8 @@ written once in the input dtype (``gbuf``, (N, H'W', R)) and read back once. Two
    (``tests/kernels/test_mbconv.py`` checks in the TTGIR that the tile's copy to shared memory comes
    before the chunk loop and that the loop loads no tile of its shape). Each chunk's expand is one
    [XM, CP] x [CP, RB] wgmma over all the item's pixels. Otherwise (larger maps, fp32, sm_80) the
-   expand runs per image in tiles of EM pixels (64 per warpgroup: a wgmma tile on sm_90), x read once
-   per chunk.
+   expand runs per image of the item in tiles of EM pixels (64 per warpgroup: a wgmma tile on sm_90;
+   64-256 on sm_80, as the launcher's ``sm80_tiling`` picks), x read once per chunk.
 
 2. ``_mbconv_project_kernel`` (grid: tiles of BM rows x output-channel blocks; BM = 128 on sm_90):
    the rows are one image's pixels (maps of more than BM / 2 pixels) or two whole images.

@@ -15,7 +15,11 @@ Choices (kernel.py explains the kernels)
   their h slots would not stay in L1), one 16-warp program per SM (x takes 128 KB of shared memory at
   C = 256); chunk groups: as few as keep every SM busy (``chunk_groups``: 16x16 one group, 8x8 four).
   Other maps (and fp32, and sm_80): items of one image and one chunk, one 16-warp program per SM on
-  sm_90, 4-warp programs elsewhere (two per SM where both slots fit the L1 an A100 leaves them).
+  sm_90. Below sm_90 (16-bit data): one 8-warp program per SM, with the largest chunk and expand tile
+  whose slot stays in the L1 the program's shared memory leaves (``sm80_tiling``: 16x16 stride 1 RB 64,
+  EM 128; 16x16 stride 2 and 8x8 RB 64, EM 64; 32x32 stride 2 RB 16, EM 128), and items of XM / HWP
+  images (8x8: four, so each chunk's weights are read once per four images); 4-warp programs
+  elsewhere (fp32; two per SM where both slots fit the L1 an A100 leaves them).
 * One launch pair over the whole batch. ``g`` stays in L2 for the projection where it fits in
   L2_SHARE of the L2 beside the scratch (8x8 and 16x16 stride 2 at batch 128); otherwise its read is
   DRAM traffic. Cutting the batch into slices whose ``g`` fits was predicted slower for Small at batch
@@ -45,6 +49,21 @@ Against the layer-wise bound of the same model: 0.55x (16x16), 0.65x (8x8), 0.63
 (16x16) to 13x (16x16 s2) the DRAM bytes: the h slot (written once, read from L2 once per chunk)
 and the g round trip are 2.2 of the 3.5 at 16x16, and with maps this small every image's item reads
 the chunk weights (1.2 MB per block) again.
+
+On an A100 (``--arch sm_80``, same settings; mma.sync, 8-warp hidden programs, 64-row projection tiles):
+
+    block (Small)             launch   regs  smem    terms at the high end                   time
+    s1 16x16, C 256 (x17)     hidden   232  106 KB  latency 112 + waits 5, L2 115             118
+                              project  214  104 KB  L2 94 (W_proj per 64 px)                   96
+    s1 8x8, C 256 (x17)       hidden   212   74 KB  latency 35 + waits 2, L2 28                 38
+                              project  214  104 KB  tensor 29 (128 tiles on 108 SMs)          30
+    s2 32x32, C 96 -> 256     hidden   234   46 KB  L2 210 (x re-read by 24 chunks of 16),    216
+                                                latency 200 + waits 14
+                              project  255   88 KB  latency 42                                 43
+    s2 16x16, C 256           hidden   224   74 KB  latency 126 + waits 6, L2 131            133
+                              project  209  104 KB  tensor 29                                   30
+
+Against the layer-wise bound: 0.66x (16x16), 0.76x (8x8), 0.82x (32x32 s2), 0.68x (16x16 s2).
 """
 
 from __future__ import annotations
@@ -91,6 +110,27 @@ SLOT_L1_PAIR = 56 * 1024
 HIDDEN_WARPS = 16
 HIDDEN_WARPS_TILED = 16
 HIDDEN_WARPS_SM80 = 8  # RESIDENT programs below sm_90 (C <= 128 there: the x tile fits)
+# Tiled 16-bit programs below sm_90: 8 warps (with 4-warp programs, one per SM, the hidden kernel of a
+# 16x16 stride-1 block was predicted at 221 us on an A100, latency 207 + waits 13; at 8 warps 118,
+# latency 112 + waits 5), with the largest expand tile EM (of EM_SM80) and chunk RB (halved down to 16)
+# whose slot stays in the L1 that the program's shared memory leaves (``sm80_tiling``). That shared
+# memory is the x tile and the W_exp chunk plus TILED_SMEM_EXTRA_SM80, as compiled for sm_80: 106 KB at
+# EM = 128, RB = 64, C = 256 (16x16 stride 1), 74 KB at EM = 64 (16x16 stride 2, 8x8), 46 KB at
+# EM = 128, RB = 16, C = 96 (32x32 stride 2: at RB = 32 its 136 KB slot fit beside no tile). 256-pixel
+# tiles would fit there too (predicted 4 us faster for Small), but at C = 128 (Tiny's 32x32 stride 2)
+# they compiled to 255 registers and 64 B of spills in the chunk loop. Without a register limit ptxas
+# compiled the 16x16 stride-2 variant to 128 registers and 72 B of spills in the chunk loop (Triton
+# 3.8); with maxnreg = 255 it takes 224 and spills nothing. The SE partial loads all SP rows of W_se1 in
+# one step (SEB = SP; 8x8: 69.4-69.9 -> 67.5-68.1 us per block predicted against steps of 32).
+HIDDEN_WARPS_TILED_SM80 = 8
+HIDDEN_MAXNREG_SM80 = 255
+EM_SM80 = (128, 64)
+TILED_SMEM_EXTRA_SM80 = 10 * 1024
+# An A100 SM: 192 KB of L1 + shared memory; the shared-memory carve-outs (KB) the driver picks the
+# smallest that holds the program from, 1 KB reserved per program (CUDA C++ Programming Guide, compute
+# capability 8.0; the cost model's figures, convfirstnet/analysis/hardware.py)
+L1_SHARED_SM80 = 192 * 1024
+CARVEOUTS_KB_SM80 = (0, 8, 16, 32, 64, 100, 132, 164)
 # Projection tiles: 128 pixel rows (two wgmma warpgroups of 64) x 128 output channels per accumulator,
 # two accumulators for K <= 256, K steps of 64 hidden channels, 8 warps, 3 pipeline stages.
 P_BM, P_BH, P_BR, P_WARPS, P_STAGES = 128, 128, 64, 8, 3
@@ -148,6 +188,8 @@ class MBConvGeometry:
     g_in_l2: bool  # g (plus the scratch) fits in L2_SHARE of the L2: the projection reads it from L2
     hidden_warps: int
     cm: int  # pixels per conv tile
+    em: int  # pixels per expand tile of the tiled path
+    maxnreg: bool = False  # compile the hidden kernel with HIDDEN_MAXNREG_SM80
 
     @property
     def hw(self) -> int:
@@ -241,11 +283,6 @@ class MBConvGeometry:
         return self.r % P_BR == 0 and self.s == self.sp and rows_full and self.k % self.p_bn == 0
 
     @property
-    def em(self) -> int:
-        """Pixels per expand tile of the tiled path: 64 per warpgroup."""
-        return BM * max(1, self.hidden_warps // 4)
-
-    @property
     def tiles_e(self) -> int:
         return triton.cdiv(self.h, self.em // self.tw) * triton.cdiv(self.w, self.tw)
 
@@ -256,8 +293,14 @@ class MBConvGeometry:
                     RESIDENT=self.resident, XM=XM if self.resident else 16,
                     HWP=self.hwp if self.resident else 1,
                     ZB=ZERO_BLOCK, SILU=silu, PREC=prec, CS=self.conv_split,
-                    SEB=min(self.sp, 4 * self.hidden_warps),
-                    num_warps=self.hidden_warps, num_stages=1)
+                    SEB=self.sp if self.maxnreg else min(self.sp, 4 * self.hidden_warps),  # sm_80: one step
+                    num_warps=self.hidden_warps, num_stages=1, **self.hidden_options)
+
+    @property
+    def hidden_options(self) -> dict:
+        """Compile options beyond warps and stages: the 8-warp tiled programs below sm_90 may use every
+        register (HIDDEN_WARPS_TILED_SM80)."""
+        return dict(maxnreg=HIDDEN_MAXNREG_SM80) if self.maxnreg else {}
 
     def project_constexprs(self, silu: int, prec: str) -> dict:
         return dict(RESIDUAL=self.stride == 1, BM=self.p_bm, BH=self.p_bh, HALVES=self.halves, BR=P_BR,
@@ -282,6 +325,30 @@ def chunk_groups(image_blocks: int, nchunk: int, programs: int) -> int:
         if best_t is None or t < best_t:
             best, best_t = cg, t
     return best
+
+
+def l1_left_sm80(shared: int) -> int:
+    """L1 bytes an A100 SM leaves beside one program of ``shared`` bytes of shared memory."""
+    for kb in CARVEOUTS_KB_SM80:
+        if kb * 1024 >= shared + 1024:
+            return L1_SHARED_SM80 - kb * 1024
+    return 0
+
+
+def sm80_tiling(rb: int, cp: int, elem: int, hw: int, shared_per_block: int,
+                slot_bytes) -> tuple[int, int] | None:
+    """(RB, EM) of an 8-warp tiled program below sm_90: the largest chunk (halving ``rb`` down to 16),
+    then the largest expand tile (of EM_SM80, at most the map), whose scratch slot and means fit in the
+    L1 left beside the program's shared memory (HIDDEN_WARPS_TILED_SM80); None if none fits."""
+    while rb >= 16:
+        for em in EM_SM80:
+            if em > max(BM, triton.next_power_of_2(hw)):
+                continue
+            shared = (em + rb) * cp * elem + TILED_SMEM_EXTRA_SM80
+            if shared <= shared_per_block and slot_bytes(1, rb) + rb * 4 <= l1_left_sm80(shared):
+                return rb, em
+        rb //= 2
+    return None
 
 
 def target_info(device: torch.device) -> GPUInfo:
@@ -324,8 +391,16 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
     rb = RB_SMALL if fp32 else RB
     while rb > 16 and slot_bytes(1, rb) > limit:  # the slot must stay in L1 (module docstring)
         rb //= 2
+    em = BM * max(1, warps // 4)
+    tiling = None
+    if not resident and not fp32 and gpu.arch < 90:
+        tiling = sm80_tiling(rb, cp, elem, h * w, gpu.shared_per_block, slot_bytes)
+    if tiling is not None:  # 8-warp tiled programs below sm_90 (HIDDEN_WARPS_TILED_SM80), items of XM pixels
+        rb, em = tiling
+        warps = HIDDEN_WARPS_TILED_SM80
+        ib = max(1, XM // hwp)
+    ib = min(ib, triton.next_power_of_2(max(n, 1)))
     if resident:
-        ib = min(ib, triton.next_power_of_2(max(n, 1)))
         while ib > 1 and slot_bytes(ib, rb) > limit:  # small maps: fewer images per slot
             ib //= 2
     # EXACT: the conv (and tiled expand, and blur) tiles cover the map exactly, with dense pixel rows
@@ -336,7 +411,7 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
         cm //= 2
     exact = dense and w == tw and h % (cm // tw) == 0
     if not resident:
-        exact = exact and h % max(1, BM * (warps // 4) // tw) == 0
+        exact = exact and h % max(1, em // tw) == 0
     if stride == 2:
         exact = exact and h % 2 == 0 and w % 2 == 0 and ow == two and (oh % (BMO // two) == 0)
     nchunk = triton.cdiv(r, rb)
@@ -363,7 +438,8 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
         sp=max(16, triton.next_power_of_2(s)), tw=tw, two=two, exact=exact, resident=resident,
         hwp=hwp, ib=ib, chunks_per_group=cg, programs=programs, p_bm=p_bm, p_bh=bn // halves, halves=halves,
         ipt=ipt, tpi=tpi, g_in_l2=g_in_l2,
-        hidden_warps=warps, cm=cm)
+        hidden_warps=warps, cm=cm, em=em,
+        maxnreg=warps == HIDDEN_WARPS_TILED_SM80 and not resident and gpu.arch < 90)
 
 
 def check_supported(x: torch.Tensor, c: int, r: int, k: int) -> None:

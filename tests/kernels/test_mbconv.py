@@ -121,6 +121,32 @@ def test_matches_reference(interpreter_backend, shape):
     check(x, weights, stride)
 
 
+# Fused Small's widths on the tiled configurations an A100 gets (launcher: 8-warp programs below sm_90):
+# 128-pixel expand tiles (two per 16x16 image), 64-pixel ones (stride 2), items of four 8x8 images
+# (six images: a full item and a partial one), 16-channel chunks with 128-pixel expand tiles (32x32
+# stride 2, C = 96 padded to 128), every chunk loop and tile loop running more than once.
+SM80_SHAPES = [
+    (2, 256, 16, 1, 64, 128, 1),
+    (6, 256, 8, 1, 64, 64, 4),
+    (1, 256, 16, 2, 64, 64, 1),
+    (1, 96, 32, 2, 16, 128, 1),
+]
+
+
+@pytest.mark.parametrize("n, c, hw, stride, rb, em, images", SM80_SHAPES,
+                         ids=[f"n{s[0]}-c{s[1]}-{s[2]}x{s[2]}-s{s[3]}" for s in SM80_SHAPES])
+def test_matches_reference_sm80_tiling(interpreter_backend, monkeypatch, n, c, hw, stride, rb, em, images):
+    from convfirstnet.kernels._launch import GPUInfo
+    from convfirstnet.kernels.mbconv import launcher
+
+    a100 = GPUInfo(launcher.INTERPRETER_PROGRAMS, launcher.INTERPRETER_L2, 163 * 1024, 80)
+    monkeypatch.setattr(launcher, "target_info", lambda device: a100)
+    geo = launcher.mbconv_config(c, 4 * c, c, hw, hw, stride, n=n, dtype=torch.float16, device="cpu")
+    assert (geo.resident, geo.hidden_warps, geo.rb, geo.em, geo.ib) == (False, 8, rb, em, images)
+    x, weights = make_block(n, c, hw, hw, stride, dtype=torch.float16, seed=7)
+    check(x, weights, stride)
+
+
 def test_gates_vary():
     """The test weights make the SE gates spread (a missing or wrong gate changes the output)."""
     x, weights = make_block(2, 128, 8, 8, 1)
@@ -529,19 +555,20 @@ def test_scratch_loads_follow_the_barrier(small_asm):
 @pytest.mark.compile
 def test_scratch_slot_fits_the_l1_left(mbconv_compiled):
     """The hidden kernel's scratch slot stays in L1 (what its cost declaration claims, and why the
-    launcher halves RB for stride 2): for fused Small on sm_90 (one program per SM) the L1 that the
-    compiled shared memory leaves, 256 KB minus the smallest carve-out that holds it, is at least the
-    declared working set (the slot and the means)."""
+    launcher halves RB for stride 2, and picks 8-warp programs and their expand tiles on sm_80): for
+    fused Small on sm_90 and sm_80 (one program per SM) the L1 that the compiled shared memory leaves
+    (256 KB, or 192 KB on an A100, minus the smallest carve-out that holds it) is at least the declared
+    working set (the slot and the means)."""
     from convfirstnet.analysis.hardware import hardware
     from convfirstnet.analysis.targets import target
 
     checked = 0
     for v, c, small in mbconv_compiled:
-        if small and v.arch == 90 and v.name == "_mbconv_hidden_kernel":
-            l1 = hardware(90).l1_bytes(c.shared + target(90).smem_reserved_per_block)
-            assert SMALL_SCRATCH[v.key] <= l1, (v.meta, c.shared, SMALL_SCRATCH[v.key], l1)
+        if small and v.name == "_mbconv_hidden_kernel":
+            l1 = hardware(v.arch).l1_bytes(c.shared + target(v.arch).smem_reserved_per_block)
+            assert SMALL_SCRATCH[v.key] <= l1, (v.arch, v.meta, c.shared, SMALL_SCRATCH[v.key], l1)
             checked += 1
-    assert checked == 4  # 32x32 stride 2 (tiled), 16x16 both strides, 8x8
+    assert checked == 8  # 32x32 stride 2 (tiled), 16x16 both strides, 8x8; sm_90 and sm_80
 
 
 @pytest.mark.compile
