@@ -72,18 +72,22 @@ benchmarks/static/small_b128_sm90_train.md: the static cost model's low-high end
     no variant spills (stack 0 B).
 
     block (C -> K, map)      fused step (ms)   layer-wise training bound (ms)   stored MB fused / layer-wise
-    s1 32, 128^2               1.60-2.04            3.23-3.99                      269 / 1208
-    s2 32 -> 64, 128^2         1.40-1.87            2.32-2.85                      405 / 1351
-    s1 64, 64^2                1.12-1.40            2.59-3.20                      204 / 1074
-    s2 64 -> 96, 64^2          0.82-1.10            1.15-1.41                      202 /  672
-    s1 96, 32^2                0.61-0.76            0.99-1.22                       81 /  403
+    s1 32, 128^2               1.41-1.70            3.23-3.99                      269 / 1208
+    s2 32 -> 64, 128^2         1.20-1.47            2.32-2.85                      405 / 1351
+    s1 64, 64^2                1.02-1.22            2.59-3.20                      204 / 1074
+    s2 64 -> 96, 64^2          0.71-0.88            1.15-1.41                      202 /  672
+    s1 96, 32^2                0.57-0.70            0.99-1.22                       81 /  403
     (fused: 20 or 24 Triton launches per step, of which 7 or 8 are the small finalize kernels, plus the
     drop-path mask's ops; before the finalize kernels, 121-126 small aten ops cost 0.16-0.17 ms per block)
 
 Where the time goes: the narrow passes (gconv, moments, BN3 + residual, sums, prep, BN1's input
-gradient: each a DRAM pass over C-channel maps) bound stage 1; the weights pass (L2: y and dp re-read by
-each of R / 32 chunk programs) and the input pass (latency) bound stage 3, where padding 96 channels to
-128 costs a quarter of every dot. What a GPU run must confirm: the static
+gradient: each a DRAM pass over C-channel maps; the gconv windows' and the BlurPool transpose's re-reads
+served by L1, as their launches declare) bound stage 1; the weights pass (L2: y and dp re-read by each
+of R / 32 chunk programs; 206 of the 700 us of a C = 96 block) and the forward and input FFN passes
+(latency and waits at one 8-warp program per SM, 107 and 117 us) bound stage 3, where padding 96
+channels to 128 costs a quarter of every dot and of the accumulators' registers (64 hidden channels per
+weights-pass program, which would halve its L2 traffic, spill 72-120 B). What a GPU run must confirm:
+the L1 hits of the gconv windows and the BlurPool transpose, the static
 latency and L2 terms of the weights and input passes, the weight partials' reduction order on the
 device (deterministic by construction), fp16/bf16 gradients against the fp32 training form at the
 model's shapes, and ``convfirstnet bench --train`` against eager cuDNN and torch.compile.

@@ -548,7 +548,7 @@ def convfirst_s2_train_backward_triton(dout, x, a, u, p, w_conv, w1, w2, gamma1,
     launch(_blur_bwd_kernel, (shares,), du, a, dxd, dy, mean1, vec1[VEC_R], part1, m, h, w, ho, wo, tiles,
            per, C=c, CP=_pow2(c), BM=rows, num_warps=4,
            cost=lambda: blur_cost("BlurPool transpose", n, c, h, w, x.element_size(), backward=True,
-                                  loops=(Loop("tiles", per),)))
+                                  loops=(Loop("tiles", per),), l1=(rows, per)))
     dgamma1, dbeta1 = bn_terms([(gamma1, beta1, mean1, var1, vec1)], eps, m, training, sums=(0, part1))
     da = bn_input_grad(dy, a, vec1, mean1)
     dx = gconv3x3_dgrad_triton(da, w_conv, h, w, 1, residual=dxd)
@@ -593,15 +593,28 @@ def elementwise_cost(what: str, m: int, c: int, eb: int, maps: int) -> KernelCos
     return KernelCost(useful_macs=0, mma_macs=0, dram_bytes=maps * eb * m * c, note=f"{what} C={c}")
 
 
-def blur_cost(what: str, n: int, c: int, h: int, w: int, eb: int, backward: bool = False, loops: tuple = ()
-              ) -> KernelCost:
+def blur_cost(what: str, n: int, c: int, h: int, w: int, eb: int, backward: bool = False, loops: tuple = (),
+              l1: tuple[int, int] | None = None) -> KernelCost:
     """x and a (forward; backward: a, dx_direct, dy) at full resolution, u (2C) at half: 9 MACs per output
-    element of the 2C-channel blur, as count_macs counts BlurPool."""
+    element of the 2C-channel blur, as count_macs counts BlurPool.
+
+    ``l1`` (the transpose: rows per tile, tiles per program): its four candidate loads per pixel are plain
+    ld.global (LDG.E.128, allocated in L1), and the pixels of a tile share their candidates, so per tile
+    L2 serves a's tile once and the du pixels under it once: a tile of BM consecutive pixels spans at most
+    ceil(BM / W) + 1 image rows, hence (those rows + 1) // 2 + 1 rows of du, and min(WO, ceil(min(BM, W)
+    / 2) + 1) columns (an upper bound, met by Small's tiles; neighbouring tiles of a share share du rows
+    too)."""
     ho, wo = (h + 1) // 2, (w + 1) // 2
     full = (3 if backward else 2) * n * h * w * c
+    decl = {}
+    if l1 is not None:
+        bm, tiles = l1
+        du_px = ((triton.cdiv(bm, w) + 2) // 2 + 1) * min(wo, triton.cdiv(min(bm, w), 2) + 1)
+        tile = eb * (bm * c + du_px * 2 * c)
+        decl = dict(l1_unique_bytes_per_program=tiles * tile, l1_working_set_bytes=tile)
     return KernelCost(useful_macs=9 * n * ho * wo * 2 * c, mma_macs=0,
                       dram_bytes=eb * (full + n * ho * wo * 2 * c), loops=loops,
-                      note=f"{what} C={c}")
+                      note=f"{what} C={c}", **decl)
 
 
 def sums_cost(cfg: TrainConfig, m: int, c: int, eb: int, shares: int, per: int) -> KernelCost:

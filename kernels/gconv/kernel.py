@@ -107,9 +107,12 @@ shapes t_tensor is 13-24 % of t_dram on sm_90 (25-46 % on sm_80), and t_issue st
 except where the per-pixel work is shared by few channels: dgrad (~20 % more instructions than the
 forward, its transposed weight loads) at G = 2 and with masked groups, and Tiny's 72-channel layer
 (up to 1.42x t_dram on sm_90). Stride 2 on 7 x 7 maps (no model shape) is issue-bound (wgrad 2.3x).
-Not in this model: L1 and L2 bandwidth for the nine overlapping windows (10 tap slots x 2 bytes per
-element and channel from L1, the halos from L2), load latency. A GPU run must confirm that the
-windows hit L1 and that the kernels run near DRAM bandwidth.
+Not in this table: L1 and L2 bandwidth for the nine overlapping windows (10 tap slots x 2 bytes per
+element and channel from L1, the halos from L2), load latency. The cost report (convfirstnet.analysis)
+counts them: each launch declares its L1 working set (launcher._l1_declaration: a tile's halo window,
+wgrad's dy tile, the program's weights), so L2 carries one window per tile where that set fits in the
+L1 the compiled shared memory leaves (the compile test checks it on sm_90), and every requested byte
+otherwise. A GPU run must confirm that the windows hit L1 and that the kernels run near DRAM bandwidth.
 """
 
 from __future__ import annotations

@@ -300,6 +300,26 @@ def useful_macs(n: int, c: int, h: int, w: int, stride: int) -> int:
     return n * ho * wo * c * 9 * GROUP_WIDTH
 
 
+def window_pixels(cfg: TileConfig, stride: int, positions: bool = False) -> int:
+    """Input pixels under the nine taps of one TH x TW tile of outputs at ``stride`` (``positions``: the
+    stride-2 dgrad's tile of positions, whose dy windows span (TH + 1) x (TW + 1))."""
+    if positions:
+        return (cfg.tile_h + 1) * (cfg.tile_w + 1)
+    return ((cfg.tile_h - 1) * stride + 3) * ((cfg.tile_w - 1) * stride + 3)
+
+
+def _l1_declaration(cfg: TileConfig, window: int, tile_reads: int, eb: int, wb: int, tiles: int = 1,
+                    weights: bool = True) -> dict:
+    """The L1 part of a declaration: the tap windows are plain ld.global (LDG.E.128, allocated in L1; the
+    compile test pins it), so the nine taps of a tile fetch its halo window from L2 once and re-read it
+    from L1; the maps read once per tile (a residual, wgrad's dy) and the program's weights once. Per
+    program, ``tiles`` tiles; in L1 at one time, one tile's window and reads and the weights."""
+    ch = cfg.channels
+    tile = eb * ch * (window + tile_reads * cfg.block_m)
+    w = wb * ch * GROUP_WIDTH * 9 if weights else 0
+    return dict(l1_unique_bytes_per_program=tiles * tile + w, l1_working_set_bytes=tile + w)
+
+
 def conv_cost(kind: str, cfg: TileConfig, n: int, c: int, h: int, w: int, stride: int, eb: int, wb: int,
               residual: bool = False) -> KernelCost:
     """Forward or dgrad: x (dy) read once, y (dx) written once (and a residual map read once), the weights
@@ -307,12 +327,15 @@ def conv_cost(kind: str, cfg: TileConfig, n: int, c: int, h: int, w: int, stride
     ho, wo = _out_hw(h, w, stride)
     programs = _tiles(n, ho, wo, cfg) * triton.cdiv(c, cfg.channels)
     loops = () if kind == "dgrad s2" else (Loop("taps", 5),)
+    # the stride-1 dgrad is the forward's kernel at stride 1 over dy; the stride-2 dgrad gathers dy windows
+    window = window_pixels(cfg, 1 if kind.startswith("dgrad s1") else stride, positions=kind == "dgrad s2")
     return KernelCost(
         useful_macs=useful_macs(n, c, h, w, stride),
         mma_macs=programs * 5 * cfg.g * cfg.block_m * 16 * 8 * _passes(cfg),
         dram_bytes=eb * n * c * (h * w + ho * wo + (h * w if residual else 0)) + wb * c * GROUP_WIDTH * 9,
         loops=loops,
         note=f"gconv3x3 {kind} C={c} G={cfg.g} tile {cfg.tile_h}x{cfg.tile_w}",
+        **_l1_declaration(cfg, window, 1 if residual else 0, eb, wb),
     )
 
 
@@ -329,6 +352,7 @@ def wgrad_cost(cfg: TileConfig, n: int, c: int, h: int, w: int, stride: int, eb:
         mma_macs=tiles * cblocks * 5 * cfg.g * 16 * cfg.block_m * 8 * _passes(cfg),
         dram_bytes=eb * n * c * (h * w + ho * wo) + 4 * partials * c * GROUP_WIDTH * 9,
         loops=(Loop("tiles", per_share),),
+        **_l1_declaration(cfg, window_pixels(cfg, stride), 1, eb, 0, tiles=per_share, weights=False),
         note=f"gconv3x3 wgrad C={c} G={cfg.g} tile {cfg.tile_h}x{cfg.tile_w}, {shares} shares of "
              f"{per_share} tiles"
              + ("" if deterministic else " (atomics)"),

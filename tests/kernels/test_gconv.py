@@ -514,6 +514,19 @@ def test_cost_declarations(kind, stride):
         assert cost.useful_macs == 72 * outputs
         assert 10 / 9 <= cost.mma_macs / cost.useful_macs < 10 / 9 * 1.7
         assert cost.dram_bytes >= 2 * 128 * c * (hw * hw + ho * ho)
+        # L1: the halo window of each tile once (taps re-read it from L1), wgrad's dy tile, the weights
+        cfg = L.tile_config(c, ho, ho, torch.float16, wgrad=kind == "wgrad")
+        ch, bm = cfg.channels, cfg.block_m
+        rows = ((cfg.tile_h - 1) * stride + 3, (cfg.tile_w - 1) * stride + 3)
+        if kind == "dgrad":  # stride 1: the forward's window over dy; stride 2: dy windows of positions
+            rows = (cfg.tile_h + 2, cfg.tile_w + 2) if stride == 1 else (cfg.tile_h + 1, cfg.tile_w + 1)
+        window = 2 * ch * rows[0] * rows[1]
+        if kind == "wgrad":
+            per_share = launches[0].args[9]
+            assert cost.l1_working_set_bytes == window + 2 * ch * bm
+            assert cost.l1_unique_bytes_per_program == per_share * (window + 2 * ch * bm)
+        else:
+            assert cost.l1_working_set_bytes == cost.l1_unique_bytes_per_program == window + 2 * ch * 72
         if kind == "wgrad":
             shares, cblocks = launches[0].grid
             assert cost.dram_bytes == 2 * 128 * c * (hw * hw + ho * ho) + 4 * shares * c * 72
@@ -559,6 +572,8 @@ def compiled_sample():
 @pytest.mark.slow
 def test_sample_compiles_without_spills(compiled_sample):
     from convfirstnet.analysis.compiled import weigh
+    from convfirstnet.analysis.hardware import hardware
+    from convfirstnet.analysis.targets import target
     from tests.kernels._recorded import SMEM_LIMIT
 
     for what, launch, comp in compiled_sample:
@@ -581,6 +596,17 @@ def test_sample_compiles_without_spills(compiled_sample):
             assert comp.mma_kind == "mma.sync", name
             assert "LDG.E.128" in opcodes, name
             assert not any(op.startswith("LDGSTS") for op in opcodes), name
+            # the declared L1 working set (one tile's halo window, wgrad's dy tile, the weights) fits in
+            # the L1 that the resident programs' compiled shared memory leaves (the report's rule for
+            # counting the taps' re-reads as L1 hits; sm_90, the training report's target; elsewhere the
+            # report counts every requested byte when it does not fit)
+            if comp.variant.arch != 90:
+                continue
+            t = target(comp.variant.arch)
+            occ = t.occupancy(comp.num_warps, comp.regs, comp.shared)
+            l1 = hardware(comp.variant.arch).l1_bytes(occ * (comp.shared + t.smem_reserved_per_block))
+            assert 0 < launch.cost.l1_working_set_bytes <= l1 / occ, (
+                f"{name}: L1 working set {launch.cost.l1_working_set_bytes} B, {l1} B of L1 for {occ} programs")
 
 
 # ------------------------------------------------------------------------------------------------
