@@ -89,7 +89,7 @@ XM = 256  # rows of a RESIDENT item's x tile (a [256, 256] fp16 tile is 128 KB o
 # Shared memory of a RESIDENT program beside its x tile and W_exp chunk (layout conversions of the
 # conv operands; 14 KB as compiled for sm_90 at C = 256)
 RESIDENT_SMEM_EXTRA = 16 * 1024
-ZERO_BLOCK = 1024  # elements per store of the scratch border fill
+ZERO_BLOCK = 4096  # elements per step of the scratch border fill (one 16-byte vector per thread at 16 warps)
 # The expand loads all input channels as one K tile; 256 is the widest block input of the paper
 # (Table 3). Wider inputs take CONVFIRSTNET_KERNELS=reference.
 MAX_C = 256
