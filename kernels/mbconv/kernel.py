@@ -183,6 +183,7 @@ def _mbconv_hidden_kernel(
     TW: tl.constexpr, BM: tl.constexpr, EM: tl.constexpr, TWO: tl.constexpr, BMO: tl.constexpr,
     EXACT: tl.constexpr, RESIDENT: tl.constexpr, XM: tl.constexpr, HWP: tl.constexpr,
     ZB: tl.constexpr, SILU: tl.constexpr, PREC: tl.constexpr, CS: tl.constexpr, SEB: tl.constexpr,
+    NS: tl.constexpr,
 ):
     G: tl.constexpr = RB // 8
     GS: tl.constexpr = G * CS  # conv batch: each group's pixel tile split in CS sub-tiles
@@ -199,6 +200,7 @@ def _mbconv_hidden_kernel(
     PW = W + 2
     PHW = (H + 2) * PW
     OHW = OH * OW
+    inv_ohw = 1.0 / OHW  # the pool's divisor, once
     ROWE = G * PW * 8  # elements of one padded row of the h slot
     IMG = RB * PHW  # elements of one image's h slot
     if RESIDENT:
@@ -335,17 +337,22 @@ def _mbconv_hidden_kernel(
                         else:
                             tl.store(gs + pix * RB + g3 * 8 + c3, v.to(dtype), mask=ok3)
                 if STRIDE == 1:
-                    r2 = tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]
-                    psum = tl.sum(pool, axis=1)
-                    if CS > 1:  # the group's CS sub-tiles
-                        psum = tl.sum(tl.reshape(psum, (G, CS, 8)), axis=1)
-                    tl.store(ms + r2, psum / OHW)
+                    if NS == CS:  # each pixel sub-tile's sums as a row of its own ([CS][RB]),
+                        # added by _se_partial (the sum over the sub-tiles here takes a layout conversion)
+                        r2 = ((bs % CS) * RB + (bs // CS) * 8)[:, None] + tl.arange(0, 8)[None, :]
+                        tl.store(ms + r2, tl.sum(pool, axis=1) * inv_ohw)
+                    else:
+                        r2 = tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]
+                        psum = tl.sum(pool, axis=1)
+                        if CS > 1:  # the group's CS sub-tiles
+                            psum = tl.sum(tl.reshape(psum, (G, CS, 8)), axis=1)
+                        tl.store(ms + r2, psum * inv_ohw)
                 else:
                     tl.debug_barrier()
                     _blur(gs, g_ptr, ms, n, r0, rr, r_ok, H, W, OH, OW, R, ncol_o, ntile_o, mo, RB, TWO, THO,
                           EXACT, MASK_R)
                 tl.debug_barrier()
-                _se_partial(ms, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, sw1_r, SP, SEB)
+                _se_partial(ms, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, sw1_r, RB, SP, SEB, NS)
 
 
 @triton.jit
@@ -387,12 +394,14 @@ def _blur(gs, g_ptr, ms, n, r0, rr, r_ok, H, W, OH, OW, R, ncol_o, ntile_o, mo, 
 
 
 @triton.jit
-def _se_partial(mean_ptr, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, sw1_r, SP: tl.constexpr,
-                SEB: tl.constexpr):
+def _se_partial(mean_ptr, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, sw1_r, RB: tl.constexpr,
+                SP: tl.constexpr, SEB: tl.constexpr, NS: tl.constexpr):
     """The first SE layer's share of one (image, chunk): zpart[n, chunk] = W_se1[:, chunk] @ mean[n, chunk]
     (fp32). The chunk's mean comes through the per-program slot: reducing it straight from the conv's
     layout pushed the registers past 255 (spills)."""
     mc = tl.load(mean_ptr + rr)
+    for j in tl.static_range(1, NS):  # the chunk's mean in NS partial rows (stride 1: its pixel sub-tiles)
+        mc += tl.load(mean_ptr + j * RB + rr)
     zrow = z_ptr + (tl.cast(n, tl.int64) * NCHUNK + ch) * SP
     # SEB rows of W_se1 per step (the launcher's choice: at 16 warps all SP rows in one step, one
     # 16-byte vector per thread; four steps of 16 held four sets of addresses across the loops)
