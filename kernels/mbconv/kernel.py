@@ -183,6 +183,7 @@ def _mbconv_hidden_kernel(
     TW: tl.constexpr, BM: tl.constexpr, EM: tl.constexpr, TWO: tl.constexpr, BMO: tl.constexpr,
     EXACT: tl.constexpr, RESIDENT: tl.constexpr, XM: tl.constexpr, HWP: tl.constexpr,
     ZB: tl.constexpr, SILU: tl.constexpr, PREC: tl.constexpr, CS: tl.constexpr, SEB: tl.constexpr,
+    NS: tl.constexpr,
 ):
     G: tl.constexpr = RB // 8
     GS: tl.constexpr = G * CS  # conv batch: each group's pixel tile split in CS sub-tiles
@@ -199,6 +200,7 @@ def _mbconv_hidden_kernel(
     PW = W + 2
     PHW = (H + 2) * PW
     OHW = OH * OW
+    inv_ohw = 1.0 / OHW  # the pool's divisor, once
     ROWE = G * PW * 8  # elements of one padded row of the h slot
     IMG = RB * PHW  # elements of one image's h slot
     if RESIDENT:
@@ -210,18 +212,22 @@ def _mbconv_hidden_kernel(
     ms = ms_ptr + pid * RB
 
     # Zero the border of each image's h slot (the conv's zero padding: 2 padded rows + 2 columns of
-    # each row = 2 (W + 2) RB + 2 H RB elements) once; tiles write only the interior.
-    zr = tl.arange(0, ZB)
-    BORDER = 2 * ROWE + 2 * H * RB
-    for z0 in range(0, IBS * BORDER, ZB):
-        e = z0 + zr
-        img = e // BORDER
-        e1 = e % BORDER
-        e2 = e1 - 2 * ROWE
-        row = 1 + e2 // (G * 16)
-        side = row * ROWE + ((e2 // 16) % G) * (PW * 8) + ((e2 // 8) % 2) * ((PW - 1) * 8) + e2 % 8
-        off = tl.where(e1 < 2 * ROWE, (e1 // ROWE) * ((H + 1) * ROWE) + e1 % ROWE, side)
-        tl.store(hs + img * IMG + off, tl.zeros([ZB], dtype), mask=e < IBS * BORDER)
+    # each row = 2 (W + 2) RB + 2 H RB elements) once; tiles write only the interior. The border is
+    # runs of 8 channels (one 16-byte vector), so the fill takes ZB / 8 vectors per step: the index
+    # arithmetic is paid once per vector, not per element.
+    ZV: tl.constexpr = ZB // 8
+    zv = tl.arange(0, ZV)
+    z8 = tl.arange(0, 8)[None, :]
+    BV = 2 * G * PW + 2 * H * G  # vectors of one image's border
+    for z0 in range(0, IBS * BV, ZV):
+        v = z0 + zv
+        img = v // BV
+        v1 = v % BV
+        v2 = v1 - 2 * G * PW
+        side = (1 + v2 // (2 * G)) * ROWE + ((v2 // 2) % G) * (PW * 8) + (v2 % 2) * ((PW - 1) * 8)
+        off = tl.where(v1 < 2 * G * PW, (v1 // (G * PW)) * ((H + 1) * ROWE) + (v1 % (G * PW)) * 8, side)
+        vp = hs + tl.multiple_of(img * IMG + off, 8)[:, None] + z8  # whole 16-byte vectors
+        tl.store(vp, tl.zeros([ZV, 8], dtype), mask=(v < IBS * BV)[:, None])
 
     rr = tl.arange(0, RB)
     rc = tl.arange(0, CP)
@@ -331,17 +337,22 @@ def _mbconv_hidden_kernel(
                         else:
                             tl.store(gs + pix * RB + g3 * 8 + c3, v.to(dtype), mask=ok3)
                 if STRIDE == 1:
-                    r2 = tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]
-                    psum = tl.sum(pool, axis=1)
-                    if CS > 1:  # the group's CS sub-tiles
-                        psum = tl.sum(tl.reshape(psum, (G, CS, 8)), axis=1)
-                    tl.store(ms + r2, psum / OHW)
+                    if NS == CS:  # each pixel sub-tile's sums as a row of its own ([CS][RB]),
+                        # added by _se_partial (the sum over the sub-tiles here takes a layout conversion)
+                        r2 = ((bs % CS) * RB + (bs // CS) * 8)[:, None] + tl.arange(0, 8)[None, :]
+                        tl.store(ms + r2, tl.sum(pool, axis=1) * inv_ohw)
+                    else:
+                        r2 = tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]
+                        psum = tl.sum(pool, axis=1)
+                        if CS > 1:  # the group's CS sub-tiles
+                            psum = tl.sum(tl.reshape(psum, (G, CS, 8)), axis=1)
+                        tl.store(ms + r2, psum * inv_ohw)
                 else:
                     tl.debug_barrier()
                     _blur(gs, g_ptr, ms, n, r0, rr, r_ok, H, W, OH, OW, R, ncol_o, ntile_o, mo, RB, TWO, THO,
                           EXACT, MASK_R)
                 tl.debug_barrier()
-                _se_partial(ms, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, sw1_r, SP, SEB)
+                _se_partial(ms, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, sw1_r, RB, SP, SEB, NS)
 
 
 @triton.jit
@@ -383,12 +394,14 @@ def _blur(gs, g_ptr, ms, n, r0, rr, r_ok, H, W, OH, OW, R, ncol_o, ntile_o, mo, 
 
 
 @triton.jit
-def _se_partial(mean_ptr, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, sw1_r, SP: tl.constexpr,
-                SEB: tl.constexpr):
+def _se_partial(mean_ptr, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, sw1_r, RB: tl.constexpr,
+                SP: tl.constexpr, SEB: tl.constexpr, NS: tl.constexpr):
     """The first SE layer's share of one (image, chunk): zpart[n, chunk] = W_se1[:, chunk] @ mean[n, chunk]
     (fp32). The chunk's mean comes through the per-program slot: reducing it straight from the conv's
     layout pushed the registers past 255 (spills)."""
     mc = tl.load(mean_ptr + rr)
+    for j in tl.static_range(1, NS):  # the chunk's mean in NS partial rows (stride 1: its pixel sub-tiles)
+        mc += tl.load(mean_ptr + j * RB + rr)
     zrow = z_ptr + (tl.cast(n, tl.int64) * NCHUNK + ch) * SP
     # SEB rows of W_se1 per step (the launcher's choice: at 16 warps all SP rows in one step, one
     # 16-byte vector per thread; four steps of 16 held four sets of addresses across the loops)

@@ -35,35 +35,37 @@ Predicted (``convfirstnet kernels --model small --arch sm_90``: batch 128, fp16,
 end of the band, us; the terms that bind are what the next redesign has to move):
 
     block (Small)             launch   regs  smem    terms at the high end                   time
-    s1 16x16, C 256 (x17)     hidden   255  170 KB  latency 40 + waits 25, L2 51, tensor 33    66
+    s1 16x16, C 256 (x17)     hidden   128  180 KB  L2 51, issue 52, latency 39 + waits 30     71
                               project  254  176 KB  L2 43 (W_proj per 128 px), DRAM 38 (g)     45
-    s1 8x8, C 256 (x17)       hidden   255  170 KB  latency 16 + waits 8, L2 17                25
-                              project  252  176 KB  tensor 11, L2 11 (64 programs, full K)     13
-    s2 32x32, C 96 -> 256     hidden   128   77 KB  L2 116 (x re-read per chunk), issue 107   117
-                              project  221  160 KB  latency 8 + waits 5                        22
-    s2 16x16, C 256           hidden   255  149 KB  latency 67 + waits 26, issue 55            95
-                              project  254  176 KB  tensor 11, L2 10                           12
+    s1 8x8, C 256 (x17)       hidden   126  180 KB  latency 10 + waits 7, L2 17, issue 16      19
+                              project  254  176 KB  tensor 11 (64 programs), latency 11         13
+    s2 32x32, C 96 -> 256     hidden   128   92 KB  L2 115 (x re-read per chunk), issue 84    117
+                              project  221  160 KB  latency 11 + waits 9, L2 17                22
+    s2 16x16, C 256           hidden   128  164 KB  issue 70, latency 44 + waits 27, L2 64     73
+                              project  252  176 KB  tensor 11, L2 10                           13
 
-Against the layer-wise bound of the same model: 0.55x (16x16), 0.65x (8x8), 0.63x (32x32 s2),
-0.72x (16x16 s2); stage 4 2.02 ms (0.55x), stage 5 0.75 ms (0.66x). L2 <-> SM bytes are 3.5x
-(16x16) to 13x (16x16 s2) the DRAM bytes: the h slot (written once, read from L2 once per chunk)
+Against the layer-wise bound of the same model: 0.57x (16x16), 0.53x (8x8), 0.63x (32x32 s2),
+0.57x (16x16 s2); stage 4 2.10 ms (0.57x), stage 5 0.62 ms (0.54x). L2 <-> SM bytes are 3.5x
+(16x16) to 12.5x (16x16 s2) the DRAM bytes: the h slot (written once, read from L2 once per chunk)
 and the g round trip are 2.2 of the 3.5 at 16x16, and with maps this small every image's item reads
-the chunk weights (1.2 MB per block) again.
+the chunk weights (1.2 MB per block) again. The 8x8 projection cannot go below its tensor term on 64
+programs (one per pair of images); splitting its output channels over 128 programs halves that term
+but reads g twice (predicted 12.6 -> 16.5 us, L2-bound).
 
 On an A100 (``--arch sm_80``, same settings; mma.sync, 8-warp hidden programs, 64-row projection tiles):
 
     block (Small)             launch   regs  smem    terms at the high end                   time
-    s1 16x16, C 256 (x17)     hidden   232  106 KB  latency 112 + waits 5, L2 115             118
+    s1 16x16, C 256 (x17)     hidden   232  106 KB  latency 111 + waits 5, L2 115             117
                               project  214  104 KB  L2 94 (W_proj per 64 px)                   96
-    s1 8x8, C 256 (x17)       hidden   212   74 KB  latency 35 + waits 2, L2 28                 38
+    s1 8x8, C 256 (x17)       hidden   212   74 KB  latency 33 + waits 2, L2 28                 37
                               project  214  104 KB  tensor 29 (128 tiles on 108 SMs)          30
-    s2 32x32, C 96 -> 256     hidden   234   46 KB  L2 210 (x re-read by 24 chunks of 16),    216
+    s2 32x32, C 96 -> 256     hidden   234   46 KB  L2 210 (x re-read by 24 chunks of 16),    215
                                                 latency 200 + waits 14
                               project  255   88 KB  latency 42                                 43
-    s2 16x16, C 256           hidden   224   74 KB  latency 126 + waits 6, L2 131            133
+    s2 16x16, C 256           hidden   224   74 KB  latency 125 + waits 6, L2 131            133
                               project  209  104 KB  tensor 29                                   30
 
-Against the layer-wise bound: 0.66x (16x16), 0.76x (8x8), 0.82x (32x32 s2), 0.68x (16x16 s2).
+Against the layer-wise bound: 0.65x (16x16), 0.75x (8x8), 0.82x (32x32 s2), 0.68x (16x16 s2).
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ XM = 256  # rows of a RESIDENT item's x tile (a [256, 256] fp16 tile is 128 KB o
 # Shared memory of a RESIDENT program beside its x tile and W_exp chunk (layout conversions of the
 # conv operands; 14 KB as compiled for sm_90 at C = 256)
 RESIDENT_SMEM_EXTRA = 16 * 1024
-ZERO_BLOCK = 1024  # elements per store of the scratch border fill
+ZERO_BLOCK = 4096  # elements per step of the scratch border fill (one 16-byte vector per thread at 16 warps)
 # The expand loads all input channels as one K tile; 256 is the widest block input of the paper
 # (Table 3). Wider inputs take CONVFIRSTNET_KERNELS=reference.
 MAX_C = 256
@@ -252,8 +254,16 @@ class MBConvGeometry:
 
     @property
     def mean_slot(self) -> int:
-        """fp32 elements of one program's mean slot: a chunk's means of the item's images."""
-        return self.rb
+        """fp32 elements of one program's mean slot: a chunk's means of one image, in ``mean_rows`` rows."""
+        return self.rb * self.mean_rows
+
+    @property
+    def mean_rows(self) -> int:
+        """Rows of partial means per chunk: RESIDENT stride-1 maps of at most 64 pixels (8x8) store a row
+        per pixel sub-tile of the conv, summed by the SE partial (their sum in the conv's layout took a
+        layout conversion: 8x8 hidden kernel 18.9 -> 18.6 us predicted at the high end). On 16x16
+        stride 1 the rows moved spills into the chunk loop (local traffic 18 -> 92 KB per program)."""
+        return self.conv_split if self.resident and self.stride == 1 and self.hwp <= 64 else 1
 
     @property
     def scratch_bytes(self) -> int:
@@ -292,7 +302,7 @@ class MBConvGeometry:
                     EXACT=self.exact,
                     RESIDENT=self.resident, XM=XM if self.resident else 16,
                     HWP=self.hwp if self.resident else 1,
-                    ZB=ZERO_BLOCK, SILU=silu, PREC=prec, CS=self.conv_split,
+                    ZB=ZERO_BLOCK, SILU=silu, PREC=prec, CS=self.conv_split, NS=self.mean_rows,
                     SEB=self.sp if self.maxnreg else min(self.sp, 4 * self.hidden_warps),  # sm_80: one step
                     num_warps=self.hidden_warps, num_stages=1, **self.hidden_options)
 
