@@ -62,12 +62,61 @@ print(json.dumps([str(node.target) for node in graphs[0].graph.nodes if node.op 
 """
 
 
+_GRAPHS_PRELUDE = r"""
+import json, os
+os.environ.pop("TRITON_INTERPRET", None)
+import torch
+import triton
+import convfirstnet.kernels  # noqa: F401  (kernels decorated as JITFunctions: no interpreter)
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from triton.backends.compiler import GPUTarget
+
+os.environ["TRITON_INTERPRET"] = "1"  # only so that use_triton() takes the Triton branch on CPU
+os.environ["CONVFIRSTNET_KERNELS"] = "triton"
+
+
+class TargetOnly:  # no GPU here: torch's mutation analysis of the kernels needs a target for the TTIR
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+triton.runtime.driver.set_active(TargetOnly())
+graphs = {}
+
+
+def capture(name):
+    def compiler(gm, example_inputs):
+        graphs[name] = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        outs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+        vals = [None if o is None else o.meta["val"] for o in outs]
+        # the graph would launch CUDA kernels: give back empty tensors of the right metadata instead
+        return make_boxed_func(lambda *a: [None if v is None else torch.empty_strided(v.shape, v.stride(),
+                                                                                      dtype=v.dtype)
+                                           for v in vals])
+    return compiler
+
+"""
+
+
+def _run(script: str, *argv: str) -> str:
+    """The last line ``script`` prints, run in a subprocess whose Triton kernels are JITFunctions."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    proc = subprocess.run([sys.executable, "-c", script, *argv], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
 def trace_triton_branch(op, args):
     """torch.compile(fullgraph=True) of the op's Triton branch on CPU, in a subprocess whose kernels
     are real JITFunctions; returns the call targets of the captured forward graph."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    proc = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT, op, json.dumps(args)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(_run(_TRACE_SCRIPT, op, json.dumps(args)))
+
+
+def trace_graphs(body: str) -> dict[str, list[str]]:
+    """Forward and backward graphs on CPU: ``body`` runs after a prelude that defines ``capture(name)``
+    (an aot_autograd compiler that records the graph's call targets under ``name`` and returns empty
+    tensors instead of launching) and ``aot_autograd``; returns {name: call targets}."""
+    return json.loads(_run(_GRAPHS_PRELUDE + body + "\nprint(json.dumps(graphs))\n"))

@@ -32,6 +32,7 @@ from convfirstnet.blocks import ConvFirst, Head, MBConv
 from convfirstnet.training_kernels import fused_forward, unsupported
 
 from ..conftest import FULL_MATRIX
+from ._traced import trace_graphs
 
 OPS = torch.ops.convfirstnet
 CL = torch.channels_last
@@ -294,41 +295,7 @@ def test_compiled_training_step_cpu():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
-_TRACE_SCRIPT = r"""
-import json, os
-os.environ.pop("TRITON_INTERPRET", None)
-import torch
-import triton
-import convfirstnet.kernels  # noqa: F401  (kernels decorated as JITFunctions: no interpreter)
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
-from triton.backends.compiler import GPUTarget
-
-os.environ["TRITON_INTERPRET"] = "1"  # only so that use_triton() takes the Triton branch on CPU
-os.environ["CONVFIRSTNET_KERNELS"] = "triton"
-
-
-class TargetOnly:  # no GPU here: torch's mutation analysis of the kernels needs a target for the TTIR
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-
-triton.runtime.driver.set_active(TargetOnly())
-graphs = {}
-
-
-def capture(name):
-    def compiler(gm, example_inputs):
-        graphs[name] = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
-        outs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
-        vals = [None if o is None else o.meta["val"] for o in outs]
-        # the graph would launch CUDA kernels: give back empty tensors of the right metadata instead
-        return make_boxed_func(lambda *a: [None if v is None else torch.empty_strided(v.shape, v.stride(),
-                                                                                      dtype=v.dtype)
-                                           for v in vals])
-    return compiler
-
-
+_TRACED_BODY = """
 from convfirstnet.blocks import ConvFirst
 
 for stride in (1, 2):
@@ -337,7 +304,6 @@ for stride in (1, 2):
     backend = aot_autograd(fw_compiler=capture(f"forward s{stride}"),
                            bw_compiler=capture(f"backward s{stride}"))
     torch.compile(block, fullgraph=True, backend=backend)(x).sum().backward()
-print(json.dumps(graphs))
 """
 
 
@@ -352,18 +318,8 @@ def test_torch_compile_traces_triton_branch():
     statistics (stride 2: and BlurPool of the concat, moments of u and their merge); backward: output sums,
     BatchNorm terms, prep, weights pass, its reduction and finalize, input pass, BN1's terms, BN1 input
     gradient (stride 2: and the BlurPool transpose), gconv dgrad, wgrad and its reduction."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    proc = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    graphs = json.loads(proc.stdout.strip().splitlines()[-1])
+    graphs = trace_graphs(_TRACED_BODY)
     launches = {name: targets.count("triton_kernel_wrapper_functional") for name, targets in graphs.items()}
     assert launches == {"forward s1": 8, "backward s1": 12, "forward s2": 11, "backward s2": 13}, launches
     # the per-channel arithmetic runs in the finalize kernels: what else the graphs hold allocates,

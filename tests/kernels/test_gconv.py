@@ -16,11 +16,7 @@ over 2-15 shares; test_wgrad_default_shares runs the GPU's share rule.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -37,6 +33,7 @@ from convfirstnet.kernels.gconv.reference import (
 from convfirstnet.gconv import GroupConv3x3
 
 from ..conftest import cuda
+from ._traced import trace_graphs
 
 OPS = torch.ops.convfirstnet
 CL = torch.channels_last
@@ -389,41 +386,7 @@ def test_gradcheck_and_double_backward(reference_backend, stride):
     assert torch.autograd.gradgradcheck(f, (x, wt), fast_mode=True)
 
 
-_TRACE_SCRIPT = r"""
-import json, os, sys
-os.environ.pop("TRITON_INTERPRET", None)
-import torch
-import triton
-import convfirstnet.kernels  # noqa: F401  (kernels decorated as JITFunctions: no interpreter)
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
-from triton.backends.compiler import GPUTarget
-
-os.environ["TRITON_INTERPRET"] = "1"  # only so that use_triton() takes the Triton branch on CPU
-os.environ["CONVFIRSTNET_KERNELS"] = "triton"
-
-
-class TargetOnly:  # no GPU here: torch's mutation analysis of the kernels needs a target for the TTIR
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-
-triton.runtime.driver.set_active(TargetOnly())
-graphs = {}
-
-
-def capture(name):
-    def compiler(gm, example_inputs):
-        graphs[name] = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
-        outs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
-        vals = [None if o is None else o.meta["val"] for o in outs]
-        # the graph would launch CUDA kernels: give back empty tensors of the right metadata instead
-        return make_boxed_func(lambda *a: [None if v is None else torch.empty_strided(v.shape, v.stride(),
-                                                                                      dtype=v.dtype)
-                                           for v in vals])
-    return compiler
-
-
+_TRACED_BODY = """
 for stride in (1, 2):
     x = torch.randn(2, 16, 9, 7).contiguous(memory_format=torch.channels_last).requires_grad_()
     w = torch.randn(16, 8, 3, 3).requires_grad_()
@@ -432,7 +395,6 @@ for stride in (1, 2):
     f = torch.compile(lambda x, w: torch.ops.convfirstnet.gconv3x3(x, w, stride), fullgraph=True,
                       backend=backend)
     f(x, w).sum().backward()
-print(json.dumps(graphs))
 """
 
 
@@ -443,12 +405,7 @@ def test_torch_compile_traces_triton_branch():
     wgrad launches in the backward graph, as user-defined Triton kernels (what Inductor receives on a
     GPU), with no copies of the inputs (torch's analysis finds that only the outputs are written)."""
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    proc = subprocess.run([sys.executable, "-c", _TRACE_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    graphs = json.loads(proc.stdout.strip().splitlines()[-1])
+    graphs = trace_graphs(_TRACED_BODY)
     assert len(graphs) == 4, list(graphs)
     for name, targets in graphs.items():
         launches = 1 if name.startswith("forward") else 3
