@@ -456,12 +456,7 @@ def run_train_case(backend: str, train_model: nn.Module, is_convfirstnet: bool, 
         else:
             os.environ["CONVFIRSTNET_KERNELS"] = saved
         gc.collect()
-    result = dict(status="ok", times_ms=summarize(times))
-    result.update({k: v for k, v in notes.items() if not k.startswith("_")})
-    if device.type == "cuda":
-        result["peak_mem_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
-    del notes
-    return result
+    return _timed_result(times, notes, device)
 
 
 def run_train(args, device, dtype, peak, measured) -> list[dict]:
@@ -490,6 +485,15 @@ def run_train(args, device, dtype, peak, measured) -> list[dict]:
                 print(f"[bench] train {_progress(row)}", file=sys.stderr)
                 del x, y
     return results
+
+
+def _timed_result(times: list[float], notes: dict, device: torch.device) -> dict:
+    """A case's result: the timing summary, the public notes of its preparation, the CUDA peak memory."""
+    result = dict(status="ok", times_ms=summarize(times))
+    result.update({k: v for k, v in notes.items() if not k.startswith("_")})
+    if device.type == "cuda":
+        result["peak_mem_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    return result
 
 
 def _short_error(e: BaseException) -> str:
@@ -521,12 +525,7 @@ def run_case(
         return dict(status="skipped", reason=f"failed: {_short_error(e)}")
     finally:
         gc.collect()
-    result = dict(status="ok", times_ms=summarize(times))
-    result.update({k: v for k, v in notes.items() if not k.startswith("_")})
-    if device.type == "cuda":
-        result["peak_mem_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
-    del notes
-    return result
+    return _timed_result(times, notes, device)
 
 
 def _figures(result: dict, batch: int, macs: int, peak: float | None, measured: float | None) -> None:
