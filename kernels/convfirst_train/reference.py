@@ -99,13 +99,26 @@ def convfirst_s1_train_backward_reference(dout, x, a, p, w_conv, w1, w2, gamma1,
     # BN3 and drop-path
     d = drop_scale.to(ct).repeat_interleave(x.shape[2] * x.shape[3])[:, None]
     dq = _rows(dout, ct) * d
+    # the FFN, recomputed from a
+    y = (A * k1 + t1).to(dt).to(ct)
+    dz, dW1, dW2, dgamma2, dbeta2, dgamma3, dbeta3 = _ffn_backward(
+        dq, P, y, W1, W2, (k2, t2, r2, mean2), (k3, r3, mean3), rows, training, dt, ct)
+    dy = (dz @ W1).to(dt).to(ct)
+    dx, dw_conv, dgamma1, dbeta1 = _bn1_conv_backward(dy, A, x, w_conv, (k1, r1, mean1), rows, training,
+                                                      dout.to(ct), dt, ct)
+    return _grads(dx, dw_conv, dW1, dW2, w1, w2, (dgamma1, dbeta1, dgamma2, dbeta2, dgamma3, dbeta3),
+                  (gamma1, beta1, gamma2, beta2, gamma3, beta3))
+
+
+def _ffn_backward(dq, P, inp, W1, W2, bn2, bn3, rows, training, dt, ct):
+    """BN3's and the FFN's backward (h = ReLU(BN2(W1 inp)) recomputed), from dq = dL/dBN3(p) and the
+    stored p: (dz, dW1, dW2, dgamma2, dbeta2, dgamma3, dbeta3); dz = dL/dz in the kernels' rounding."""
+    (k2, t2, r2, mean2), (k3, r3, mean3) = bn2, bn3
     p_hat = (P - mean3.to(ct)) * r3
     dgamma3, dbeta3 = (dq * p_hat).sum(0), dq.sum(0)
     u3, w3 = backward_terms(dgamma3, dbeta3, k3, r3, rows, training)
     dp = (k3 * dq + u3 + w3 * (P - mean3.to(ct))).to(dt).to(ct)
-    # the FFN, recomputed from a
-    y = (A * k1 + t1).to(dt).to(ct)
-    Z = y @ W1.T
+    Z = inp @ W1.T
     zn = Z * k2 + t2
     H = torch.relu(zn).to(dt).to(ct)
     dW2 = dp.T @ H
@@ -114,19 +127,25 @@ def convfirst_s1_train_backward_reference(dout, x, a, p, w_conv, w1, w2, gamma1,
     dgamma2, dbeta2 = (dzn * z_hat).sum(0), dzn.sum(0)
     u2, wz = backward_terms(dgamma2, dbeta2, k2, r2, rows, training)
     dz = (k2 * dzn + u2 + wz * (Z - mean2.to(ct))).to(dt).to(ct)
-    dW1 = dz.T @ y
-    dy = (dz @ W1).to(dt).to(ct)
-    # BN1 and the grouped conv
+    return dz, dz.T @ inp, dW2, dgamma2, dbeta2, dgamma3, dbeta3
+
+
+def _bn1_conv_backward(dy, A, x, w_conv, bn1, rows, training, skip, dt, ct):
+    """BN1's and the grouped conv's backward from dy = dL/dBN1(a): (dx, dw_conv, dgamma1, dbeta1);
+    ``skip``: the gradient that reaches x directly (the residual, or the concat's x part)."""
+    k1, r1, mean1 = bn1
     a_hat = (A - mean1.to(ct)) * r1
     dgamma1, dbeta1 = (dy * a_hat).sum(0), dy.sum(0)
     u1, wa = backward_terms(dgamma1, dbeta1, k1, r1, rows, training)
     da = _image(k1 * dy + u1 + wa * (A - mean1.to(ct)), x, dt)
-    dx = (dout.to(ct) + gconv3x3_dgrad_reference(da, w_conv, x.shape[2], x.shape[3], 1).to(ct)).to(dt)
-    dw_conv = gconv3x3_wgrad_reference(da, x, 1, w_conv.dtype)
-    vec = [(dgamma1, gamma1), (dbeta1, beta1), (dgamma2, gamma2), (dbeta2, beta2), (dgamma3, gamma3),
-           (dbeta3, beta3)]
+    dx = (skip + gconv3x3_dgrad_reference(da, w_conv, x.shape[2], x.shape[3], 1).to(ct)).to(dt)
+    return dx, gconv3x3_wgrad_reference(da, x, 1, w_conv.dtype), dgamma1, dbeta1
+
+
+def _grads(dx, dw_conv, dW1, dW2, w1, w2, vec, params):
+    """The backward ops' result: dx channels-last, every gradient in its parameter's dtype."""
     return (dx.contiguous(memory_format=torch.channels_last), dw_conv, dW1.to(w1.dtype), dW2.to(w2.dtype),
-            *[v.to(like.dtype) for v, like in vec])
+            *[v.to(like.dtype) for v, like in zip(vec, params)])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -193,31 +212,12 @@ def convfirst_s2_train_backward_reference(dout, x, a, u, p, w_conv, w1, w2, gamm
     r2, k2, t2 = affine(gamma2.to(ct), beta2.to(ct), mean2.to(ct), var2.to(ct), eps)
     r3, k3, _ = affine(gamma3.to(ct), beta3.to(ct), mean3.to(ct), var3.to(ct), eps)
     W1, W2 = w1.to(dt).to(ct), w2.to(dt).to(ct)
-    dq = _rows(dout, ct)
-    p_hat = (P - mean3.to(ct)) * r3
-    dgamma3, dbeta3 = (dq * p_hat).sum(0), dq.sum(0)
-    u3, w3 = backward_terms(dgamma3, dbeta3, k3, r3, rows_o, training)
-    dp = (k3 * dq + u3 + w3 * (P - mean3.to(ct))).to(dt).to(ct)
-    Z = U @ W1.T
-    zn = Z * k2 + t2
-    H = torch.relu(zn).to(dt).to(ct)
-    dW2 = dp.T @ H
-    dzn = (dp @ W2).to(dt).to(ct) * (zn > 0)
-    z_hat = (Z - mean2.to(ct)) * r2
-    dgamma2, dbeta2 = (dzn * z_hat).sum(0), dzn.sum(0)
-    u2, wz = backward_terms(dgamma2, dbeta2, k2, r2, rows_o, training)
-    dz = (k2 * dzn + u2 + wz * (Z - mean2.to(ct))).to(dt).to(ct)
-    dW1 = dz.T @ U
+    dz, dW1, dW2, dgamma2, dbeta2, dgamma3, dbeta3 = _ffn_backward(
+        _rows(dout, ct), P, U, W1, W2, (k2, t2, r2, mean2), (k3, r3, mean3), rows_o, training, dt, ct)
     du = _image(dz @ W1, u, dt).to(ct)
     dcat = blurpool_transpose(du, h, w).to(dt).to(ct)
     dxd, dy = dcat[:, :c], _rows(dcat[:, c:], ct)
-    a_hat = (A - mean1.to(ct)) * r1
-    dgamma1, dbeta1 = (dy * a_hat).sum(0), dy.sum(0)
-    u1, wa = backward_terms(dgamma1, dbeta1, k1, r1, rows, training)
-    da = _image(k1 * dy + u1 + wa * (A - mean1.to(ct)), x, dt)
-    dx = (dxd + gconv3x3_dgrad_reference(da, w_conv, h, w, 1).to(ct)).to(dt)
-    dw_conv = gconv3x3_wgrad_reference(da, x, 1, w_conv.dtype)
-    vec = [(dgamma1, gamma1), (dbeta1, beta1), (dgamma2, gamma2), (dbeta2, beta2), (dgamma3, gamma3),
-           (dbeta3, beta3)]
-    return (dx.contiguous(memory_format=torch.channels_last), dw_conv, dW1.to(w1.dtype), dW2.to(w2.dtype),
-            *[v.to(like.dtype) for v, like in vec])
+    dx, dw_conv, dgamma1, dbeta1 = _bn1_conv_backward(dy, A, x, w_conv, (k1, r1, mean1), rows, training, dxd,
+                                                      dt, ct)
+    return _grads(dx, dw_conv, dW1, dW2, w1, w2, (dgamma1, dbeta1, dgamma2, dbeta2, dgamma3, dbeta3),
+                  (gamma1, beta1, gamma2, beta2, gamma3, beta3))
