@@ -582,6 +582,10 @@ def test_end_to_end_stack(stack_report, tmp_path):
     diag = report.diagnosis(rep)
     assert "| 1 | convfirst-fused |" in diag and "* model high end <= 2.5 ms: " in diag
     assert "* no spills: met." in diag or "* no spills: missed by variant" in diag
+    # the design floor hides latency, issue and waits: never above the prediction, never below its terms
+    floor, floor_l2 = report.design_floor_ms(rep)
+    assert max(e["terms_us"]["dram"]["high"] for e in rep["launches"]) / 1e3 < floor <= floor_l2
+    assert floor_l2 <= rep["predicted_high_ms"] + 1e-9 and f"plus its launch gap): {floor:.3f} ms" in diag
     assert "| **model** |" in text and "| 1 | convfirst-fused | 1 |" in text
     path = tmp_path / "r.json"
     path.write_text(json.dumps(rep))
