@@ -55,27 +55,32 @@ from L2 for every image. tf32x3 splits each operand in two, and on sm_80, where 
 operands from registers, a resident fp32 slice spilled (14 KB of stack per thread); fp32 is the
 accuracy path, not the fast one.
 
-Compiled for sm_90 (C = 256, 8x8, fp16): wgmma, 146 registers, 80 KB shared memory, no spills;
-~560 SASS instructions per warp per (image, feature block), of which 128 FFMA, 76 FADD, 64 MUFU and
-32 HGMMA: an issue estimate of 3.5 us at batch 128, under the 5.5 us tensor bound. L2 reads ~60 MB
-(x once per feature block, 42 MB; W once per program, 17 MB; the previous design: ~126 MB). Not timed
-on a GPU yet. On sm_80 mma.sync takes its A operand from registers and the compiler keeps the
-loop-invariant slice there: ~250 registers, no spills, one program per SM.
+Compiled for sm_90 (C = 256, 8x8, fp16): 8 warps (two wgmma warpgroups of 64 features), x prefetched
+(``PREFETCH``: each (image, pixel block) step's x tile is loaded into registers one step ahead, before
+the current step's dots, so its L2 latency is not exposed once per image), 128 registers, 96 KB of
+shared memory, two programs per SM, no spills; 418 SASS instructions per warp and step (64 MUFU, 86
+FADD, 50 FMUL, 16 HGMMA). Static estimate at batch 128 (``convfirstnet kernels``): 7.2-10.1 us, L2-bound
+at the high end (8.8 us: x once per feature block, 42 MB; W once per program, 17 MB); the 4-warp form
+without the prefetch was 9.9-11.8 us (latency 5.7 + waits 4.8 us). Not timed on a GPU yet. On sm_80
+(4 warps, no prefetch: there the prefetched tile spilled 624 B) mma.sync takes its A operand from
+registers and the compiler keeps the loop-invariant slice there.
 
 The L2 traffic is 11.6x the DRAM bytes (60 MB against 5.2 MB), above issue 18's 2.5x, and no tiling
 of this kind reaches 2.5x: with F_b features per program and one wave of programs on 132 SMs, x is
 read F / F_b times (4.2 MB each) and W once per program (F_b x 512 B), 5.37 GB / F_b + 67.6 KB x F_b,
 at least 38 MB (7.3x) at F_b ~ 280. BLOCK_F = 256 with 8 warps and one program per SM (128 KB of
 weights in shared memory) was tried in the static report: 38.7 MB (7.5x), but 12.3-14.9 us against
-9.9-11.8 us for this design (two programs per SM hide each other's waits), so it was not kept.
+9.9-11.8 us for the 4-warp form of this design (two programs per SM hide each other's waits), so it
+was not kept.
 
 Constants
 ---------
-BLOCK_F = 128 features (fp32: 64): the dot's M, two wgmma 64-row tiles for 4 warps; 1280 / 128 = 10
+BLOCK_F = 128 features (fp32: 64): the dot's M, one wgmma 64-row tile per warpgroup; 1280 / 128 = 10
 feature blocks. BLOCK_P = H*W rounded up to a power of two, between 16 (the smallest N used here)
-and 64 (the [128, 64] fp32 accumulator is 64 registers per thread). num_stages = 1 on the resident
-path: the x tile is not multi-buffered, which keeps shared memory at W + one x tile so that two
-programs fit per SM and hide each other's load latency. BLOCK_K = 32 (fp32) / 64 on the K loop,
+and 64 (the [128, 64] fp32 accumulator is 32 registers per thread at 8 warps). num_stages = 1 on the
+resident path: the x tile is not multi-buffered in shared memory (the prefetch holds the next one in
+registers), which keeps shared memory at W + one x tile so that two programs fit per SM and hide each
+other's load latency. BLOCK_K = 32 (fp32) / 64 on the K loop,
 with num_stages = 2 (its per-step tiles are small; fp32: 1, two stages of tf32x3 splits spilled on sm_80).
 """
 
@@ -106,6 +111,41 @@ def _w_tile(w_ptr, rf, f_ok, k, swf, swc, C, MASK_K: tl.constexpr):
 
 
 @triton.jit
+def _x_next(x_ptr, n, pb, sxn, sxp, off, pix, HW, k, C, BLOCK_P: tl.constexpr, MASK_K: tl.constexpr,
+            FULL_P: tl.constexpr):
+    """x^T of pixel block ``pb`` of image n, [K, BLOCK_P], from the loop-invariant offsets ``off``
+    ([BLOCK_P, K]). FULL_P: the pixel blocks cover H*W exactly (no pixel mask)."""
+    base = x_ptr + tl.cast(n, tl.int64) * sxn + pb * BLOCK_P * sxp
+    if MASK_K:
+        if FULL_P:
+            xt = tl.load(base + off, mask=(k < C)[None, :], other=0.0)
+        else:
+            xt = tl.load(base + off, mask=(pb * BLOCK_P + pix < HW)[:, None] & (k < C)[None, :], other=0.0)
+    else:
+        if FULL_P:
+            xt = tl.load(base + off)
+        else:
+            xt = tl.load(base + off, mask=(pb * BLOCK_P + pix < HW)[:, None], other=0.0)
+    return tl.trans(xt)
+
+
+@triton.jit
+def _row_sums(w1, w2, x1, x2, bias, K2: tl.constexpr, PREC: tl.constexpr, FAST_SILU: tl.constexpr):
+    """sum over the block's pixels of SiLU(W x + b), [BLOCK_F] fp32 (both resident K parts)."""
+    acc = tl.dot(w1, x1, input_precision=PREC)
+    if K2 > 0:
+        acc = tl.dot(w2, x2, acc, input_precision=PREC)
+    return tl.sum(silu(acc + bias[:, None], FAST_SILU), axis=1)
+
+
+@triton.jit
+def _store_mean(out_ptr, n, son, rf, f_ok, total, n_pad, silu_b, inv_hw):
+    """out[n, f-block] = the image's mean, without the padded pixels' SiLU(b)."""
+    mean = (total - n_pad * silu_b) * inv_hw
+    tl.store(out_ptr + tl.cast(n, tl.int64) * son + rf, mean.to(out_ptr.dtype.element_ty), mask=f_ok)
+
+
+@triton.jit
 def _head_kernel(
     # pointers
     x_ptr, w_ptr, b_ptr, out_ptr,
@@ -117,7 +157,8 @@ def _head_kernel(
     W_RESIDENT: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
     MASK_K1: tl.constexpr, MASK_K2: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_P: tl.constexpr, PREC: tl.constexpr,
-    FAST_SILU: tl.constexpr,
+    FAST_SILU: tl.constexpr, PB: tl.constexpr, FULL_P: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     fb = pid % F_BLOCKS
@@ -127,6 +168,7 @@ def _head_kernel(
     if W_RESIDENT:  # the weight slice, loaded once: loop invariant, it stays on chip for every image
         k1 = tl.arange(0, K1)
         w1 = _w_tile(w_ptr, rf, f_ok, k1, swf, swc, C, MASK_K1)
+        w2 = w1  # (unused when K2 == 0)
         if K2 > 0:
             k2 = K1 + tl.arange(0, K2)
             w2 = _w_tile(w_ptr, rf, f_ok, k2, swf, swc, C, MASK_K2)
@@ -137,24 +179,54 @@ def _head_kernel(
     n_pad = tl.cdiv(HW, BLOCK_P) * BLOCK_P - HW
     inv_hw = 1.0 / HW
 
-    for n in range(g, N, G):
-        x_img = x_ptr + tl.cast(n, tl.int64) * sxn
+    if PREFETCH:  # (W_RESIDENT) one loop over the program's (image, pixel block) steps
+        # each step's x tile is loaded one step ahead (into registers, before the dots of the current
+        # one), so its L2 latency hides behind a step's dots and SiLU instead of being exposed once per
+        # image; the last step runs after the loop and loads nothing more
+        nsteps = tl.cdiv(N - g, G) * PB
+        pix = tl.arange(0, BLOCK_P)
+        # the x tile's element offsets as [pixels, channels], loop invariant: a step adds its image's
+        # and pixel block's base
+        off1 = pix[:, None] * sxp + k1[None, :] * sxc
+        off2 = off1
+        if K2 > 0:
+            off2 = pix[:, None] * sxp + k2[None, :] * sxc
+        x1n = _x_next(x_ptr, g, 0, sxn, sxp, off1, pix, HW, k1, C, BLOCK_P, MASK_K1, FULL_P)
+        x2n = x1n
+        if K2 > 0:
+            x2n = _x_next(x_ptr, g, 0, sxn, sxp, off2, pix, HW, k2, C, BLOCK_P, MASK_K2, FULL_P)
         total = tl.zeros((BLOCK_F,), dtype=tl.float32)
-        for p0 in range(0, HW, BLOCK_P):
-            pix = p0 + tl.arange(0, BLOCK_P)
-            p_ok = pix < HW
-            poff = pix * sxp
-            if W_RESIDENT:
-                acc = tl.dot(w1, _x_tile(x_img, k1, poff, p_ok, sxc, C, MASK_K1), input_precision=PREC)
-                if K2 > 0:
-                    x2 = _x_tile(x_img, k2, poff, p_ok, sxc, C, MASK_K2)
-                    acc = tl.dot(w2, x2, acc, input_precision=PREC)
-            else:
-                acc = tl.zeros((BLOCK_F, BLOCK_P), dtype=tl.float32)
-                for k0 in range(0, C, BLOCK_K):
-                    wk = _w_tile(w_ptr, rf, f_ok, k0 + kk, swf, swc, C, True)
-                    xk = _x_tile(x_img, k0 + kk, poff, p_ok, sxc, C, True)
-                    acc = tl.dot(wk, xk, acc, input_precision=PREC)
-            total += tl.sum(silu(acc + bias[:, None], FAST_SILU), axis=1)
-        mean = (total - n_pad * silu_b) * inv_hw
-        tl.store(out_ptr + tl.cast(n, tl.int64) * son + rf, mean.to(out_ptr.dtype.element_ty), mask=f_ok)
+        for s in range(0, nsteps - 1):
+            x1c = x1n
+            x2c = x2n
+            n1 = g + ((s + 1) // PB) * G
+            x1n = _x_next(x_ptr, n1, (s + 1) % PB, sxn, sxp, off1, pix, HW, k1, C, BLOCK_P, MASK_K1, FULL_P)
+            if K2 > 0:
+                x2n = _x_next(x_ptr, n1, (s + 1) % PB, sxn, sxp, off2, pix, HW, k2, C, BLOCK_P, MASK_K2, FULL_P)
+            total += _row_sums(w1, w2, x1c, x2c, bias, K2, PREC, FAST_SILU)
+            if s % PB == PB - 1:  # the image's last pixel block
+                _store_mean(out_ptr, g + (s // PB) * G, son, rf, f_ok, total, n_pad, silu_b, inv_hw)
+                total = tl.zeros((BLOCK_F,), dtype=tl.float32)
+        total += _row_sums(w1, w2, x1n, x2n, bias, K2, PREC, FAST_SILU)
+        _store_mean(out_ptr, g + ((nsteps - 1) // PB) * G, son, rf, f_ok, total, n_pad, silu_b, inv_hw)
+    else:  # sm_80 (the prefetched tile spilled there) and the K loop: each image's tiles when needed
+        for n in range(g, N, G):
+            x_img = x_ptr + tl.cast(n, tl.int64) * sxn
+            total = tl.zeros((BLOCK_F,), dtype=tl.float32)
+            for p0 in range(0, HW, BLOCK_P):
+                pix = p0 + tl.arange(0, BLOCK_P)
+                p_ok = pix < HW
+                poff = pix * sxp
+                if W_RESIDENT:
+                    acc = tl.dot(w1, _x_tile(x_img, k1, poff, p_ok, sxc, C, MASK_K1), input_precision=PREC)
+                    if K2 > 0:
+                        x2 = _x_tile(x_img, k2, poff, p_ok, sxc, C, MASK_K2)
+                        acc = tl.dot(w2, x2, acc, input_precision=PREC)
+                else:
+                    acc = tl.zeros((BLOCK_F, BLOCK_P), dtype=tl.float32)
+                    for k0 in range(0, C, BLOCK_K):
+                        wk = _w_tile(w_ptr, rf, f_ok, k0 + kk, swf, swc, C, True)
+                        xk = _x_tile(x_img, k0 + kk, poff, p_ok, sxc, C, True)
+                        acc = tl.dot(wk, xk, acc, input_precision=PREC)
+                total += tl.sum(silu(acc + bias[:, None], FAST_SILU), axis=1)
+            _store_mean(out_ptr, n, son, rf, f_ok, total, n_pad, silu_b, inv_hw)

@@ -15,6 +15,12 @@ from .kernel import _head_kernel
 FP32_PRECISION = "tf32x3"  # dot precision for fp32 operands (the interpreter computes exact fp32)
 MAX_RESIDENT_C = 256  # the resident weight slice: two K parts of at most 128 channels
 PROGRAMS_PER_SM = 2
+# Resident 16-bit programs on sm_90: 8 warps (two wgmma warpgroups of 64 features), two programs per SM
+# at <= 128 registers: each warp's chain of SiLU and sums is half what 4 warps leave it (Small, batch 128:
+# 9.9-11.8 -> 7.2-10.1 us predicted with the x prefetch, L2-bound at the high end). Below sm_90 4 warps and
+# no prefetch: mma.sync keeps the slice in registers, the prefetched tile spilled 624 B there at 4 warps,
+# and at 8 warps only one program fit per SM (21.9 -> 22.9 us at the low end).
+RESIDENT_WARPS_SM90 = 8
 SUPPORTED_C = (128, 160, 192, 256)  # the head follows stage 5 (SPEC 1, Table 3)
 
 
@@ -29,11 +35,16 @@ class HeadConfig:
     block_p: int  # pixels per block (the dot's N)
     num_warps: int = 4
     num_stages: int = 1
+    prefetch: int = 0  # resident: 1 loads each step's x tile one step ahead (kernel.py)
 
     def constexprs(self) -> dict:
         return dict(W_RESIDENT=self.w_resident, K1=self.k1, K2=self.k2, MASK_K1=self.k1 > self.c,
                     MASK_K2=self.k1 + self.k2 > self.c, BLOCK_K=self.block_k, BLOCK_F=self.block_f,
-                    BLOCK_P=self.block_p)
+                    BLOCK_P=self.block_p, PREFETCH=self.prefetch)
+
+    def pixel_constexprs(self, hw: int) -> dict:
+        """Pixel blocks per image, and whether they cover the image exactly (no pixel mask)."""
+        return dict(PB=triton.cdiv(hw, self.block_p), FULL_P=hw % self.block_p == 0)
 
     @property
     def k_issued(self) -> int:
@@ -48,11 +59,12 @@ def split_k(c: int) -> tuple[int, int]:
     return k1, (max(16, triton.next_power_of_2(rest)) if rest > 0 else 0)
 
 
-def head_config(c: int, hw: int, dtype: torch.dtype) -> HeadConfig:
+def head_config(c: int, hw: int, dtype: torch.dtype, arch: int = 90) -> HeadConfig:
     block_p = min(64, max(16, triton.next_power_of_2(max(1, hw))))
     if dtype != torch.float32 and c <= MAX_RESIDENT_C:
         k1, k2 = split_k(c)
-        return HeadConfig(c, True, k1, k2, 0, 128, block_p)
+        return HeadConfig(c, True, k1, k2, 0, 128, block_p, num_warps=RESIDENT_WARPS_SM90 if arch >= 90 else 4,
+                          prefetch=int(arch >= 90))
     # fp32 (tf32x3 splits every operand in two: a resident slice would not fit in registers on sm_80,
     # where mma.sync takes its operands from registers) and C > 256: W and x in K steps, W from L2
     # fp32 is not multi-buffered: with num_stages = 2 the tf32x3 operand splits of both stages took
@@ -93,7 +105,8 @@ def head_cost(
         useful_macs=n * hw * c * f,
         mma_macs=passes * n * f_blocks * p_blocks * cfg.block_f * cfg.block_p * cfg.k_issued,
         dram_bytes=elem * (n * c * hw + f * c + f + n * f),
-        loops=(Loop("images", triton.cdiv(n, groups), (Loop("pixel blocks", p_blocks, inner),)),),
+        loops=((Loop("(image, pixel block) steps", triton.cdiv(n, groups) * p_blocks - 1),) if cfg.prefetch
+               else (Loop("images", triton.cdiv(n, groups), (Loop("pixel blocks", p_blocks, inner),)),)),
         note=f"{f_blocks} feature blocks x {groups} image groups; "
         + (f"weight slice [{cfg.block_f}, {c}] on chip per program" if cfg.w_resident
            else f"K steps of {cfg.block_k}")
@@ -112,7 +125,7 @@ def head_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tens
     if pixel_stride(x) is None:  # a view whose pixels are not uniformly strided: an NHWC copy first
         x = x.contiguous(memory_format=torch.channels_last)
     hw = h * wd
-    cfg = head_config(c, hw, x.dtype)
+    cfg = head_config(c, hw, x.dtype, device_info(x.device).arch)
     f_blocks = triton.cdiv(f, cfg.block_f)
     groups = image_groups(n, f_blocks, sm_count(x.device))
     fp32 = x.dtype == torch.float32
@@ -123,7 +136,7 @@ def head_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tens
         PREC=FP32_PRECISION if fp32 else "tf32",
         # inline asm runs compiled only: on CPU tensors the kernel runs in the interpreter
         FAST_SILU=not fp32 and x.device.type != "cpu",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.constexprs(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.constexprs(), **cfg.pixel_constexprs(hw),
         cost=lambda: head_cost(n, c, f, hw, cfg, groups, x.element_size(), fp32),
     )
     return out

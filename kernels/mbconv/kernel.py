@@ -209,7 +209,7 @@ def _mbconv_hidden_kernel(
         IBS = 1
     hs = scr_ptr + pid.to(tl.int64) * SLOT
     gs = gscr_ptr + pid.to(tl.int64) * SLOT  # the slot past h (its own argument: a separate round trip)
-    ms = ms_ptr + pid * RB
+    ms = ms_ptr + pid * (NS * RB)  # the program's mean slot: NS rows of RB (launcher: mean_slot)
 
     # Zero the border of each image's h slot (the conv's zero padding: 2 padded rows + 2 columns of
     # each row = 2 (W + 2) RB + 2 H RB elements) once; tiles write only the interior. The border is

@@ -82,6 +82,17 @@ def test_model_widths_match_reference(interpreter_backend, few_sms, shape, dtype
     check(*make_head(n, c, h, w, f, dtype=dtype))
 
 
+@pytest.mark.parametrize("shape", MODEL_SHAPES[:3], ids=str)
+def test_loop_without_prefetch(interpreter_backend, few_sms, monkeypatch, shape):
+    """The sm_80 form of the resident loop (each step loads its own x tile; sm_90 loads it one step
+    ahead, which the other tests run): several images per program, two pixel blocks at 9x9."""
+    from convfirstnet.kernels._launch import GPUInfo
+
+    monkeypatch.setattr(K, "device_info", lambda device: GPUInfo(10, 40 << 20, 163 << 10, 80))
+    assert K.head_config(256, 81, torch.float16, 80).prefetch == 0
+    check(*make_head(*shape, dtype=torch.float16))
+
+
 @pytest.mark.parametrize("c", [24, 200])
 def test_masked_k_parts(interpreter_backend, c):
     """C that the two power-of-two K parts do not cover exactly: 24 = 16 + 16 (8 masked),
@@ -152,7 +163,8 @@ def test_grid_does_not_grow_with_the_batch():
         (launch,) = record(lambda: torch.ops.convfirstnet.head(x, w, b))
         groups = K.image_groups(n, 10, DEFAULT_SMS)
         assert launch.grid == (10 * groups,) and groups == min(n, 2 * DEFAULT_SMS // 10)
-        assert launch.cost.loops[0].trips == -(-n // groups)  # images per program
+        # images per program, one 64-pixel block each; the last outside the loop (launcher.head_cost)
+        assert launch.cost.loops[0].trips == -(-n // groups) - 1
         assert launch.cost.useful_macs == n * 64 * 256 * 1280
 
 

@@ -211,6 +211,30 @@ def test_output_independent_of_program_count(interpreter_backend, monkeypatch):
     assert torch.equal(outs[0], outs[1])
 
 
+def test_mean_slots_do_not_overlap(interpreter_backend, monkeypatch):
+    """Each persistent program writes its whole fp32 mean slot (8x8: a row per conv sub-tile) and no
+    other program's: filled with NaN before the launch, no element of the (programs, mean_slot) buffer is
+    left unwritten. With slots addressed one row apart they overlapped: a race between programs on the
+    GPU that the interpreter, which runs the programs one after another, does not show in the output."""
+    from convfirstnet.kernels.mbconv import launcher
+
+    slots = []
+    real_launch = launcher.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        if kernel is launcher._mbconv_hidden_kernel:
+            args[10].fill_(float("nan"))  # mslot
+            slots.append(args[10])
+        return real_launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(launcher, "launch", spy)
+    x, weights = make_block(3, 128, 8, 8, 1, dtype=torch.float16, seed=7)
+    check(x, weights, 1)
+    (ms,) = slots
+    assert ms.shape[1] == 2 * 64  # two sub-tile rows of 64 channels per program
+    assert not ms.isnan().any(), f"unwritten mean-slot elements: {ms.isnan().sum().item()} of {ms.numel()}"
+
+
 def test_invalid_input_raises_before_launch(interpreter_backend):
     x, weights = make_block(1, 16, 4, 4, 1)
     with pytest.raises(ValueError, match="stride"):
