@@ -1,0 +1,167 @@
+"""The forward of mbconv_recompute_train through the fused MBConv kernels
+(convfirstnet/mbconv_fused_forward.py, kernels/mbconv/moments.py), in the interpreter at the model's
+widths on small maps: every loop of the kernels runs more than once (work items over 3 programs, hidden
+chunks, images per item, pixel tiles and sub-tiles, exact and masked tilings, both strides).
+
+* The moments launch against torch on the reference conv output u = gconv(SiLU(W_exp x + b)): the
+  per-image sums of u - shift and of its square, and the merged batch mean and biased variance.
+* The whole forward (output and the six running statistics) against the layer-wise training forward
+  (mbconv_recompute._layers, the same op with the kernels off).
+
+Tolerances. fp32: both sides accumulate in fp32 and differ in summation order (over <= 81 pixels per
+image, R <= 512 channels, the C x C covariance against a pass over e) and in where BatchNorm is applied
+(folded into the weights, against normalising the layer's output): ~1e-7 relative to each tensor's
+maximum observed (2e-7 ... 5e-7); compared within 1e-5. fp16 (the resident 16-bit path): the kernels
+round h, g, the gate, the projection and the folded weights to fp16 (u = 2^-11 = 4.9e-4 each), so the
+output carries a few u against the fp64 forward (observed 7e-4 of its maximum): 3e-3; the running
+statistics come from fp32 sums of those values (observed <= 3e-5): 2e-4. Planted bugs checked to fail:
+a dropped partial (one image's sub-tile row not stored by the kernel), the biased variance in the
+running update, a wrong divisor in the merge (M - 1 for M); each changes a compared tensor by >= 5e-4
+of its maximum.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from convfirstnet import mbconv_fused_forward, mbconv_recompute
+from convfirstnet.blocks import MBConv
+
+CL = torch.channels_last
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (3e-3, 2e-4)}  # (output, running statistics)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
+
+
+# ------------------------------------------------------------------------------------------------ moments
+
+# (N, C, H, W, stride, dtype): fp32 takes the tiled path (16 chunks of 32 channels, an item per image and
+# chunk over 3 programs); fp16 the RESIDENT one (an item of 3 images, 8 chunks of 64, 2 pixel sub-tiles
+# per group); the odd 9x9 stride-2 map masked tiles (2 per image) at C = 96 (padded to 128)
+MOMENT_SHAPES = [(3, 128, 8, 8, 1, torch.float32), (3, 128, 8, 8, 1, torch.float16),
+                 (2, 96, 9, 9, 2, torch.float32)]
+
+
+@pytest.mark.parametrize("shape", MOMENT_SHAPES, ids=lambda s: f"n{s[0]}-c{s[1]}-{s[2]}x{s[3]}-s{s[4]}-"
+                         f"{str(s[5])[6:]}")
+def test_moments_of_the_conv_output(interpreter_backend, shape):
+    from convfirstnet.kernels.mbconv.moments import merge_moments, moment_partials
+
+    n, c, h, w, stride, dt = shape
+    r, s = 4 * c, c // 4
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(n, c, h, w, generator=gen) + 0.5).to(dt).contiguous(memory_format=CL)
+    w_exp = (torch.randn(r, c, generator=gen) / c**0.5).to(dt)
+    b_exp = (0.3 * torch.randn(r, generator=gen)).to(dt)
+    w_dw = (torch.randn(r, 8, 3, 3, generator=gen) / 72**0.5).to(dt)
+    w_se1 = torch.randn(s, r, generator=gen).to(dt)
+    shift = 0.2 * torch.randn(r, generator=gen)
+    parts = moment_partials(x, w_exp, b_exp, w_dw, shift, w_se1, c, stride)
+    # the reference: h rounded to x's dtype where the kernel rounds it, the conv in fp32
+    hid = F.silu(F.conv2d(x.float(), w_exp.float()[:, :, None, None], b_exp.float())).to(dt).float()
+    u = F.conv2d(hid, w_dw.float(), padding=1, groups=r // 8)
+    us = u - shift[None, :, None, None]
+    sums = parts.double().sum(2)
+    assert _rel(sums[:, 0], us.double().sum((2, 3))) <= 1e-5
+    assert _rel(sums[:, 1], us.double().square().sum((2, 3))) <= 1e-5
+    mean, var = merge_moments(parts, h * w, shift)
+    var_ref, mean_ref = torch.var_mean(u.double(), (0, 2, 3), unbiased=False)
+    assert _rel(mean, mean_ref) <= 1e-5 and _rel(var, var_ref) <= 1e-5
+
+
+def test_merge_is_exact_for_a_large_mean():
+    """Chan's merge of per-image partials keeps the variance when the mean is 1e3 times the spread and the
+    shift is off by all of it (fp32 sums of squares over the whole batch would lose it)."""
+    from convfirstnet.kernels.mbconv.moments import merge_moments
+
+    u = 1000.0 + torch.randn(4, 8, 64, dtype=torch.float64)  # images, channels, pixels
+    parts = torch.stack([u.sum(2), u.square().sum(2)], 1)[:, :, None].float()  # [N, 2, 1, R]
+    mean, var = merge_moments(parts, 64, torch.zeros(8))
+    var_ref, mean_ref = torch.var_mean(u.transpose(0, 1).reshape(8, -1), 1, unbiased=False)
+    assert _rel(mean, mean_ref) <= 1e-6
+    assert _rel(var, var_ref) <= 0.2  # fp32 partials of ~6e7 keep ~4 digits of the 6e7 - 6e7 difference
+
+
+# ------------------------------------------------------------------------------------------------ forward
+
+
+def _block(c: int, k: int, stride: int) -> MBConv:
+    torch.manual_seed(0)
+    block = MBConv(c, k, stride).train()
+    with torch.no_grad():
+        for bn in (block.bn_expand, block.bn_dw, block.bn_project):
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.normal_(0.0, 0.3)
+            bn.running_mean.normal_(0.0, 0.2)
+            bn.running_var.uniform_(0.5, 2.0)
+    return block
+
+
+def _op_args(block: MBConv, x: torch.Tensor, drop: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """mbconv_recompute_train's arguments: momenta 0.1, None (factor 1 / 3: three batches counted), 0.3."""
+    bns = (block.bn_expand, block.bn_dw, block.bn_project)
+    se = block.se
+    cast = (lambda t: t.double()) if dtype == torch.float64 else (lambda t: t)
+    return (x, *(cast(t) for t in (block.conv_expand.weight, bns[0].weight, bns[0].bias, block.conv_dw.weight,
+                                   bns[1].weight, bns[1].bias, se.fc1.weight, se.fc1.bias, se.fc2.weight,
+                                   se.fc2.bias, block.conv_project.weight, bns[2].weight, bns[2].bias)),
+            *(cast(t.detach().clone()) for bn in bns for t in (bn.running_mean, bn.running_var)), cast(drop),
+            block.stride, [0.1, -1.0, 0.3], 1e-5, [torch.tensor(3)] * 3)
+
+
+# (N, C, K, H, W, stride, dtype): stride 1 with drop-path (one image dropped, two kept and scaled) and the
+# RESIDENT fp16 path; stride 2 on an odd map (masked tiles, BlurPool's reflection)
+FORWARD_SHAPES = [(3, 128, 128, 8, 8, 1, torch.float32), (2, 96, 192, 9, 9, 2, torch.float32),
+                  (3, 128, 128, 8, 8, 1, torch.float16)]
+
+
+@pytest.mark.parametrize("shape", FORWARD_SHAPES,
+                         ids=lambda s: f"n{s[0]}-c{s[1]}-k{s[2]}-{s[3]}x{s[4]}-s{s[5]}-{str(s[6])[6:]}")
+def test_forward_matches_the_layerwise_training_forward(interpreter_backend, monkeypatch, shape):
+    n, c, k, h, w, stride, dt = shape
+    block = _block(c, k, stride)
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(n, c, h, w, generator=gen) + 0.5).to(dt).contiguous(memory_format=CL)
+    drop = torch.tensor([0.0, 1.25, 1.25])[:n] if stride == 1 else torch.ones(n)
+    calls = []
+    real = mbconv_fused_forward.forward
+    monkeypatch.setattr(mbconv_fused_forward, "forward", lambda *a: calls.append(1) or real(*a))
+    got = torch.ops.convfirstnet.mbconv_recompute_train(*_op_args(block, x, drop, dt))
+    assert calls == [1]  # the fused kernels ran the forward
+    # the layer-wise training forward: fp32 as the kernels' input, fp64 for the 16-bit case
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "reference")
+    ref_dt = torch.float64 if dt == torch.float16 else dt
+    want = torch.ops.convfirstnet.mbconv_recompute_train(*_op_args(block, x.to(ref_dt), drop, ref_dt))
+    assert calls == [1] and got[0].dtype == dt and got[0].shape == want[0].shape
+    tol_out, tol_run = TOL[dt]
+    assert _rel(got[0], want[0]) <= tol_out, f"output: {_rel(got[0], want[0]):.3g}"
+    names = ("mean_e", "var_e", "mean_d", "var_d", "mean_p", "var_p")
+    for name, g, r in zip(names, got[1:], want[1:]):
+        assert _rel(g, r) <= tol_run, f"running {name}: {_rel(g, r):.3g}"
+
+
+def test_selection(triton_backend, monkeypatch):
+    """The fused forward only where the kernels run, in their dtypes and limits, with more than one value
+    per channel; the layer-wise forward otherwise."""
+    block = _block(32, 32, 1)
+    w_exp, w_proj = block.conv_expand.weight, block.conv_project.weight
+
+    def picks(x, stride=1, w_proj=w_proj):
+        return mbconv_fused_forward.selected(x.contiguous(memory_format=CL), w_exp, w_proj, stride)
+
+    x = torch.randn(2, 32, 4, 4)
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter's selection (CPU tensors)")
+    assert picks(x) and picks(x.half())
+    assert not picks(x.bfloat16())  # the interpreter's bf16 dot is wrong (launcher.check_supported)
+    assert not picks(x[:1, :, :1, :1])  # one value per channel
+    assert not picks(x, 1, torch.randn(64, 128, 1, 1))  # stride 1 must be C -> C
+    wide = torch.randn(1, 320, 2, 2)
+    assert not mbconv_fused_forward.selected(wide, torch.randn(1280, 320, 1, 1), torch.randn(320, 1280, 1, 1),
+                                             1)  # C past the kernels' 256
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "auto")  # auto: CPU tensors take the layers
+    assert not picks(x)
