@@ -165,3 +165,55 @@ def test_selection(triton_backend, monkeypatch):
                                              1)  # C past the kernels' 256
     monkeypatch.setenv("CONVFIRSTNET_KERNELS", "auto")  # auto: CPU tensors take the layers
     assert not picks(x)
+
+
+# ------------------------------------------------------------------------------------------------ sm_90
+
+# fused Small's MBConv shapes at 256x256 (C, K, stride, map): stage 4's first block, stage 4, stage 5's
+# first block, stage 5
+SMALL_SHAPES = [(96, 256, 2, 32), (256, 256, 1, 16), (256, 256, 2, 16), (256, 256, 1, 8)]
+
+
+def record_forward(c: int, k: int, stride: int, side: int, n: int = 128, dtype=torch.float16) -> list:
+    """The launches of the fused training forward of one block on meta tensors (the cost recording)."""
+    from convfirstnet.kernels._cost import recording
+
+    block = _block(c, k, stride).to("meta")
+    x = torch.empty(n, c, side, side, device="meta", dtype=dtype).contiguous(memory_format=CL)
+    args = _op_args(block, x, torch.ones(n, device="meta"), dtype)
+    with recording() as rec:
+        assert mbconv_fused_forward.selected(x, args[1], args[12], stride)
+        mbconv_fused_forward.forward(*args[:14], tuple(args[14:20]), args[20], stride, (0.1,) * 3, 1e-5)
+    return rec.launches
+
+
+@pytest.mark.compile
+def test_small_training_forward_compiles_for_sm90():
+    """The launches fused Small's MBConv training forward adds to inference (the moments variant of the
+    hidden kernel, the projection without residual; the hidden launch between them is the inference
+    variant, test_mbconv's) compile for sm_90 within shared memory, with no spill code in their inner
+    loops, the expand and projection dots on wgmma and the grouped conv on mma.sync. (Compiled: the
+    moments variants take 124-128 registers; 16x16 stride 1 keeps 8 B of stack outside the chunk loop,
+    as its inference variant does.)"""
+    pytest.importorskip("triton")
+    from convfirstnet.analysis.compiled import compile_variants, variant_of
+
+    from .test_mbconv import SHARED_LIMIT, _spills_in_loops
+
+    variants = {}
+    for shape in SMALL_SHAPES:
+        launches = record_forward(*shape)
+        assert [lc.meta.get("MOMENTS", False) for lc in launches] == [True, False, False]
+        assert launches[2].meta["RESIDUAL"] is False
+        for lc in (launches[0], launches[2]):
+            v = variant_of(lc, 90)
+            variants.setdefault(v.key, v)
+    assert sum(v.meta.get("MOMENTS", False) for v in variants.values()) == 4
+    problems = []
+    for v, c in zip(variants.values(), compile_variants(list(variants.values()))):
+        where = f"{v.name} MOMENTS={v.meta.get('MOMENTS', False)} {v.meta.get('STRIDE')}"
+        expected = "wgmma+mma.sync" if v.name == "_mbconv_hidden_kernel" else "wgmma"
+        if c.shared > SHARED_LIMIT[90] or _spills_in_loops(c) or c.mma_kind != expected:
+            problems.append(f"{where}: {c.shared} B shared, {_spills_in_loops(c)} spills in loops, "
+                            f"{c.mma_kind}")
+    assert not problems, "\n".join(problems)
