@@ -1,23 +1,26 @@
 """The forward of ``mbconv_recompute_train`` through the fused MBConv kernels (kernels/mbconv), with the
-three BatchNorms normalising by the batch's statistics, folded into the kernels' weights per step:
+three BatchNorms normalising by the batch's statistics, folded into the kernels' weights per step
+(kernels/mbconv/moments.py):
 
     BN_e (after the expand, R channels): mean and variance of z = W_exp x follow from the mean and the
          C x C covariance of the narrow x (torch: x centred in its dtype, one C x C product with fp32
-         accumulation): mean_z = W mean_x, var_z = diag(W cov W^T). No pass over a wide tensor.
+         accumulation): mean_z = W mean_x, var_z = diag(W cov W^T), in the fold launch. No pass over a
+         wide tensor.
     BN_d (after the grouped conv, before SiLU and, for stride 2, the BlurPool): one moments launch of the
-         hidden kernel (kernels/mbconv/moments.py: per-image sums of u - shift and its square, merged in
-         a fixed order), shift = BN_d's running mean.
+         hidden kernel (per-image sums of u - shift and its square, shift = BN_d's running mean), merged
+         in a fixed order by the fold launch.
     BN_p (after the projection, K channels): the launch pair with BN_e and BN_d folded writes the
          projection without bias and residual; torch's training-mode BatchNorm on that narrow output
          (statistics, normalise, running update), then drop-path and the residual, as the layer-wise
          forward does them.
 
-Running statistics: BN_e's and BN_d's updated here by nn.BatchNorm2d's rule (running = (1 - f) running +
-f batch, the unbiased variance), BN_p's by ``torch.native_batch_norm`` (the same rule): the same update as
-the layer-wise forward, in place on the op's copies. The backward is unchanged (mbconv_recompute.py
-recomputes the layer-wise forward). Numerics: the fused form rounds where the kernels round (h, g, the
-gate, the projection, the folded weights and biases in x's dtype) instead of after each layer, so it
-matches the layer-wise forward within the rounding of x's dtype (tests/kernels/test_mbconv_fused_forward.py).
+Running statistics: BN_e's and BN_d's updated by the fold launches with nn.BatchNorm2d's rule (running =
+(1 - f) running + f batch, the unbiased variance), BN_p's by ``torch.native_batch_norm`` (the same rule):
+the same update as the layer-wise forward, in place on the op's copies. The backward is unchanged
+(mbconv_recompute.py recomputes the layer-wise forward). Numerics: the fused form rounds where the
+kernels round (h, g, the gate, the projection, the folded weights and biases in x's dtype) instead of
+after each layer, so it matches the layer-wise forward within the rounding of x's dtype
+(tests/kernels/test_mbconv_fused_forward.py).
 
 Selected where the MBConv kernels run (``kernels._launch.use_triton``: CUDA, or the interpreter and the
 cost recording), for 16-bit data on CUDA (fp16 and fp32 in the interpreter), within the kernels' limits
@@ -46,7 +49,7 @@ def selected(x: T, w_exp: T, w_proj: T, stride: int) -> bool:
 
     n, c, h, w = x.shape
     r, k = w_exp.shape[0], w_proj.shape[0]
-    if x.dtype not in (CUDA_DTYPES if x.device.type == "cuda" else INTERPRETER_DTYPES):
+    if x.dtype not in (INTERPRETER_DTYPES if x.device.type == "cpu" else CUDA_DTYPES):  # meta: the report
         return False
     if n * h * w < 2 or (stride == 1 and k != c) or stride not in (1, 2):
         return False
@@ -57,14 +60,13 @@ def selected(x: T, w_exp: T, w_proj: T, stride: int) -> bool:
     return True
 
 
-def expand_statistics(x: T, w: T) -> tuple[T, T]:
-    """(mean, biased variance) per output channel of the 1x1 conv ``w`` (R, C) applied to ``x``, fp32,
-    from x's mean and covariance: x centred in its own dtype at its fp32 mean rounded to that dtype,
-    then X_c^T X_c accumulated in fp32, less the outer product of the rounding of the mean (the centred
-    columns' own mean), so that no cancellation of size mean^2 / variance enters the covariance."""
-    n, c, h, wd = x.shape
-    pixels = n * h * wd
-    xm = x.permute(0, 2, 3, 1).reshape(pixels, c)  # a view for channels-last x
+def x_moments(x: T) -> tuple[T, T, T]:
+    """x's per-channel mean (fp32), that mean rounded to x's dtype (the centre), and the Gram matrix of x
+    centred there, sum over pixels of (x - centre)(x - centre)^T (C x C, fp32): x centred in its own dtype
+    and one product accumulated in fp32, so no cancellation of size mean^2 / variance enters BN_e's
+    variance (kernels/mbconv/moments.py: _fold_expand_kernel)."""
+    c = x.shape[1]
+    xm = x.permute(0, 2, 3, 1).reshape(-1, c)  # a view for channels-last x
     mean = xm.mean(0, dtype=torch.float32)
     centre = mean.to(x.dtype)
     xc = xm - centre
@@ -72,21 +74,7 @@ def expand_statistics(x: T, w: T) -> tuple[T, T]:
         gram = torch.mm(xc.t(), xc, out_dtype=torch.float32)  # tensor cores, fp32 accumulation and result
     else:
         gram = xc.t().float() @ xc.float()
-    d = mean - centre.float()
-    cov = gram / pixels - torch.outer(d, d)
-    return w @ mean, ((w @ cov) * w).sum(1).clamp_min(0.0)
-
-
-def _update(running_mean: T, running_var: T, mean: T, var: T, count: int, f: float) -> None:
-    """nn.BatchNorm2d's running update (unbiased variance over ``count`` values), in place."""
-    running_mean.mul_(1.0 - f).add_(mean.to(running_mean.dtype), alpha=f)
-    running_var.mul_(1.0 - f).add_((var * (count / (count - 1))).to(running_var.dtype), alpha=f)
-
-
-def _fold(gamma: T, beta: T, mean: T, var: T, eps: float) -> tuple[T, T]:
-    """(scale, shift) of a training-mode BatchNorm with these batch statistics, fp32."""
-    scale = gamma.float() * torch.rsqrt(var + eps)
-    return scale, beta.float() - mean * scale
+    return mean, centre, gram
 
 
 def forward(x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d: T, w_se1: T, b_se1: T,
@@ -103,31 +91,40 @@ def forward(x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d: 
 
 def _forward(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,
              beta_p, running, drop_scale, stride, factors, eps):
-    from .kernels.mbconv.moments import mbconv_unnormalised, merge_moments, moment_partials
+    from .kernels.mbconv.moments import fold_conv, fold_expand, mbconv_unnormalised, moment_partials
 
     dt = x.dtype
     n, c, h, w = x.shape
     r, k, s = w_exp.shape[0], w_proj.shape[0], w_se1.shape[0]
     rm_e, rv_e, rm_d, rv_d, rm_p, rv_p = running
-    we = w_exp.reshape(r, c).to(dt).float()  # the weights as the layer-wise form rounds them
     w_se1, w_se2, w_proj = w_se1.reshape(s, r).to(dt), w_se2.reshape(r, s).to(dt), w_proj.reshape(k, r).to(dt)
     b_se1, b_se2 = b_se1.to(dt), b_se2.to(dt)
-
-    mean_e, var_e = expand_statistics(x, we)
-    scale_e, shift_e = _fold(gamma_e, beta_e, mean_e, var_e, eps)
-    w_exp_f, b_exp_f = (we * scale_e[:, None]).to(dt), shift_e.to(dt)
-
-    w_dw = w_dw.to(dt)
-    shift = rm_d.float().clone()  # before its update
-    parts = moment_partials(x, w_exp_f, b_exp_f, w_dw, shift, w_se1, k, stride)
-    mean_d, var_d = merge_moments(parts, h * w, shift)
-    scale_d, shift_d = _fold(gamma_d, beta_d, mean_d, var_d, eps)
-    w_dw_f, b_dw_f = (w_dw.float() * scale_d[:, None, None, None]).to(dt), shift_d.to(dt)
-
-    _update(rm_e, rv_e, mean_e, var_e, n * h * w, factors[0])
-    _update(rm_d, rv_d, mean_d, var_d, n * h * w, factors[1])
-
+    # BN_e from x's moments, folded into the expand (one launch, running statistics updated)
+    mean_x, centre, gram = x_moments(x)
+    w_exp_f, b_exp_f = fold_expand(w_exp.reshape(r, c), mean_x, centre, gram, gamma_e, beta_e, rm_e, rv_e,
+                                   factors[0], eps, n * h * w, dt)
+    # BN_d: the moments launch (shifted by BN_d's running mean), then the fold (which updates that mean)
+    parts = moment_partials(x, w_exp_f, b_exp_f, w_dw.to(dt), rm_d, w_se1, k, stride)
+    w_dw_f, b_dw_f = fold_conv(parts, w_dw, gamma_d, beta_d, rm_d, rv_d, factors[1], eps, h * w, dt)
     o = mbconv_unnormalised(x, w_exp_f, b_exp_f, w_dw_f, b_dw_f, w_se1, b_se1, w_se2, b_se2, w_proj,
                             torch.zeros(k, device=x.device, dtype=dt), stride)
     ob = torch.native_batch_norm(o, gamma_p, beta_p, rm_p, rv_p, True, factors[2], eps)[0]
-    return x + ob * drop_scale.to(dt)[:, None, None, None] if stride == 1 else ob
+    return torch.addcmul(x, ob, drop_scale.to(dt)[:, None, None, None]) if stride == 1 else ob  # one pass
+
+
+def narrow_passes(n: int, c: int, h: int, w: int, k: int, stride: int) -> list[tuple[str, int, int, int]]:
+    """The forward's torch passes over narrow (N, C or K, H, W) tensors, as (name, MACs, elements read,
+    elements written) for the static training report; each is one aten op here except BN_p's, whose
+    statistics and normalisation the report counts as two passes (its layer-wise rule)."""
+    oh, ow = (h, w) if stride == 1 else ((h + 1) // 2, (w + 1) // 2)
+    m, mo = n * h * w, n * oh * ow
+    passes = [("x mean", 0, m * c, 0), ("x centred", 0, m * c, m * c),
+              ("x covariance (C x C, tensor cores)", m * c * c, 2 * m * c, 0),
+              ("BN_p statistics", 0, mo * k, 0), ("BN_p normalise", 0, mo * k, mo * k)]
+    if stride == 1:
+        passes.append(("drop-path + residual", 0, 2 * mo * k, mo * k))
+    return passes
+
+
+# aten ops of those passes by stride (mean, sub, mm, native_batch_norm, addcmul at stride 1)
+NARROW_ATEN_OPS = {1: 5, 2: 4}

@@ -57,7 +57,7 @@ import torch
 import torch.nn as nn
 
 import convfirstnet
-from convfirstnet import mbconv_recompute, training_kernels
+from convfirstnet import mbconv_fused_forward, mbconv_recompute, training_kernels
 from convfirstnet.blocks import ConvFirst, Head, MBConv, Stem
 from convfirstnet.kernels._cost import recording
 
@@ -74,6 +74,13 @@ BLOCK_TYPES = (Stem, ConvFirst, MBConv, Head, nn.Linear)
 TARGETS = dict(step_over_layerwise=0.5, stored_over_layerwise=0.25)  # issue 20, item 3 (high end)
 # how a block trains, by (fused, recompute)
 PATHS = {(True, False): "fused", (False, True): "recompute, layer-wise kernels", (False, False): "layer-wise"}
+FUSED_FORWARD_PATH = "fused forward; recompute backward, layer-wise kernels"
+# names of the layer-wise kernels (_LayerWise.block) that belong to the forward
+_FORWARD_KERNELS = (" forward", " statistics", " normalise", " pool", " gate")
+
+
+def _is_forward(k: "TrainKernel") -> bool:
+    return k.name.endswith(_FORWARD_KERNELS)
 
 
 @dataclass(frozen=True)
@@ -319,6 +326,32 @@ def record_fused_block(block: nn.Module, in_shape: tuple, batch: int, dtype: tor
     return rec.launches, counter.count
 
 
+def record_mbconv_forward(block: nn.Module, in_shape: tuple, batch: int, dtype: torch.dtype, tgt
+                          ) -> tuple[list, int] | None:
+    """The Triton launches of an MBConv block's training forward through the fused kernels
+    (mbconv_fused_forward.py) on meta tensors, with the block's weights in fp32 as autocast keeps them,
+    and the number of its other aten ops; None where that forward is not selected."""
+    import copy
+
+    meta = copy.deepcopy(block).to("meta").train()
+    x = torch.empty(batch, *in_shape[1:], device="meta", dtype=dtype).contiguous(
+        memory_format=torch.channels_last)
+    bns = (meta.bn_expand, meta.bn_dw, meta.bn_project)
+    se = meta.se
+    weights = (meta.conv_expand.weight, bns[0].weight, bns[0].bias, meta.conv_dw.weight, bns[1].weight,
+               bns[1].bias, se.fc1.weight, se.fc1.bias, se.fc2.weight, se.fc2.bias, meta.conv_project.weight,
+               bns[2].weight, bns[2].bias)
+    running = tuple(t.clone() for bn in bns for t in (bn.running_mean, bn.running_var))
+    drop = torch.ones(batch, device="meta")  # the caller's (training_kernels._drop_scale)
+    counter = _CountLaunches()
+    with recording(sms=tgt.sms, l2_bytes=tgt.l2_bytes) as rec:
+        if not mbconv_fused_forward.selected(x, weights[0], weights[10], meta.stride):
+            return None
+        with counter:
+            mbconv_fused_forward.forward(x, *weights, running, drop, meta.stride, (0.1,) * 3, bns[0].eps)
+    return rec.launches, counter.count
+
+
 def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *, batch: int,
                           dtype: str = "float16", arch: int | str = 90, jobs: int | None = None,
                           progress: Callable[[str], None] | None = None, name: str | None = None) -> dict:
@@ -339,10 +372,15 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
 
     # fused blocks: record, compile, estimate
     launches, owner = [], []
-    fused_paths, glue, recomputed = [], {}, set()
+    fused_paths, glue, recomputed, fused_forward = [], {}, set(), {}
     for path, m in blocks:
         if training_kernels.unsupported(m) is None and training_kernels.recomputes(m):
             recomputed.add(path)
+            recorded = record_mbconv_forward(m, shapes[path][0], batch, torch_dtype, tgt)
+            if recorded is not None:  # the forward through the fused MBConv kernels
+                launches += recorded[0]
+                owner += [path] * len(recorded[0])
+                fused_forward[path] = recorded[1]
         elif training_kernels.unsupported(m) is None:
             ls, glue[path] = record_fused_block(m, shapes[path][0], batch, torch_dtype, tgt)
             launches += ls
@@ -369,6 +407,25 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
             spills = max(est.variants[e.variant]["stack_bytes"] for e in mine)
             kinds = {k for e in mine for k in est.variants[e.variant]["mma_kind"].split("+")}
             mma = sorted(kinds - {"none"})
+        elif path in fused_forward:
+            # forward: the fused launches, the narrow torch passes and a launch gap per other aten op;
+            # backward: the layer-wise bound's backward kernels and the recompute, as below
+            mine = [e for e, o in zip(est.launches, owner) if o == path]
+            n, c, h, w = batch, *shapes[path][0][1:]
+            narrow = [TrainKernel(f"{path} {name}", macs, (rd + wr) * eb)
+                      for name, macs, rd, wr in mbconv_fused_forward.narrow_passes(n, c, h, w, m.conv_project
+                                                                                   .out_channels, m.stride)]
+            backward = [k for k in kernels if not _is_forward(k)] + lw.recompute(path, m)
+            glue[path] = (fused_forward[path] - mbconv_fused_forward.NARROW_ATEN_OPS[m.stride]
+                          + mbconv_recompute.SMALL_OPS_PER_STEP)
+            predicted = {end: sum(e.predicted(end) for e in mine)
+                         + sum(layerwise_time(k, hw, end) for k in narrow + backward)
+                         + glue[path] * hw.launch_graph_us.pick(end) * 1e-6 for end in ENDS}
+            bounds = sorted({e.bound("high") for e in mine}) + ["layer-wise backward + recompute"]
+            n_launches = len(mine) + len(narrow) + len(backward)
+            spills = max(est.variants[e.variant]["stack_bytes"] for e in mine)
+            kinds = {k for e in mine for k in est.variants[e.variant]["mma_kind"].split("+")}
+            mma = sorted(kinds - {"none"})
         elif path in recomputed:
             again = lw.recompute(path, m)
             predicted = {end: layerwise[end] + sum(layerwise_time(k, hw, end) for k in again)
@@ -383,8 +440,9 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
         rows.append(dict(
             block=path, stage=_stage_label(path),
             kind=type(m).__name__ + (f" s{m.stride}" if hasattr(m, "stride") else ""),
-            fused=fused, recompute=path in recomputed,
-            path=PATHS[(fused, path in recomputed)], launches=n_launches, glue_launches=glue.get(path, 0),
+            fused=fused, recompute=path in recomputed, fused_forward=path in fused_forward,
+            path=FUSED_FORWARD_PATH if path in fused_forward else PATHS[(fused, path in recomputed)],
+            launches=n_launches, glue_launches=glue.get(path, 0),
             predicted_ms={k: v * 1e3 for k, v in predicted.items()},
             layerwise_ms={k: v * 1e3 for k, v in layerwise.items()}, bounds=bounds, stack_bytes=spills,
             mma_kinds=mma, layerwise_kernels=len(kernels),

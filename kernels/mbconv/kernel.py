@@ -321,8 +321,8 @@ def _mbconv_hidden_kernel(
                     acc = tl.dot(_conv_pair_h(hi, qp, PW, 3, G, CS), w3, acc, input_precision=PREC)
                     acc = tl.dot(_conv_pair_h(hi, qp, PW, 4, G, CS), w4, acc, input_precision=PREC)
                     v = _silu(acc, hb_c, SILU)
-                    if MOMENTS:  # u = the conv output minus a shift (b_conv = -shift): sums of u and u^2
-                        u = acc + 2.0 * hb_c
+                    if MOMENTS:  # u = the conv output minus a shift (b_conv = the shift): sums of u and u^2
+                        u = acc - 2.0 * hb_c
                         if not EXACT:
                             u = tl.where(ok[:, :, None], u, 0.0)
                         mom1 += u

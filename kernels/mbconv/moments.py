@@ -1,13 +1,18 @@
 """The MBConv kernels (kernel.py) in a training step's forward, where the three BatchNorms normalise with
 the batch's statistics (convfirstnet/mbconv_fused_forward.py folds them per step):
 
-* ``conv_moments``: the hidden kernel in its moments mode (``MOMENTS``): expand (BN_e folded) + SiLU +
-  grouped conv as in inference, then, instead of g, the pool and the SE partials, per image and pixel
+* ``moment_partials``: the hidden kernel in its moments mode (``MOMENTS``): expand (BN_e folded) + SiLU
+  + grouped conv as in inference, then, instead of g, the pool and the SE partials, per image and pixel
   sub-tile of the conv the fp32 sums of ``u - shift`` and of its square per hidden channel (``u`` the
-  conv output before BN_d, ``shift`` passed as the conv bias), written to their own rows ([N][2][CS][R],
-  no atomics). Merged here in a fixed order (per image, then over images by Chan's rule in fp64) into
-  the batch mean and biased variance of ``u``. The shift (the caller passes BN_d's running mean) keeps
-  the per-image sum of squares from cancelling when the mean is large against the spread.
+  conv output before BN_d, the shift passed as the conv bias: BN_d's running mean, which keeps the
+  per-image sums of squares from cancelling when the mean is large against the spread), written to
+  their own rows ([N][2][CS][R], no atomics).
+* ``fold_expand`` and ``fold_conv`` (``_fold_expand_kernel``, ``_fold_conv_kernel``): one small launch
+  each that turns a BatchNorm's batch statistics into the folded weights and bias of the kernels (in
+  x's dtype) and updates its running statistics in place (nn.BatchNorm2d's rule, unbiased variance).
+  BN_e: mean and variance of W x from x's mean and Gram matrix (the caller's torch ops); BN_d: the
+  moment rows merged in a fixed order (per image, then Chan's rule over the images, in tiles of images).
+  They replace ~60 per-channel torch ops, each a launch of its own.
 * ``mbconv_unnormalised``: the usual launch pair (hidden kernel writing g and the SE partials,
   projection) without the residual: ``W_proj (g * gate) + b_proj``, whose BatchNorm the caller applies.
 
@@ -20,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import triton
+import triton.language as tl
 
 from .._cost import KernelCost, Loop
 from .._launch import launch
@@ -67,26 +74,12 @@ def moment_partials(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tensor, w
     scratch, gscratch, mslot = _scratch(geo, x)
     silu, prec = _settings(x)
     unused = torch.empty((1,), device=x.device, dtype=x.dtype)  # g_ptr: no g is written
-    neg_shift = (-shift).contiguous()
-    launch(_mbconv_hidden_kernel, (geo.programs,), x, w_exp, b_exp.contiguous(), w_conv, neg_shift, w_se1,
+    launch(_mbconv_hidden_kernel, (geo.programs,), x, w_exp, b_exp.contiguous(), w_conv, shift, w_se1,
            unused, parts, scratch, gscratch, mslot, n, h, w, geo.oh, geo.ow, c, r, w_se1.shape[0], geo.nchunk,
            geo.groups, geo.chunks_per_group, geo.items, geo.ib, geo.slot, *x.stride(),
            *w_exp.stride(), *w_conv.stride(), *w_se1.stride(), cost=lambda: moments_cost(geo),
            **geo.hidden_constexprs(silu, prec), MOMENTS=True)
     return parts
-
-
-def merge_moments(parts: torch.Tensor, pixels: int, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, biased variance) per channel, fp32, from ``moment_partials``' rows over ``pixels`` pixels
-    per image: each image's sums (its sub-tiles added), then Chan's parallel rule over the images in
-    fp64 (no sum of squares over the whole batch, whose cancellation grows with it)."""
-    s = parts.double().sum(2)  # [N, 2, R]
-    mean_i = s[:, 0] / pixels
-    m2_i = (s[:, 1] - s[:, 0] * mean_i).clamp_min(0.0)
-    mean = mean_i.mean(0)
-    m2 = m2_i.sum(0) + pixels * ((mean_i - mean) ** 2).sum(0)
-    var = m2 / (pixels * parts.shape[0])
-    return (mean + shift.double()).float(), var.float()
 
 
 def moments_cost(geo: MBConvGeometry) -> KernelCost:
@@ -148,3 +141,157 @@ def _no_residual(cost: KernelCost, geo: MBConvGeometry) -> KernelCost:
     return dataclasses.replace(cost, dram_bytes=cost.dram_bytes - out,
                                l1_unique_bytes_per_program=cost.l1_unique_bytes_per_program
                                - geo.p_bm * geo.p_bn * geo.elem)
+
+
+# ------------------------------------------------------------------------------------------ folding
+
+FOLD_ROWS = 16  # output channels per program of the expand fold (a tl.dot M)
+FOLD_K = 32  # Gram rows per step
+FOLD_CHANNELS, FOLD_IMAGES = 32, 32  # the conv fold's tile: channels per program x images per step
+FOLD_WARPS = 4
+
+
+@triton.jit
+def _fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, f, unbias, eps):
+    """scale = gamma / sqrt(var + eps); stores the folded bias beta - mean scale and the running update
+    (1 - f) running + f (mean, unbiased var); returns the scale (fp32)."""
+    gamma = tl.load(gamma_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+    scale = gamma / tl.sqrt(var + eps)
+    tl.store(bf_ptr + r, (beta - mean * scale).to(bf_ptr.dtype.element_ty), mask=r_ok)
+    rm = tl.load(rm_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+    rv = tl.load(rv_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+    tl.store(rm_ptr + r, (1.0 - f) * rm + f * mean, mask=r_ok)
+    tl.store(rv_ptr + r, (1.0 - f) * rv + f * (var * unbias), mask=r_ok)
+    return scale
+
+
+@triton.jit
+def _fold_expand_kernel(w_ptr, mean_ptr, centre_ptr, gram_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, wf_ptr,
+                        bf_ptr, R, C, swr, swc, inv_m, f, unbias, eps,
+                        BR: tl.constexpr, CP: tl.constexpr, BK: tl.constexpr):
+    """BN_e of z = W x (W rounded to x's dtype, as the layer's conv rounds it): mean = W mean_x, var =
+    W (G / M - d d^T) W^T (diagonal), G the Gram matrix of x centred at ``centre`` (x's mean rounded to
+    x's dtype), d = mean_x - centre; folded into W (rows scaled) and a bias."""
+    dt = wf_ptr.dtype.element_ty
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    r_ok = r < R
+    cc = tl.arange(0, CP)
+    c_ok = cc < C
+    w = tl.load(w_ptr + r[:, None] * swr + cc[None, :] * swc, mask=r_ok[:, None] & c_ok[None, :], other=0.0)
+    w = w.to(dt).to(tl.float32)
+    mean_x = tl.load(mean_ptr + cc, mask=c_ok, other=0.0)
+    d = mean_x - tl.load(centre_ptr + cc, mask=c_ok, other=0.0).to(tl.float32)
+    wg = tl.zeros((BR, CP), dtype=tl.float32)
+    for k0 in range(0, C, BK):  # W G in steps of BK Gram rows (fp32 FMA: no TF32 rounding)
+        kk = k0 + tl.arange(0, BK)
+        k_ok = kk < C
+        wk = tl.load(w_ptr + r[:, None] * swr + kk[None, :] * swc, mask=r_ok[:, None] & k_ok[None, :],
+                     other=0.0)
+        g = tl.load(gram_ptr + kk[:, None] * C + cc[None, :], mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+        wg = tl.dot(wk.to(dt).to(tl.float32), g, wg, input_precision="ieee")
+    wd = tl.sum(w * d[None, :], axis=1)
+    var = tl.maximum(tl.sum(wg * w, axis=1) * inv_m - wd * wd, 0.0)
+    mean = tl.sum(w * mean_x[None, :], axis=1)
+    scale = _fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, f, unbias, eps)
+    tl.store(wf_ptr + r[:, None] * C + cc[None, :], (w * scale[:, None]).to(dt),
+             mask=r_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _fold_conv_kernel(parts_ptr, w_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, wf_ptr, bf_ptr, N, R, P, f,
+                      unbias, eps, CS: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
+    """BN_d from the moment rows ([N][2][CS][R]: sums of u - shift and its square per image and pixel
+    sub-tile, shift = the running mean, read before its update): per image mean_i and M2_i, then the
+    batch mean (of the image means) and M2 = sum M2_i + P (mean_i - mean)^2 (Chan), in tiles of BN
+    images in a fixed order; folded into the grouped conv's weights (R, 72) and a bias."""
+    dt = wf_ptr.dtype.element_ty
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    r_ok = r < R
+    inv_p = 1.0 / P
+    acc = tl.zeros((BR,), dtype=tl.float32)
+    for n0 in range(0, N, BN):
+        nn = n0 + tl.arange(0, BN)
+        ok = (nn < N)[:, None] & r_ok[None, :]
+        rows = parts_ptr + (nn * (2 * CS * R))[:, None] + r[None, :]
+        s1 = tl.zeros((BN, BR), dtype=tl.float32)
+        for j in tl.static_range(CS):
+            s1 += tl.load(rows + j * R, mask=ok, other=0.0)
+        acc += tl.sum(s1, axis=0) * inv_p
+    mean_s = acc / N
+    m2 = tl.zeros((BR,), dtype=tl.float32)
+    for n0 in range(0, N, BN):
+        nn = n0 + tl.arange(0, BN)
+        ok = (nn < N)[:, None] & r_ok[None, :]
+        rows = parts_ptr + (nn * (2 * CS * R))[:, None] + r[None, :]
+        s1 = tl.zeros((BN, BR), dtype=tl.float32)
+        s2 = tl.zeros((BN, BR), dtype=tl.float32)
+        for j in tl.static_range(CS):
+            s1 += tl.load(rows + j * R, mask=ok, other=0.0)
+            s2 += tl.load(rows + (CS + j) * R, mask=ok, other=0.0)
+        mi = s1 * inv_p
+        dev = mi - mean_s[None, :]
+        m2 += tl.sum(tl.where(ok, s2 - s1 * mi + P * dev * dev, 0.0), axis=0)
+    var = tl.maximum(m2 / (N * P), 0.0)
+    mean = mean_s + tl.load(rm_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+    scale = _fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, f, unbias, eps)
+    k = tl.arange(0, 128)
+    wm = r_ok[:, None] & (k < 72)[None, :]
+    w = tl.load(w_ptr + r[:, None] * 72 + k[None, :], mask=wm, other=0.0).to(dt).to(tl.float32)
+    tl.store(wf_ptr + r[:, None] * 72 + k[None, :], (w * scale[:, None]).to(dt), mask=wm)
+
+
+def fold_expand(w: torch.Tensor, mean_x: torch.Tensor, centre: torch.Tensor, gram: torch.Tensor,
+                gamma: torch.Tensor, beta: torch.Tensor, running_mean: torch.Tensor,
+                running_var: torch.Tensor, f: float, eps: float, pixels: int, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W_exp with BN_e folded (R, C), its bias (R,)) in ``dtype``; the running statistics updated in place.
+    ``w``: (R, C), any float dtype (rounded to ``dtype`` as the layer's conv does); ``mean_x`` (C,) fp32,
+    ``centre`` (C,) in ``dtype``, ``gram`` (C, C) fp32: sum over the M = ``pixels`` pixels of
+    (x - centre)(x - centre)^T."""
+    r, c = w.shape
+    wf = torch.empty((r, c), device=w.device, dtype=dtype)
+    bf = torch.empty((r,), device=w.device, dtype=dtype)
+    cp = max(16, triton.next_power_of_2(c))
+    eb = torch.empty((), dtype=dtype).element_size()
+    launch(_fold_expand_kernel, (triton.cdiv(r, FOLD_ROWS),), w, mean_x, centre, gram.contiguous(), gamma,
+           beta, running_mean, running_var, wf, bf, r, c, *w.stride(), 1.0 / pixels, f, pixels / (pixels - 1),
+           eps, cost=lambda: _fold_expand_cost(r, c, w.element_size(), eb),
+           BR=FOLD_ROWS, CP=cp, BK=min(FOLD_K, cp), num_warps=FOLD_WARPS)
+    return wf, bf
+
+
+def fold_conv(parts: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
+              running_mean: torch.Tensor, running_var: torch.Tensor, f: float, eps: float, pixels: int,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the grouped conv's weights with BN_d folded (R, 8, 3, 3), its bias (R,)) in ``dtype``, from
+    ``moment_partials``' rows over ``pixels`` pixels per image, whose shift was ``running_mean``; the
+    running statistics updated in place."""
+    n, _, cs, r = parts.shape
+    w = w.contiguous()
+    wf = torch.empty((r, 8, 3, 3), device=w.device, dtype=dtype)
+    bf = torch.empty((r,), device=w.device, dtype=dtype)
+    count = n * pixels
+    eb = torch.empty((), dtype=dtype).element_size()
+    launch(_fold_conv_kernel, (triton.cdiv(r, FOLD_CHANNELS),), parts, w, gamma, beta, running_mean,
+           running_var, wf, bf, n, r, pixels, f, count / (count - 1), eps,
+           cost=lambda: _fold_conv_cost(n, cs, r, w.element_size(), eb),
+           CS=cs, BR=FOLD_CHANNELS, BN=FOLD_IMAGES, num_warps=FOLD_WARPS)
+    return wf, bf
+
+
+def _fold_expand_cost(r: int, c: int, wb: int, eb: int) -> KernelCost:
+    """W (read twice: rows and K steps), the Gram matrix once per program (from L2 after the first), the
+    per-channel vectors; the folded W and bias written."""
+    progs = triton.cdiv(r, FOLD_ROWS)
+    dram = 2 * r * c * wb + c * c * 4 + 2 * c * 4 + r * c * eb + r * eb + 6 * r * 4
+    return KernelCost(r * c * c + 2 * r * c, 0, dram, (Loop("Gram steps", triton.cdiv(c, FOLD_K)),),
+                      l2_bytes=progs * c * c * 4, note="BN_e from x's Gram matrix, folded into W_exp")
+
+
+def _fold_conv_cost(n: int, cs: int, r: int, wb: int, eb: int) -> KernelCost:
+    """The moment rows read twice (two passes over the images), W_conv read, folded W_conv written."""
+    steps = triton.cdiv(n, FOLD_IMAGES)
+    dram = 2 * n * 2 * cs * r * 4 + r * 72 * (wb + eb) + r * eb + 6 * r * 4
+    return KernelCost(r * 72 + 4 * n * r, 0, dram, (Loop("images", steps), Loop("images again", steps)),
+                      note="BN_d from the moment rows (Chan's merge), folded into W_conv")

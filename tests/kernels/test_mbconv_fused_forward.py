@@ -46,10 +46,21 @@ MOMENT_SHAPES = [(3, 128, 8, 8, 1, torch.float32), (3, 128, 8, 8, 1, torch.float
                  (2, 96, 9, 9, 2, torch.float32)]
 
 
+@pytest.fixture
+def small_fold_steps(monkeypatch):
+    """The conv fold's image loop in steps of 2 images (of 32), so that it runs more than once here."""
+    from convfirstnet.kernels.mbconv import moments
+
+    monkeypatch.setattr(moments, "FOLD_IMAGES", 2)
+
+
 @pytest.mark.parametrize("shape", MOMENT_SHAPES, ids=lambda s: f"n{s[0]}-c{s[1]}-{s[2]}x{s[3]}-s{s[4]}-"
                          f"{str(s[5])[6:]}")
-def test_moments_of_the_conv_output(interpreter_backend, shape):
-    from convfirstnet.kernels.mbconv.moments import merge_moments, moment_partials
+def test_moments_and_fold_of_the_conv_output(interpreter_backend, small_fold_steps, shape):
+    """The moment rows (per image: sums of u - shift and of its square), then the fold launch with factor 1,
+    whose running mean and variance are then the batch mean and unbiased variance, and whose folded
+    weights and bias are gamma / sqrt(var + eps) W and beta - mean gamma / sqrt(var + eps)."""
+    from convfirstnet.kernels.mbconv.moments import fold_conv, moment_partials
 
     n, c, h, w, stride, dt = shape
     r, s = 4 * c, c // 4
@@ -57,33 +68,28 @@ def test_moments_of_the_conv_output(interpreter_backend, shape):
     x = (torch.randn(n, c, h, w, generator=gen) + 0.5).to(dt).contiguous(memory_format=CL)
     w_exp = (torch.randn(r, c, generator=gen) / c**0.5).to(dt)
     b_exp = (0.3 * torch.randn(r, generator=gen)).to(dt)
-    w_dw = (torch.randn(r, 8, 3, 3, generator=gen) / 72**0.5).to(dt)
+    w_dw = torch.randn(r, 8, 3, 3, generator=gen) / 72**0.5  # fp32 master weights
     w_se1 = torch.randn(s, r, generator=gen).to(dt)
     shift = 0.2 * torch.randn(r, generator=gen)
-    parts = moment_partials(x, w_exp, b_exp, w_dw, shift, w_se1, c, stride)
+    gamma, beta = torch.rand(r, generator=gen) + 0.5, 0.3 * torch.randn(r, generator=gen)
+    parts = moment_partials(x, w_exp, b_exp, w_dw.to(dt), shift, w_se1, c, stride)
     # the reference: h rounded to x's dtype where the kernel rounds it, the conv in fp32
     hid = F.silu(F.conv2d(x.float(), w_exp.float()[:, :, None, None], b_exp.float())).to(dt).float()
-    u = F.conv2d(hid, w_dw.float(), padding=1, groups=r // 8)
-    us = u - shift[None, :, None, None]
+    u = F.conv2d(hid, w_dw.to(dt).float(), padding=1, groups=r // 8)
+    us = u.double() - shift.double()[None, :, None, None]
     sums = parts.double().sum(2)
-    assert _rel(sums[:, 0], us.double().sum((2, 3))) <= 1e-5
-    assert _rel(sums[:, 1], us.double().square().sum((2, 3))) <= 1e-5
-    mean, var = merge_moments(parts, h * w, shift)
+    assert _rel(sums[:, 0], us.sum((2, 3))) <= 1e-5
+    assert _rel(sums[:, 1], us.square().sum((2, 3))) <= 1e-5
+    rm, rv = shift.clone(), torch.ones(r)
+    wf, bf = fold_conv(parts, w_dw, gamma, beta, rm, rv, 1.0, 1e-5, h * w, dt)
     var_ref, mean_ref = torch.var_mean(u.double(), (0, 2, 3), unbiased=False)
-    assert _rel(mean, mean_ref) <= 1e-5 and _rel(var, var_ref) <= 1e-5
-
-
-def test_merge_is_exact_for_a_large_mean():
-    """Chan's merge of per-image partials keeps the variance when the mean is 1e3 times the spread and the
-    shift is off by all of it (fp32 sums of squares over the whole batch would lose it)."""
-    from convfirstnet.kernels.mbconv.moments import merge_moments
-
-    u = 1000.0 + torch.randn(4, 8, 64, dtype=torch.float64)  # images, channels, pixels
-    parts = torch.stack([u.sum(2), u.square().sum(2)], 1)[:, :, None].float()  # [N, 2, 1, R]
-    mean, var = merge_moments(parts, 64, torch.zeros(8))
-    var_ref, mean_ref = torch.var_mean(u.transpose(0, 1).reshape(8, -1), 1, unbiased=False)
-    assert _rel(mean, mean_ref) <= 1e-6
-    assert _rel(var, var_ref) <= 0.2  # fp32 partials of ~6e7 keep ~4 digits of the 6e7 - 6e7 difference
+    count = n * h * w
+    assert _rel(rm, mean_ref) <= 1e-5 and _rel(rv, var_ref * count / (count - 1)) <= 1e-5
+    scale = gamma.double() / (var_ref + 1e-5).sqrt()
+    tol = 1e-5 if dt == torch.float32 else 2**-10  # the folded weights and bias rounded to x's dtype
+    assert wf.dtype == bf.dtype == dt
+    assert _rel(wf, w_dw.to(dt).double() * scale[:, None, None, None]) <= tol
+    assert _rel(bf, beta.double() - mean_ref * scale) <= tol
 
 
 # ------------------------------------------------------------------------------------------------ forward
@@ -121,7 +127,8 @@ FORWARD_SHAPES = [(3, 128, 128, 8, 8, 1, torch.float32), (2, 96, 192, 9, 9, 2, t
 
 @pytest.mark.parametrize("shape", FORWARD_SHAPES,
                          ids=lambda s: f"n{s[0]}-c{s[1]}-k{s[2]}-{s[3]}x{s[4]}-s{s[5]}-{str(s[6])[6:]}")
-def test_forward_matches_the_layerwise_training_forward(interpreter_backend, monkeypatch, shape):
+def test_forward_matches_the_layerwise_training_forward(interpreter_backend, small_fold_steps, monkeypatch,
+                                                        shape):
     n, c, k, h, w, stride, dt = shape
     block = _block(c, k, stride)
     gen = torch.Generator().manual_seed(1)
