@@ -18,7 +18,14 @@ Per block of the training-form model (``stem``, ``stages.i.j``, ``head``, ``clas
   plus the forward kernels run again in the backward (expand, BatchNorm statistics and normalise + SiLU,
   grouped conv, BatchNorm, BlurPool, SE pool, fc1, fc2, gate, project, BatchNorm: ``_LayerWise.recompute``),
   plus one launch gap per small op of the path (``mbconv_recompute.SMALL_OPS_PER_STEP``: the running
-  statistics' copies). Not a fused kernel: slower than layer-wise by the recompute;
+  statistics' copies). Where the op's forward runs through the fused MBConv kernels
+  (convfirstnet/mbconv_fused_forward.py: the BatchNorms folded with the batch statistics), the forward
+  is counted instead as its recorded launches (``record_mbconv_forward``: the two fold launches, the
+  moments variant of the hidden kernel, the hidden kernel, the projection without residual; estimated
+  like the fused blocks'), its narrow torch passes (``mbconv_fused_forward.narrow_passes``: x's mean,
+  centring and Gram matrix, BN_p's statistics and normalisation, drop-path + residual; each at the
+  layer-wise rule below) and one launch gap per other aten op; the backward stays the layer-wise
+  bound's backward kernels plus the recompute;
 * layer-wise training bound: every layer as its own kernels, each at max(tensor, DRAM, L2) time of
   its MACs and bytes plus one launch gap in a CUDA graph (``estimate.layerwise_time``, the waterline's
   rule with the report's constants). Kernels and bytes (activations in the report's dtype, every input
@@ -392,7 +399,7 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
     stored_lw = stored_bytes(model, input_size, eb, fused=False)
     stored_fused = stored_bytes(model, input_size, eb, fused=True)
 
-    rows = []
+    rows, forwards = [], {}
     for path, m in blocks:
         kernels = lw.block(path, m)
         layerwise = {end: sum(layerwise_time(k, hw, end) for k in kernels) for end in ENDS}
@@ -416,11 +423,16 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
                       for name, macs, rd, wr in mbconv_fused_forward.narrow_passes(n, c, h, w, m.conv_project
                                                                                    .out_channels, m.stride)]
             backward = [k for k in kernels if not _is_forward(k)] + lw.recompute(path, m)
-            glue[path] = (fused_forward[path] - mbconv_fused_forward.NARROW_ATEN_OPS[m.stride]
-                          + mbconv_recompute.SMALL_OPS_PER_STEP)
-            predicted = {end: sum(e.predicted(end) for e in mine)
-                         + sum(layerwise_time(k, hw, end) for k in narrow + backward)
-                         + glue[path] * hw.launch_graph_us.pick(end) * 1e-6 for end in ENDS}
+            own_glue = fused_forward[path] - mbconv_fused_forward.NARROW_ATEN_OPS[m.stride]
+            glue[path] = own_glue + mbconv_recompute.SMALL_OPS_PER_STEP
+            forward = {end: sum(e.predicted(end) for e in mine)
+                       + sum(layerwise_time(k, hw, end) for k in narrow)
+                       + own_glue * hw.launch_graph_us.pick(end) * 1e-6 for end in ENDS}
+            forwards[path] = (forward, {end: sum(layerwise_time(k, hw, end) for k in kernels
+                                                 if _is_forward(k)) for end in ENDS})
+            predicted = {end: forward[end] + sum(layerwise_time(k, hw, end) for k in backward)
+                         + mbconv_recompute.SMALL_OPS_PER_STEP * hw.launch_graph_us.pick(end) * 1e-6
+                         for end in ENDS}
             bounds = sorted({e.bound("high") for e in mine}) + ["layer-wise backward + recompute"]
             n_launches = len(mine) + len(narrow) + len(backward)
             spills = max(est.variants[e.variant]["stack_bytes"] for e in mine)
@@ -449,6 +461,9 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
             stored_bytes=batch * stored_fused.get(path, 0),
             layerwise_stored_bytes=batch * stored_lw.get(path, 0),
         ))
+        if path in forwards:  # the forward alone: the fused launches (+ narrow passes) against layer-wise
+            rows[-1].update(forward_ms={k: v * 1e3 for k, v in forwards[path][0].items()},
+                            layerwise_forward_ms={k: v * 1e3 for k, v in forwards[path][1].items()})
     stages: dict[str, dict] = {}
     for r in rows:
         s = stages.setdefault(r["stage"], dict(stage=r["stage"], blocks=0, fused_blocks=0,
@@ -510,9 +525,10 @@ def to_markdown(rep: dict) -> str:
         "Static estimate (fused blocks: compiled launches, low-high ends of the cost model, plus one "
         "launch gap per small aten op between them) against the layer-wise training bound (every layer's "
         "forward, dgrad, wgrad, the BatchNorm passes, stored activations written and read back; "
-        "convfirstnet/analysis/training.py). MBConv blocks (recompute, layer-wise kernels: only the narrow "
-        "input stored) are counted at their layer-wise bound plus the forward kernels recomputed in the "
-        "backward; other blocks without a fused training op at their layer-wise bound. Estimates, not "
+        "convfirstnet/analysis/training.py). MBConv blocks (only the narrow input stored): the forward as "
+        "the fused MBConv kernels' launches where they run (BatchNorms folded with the batch statistics), "
+        "else layer-wise; the backward at the layer-wise bound's backward kernels plus the forward kernels "
+        "recomputed; other blocks without a fused training op at their layer-wise bound. Estimates, not "
         "measurements.",
         "",
         "| stage | blocks (fused, recompute) | predicted ms | layer-wise bound ms | ratio (low, high) "
@@ -549,6 +565,17 @@ def to_markdown(rep: dict) -> str:
             f"{total('stored_bytes') / 1e6:.0f} MB against {total('layerwise_stored_bytes') / 1e6:.0f} MB "
             f"({total('stored_bytes') / max(1, total('layerwise_stored_bytes')):.2f}).",
         ]
+        ff = [b for b in rc if "forward_ms" in b]
+        if ff:
+            def fsum(key, end):
+                return sum(b[key][end] for b in ff)
+            lines[-1] += (
+                f" The forward of {len(ff)} of them runs through the fused MBConv kernels (BatchNorms folded "
+                f"with the batch statistics: fold, moments, hidden and projection launches, the narrow torch "
+                f"passes): predicted {fsum('forward_ms', 'low'):.3f}-{fsum('forward_ms', 'high'):.3f} ms "
+                f"against {fsum('layerwise_forward_ms', 'low'):.3f}-"
+                f"{fsum('layerwise_forward_ms', 'high'):.3f} ms for their layer-wise forward; their backward "
+                "stays the recompute with layer-wise kernels.")
     tg = rep["targets"]
     r = t["step_over_layerwise"]["high"]
     lines += [
