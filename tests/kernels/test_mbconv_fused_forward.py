@@ -228,3 +228,28 @@ def test_small_training_forward_compiles_for_sm90():
             problems.append(f"{where}: {c.shared} B shared, {_spills_in_loops(c)} spills in loops, "
                             f"{c.mma_kind}")
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("c,k,stride,side", SMALL_SHAPES)
+def test_small_forward_on_gpu(monkeypatch, dtype, c, k, stride, side):
+    """Fused Small's MBConv shapes, batch 16, through the compiled kernels: the output and the running
+    statistics against the layer-wise training forward in fp32 on the same 16-bit input, within a few
+    units of the dtype's rounding (norm errors; fp16 2^-11, bf16 2^-8)."""
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "auto")
+    block = _block(c, k, stride).cuda()
+    x = (torch.randn(16, c, side, side, device="cuda") + 0.5).to(dtype).contiguous(memory_format=CL)
+    drop = torch.ones(16, device="cuda")
+    calls = []
+    real = mbconv_fused_forward.forward
+    monkeypatch.setattr(mbconv_fused_forward, "forward", lambda *a: calls.append(1) or real(*a))
+    got = torch.ops.convfirstnet.mbconv_recompute_train(*_op_args(block, x, drop, dtype))
+    assert calls == [1]
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "reference")
+    want = torch.ops.convfirstnet.mbconv_recompute_train(*_op_args(block, x.float(), drop, torch.float32))
+    tol = 1e-2 if dtype == torch.float16 else 5e-2
+    for i, (g, r) in enumerate(zip(got, want)):
+        err = ((g.double() - r.double()).norm() / r.double().norm()).item()
+        assert err <= tol, f"output {i}: {err:.3g}"
