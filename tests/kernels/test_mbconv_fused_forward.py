@@ -4,20 +4,24 @@ widths on small maps: every loop of the kernels runs more than once (work items 
 chunks, images per item, pixel tiles and sub-tiles, exact and masked tilings, both strides).
 
 * The moments launch against torch on the reference conv output u = gconv(SiLU(W_exp x + b)): the
-  per-image sums of u - shift and of its square, and the merged batch mean and biased variance.
+  per-image sums of u - shift and of its square; then BN_d's fold launch (factor 1): running mean and
+  variance = the batch mean and unbiased variance, the folded weights and bias.
 * The whole forward (output and the six running statistics) against the layer-wise training forward
-  (mbconv_recompute._layers, the same op with the kernels off).
+  (mbconv_recompute._layers, the same op with the kernels off); BN_e's fold is checked through it.
+* The launches fused Small's training forward adds, compiled for sm_90 (``compile``), and a GPU check.
 
 Tolerances. fp32: both sides accumulate in fp32 and differ in summation order (over <= 81 pixels per
-image, R <= 512 channels, the C x C covariance against a pass over e) and in where BatchNorm is applied
+image, R <= 512 channels, the C x C Gram matrix against a pass over e) and in where BatchNorm is applied
 (folded into the weights, against normalising the layer's output): ~1e-7 relative to each tensor's
 maximum observed (2e-7 ... 5e-7); compared within 1e-5. fp16 (the resident 16-bit path): the kernels
 round h, g, the gate, the projection and the folded weights to fp16 (u = 2^-11 = 4.9e-4 each), so the
 output carries a few u against the fp64 forward (observed 7e-4 of its maximum): 3e-3; the running
-statistics come from fp32 sums of those values (observed <= 3e-5): 2e-4. Planted bugs checked to fail:
-a dropped partial (one image's sub-tile row not stored by the kernel), the biased variance in the
-running update, a wrong divisor in the merge (M - 1 for M); each changes a compared tensor by >= 5e-4
-of its maximum.
+statistics come from fp32 sums of those values (observed <= 3e-5): 2e-4; folded weights and bias
+rounded to fp16 once: 2^-10. Planted bugs checked to fail (each fails 3 to 6 of these tests): a
+dropped partial (program 1's moment rows not stored), the biased variance in the running update, a
+wrong divisor in the merge (N P - 1 for N P), the last tile of images skipped in the merge's second
+pass, the Gram step offset dropped in BN_e's fold; each changes a compared tensor by >= 5e-4 of its
+maximum.
 """
 
 from __future__ import annotations
