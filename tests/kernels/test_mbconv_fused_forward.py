@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from convfirstnet import mbconv_fused_forward, mbconv_recompute
+from convfirstnet import mbconv_fused_forward
 from convfirstnet.blocks import MBConv
 
 CL = torch.channels_last
