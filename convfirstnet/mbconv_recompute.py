@@ -1,6 +1,6 @@
 """MBConv + SE training that stores only the block's narrow input: the wide hidden activations (expand,
 grouped conv, SE, gate; R = 4C channels) are recomputed from it in the backward, with layer-wise
-kernels. No fused Triton kernel: the same layers as the training form, run twice.
+kernels (the forward, where the Triton kernels run, through the fused MBConv kernels).
 
     torch.ops.convfirstnet.mbconv_recompute_train(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d,
         w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p, beta_p, running_mean_e, running_var_e,
@@ -18,10 +18,13 @@ Weights in the module's shapes (4-D); the three BatchNorms normalise with the ba
 the factor of ``nn.BatchNorm2d`` (``momenta``: each one's momentum, or -1 for None: then 1 /
 num_batches_tracked, which the caller has already counted), by the same kernel and rule, and returned:
 the caller copies them back (a differentiable op must not mutate its inputs). Only ``out`` is
-differentiable. Autograd saves x, the weights and drop_scale; ``mbconv_recompute_train_backward``
-reruns the forward without touching any running statistic (running stats None, the same batch
-statistics, deterministically) and applies aten's backward of each layer (``convolution_backward``,
-``native_batch_norm_backward``, ``silu_backward``, ...): the formulas autograd of the training form uses.
+differentiable. Where the MBConv kernels run (mbconv_fused_forward.selected) the forward is theirs,
+the BatchNorms folded per step with the batch statistics (mbconv_fused_forward.py); elsewhere, and on
+fake tensors, the layers below. Autograd saves x, the weights and drop_scale;
+``mbconv_recompute_train_backward`` reruns the layer-wise forward without touching any running statistic
+(running stats None, the same batch statistics, deterministically) and applies aten's backward of each
+layer (``convolution_backward``, ``native_batch_norm_backward``, ``silu_backward``, ...): the formulas
+autograd of the training form uses.
 
 The group-width-8 conv runs ``torch.ops.convfirstnet.gconv3x3`` (+ ``_dgrad``, ``_wgrad``) when the
 Triton kernels are selected for x (``kernels._launch.use_triton``), ``F.conv2d`` otherwise. Both ops are
@@ -34,6 +37,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import mbconv_fused_forward
 from .kernels._blurpool import blur_filter
 from .kernels._launch import GROUP_WIDTH, use_triton
 
@@ -89,12 +93,18 @@ def _forward(x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d:
     # nn.BatchNorm2d's factor: the momentum, or 1 / num_batches_tracked (already counted) for momentum None
     factors = tuple(m if m >= 0 else 1.0 / float(n) for m, n in zip(momenta, counts))
     return _train(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj,
-                  gamma_p, beta_p, (rm_e, rv_e, rm_d, rv_d, rm_p, rv_p), drop_scale, stride, factors, eps)
+                  gamma_p, beta_p, (rm_e, rv_e, rm_d, rv_d, rm_p, rv_p), drop_scale, stride, factors, eps,
+                  fused=True)
 
 
 def _train(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,
-           beta_p, running, drop_scale, stride, factors, eps):
+           beta_p, running, drop_scale, stride, factors, eps, fused=False):
     running = tuple(t.clone() for t in running)
+    if fused and mbconv_fused_forward.selected(x, w_exp, w_proj, stride):  # the MBConv kernels
+        out = mbconv_fused_forward.forward(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1,
+                                           w_se2, b_se2, w_proj, gamma_p, beta_p, running, drop_scale, stride,
+                                           factors, eps)
+        return (out, *running)
     v = _layers(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,
                 beta_p, drop_scale, stride, eps, running, factors)
     return (v["out"], *running)

@@ -18,7 +18,14 @@ Per block of the training-form model (``stem``, ``stages.i.j``, ``head``, ``clas
   plus the forward kernels run again in the backward (expand, BatchNorm statistics and normalise + SiLU,
   grouped conv, BatchNorm, BlurPool, SE pool, fc1, fc2, gate, project, BatchNorm: ``_LayerWise.recompute``),
   plus one launch gap per small op of the path (``mbconv_recompute.SMALL_OPS_PER_STEP``: the running
-  statistics' copies). Not a fused kernel: slower than layer-wise by the recompute;
+  statistics' copies). Where the op's forward runs through the fused MBConv kernels
+  (convfirstnet/mbconv_fused_forward.py: the BatchNorms folded with the batch statistics), the forward
+  is counted instead as its recorded launches (``record_mbconv_forward``: the two fold launches, the
+  moments variant of the hidden kernel, the hidden kernel, the projection without residual; estimated
+  like the fused blocks'), its narrow torch passes (``mbconv_fused_forward.narrow_passes``: x's mean,
+  centring and Gram matrix, BN_p's statistics and normalisation, drop-path + residual; each at the
+  layer-wise rule below) and one launch gap per other aten op; the backward stays the layer-wise
+  bound's backward kernels plus the recompute;
 * layer-wise training bound: every layer as its own kernels, each at max(tensor, DRAM, L2) time of
   its MACs and bytes plus one launch gap in a CUDA graph (``estimate.layerwise_time``, the waterline's
   rule with the report's constants). Kernels and bytes (activations in the report's dtype, every input
@@ -57,7 +64,7 @@ import torch
 import torch.nn as nn
 
 import convfirstnet
-from convfirstnet import mbconv_recompute, training_kernels
+from convfirstnet import mbconv_fused_forward, mbconv_recompute, training_kernels
 from convfirstnet.blocks import ConvFirst, Head, MBConv, Stem
 from convfirstnet.kernels._cost import recording
 
@@ -74,6 +81,13 @@ BLOCK_TYPES = (Stem, ConvFirst, MBConv, Head, nn.Linear)
 TARGETS = dict(step_over_layerwise=0.5, stored_over_layerwise=0.25)  # issue 20, item 3 (high end)
 # how a block trains, by (fused, recompute)
 PATHS = {(True, False): "fused", (False, True): "recompute, layer-wise kernels", (False, False): "layer-wise"}
+FUSED_FORWARD_PATH = "fused forward; recompute backward, layer-wise kernels"
+# names of the layer-wise kernels (_LayerWise.block) that belong to the forward
+_FORWARD_KERNELS = (" forward", " statistics", " normalise", " pool", " gate")
+
+
+def _is_forward(k: "TrainKernel") -> bool:
+    return k.name.endswith(_FORWARD_KERNELS)
 
 
 @dataclass(frozen=True)
@@ -319,6 +333,32 @@ def record_fused_block(block: nn.Module, in_shape: tuple, batch: int, dtype: tor
     return rec.launches, counter.count
 
 
+def record_mbconv_forward(block: nn.Module, in_shape: tuple, batch: int, dtype: torch.dtype, tgt
+                          ) -> tuple[list, int] | None:
+    """The Triton launches of an MBConv block's training forward through the fused kernels
+    (mbconv_fused_forward.py) on meta tensors, with the block's weights in fp32 as autocast keeps them,
+    and the number of its other aten ops; None where that forward is not selected."""
+    import copy
+
+    meta = copy.deepcopy(block).to("meta").train()
+    x = torch.empty(batch, *in_shape[1:], device="meta", dtype=dtype).contiguous(
+        memory_format=torch.channels_last)
+    bns = (meta.bn_expand, meta.bn_dw, meta.bn_project)
+    se = meta.se
+    weights = (meta.conv_expand.weight, bns[0].weight, bns[0].bias, meta.conv_dw.weight, bns[1].weight,
+               bns[1].bias, se.fc1.weight, se.fc1.bias, se.fc2.weight, se.fc2.bias, meta.conv_project.weight,
+               bns[2].weight, bns[2].bias)
+    running = tuple(t.clone() for bn in bns for t in (bn.running_mean, bn.running_var))
+    drop = torch.ones(batch, device="meta")  # the caller's (training_kernels._drop_scale)
+    counter = _CountLaunches()
+    with recording(sms=tgt.sms, l2_bytes=tgt.l2_bytes) as rec:
+        if not mbconv_fused_forward.selected(x, weights[0], weights[10], meta.stride):
+            return None
+        with counter:
+            mbconv_fused_forward.forward(x, *weights, running, drop, meta.stride, (0.1,) * 3, bns[0].eps)
+    return rec.launches, counter.count
+
+
 def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *, batch: int,
                           dtype: str = "float16", arch: int | str = 90, jobs: int | None = None,
                           progress: Callable[[str], None] | None = None, name: str | None = None) -> dict:
@@ -339,10 +379,15 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
 
     # fused blocks: record, compile, estimate
     launches, owner = [], []
-    fused_paths, glue, recomputed = [], {}, set()
+    fused_paths, glue, recomputed, fused_forward = [], {}, set(), {}
     for path, m in blocks:
         if training_kernels.unsupported(m) is None and training_kernels.recomputes(m):
             recomputed.add(path)
+            recorded = record_mbconv_forward(m, shapes[path][0], batch, torch_dtype, tgt)
+            if recorded is not None:  # the forward through the fused MBConv kernels
+                launches += recorded[0]
+                owner += [path] * len(recorded[0])
+                fused_forward[path] = recorded[1]
         elif training_kernels.unsupported(m) is None:
             ls, glue[path] = record_fused_block(m, shapes[path][0], batch, torch_dtype, tgt)
             launches += ls
@@ -354,7 +399,7 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
     stored_lw = stored_bytes(model, input_size, eb, fused=False)
     stored_fused = stored_bytes(model, input_size, eb, fused=True)
 
-    rows = []
+    rows, forwards = [], {}
     for path, m in blocks:
         kernels = lw.block(path, m)
         layerwise = {end: sum(layerwise_time(k, hw, end) for k in kernels) for end in ENDS}
@@ -366,6 +411,30 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
                          + glue[path] * hw.launch_graph_us.pick(end) * 1e-6 for end in ENDS}
             bounds = sorted({e.bound("high") for e in mine})
             n_launches = len(mine)
+            spills = max(est.variants[e.variant]["stack_bytes"] for e in mine)
+            kinds = {k for e in mine for k in est.variants[e.variant]["mma_kind"].split("+")}
+            mma = sorted(kinds - {"none"})
+        elif path in fused_forward:
+            # forward: the fused launches, the narrow torch passes and a launch gap per other aten op;
+            # backward: the layer-wise bound's backward kernels and the recompute, as below
+            mine = [e for e, o in zip(est.launches, owner) if o == path]
+            n, c, h, w = batch, *shapes[path][0][1:]
+            narrow = [TrainKernel(f"{path} {name}", macs, (rd + wr) * eb)
+                      for name, macs, rd, wr in mbconv_fused_forward.narrow_passes(n, c, h, w, m.conv_project
+                                                                                   .out_channels, m.stride)]
+            backward = [k for k in kernels if not _is_forward(k)] + lw.recompute(path, m)
+            own_glue = fused_forward[path] - mbconv_fused_forward.NARROW_ATEN_OPS[m.stride]
+            glue[path] = own_glue + mbconv_recompute.SMALL_OPS_PER_STEP
+            forward = {end: sum(e.predicted(end) for e in mine)
+                       + sum(layerwise_time(k, hw, end) for k in narrow)
+                       + own_glue * hw.launch_graph_us.pick(end) * 1e-6 for end in ENDS}
+            forwards[path] = (forward, {end: sum(layerwise_time(k, hw, end) for k in kernels
+                                                 if _is_forward(k)) for end in ENDS})
+            predicted = {end: forward[end] + sum(layerwise_time(k, hw, end) for k in backward)
+                         + mbconv_recompute.SMALL_OPS_PER_STEP * hw.launch_graph_us.pick(end) * 1e-6
+                         for end in ENDS}
+            bounds = sorted({e.bound("high") for e in mine}) + ["layer-wise backward + recompute"]
+            n_launches = len(mine) + len(narrow) + len(backward)
             spills = max(est.variants[e.variant]["stack_bytes"] for e in mine)
             kinds = {k for e in mine for k in est.variants[e.variant]["mma_kind"].split("+")}
             mma = sorted(kinds - {"none"})
@@ -383,14 +452,18 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
         rows.append(dict(
             block=path, stage=_stage_label(path),
             kind=type(m).__name__ + (f" s{m.stride}" if hasattr(m, "stride") else ""),
-            fused=fused, recompute=path in recomputed,
-            path=PATHS[(fused, path in recomputed)], launches=n_launches, glue_launches=glue.get(path, 0),
+            fused=fused, recompute=path in recomputed, fused_forward=path in fused_forward,
+            path=FUSED_FORWARD_PATH if path in fused_forward else PATHS[(fused, path in recomputed)],
+            launches=n_launches, glue_launches=glue.get(path, 0),
             predicted_ms={k: v * 1e3 for k, v in predicted.items()},
             layerwise_ms={k: v * 1e3 for k, v in layerwise.items()}, bounds=bounds, stack_bytes=spills,
             mma_kinds=mma, layerwise_kernels=len(kernels),
             stored_bytes=batch * stored_fused.get(path, 0),
             layerwise_stored_bytes=batch * stored_lw.get(path, 0),
         ))
+        if path in forwards:  # the forward alone: the fused launches (+ narrow passes) against layer-wise
+            rows[-1].update(forward_ms={k: v * 1e3 for k, v in forwards[path][0].items()},
+                            layerwise_forward_ms={k: v * 1e3 for k, v in forwards[path][1].items()})
     stages: dict[str, dict] = {}
     for r in rows:
         s = stages.setdefault(r["stage"], dict(stage=r["stage"], blocks=0, fused_blocks=0,
@@ -452,9 +525,10 @@ def to_markdown(rep: dict) -> str:
         "Static estimate (fused blocks: compiled launches, low-high ends of the cost model, plus one "
         "launch gap per small aten op between them) against the layer-wise training bound (every layer's "
         "forward, dgrad, wgrad, the BatchNorm passes, stored activations written and read back; "
-        "convfirstnet/analysis/training.py). MBConv blocks (recompute, layer-wise kernels: only the narrow "
-        "input stored) are counted at their layer-wise bound plus the forward kernels recomputed in the "
-        "backward; other blocks without a fused training op at their layer-wise bound. Estimates, not "
+        "convfirstnet/analysis/training.py). MBConv blocks (only the narrow input stored): the forward as "
+        "the fused MBConv kernels' launches where they run (BatchNorms folded with the batch statistics), "
+        "else layer-wise; the backward at the layer-wise bound's backward kernels plus the forward kernels "
+        "recomputed; other blocks without a fused training op at their layer-wise bound. Estimates, not "
         "measurements.",
         "",
         "| stage | blocks (fused, recompute) | predicted ms | layer-wise bound ms | ratio (low, high) "
@@ -491,6 +565,17 @@ def to_markdown(rep: dict) -> str:
             f"{total('stored_bytes') / 1e6:.0f} MB against {total('layerwise_stored_bytes') / 1e6:.0f} MB "
             f"({total('stored_bytes') / max(1, total('layerwise_stored_bytes')):.2f}).",
         ]
+        ff = [b for b in rc if "forward_ms" in b]
+        if ff:
+            def fsum(key, end):
+                return sum(b[key][end] for b in ff)
+            lines[-1] += (
+                f" The forward of {len(ff)} of them runs through the fused MBConv kernels (BatchNorms folded "
+                f"with the batch statistics: fold, moments, hidden and projection launches, the narrow torch "
+                f"passes): predicted {fsum('forward_ms', 'low'):.3f}-{fsum('forward_ms', 'high'):.3f} ms "
+                f"against {fsum('layerwise_forward_ms', 'low'):.3f}-"
+                f"{fsum('layerwise_forward_ms', 'high'):.3f} ms for their layer-wise forward; their backward "
+                "stays the recompute with layer-wise kernels.")
     tg = rep["targets"]
     r = t["step_over_layerwise"]["high"]
     lines += [

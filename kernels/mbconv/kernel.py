@@ -183,7 +183,7 @@ def _mbconv_hidden_kernel(
     TW: tl.constexpr, BM: tl.constexpr, EM: tl.constexpr, TWO: tl.constexpr, BMO: tl.constexpr,
     EXACT: tl.constexpr, RESIDENT: tl.constexpr, XM: tl.constexpr, HWP: tl.constexpr,
     ZB: tl.constexpr, SILU: tl.constexpr, PREC: tl.constexpr, CS: tl.constexpr, SEB: tl.constexpr,
-    NS: tl.constexpr,
+    NS: tl.constexpr, MOMENTS: tl.constexpr = False,
 ):
     G: tl.constexpr = RB // 8
     GS: tl.constexpr = G * CS  # conv batch: each group's pixel tile split in CS sub-tiles
@@ -309,6 +309,9 @@ def _mbconv_hidden_kernel(
                 # ---- grouped conv (+ SiLU), 64-pixel tiles
                 if STRIDE == 1:
                     pool = tl.zeros((GS, MS, 8), dtype=tl.float32)
+                if MOMENTS:  # BatchNorm statistics pass (kernels/mbconv/moments.py): no g, no pool, no SE
+                    mom1 = tl.zeros((GS, MS, 8), dtype=tl.float32)
+                    mom2 = tl.zeros((GS, MS, 8), dtype=tl.float32)
                 for t in tl.range(0, ntile, num_stages=1):
                     y, xx_, yc, xc, ok = _tile(t, ncol, H, W, m, TW, TH, EXACT)
                     qp = (yc + 1) * ROWE + (xc + 1) * 8
@@ -318,9 +321,15 @@ def _mbconv_hidden_kernel(
                     acc = tl.dot(_conv_pair_h(hi, qp, PW, 3, G, CS), w3, acc, input_precision=PREC)
                     acc = tl.dot(_conv_pair_h(hi, qp, PW, 4, G, CS), w4, acc, input_precision=PREC)
                     v = _silu(acc, hb_c, SILU)
+                    if MOMENTS:  # u = the conv output minus a shift (b_conv = the shift): sums of u and u^2
+                        u = acc - 2.0 * hb_c
+                        if not EXACT:
+                            u = tl.where(ok[:, :, None], u, 0.0)
+                        mom1 += u
+                        mom2 += u * u
                     pix = (y * W + xx_)[:, :, None]
                     ok3 = ok[:, :, None]
-                    if STRIDE == 1:
+                    if STRIDE == 1 and not MOMENTS:
                         gp = g_ptr + (n * OHW + pix).to(tl.int64) * R + r3
                         if EXACT:
                             pool += v
@@ -331,12 +340,18 @@ def _mbconv_hidden_kernel(
                         else:
                             pool += tl.where(ok3, v, 0.0)
                             tl.store(gp, v.to(dtype), mask=ok3 & (r3 < R))
-                    else:  # the full-resolution g into its own slot, [H W pixels][RB]
+                    elif not MOMENTS:  # the full-resolution g into its own slot, [H W pixels][RB]
                         if EXACT:
                             tl.store(gs + pix * RB + g3 * 8 + c3, v.to(dtype))
                         else:
                             tl.store(gs + pix * RB + g3 * 8 + c3, v.to(dtype), mask=ok3)
-                if STRIDE == 1:
+                if MOMENTS:  # per (image, pixel sub-tile) partials, fp32, into z_ptr: [N][2][CS][R]
+                    r2 = ((bs % CS) * R + r0 + (bs // CS) * 8)[:, None] + tl.arange(0, 8)[None, :]
+                    r2_ok = (r0 + (bs // CS) * 8)[:, None] + tl.arange(0, 8)[None, :] < R
+                    mrow = z_ptr + tl.cast(n, tl.int64) * (2 * CS * R)
+                    tl.store(mrow + r2, tl.sum(mom1, axis=1), mask=r2_ok)
+                    tl.store(mrow + CS * R + r2, tl.sum(mom2, axis=1), mask=r2_ok)
+                elif STRIDE == 1:
                     if NS == CS:  # each pixel sub-tile's sums as a row of its own ([CS][RB]),
                         # added by _se_partial (the sum over the sub-tiles here takes a layout conversion)
                         r2 = ((bs % CS) * RB + (bs // CS) * 8)[:, None] + tl.arange(0, 8)[None, :]
@@ -347,12 +362,14 @@ def _mbconv_hidden_kernel(
                         if CS > 1:  # the group's CS sub-tiles
                             psum = tl.sum(tl.reshape(psum, (G, CS, 8)), axis=1)
                         tl.store(ms + r2, psum * inv_ohw)
-                else:
+                elif STRIDE == 2:
                     tl.debug_barrier()
                     _blur(gs, g_ptr, ms, n, r0, rr, r_ok, H, W, OH, OW, R, ncol_o, ntile_o, mo, RB, TWO, THO,
                           EXACT, MASK_R)
                 tl.debug_barrier()
-                _se_partial(ms, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, sw1_r, RB, SP, SEB, NS)
+                if not MOMENTS:
+                    _se_partial(ms, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, sw1_r, RB, SP, SEB,
+                                NS)
 
 
 @triton.jit

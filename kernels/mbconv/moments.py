@@ -1,0 +1,297 @@
+"""The MBConv kernels (kernel.py) in a training step's forward, where the three BatchNorms normalise with
+the batch's statistics (convfirstnet/mbconv_fused_forward.py folds them per step):
+
+* ``moment_partials``: the hidden kernel in its moments mode (``MOMENTS``): expand (BN_e folded) + SiLU
+  + grouped conv as in inference, then, instead of g, the pool and the SE partials, per image and pixel
+  sub-tile of the conv the fp32 sums of ``u - shift`` and of its square per hidden channel (``u`` the
+  conv output before BN_d, the shift passed as the conv bias: BN_d's running mean, which keeps the
+  per-image sums of squares from cancelling when the mean is large against the spread), written to
+  their own rows ([N][2][CS][R], no atomics).
+* ``fold_expand`` and ``fold_conv`` (``_fold_expand_kernel``, ``_fold_conv_kernel``): one small launch
+  each that turns a BatchNorm's batch statistics into the folded weights and bias of the kernels (in
+  x's dtype) and updates its running statistics in place (nn.BatchNorm2d's rule, unbiased variance).
+  BN_e: mean and variance of W x from x's mean and Gram matrix (the caller's torch ops); BN_d: the
+  moment rows merged in a fixed order (per image, then Chan's rule over the images, in tiles of images).
+  They replace ~60 per-channel torch ops, each a launch of its own.
+* ``mbconv_unnormalised``: the usual launch pair (hidden kernel writing g and the SE partials,
+  projection) without the residual: ``W_proj (g * gate) + b_proj``, whose BatchNorm the caller applies.
+
+The geometry, buffers and cost declarations are launcher.py's (``mbconv_config``, ``hidden_cost``,
+``project_cost``); the moments launch declares the hidden kernel's work less what it skips.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from .._cost import KernelCost, Loop
+from .._launch import launch
+from .kernel import _mbconv_hidden_kernel, _mbconv_project_kernel
+from .launcher import BMO, FP32_PRECISION, MBConvGeometry, hidden_cost, mbconv_config, project_cost
+
+
+def _geometry(x: torch.Tensor, w_exp: torch.Tensor, w_se1: torch.Tensor, k: int, stride: int
+              ) -> MBConvGeometry:
+    n, c, h, w = x.shape
+    return mbconv_config(c, w_exp.shape[0], k, h, w, stride, n=n, s=w_se1.shape[0], dtype=x.dtype,
+                         dense=x.stride(2) == w * x.stride(3), device=x.device)
+
+
+def _settings(x: torch.Tensor) -> tuple[int, str]:
+    """(SILU mode, dot precision) as launcher.mbconv_triton picks them."""
+    silu = 0 if x.dtype == torch.float32 or x.device.type == "cpu" else 1
+    return silu, FP32_PRECISION if x.dtype == torch.float32 else "tf32"
+
+
+def _scratch(geo: MBConvGeometry, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The hidden kernel's scratch (h slots, stride-2 g slots) and mean slots, as mbconv_triton makes them
+    (NaN-filled on CPU, so that a read before a write fails a test)."""
+    scratch = torch.empty((geo.programs * geo.slot,), device=x.device, dtype=x.dtype)
+    if x.device.type == "cpu":
+        scratch.fill_(float("nan"))
+    mslot = torch.empty((geo.programs, geo.mean_slot), device=x.device, dtype=torch.float32)
+    gscratch = scratch[geo.slot_images * geo.h_slot:] if geo.stride == 2 else scratch
+    return scratch, gscratch, mslot
+
+
+def moment_partials(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tensor, w_conv: torch.Tensor,
+                    shift: torch.Tensor, w_se1: torch.Tensor, k: int, stride: int) -> torch.Tensor:
+    """The moments launch: [N, 2, CS, R] fp32, [n, 0, j] the sums of ``u - shift`` over pixel sub-tile j of
+    image n, [n, 1, j] the sums of its square. ``w_exp``, ``b_exp``: the expand with BN_e folded;
+    ``w_conv``: the raw grouped-conv weights (R, 8, 3, 3); ``w_se1`` and ``k`` only size the geometry
+    (the same one as the launch pair that follows)."""
+    n, c, h, w = x.shape
+    r = w_exp.shape[0]
+    geo = _geometry(x, w_exp, w_se1, k, stride)
+    cs = geo.conv_split
+    parts = torch.empty((n, 2, cs, r), device=x.device, dtype=torch.float32)
+    if n == 0:
+        return parts
+    scratch, gscratch, mslot = _scratch(geo, x)
+    silu, prec = _settings(x)
+    unused = torch.empty((1,), device=x.device, dtype=x.dtype)  # g_ptr: no g is written
+    launch(_mbconv_hidden_kernel, (geo.programs,), x, w_exp, b_exp.contiguous(), w_conv, shift, w_se1,
+           unused, parts, scratch, gscratch, mslot, n, h, w, geo.oh, geo.ow, c, r, w_se1.shape[0], geo.nchunk,
+           geo.groups, geo.chunks_per_group, geo.items, geo.ib, geo.slot, *x.stride(),
+           *w_exp.stride(), *w_conv.stride(), *w_se1.stride(), cost=lambda: moments_cost(geo),
+           **geo.hidden_constexprs(silu, prec), MOMENTS=True)
+    return parts
+
+
+def moments_cost(geo: MBConvGeometry) -> KernelCost:
+    """The hidden kernel's declaration (launcher.hidden_cost) less what the moments mode skips: the g
+    store (stride 1: to DRAM; stride 2: its slot round trip and the blur), the pool and the SE partial
+    (its MACs, W_se1 and the partials' writes); plus the moment rows (fp32) written."""
+    full = hidden_cost(geo)
+    n, r, eb, hw, ohw = geo.n, geo.r, geo.elem, geo.hw, geo.ohw
+    useful = full.useful_macs - n * ((ohw * r * 9 if geo.stride == 2 else 0) + r * geo.s)
+    rows = n * 2 * geo.conv_split * r * 4
+    dram = full.dram_bytes - (geo.s * r + n * ohw * r) * eb - n * geo.nchunk * geo.sp * 4 + rows
+    l2 = full.l2_bytes - geo.nchunk * n * geo.rb * 8
+    if geo.stride == 2:
+        l2 -= geo.nchunk * (n * hw * geo.rb + n * geo.tiles_o * 9 * BMO * geo.rb) * eb
+
+    def strip(loops: tuple[Loop, ...]) -> tuple[Loop, ...]:
+        return tuple(dataclasses.replace(lp, body=strip(lp.body)) for lp in loops
+                     if lp.name != "blur tiles")
+
+    return dataclasses.replace(full, useful_macs=useful, dram_bytes=dram, l2_bytes=l2,
+                               loops=strip(full.loops),
+                               note=full.note + "; moments: per-image sums of u and u^2, no g")
+
+
+def mbconv_unnormalised(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tensor, w_conv: torch.Tensor,
+                        b_conv: torch.Tensor, w_se1: torch.Tensor, b_se1: torch.Tensor, w_se2: torch.Tensor,
+                        b_se2: torch.Tensor, w_proj: torch.Tensor, b_proj: torch.Tensor, stride: int
+                        ) -> torch.Tensor:
+    """``W_proj (g * gate) + b_proj`` (NHWC, x's dtype): launcher.mbconv_triton's launch pair without the
+    residual (whatever the stride), the weights with BN_e and BN_d folded (2-D 1x1 weights)."""
+    n, c, h, w = x.shape
+    r, k, s = w_exp.shape[0], w_proj.shape[0], w_se1.shape[0]
+    geo = _geometry(x, w_exp, w_se1, k, stride)
+    out = torch.empty((n, k, geo.oh, geo.ow), device=x.device, dtype=x.dtype,
+                      memory_format=torch.channels_last)
+    if n == 0:
+        return out
+    scratch, gscratch, mslot = _scratch(geo, x)
+    gbuf = torch.empty((n, geo.ohw, r), device=x.device, dtype=x.dtype)
+    zpart = torch.empty((n, geo.nchunk, geo.sp), device=x.device, dtype=torch.float32)
+    silu, prec = _settings(x)
+    b_exp, b_conv, b_proj, b_se1, b_se2 = (t.contiguous() for t in (b_exp, b_conv, b_proj, b_se1, b_se2))
+    launch(_mbconv_hidden_kernel, (geo.programs,), x, w_exp, b_exp, w_conv, b_conv, w_se1, gbuf, zpart,
+           scratch, gscratch, mslot, n, h, w, geo.oh, geo.ow, c, r, s, geo.nchunk, geo.groups,
+           geo.chunks_per_group, geo.items, geo.ib, geo.slot, *x.stride(), *w_exp.stride(), *w_conv.stride(),
+           *w_se1.stride(), cost=lambda: hidden_cost(geo), **geo.hidden_constexprs(silu, prec))
+    launch(_mbconv_project_kernel, geo.p_grid, gbuf, zpart, b_se1, w_se2, b_se2, w_proj, b_proj, x, out,
+           n, geo.ohw, geo.ow, r, k, s, geo.nchunk, geo.tpi, *x.stride(), *out.stride(), *w_se2.stride(),
+           *w_proj.stride(), cost=lambda: _no_residual(project_cost(geo), geo),
+           **dict(geo.project_constexprs(silu, prec), RESIDUAL=False))
+    return out
+
+
+def _no_residual(cost: KernelCost, geo: MBConvGeometry) -> KernelCost:
+    """project_cost without the residual tile's read (stride 1 declares it)."""
+    if geo.stride != 1:
+        return cost
+    out = geo.n * geo.ohw * geo.k * geo.elem
+    return dataclasses.replace(cost, dram_bytes=cost.dram_bytes - out,
+                               l1_unique_bytes_per_program=cost.l1_unique_bytes_per_program
+                               - geo.p_bm * geo.p_bn * geo.elem)
+
+
+# ------------------------------------------------------------------------------------------ folding
+
+FOLD_ROWS = 16  # output channels per program of the expand fold (a tl.dot M)
+FOLD_K = 32  # Gram rows per step
+FOLD_CHANNELS, FOLD_IMAGES = 32, 32  # the conv fold's tile: channels per program x images per step
+FOLD_WARPS = 4
+
+
+@triton.jit
+def _fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, f, unbias, eps):
+    """scale = gamma / sqrt(var + eps); stores the folded bias beta - mean scale and the running update
+    (1 - f) running + f (mean, unbiased var); returns the scale (fp32)."""
+    gamma = tl.load(gamma_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+    scale = gamma / tl.sqrt(var + eps)
+    tl.store(bf_ptr + r, (beta - mean * scale).to(bf_ptr.dtype.element_ty), mask=r_ok)
+    rm = tl.load(rm_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+    rv = tl.load(rv_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+    tl.store(rm_ptr + r, (1.0 - f) * rm + f * mean, mask=r_ok)
+    tl.store(rv_ptr + r, (1.0 - f) * rv + f * (var * unbias), mask=r_ok)
+    return scale
+
+
+@triton.jit
+def _fold_expand_kernel(w_ptr, mean_ptr, centre_ptr, gram_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, wf_ptr,
+                        bf_ptr, R, C, swr, swc, inv_m, f, unbias, eps,
+                        BR: tl.constexpr, CP: tl.constexpr, BK: tl.constexpr):
+    """BN_e of z = W x (W rounded to x's dtype, as the layer's conv rounds it): mean = W mean_x, var =
+    W (G / M - d d^T) W^T (diagonal), G the Gram matrix of x centred at ``centre`` (x's mean rounded to
+    x's dtype), d = mean_x - centre; folded into W (rows scaled) and a bias."""
+    dt = wf_ptr.dtype.element_ty
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    r_ok = r < R
+    cc = tl.arange(0, CP)
+    c_ok = cc < C
+    w = tl.load(w_ptr + r[:, None] * swr + cc[None, :] * swc, mask=r_ok[:, None] & c_ok[None, :], other=0.0)
+    w = w.to(dt).to(tl.float32)
+    mean_x = tl.load(mean_ptr + cc, mask=c_ok, other=0.0)
+    d = mean_x - tl.load(centre_ptr + cc, mask=c_ok, other=0.0).to(tl.float32)
+    wg = tl.zeros((BR, CP), dtype=tl.float32)
+    for k0 in range(0, C, BK):  # W G in steps of BK Gram rows (fp32 FMA: no TF32 rounding)
+        kk = k0 + tl.arange(0, BK)
+        k_ok = kk < C
+        wk = tl.load(w_ptr + r[:, None] * swr + kk[None, :] * swc, mask=r_ok[:, None] & k_ok[None, :],
+                     other=0.0)
+        g = tl.load(gram_ptr + kk[:, None] * C + cc[None, :], mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+        wg = tl.dot(wk.to(dt).to(tl.float32), g, wg, input_precision="ieee")
+    wd = tl.sum(w * d[None, :], axis=1)
+    var = tl.maximum(tl.sum(wg * w, axis=1) * inv_m - wd * wd, 0.0)
+    mean = tl.sum(w * mean_x[None, :], axis=1)
+    scale = _fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, f, unbias, eps)
+    tl.store(wf_ptr + r[:, None] * C + cc[None, :], (w * scale[:, None]).to(dt),
+             mask=r_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _fold_conv_kernel(parts_ptr, w_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, wf_ptr, bf_ptr, N, R, P, f,
+                      unbias, eps, CS: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
+    """BN_d from the moment rows ([N][2][CS][R]: sums of u - shift and its square per image and pixel
+    sub-tile, shift = the running mean, read before its update): per image mean_i and M2_i, then the
+    batch mean (of the image means) and M2 = sum M2_i + P (mean_i - mean)^2 (Chan), in tiles of BN
+    images in a fixed order; folded into the grouped conv's weights (R, 72) and a bias."""
+    dt = wf_ptr.dtype.element_ty
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    r_ok = r < R
+    inv_p = 1.0 / P
+    acc = tl.zeros((BR,), dtype=tl.float32)
+    for n0 in range(0, N, BN):
+        nn = n0 + tl.arange(0, BN)
+        ok = (nn < N)[:, None] & r_ok[None, :]
+        rows = parts_ptr + (nn * (2 * CS * R))[:, None] + r[None, :]
+        s1 = tl.zeros((BN, BR), dtype=tl.float32)
+        for j in tl.static_range(CS):
+            s1 += tl.load(rows + j * R, mask=ok, other=0.0)
+        acc += tl.sum(s1, axis=0) * inv_p
+    mean_s = acc / N
+    m2 = tl.zeros((BR,), dtype=tl.float32)
+    for n0 in range(0, N, BN):
+        nn = n0 + tl.arange(0, BN)
+        ok = (nn < N)[:, None] & r_ok[None, :]
+        rows = parts_ptr + (nn * (2 * CS * R))[:, None] + r[None, :]
+        s1 = tl.zeros((BN, BR), dtype=tl.float32)
+        s2 = tl.zeros((BN, BR), dtype=tl.float32)
+        for j in tl.static_range(CS):
+            s1 += tl.load(rows + j * R, mask=ok, other=0.0)
+            s2 += tl.load(rows + (CS + j) * R, mask=ok, other=0.0)
+        mi = s1 * inv_p
+        dev = mi - mean_s[None, :]
+        m2 += tl.sum(tl.where(ok, s2 - s1 * mi + P * dev * dev, 0.0), axis=0)
+    var = tl.maximum(m2 / (N * P), 0.0)
+    mean = mean_s + tl.load(rm_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+    scale = _fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, f, unbias, eps)
+    k = tl.arange(0, 128)
+    wm = r_ok[:, None] & (k < 72)[None, :]
+    w = tl.load(w_ptr + r[:, None] * 72 + k[None, :], mask=wm, other=0.0).to(dt).to(tl.float32)
+    tl.store(wf_ptr + r[:, None] * 72 + k[None, :], (w * scale[:, None]).to(dt), mask=wm)
+
+
+def fold_expand(w: torch.Tensor, mean_x: torch.Tensor, centre: torch.Tensor, gram: torch.Tensor,
+                gamma: torch.Tensor, beta: torch.Tensor, running_mean: torch.Tensor,
+                running_var: torch.Tensor, f: float, eps: float, pixels: int, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W_exp with BN_e folded (R, C), its bias (R,)) in ``dtype``; the running statistics updated in place.
+    ``w``: (R, C), any float dtype (rounded to ``dtype`` as the layer's conv does); ``mean_x`` (C,) fp32,
+    ``centre`` (C,) in ``dtype``, ``gram`` (C, C) fp32: sum over the M = ``pixels`` pixels of
+    (x - centre)(x - centre)^T."""
+    r, c = w.shape
+    wf = torch.empty((r, c), device=w.device, dtype=dtype)
+    bf = torch.empty((r,), device=w.device, dtype=dtype)
+    cp = max(16, triton.next_power_of_2(c))
+    eb = torch.empty((), dtype=dtype).element_size()
+    launch(_fold_expand_kernel, (triton.cdiv(r, FOLD_ROWS),), w, mean_x, centre, gram.contiguous(), gamma,
+           beta, running_mean, running_var, wf, bf, r, c, *w.stride(), 1.0 / pixels, f, pixels / (pixels - 1),
+           eps, cost=lambda: _fold_expand_cost(r, c, w.element_size(), eb),
+           BR=FOLD_ROWS, CP=cp, BK=min(FOLD_K, cp), num_warps=FOLD_WARPS)
+    return wf, bf
+
+
+def fold_conv(parts: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
+              running_mean: torch.Tensor, running_var: torch.Tensor, f: float, eps: float, pixels: int,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the grouped conv's weights with BN_d folded (R, 8, 3, 3), its bias (R,)) in ``dtype``, from
+    ``moment_partials``' rows over ``pixels`` pixels per image, whose shift was ``running_mean``; the
+    running statistics updated in place."""
+    n, _, cs, r = parts.shape
+    w = w.contiguous()
+    wf = torch.empty((r, 8, 3, 3), device=w.device, dtype=dtype)
+    bf = torch.empty((r,), device=w.device, dtype=dtype)
+    count = n * pixels
+    eb = torch.empty((), dtype=dtype).element_size()
+    launch(_fold_conv_kernel, (triton.cdiv(r, FOLD_CHANNELS),), parts, w, gamma, beta, running_mean,
+           running_var, wf, bf, n, r, pixels, f, count / (count - 1), eps,
+           cost=lambda: _fold_conv_cost(n, cs, r, w.element_size(), eb),
+           CS=cs, BR=FOLD_CHANNELS, BN=FOLD_IMAGES, num_warps=FOLD_WARPS)
+    return wf, bf
+
+
+def _fold_expand_cost(r: int, c: int, wb: int, eb: int) -> KernelCost:
+    """W (read twice: rows and K steps), the Gram matrix once per program (from L2 after the first), the
+    per-channel vectors; the folded W and bias written."""
+    progs = triton.cdiv(r, FOLD_ROWS)
+    dram = 2 * r * c * wb + c * c * 4 + 2 * c * 4 + r * c * eb + r * eb + 6 * r * 4
+    return KernelCost(r * c * c + 2 * r * c, 0, dram, (Loop("Gram steps", triton.cdiv(c, FOLD_K)),),
+                      l2_bytes=progs * c * c * 4, note="BN_e from x's Gram matrix, folded into W_exp")
+
+
+def _fold_conv_cost(n: int, cs: int, r: int, wb: int, eb: int) -> KernelCost:
+    """The moment rows read twice (two passes over the images), W_conv read, folded W_conv written."""
+    steps = triton.cdiv(n, FOLD_IMAGES)
+    dram = 2 * n * 2 * cs * r * 4 + r * 72 * (wb + eb) + r * eb + 6 * r * 4
+    return KernelCost(r * 72 + 4 * n * r, 0, dram, (Loop("images", steps), Loop("images again", steps)),
+                      note="BN_d from the moment rows (Chan's merge), folded into W_conv")

@@ -1,0 +1,259 @@
+"""The forward of mbconv_recompute_train through the fused MBConv kernels
+(convfirstnet/mbconv_fused_forward.py, kernels/mbconv/moments.py), in the interpreter at the model's
+widths on small maps: every loop of the kernels runs more than once (work items over 3 programs, hidden
+chunks, images per item, pixel tiles and sub-tiles, exact and masked tilings, both strides).
+
+* The moments launch against torch on the reference conv output u = gconv(SiLU(W_exp x + b)): the
+  per-image sums of u - shift and of its square; then BN_d's fold launch (factor 1): running mean and
+  variance = the batch mean and unbiased variance, the folded weights and bias.
+* The whole forward (output and the six running statistics) against the layer-wise training forward
+  (mbconv_recompute._layers, the same op with the kernels off); BN_e's fold is checked through it.
+* The launches fused Small's training forward adds, compiled for sm_90 (``compile``), and a GPU check.
+
+Tolerances. fp32: both sides accumulate in fp32 and differ in summation order (over <= 81 pixels per
+image, R <= 512 channels, the C x C Gram matrix against a pass over e) and in where BatchNorm is applied
+(folded into the weights, against normalising the layer's output): ~1e-7 relative to each tensor's
+maximum observed (2e-7 ... 5e-7); compared within 1e-5. fp16 (the resident 16-bit path): the kernels
+round h, g, the gate, the projection and the folded weights to fp16 (u = 2^-11 = 4.9e-4 each), so the
+output carries a few u against the fp64 forward (observed 7e-4 of its maximum): 3e-3; the running
+statistics come from fp32 sums of those values (observed <= 3e-5): 2e-4; folded weights and bias
+rounded to fp16 once: 2^-10. Planted bugs checked to fail (each fails 3 to 6 of these tests): a
+dropped partial (program 1's moment rows not stored), the biased variance in the running update, a
+wrong divisor in the merge (N P - 1 for N P), the last tile of images skipped in the merge's second
+pass, the Gram step offset dropped in BN_e's fold; each changes a compared tensor by >= 5e-4 of its
+maximum.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from convfirstnet import mbconv_fused_forward
+from convfirstnet.blocks import MBConv
+
+CL = torch.channels_last
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (3e-3, 2e-4)}  # (output, running statistics)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
+
+
+# ------------------------------------------------------------------------------------------------ moments
+
+# (N, C, H, W, stride, dtype): fp32 takes the tiled path (16 chunks of 32 channels, an item per image and
+# chunk over 3 programs); fp16 the RESIDENT one (an item of 3 images, 8 chunks of 64, 2 pixel sub-tiles
+# per group); the odd 9x9 stride-2 map masked tiles (2 per image) at C = 96 (padded to 128)
+MOMENT_SHAPES = [(3, 128, 8, 8, 1, torch.float32), (3, 128, 8, 8, 1, torch.float16),
+                 (2, 96, 9, 9, 2, torch.float32)]
+
+
+@pytest.fixture
+def small_fold_steps(monkeypatch):
+    """The conv fold's image loop in steps of 2 images (of 32), so that it runs more than once here."""
+    from convfirstnet.kernels.mbconv import moments
+
+    monkeypatch.setattr(moments, "FOLD_IMAGES", 2)
+
+
+@pytest.mark.parametrize("shape", MOMENT_SHAPES, ids=lambda s: f"n{s[0]}-c{s[1]}-{s[2]}x{s[3]}-s{s[4]}-"
+                         f"{str(s[5])[6:]}")
+def test_moments_and_fold_of_the_conv_output(interpreter_backend, small_fold_steps, shape):
+    """The moment rows (per image: sums of u - shift and of its square), then the fold launch with factor 1,
+    whose running mean and variance are then the batch mean and unbiased variance, and whose folded
+    weights and bias are gamma / sqrt(var + eps) W and beta - mean gamma / sqrt(var + eps)."""
+    from convfirstnet.kernels.mbconv.moments import fold_conv, moment_partials
+
+    n, c, h, w, stride, dt = shape
+    r, s = 4 * c, c // 4
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(n, c, h, w, generator=gen) + 0.5).to(dt).contiguous(memory_format=CL)
+    w_exp = (torch.randn(r, c, generator=gen) / c**0.5).to(dt)
+    b_exp = (0.3 * torch.randn(r, generator=gen)).to(dt)
+    w_dw = torch.randn(r, 8, 3, 3, generator=gen) / 72**0.5  # fp32 master weights
+    w_se1 = torch.randn(s, r, generator=gen).to(dt)
+    shift = 0.2 * torch.randn(r, generator=gen)
+    gamma, beta = torch.rand(r, generator=gen) + 0.5, 0.3 * torch.randn(r, generator=gen)
+    parts = moment_partials(x, w_exp, b_exp, w_dw.to(dt), shift, w_se1, c, stride)
+    # the reference: h rounded to x's dtype where the kernel rounds it, the conv in fp32
+    hid = F.silu(F.conv2d(x.float(), w_exp.float()[:, :, None, None], b_exp.float())).to(dt).float()
+    u = F.conv2d(hid, w_dw.to(dt).float(), padding=1, groups=r // 8)
+    us = u.double() - shift.double()[None, :, None, None]
+    sums = parts.double().sum(2)
+    assert _rel(sums[:, 0], us.sum((2, 3))) <= 1e-5
+    assert _rel(sums[:, 1], us.square().sum((2, 3))) <= 1e-5
+    rm, rv = shift.clone(), torch.ones(r)
+    wf, bf = fold_conv(parts, w_dw, gamma, beta, rm, rv, 1.0, 1e-5, h * w, dt)
+    var_ref, mean_ref = torch.var_mean(u.double(), (0, 2, 3), unbiased=False)
+    count = n * h * w
+    assert _rel(rm, mean_ref) <= 1e-5 and _rel(rv, var_ref * count / (count - 1)) <= 1e-5
+    scale = gamma.double() / (var_ref + 1e-5).sqrt()
+    tol = 1e-5 if dt == torch.float32 else 2**-10  # the folded weights and bias rounded to x's dtype
+    assert wf.dtype == bf.dtype == dt
+    assert _rel(wf, w_dw.to(dt).double() * scale[:, None, None, None]) <= tol
+    assert _rel(bf, beta.double() - mean_ref * scale) <= tol
+
+
+# ------------------------------------------------------------------------------------------------ forward
+
+
+def _block(c: int, k: int, stride: int) -> MBConv:
+    torch.manual_seed(0)
+    block = MBConv(c, k, stride).train()
+    with torch.no_grad():
+        for bn in (block.bn_expand, block.bn_dw, block.bn_project):
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.normal_(0.0, 0.3)
+            bn.running_mean.normal_(0.0, 0.2)
+            bn.running_var.uniform_(0.5, 2.0)
+    return block
+
+
+def _op_args(block: MBConv, x: torch.Tensor, drop: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """mbconv_recompute_train's arguments: momenta 0.1, None (factor 1 / 3: three batches counted), 0.3."""
+    bns = (block.bn_expand, block.bn_dw, block.bn_project)
+    se = block.se
+    cast = (lambda t: t.double()) if dtype == torch.float64 else (lambda t: t)
+    return (x, *(cast(t) for t in (block.conv_expand.weight, bns[0].weight, bns[0].bias, block.conv_dw.weight,
+                                   bns[1].weight, bns[1].bias, se.fc1.weight, se.fc1.bias, se.fc2.weight,
+                                   se.fc2.bias, block.conv_project.weight, bns[2].weight, bns[2].bias)),
+            *(cast(t.detach().clone()) for bn in bns for t in (bn.running_mean, bn.running_var)), cast(drop),
+            block.stride, [0.1, -1.0, 0.3], 1e-5, [torch.tensor(3)] * 3)
+
+
+# (N, C, K, H, W, stride, dtype): stride 1 with drop-path (one image dropped, two kept and scaled) and the
+# RESIDENT fp16 path; stride 2 on an odd map (masked tiles, BlurPool's reflection)
+FORWARD_SHAPES = [(3, 128, 128, 8, 8, 1, torch.float32), (2, 96, 192, 9, 9, 2, torch.float32),
+                  (3, 128, 128, 8, 8, 1, torch.float16)]
+
+
+@pytest.mark.parametrize("shape", FORWARD_SHAPES,
+                         ids=lambda s: f"n{s[0]}-c{s[1]}-k{s[2]}-{s[3]}x{s[4]}-s{s[5]}-{str(s[6])[6:]}")
+def test_forward_matches_the_layerwise_training_forward(interpreter_backend, small_fold_steps, monkeypatch,
+                                                        shape):
+    n, c, k, h, w, stride, dt = shape
+    block = _block(c, k, stride)
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(n, c, h, w, generator=gen) + 0.5).to(dt).contiguous(memory_format=CL)
+    drop = torch.tensor([0.0, 1.25, 1.25])[:n] if stride == 1 else torch.ones(n)
+    calls = []
+    real = mbconv_fused_forward.forward
+    monkeypatch.setattr(mbconv_fused_forward, "forward", lambda *a: calls.append(1) or real(*a))
+    got = torch.ops.convfirstnet.mbconv_recompute_train(*_op_args(block, x, drop, dt))
+    assert calls == [1]  # the fused kernels ran the forward
+    # the layer-wise training forward: fp32 as the kernels' input, fp64 for the 16-bit case
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "reference")
+    ref_dt = torch.float64 if dt == torch.float16 else dt
+    want = torch.ops.convfirstnet.mbconv_recompute_train(*_op_args(block, x.to(ref_dt), drop, ref_dt))
+    assert calls == [1] and got[0].dtype == dt and got[0].shape == want[0].shape
+    tol_out, tol_run = TOL[dt]
+    assert _rel(got[0], want[0]) <= tol_out, f"output: {_rel(got[0], want[0]):.3g}"
+    names = ("mean_e", "var_e", "mean_d", "var_d", "mean_p", "var_p")
+    for name, g, r in zip(names, got[1:], want[1:]):
+        assert _rel(g, r) <= tol_run, f"running {name}: {_rel(g, r):.3g}"
+
+
+def test_selection(triton_backend, monkeypatch):
+    """The fused forward only where the kernels run, in their dtypes and limits, with more than one value
+    per channel; the layer-wise forward otherwise."""
+    block = _block(32, 32, 1)
+    w_exp, w_proj = block.conv_expand.weight, block.conv_project.weight
+
+    def picks(x, stride=1, w_proj=w_proj):
+        return mbconv_fused_forward.selected(x.contiguous(memory_format=CL), w_exp, w_proj, stride)
+
+    x = torch.randn(2, 32, 4, 4)
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter's selection (CPU tensors)")
+    assert picks(x) and picks(x.half())
+    assert not picks(x.bfloat16())  # the interpreter's bf16 dot is wrong (launcher.check_supported)
+    assert not picks(x[:1, :, :1, :1])  # one value per channel
+    assert not picks(x, 1, torch.randn(64, 128, 1, 1))  # stride 1 must be C -> C
+    wide = torch.randn(1, 320, 2, 2)
+    assert not mbconv_fused_forward.selected(wide, torch.randn(1280, 320, 1, 1), torch.randn(320, 1280, 1, 1),
+                                             1)  # C past the kernels' 256
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "auto")  # auto: CPU tensors take the layers
+    assert not picks(x)
+
+
+# ------------------------------------------------------------------------------------------------ sm_90
+
+# fused Small's MBConv shapes at 256x256 (C, K, stride, map): stage 4's first block, stage 4, stage 5's
+# first block, stage 5
+SMALL_SHAPES = [(96, 256, 2, 32), (256, 256, 1, 16), (256, 256, 2, 16), (256, 256, 1, 8)]
+
+
+def record_forward(c: int, k: int, stride: int, side: int, n: int = 128, dtype=torch.float16) -> list:
+    """The launches of the fused training forward of one block on meta tensors (the cost recording)."""
+    from convfirstnet.kernels._cost import recording
+
+    block = _block(c, k, stride).to("meta")
+    x = torch.empty(n, c, side, side, device="meta", dtype=dtype).contiguous(memory_format=CL)
+    args = _op_args(block, x, torch.ones(n, device="meta"), dtype)
+    with recording() as rec:
+        assert mbconv_fused_forward.selected(x, args[1], args[11], stride)
+        mbconv_fused_forward.forward(*args[:14], tuple(args[14:20]), args[20], stride, (0.1,) * 3, 1e-5)
+    return rec.launches
+
+
+@pytest.mark.compile
+def test_small_training_forward_compiles_for_sm90():
+    """The launches fused Small's MBConv training forward adds to inference (the two folds, the moments
+    variant of the hidden kernel, the projection without residual; the hidden launch is the inference
+    variant, test_mbconv's) compile for sm_90 within shared memory, with no spill code in their inner
+    loops, the expand and projection dots on wgmma and the grouped conv on mma.sync. (Compiled: the
+    moments variants take 124-128 registers; 16x16 stride 1 keeps 8 B of stack outside the chunk loop,
+    as its inference variant does.)"""
+    pytest.importorskip("triton")
+    from convfirstnet.analysis.compiled import compile_variants, variant_of
+
+    from .test_mbconv import SHARED_LIMIT, _spills_in_loops
+
+    variants = {}
+    for shape in SMALL_SHAPES:
+        launches = record_forward(*shape)  # fold_e, moments, fold_d, hidden, projection
+        assert [lc.meta.get("MOMENTS", False) for lc in launches] == [False, True, False, False, False]
+        assert launches[4].meta["RESIDUAL"] is False
+        for lc in (launches[0], launches[1], launches[2], launches[4]):
+            v = variant_of(lc, 90)
+            variants.setdefault(v.key, v)
+    assert sum(v.meta.get("MOMENTS", False) for v in variants.values()) == 4
+    problems = []
+    for v, c in zip(variants.values(), compile_variants(list(variants.values()))):
+        where = f"{v.name} MOMENTS={v.meta.get('MOMENTS', False)} {v.meta.get('STRIDE')}"
+        expected = {"_mbconv_hidden_kernel": "wgmma+mma.sync", "_mbconv_project_kernel": "wgmma"}.get(v.name)
+        if expected is None:  # the folds: fp32 FMA (no TF32 rounding of the statistics), no stack at all
+            if c.stack:
+                problems.append(f"{v.name}: {c.stack} B of stack")
+            continue
+        if c.shared > SHARED_LIMIT[90] or _spills_in_loops(c) or c.mma_kind != expected:
+            problems.append(f"{where}: {c.shared} B shared, {_spills_in_loops(c)} spills in loops, "
+                            f"{c.mma_kind}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("c,k,stride,side", SMALL_SHAPES)
+def test_small_forward_on_gpu(monkeypatch, dtype, c, k, stride, side):
+    """Fused Small's MBConv shapes, batch 16, through the compiled kernels: the output and the running
+    statistics against the layer-wise training forward in fp32 on the same 16-bit input, within a few
+    units of the dtype's rounding (norm errors; fp16 2^-11, bf16 2^-8)."""
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "auto")
+    block = _block(c, k, stride).cuda()
+    x = (torch.randn(16, c, side, side, device="cuda") + 0.5).to(dtype).contiguous(memory_format=CL)
+    drop = torch.ones(16, device="cuda")
+    calls = []
+    real = mbconv_fused_forward.forward
+    monkeypatch.setattr(mbconv_fused_forward, "forward", lambda *a: calls.append(1) or real(*a))
+    got = torch.ops.convfirstnet.mbconv_recompute_train(*_op_args(block, x, drop, dtype))
+    assert calls == [1]
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "reference")
+    want = torch.ops.convfirstnet.mbconv_recompute_train(*_op_args(block, x.float(), drop, torch.float32))
+    tol = 1e-2 if dtype == torch.float16 else 5e-2
+    for i, (g, r) in enumerate(zip(got, want)):
+        err = ((g.double() - r.double()).norm() / r.double().norm()).item()
+        assert err <= tol, f"output {i}: {err:.3g}"
