@@ -9,8 +9,8 @@ Run: pytest tests/kernels/test_convfirst_train.py --durations=10
 Coverage of the kernels' loops and masks (kernels/convfirst_train/kernel.py): the block widths of the
 models (C = 16, 24, 48, 96: channels padded to CP = 16, 32 (masked), 64, 128; the weights pass takes 96
 channels as parts of 64 + 32, input and output at stride 1, output at stride 2; stride 2: 2C -> 6C -> K
-FFNs with 2C up to 128 and K = 96), hidden widths R = 3C and 6C (2 to 36 hidden chunks per program,
-the last one partial for R = 48 and 144), 198 pixels per
+FFNs with 2C up to 128 and K = 96; the forward FFN pass takes the same parts), hidden widths R = 3C and
+6C (2 to 36 hidden chunks per program, the last one partial for R = 48 and 144), 198 pixels per
 channel (fp32 tiles of 64 rows: four tiles, the last one partial). Under the interpreter a share is
 two tiles (launcher.INTERPRETER_SHARE_TILES), so the moments, output-sums and weights passes run
 their tile loop twice per program over two shares, and their partials are merged across shares.
