@@ -46,10 +46,15 @@ Tiles
 -----
 A program's rows are BM consecutive pixels of the flat (M, C) view (the 1x1 layers and BatchNorm are
 per pixel, so no halo). Channels are padded to CP, a power of two >= 16 (tl.dot), masked on load and
-store; hidden chunks of BH are masked past R. Partial statistics per share (a run of TILES_PER_SHARE
-consecutive tiles) keep every reduction in a fixed order: two identical calls give bitwise-equal
-results. Every dot accumulates in fp32; y, h, dp, dz and dzn enter dots in the activation dtype (where
-a layer-wise network has them), fp32 activations use 3xTF32 on a GPU.
+store; hidden chunks of BH are masked past R. The weights pass takes its channels in two parts instead
+(launcher.channel_parts: CIA + CIB input, COA + COB output, each a power of two; a part of width 0 is
+absent): at C = 96, 64 + 32 rather than 128 with a quarter masked, so its loads, dots and accumulators,
+repeated once per hidden chunk, carry no padding; the forward FFN pass takes the same parts. The
+weight-gradient dots of a 32-channel part have M = 32 (mma.sync), the others stay on wgmma. Partial
+statistics per share (a run of TILES_PER_SHARE consecutive tiles) keep every reduction in a fixed
+order: two identical calls give bitwise-equal results. Every dot accumulates in fp32; y, h, dp, dz and
+dzn enter dots in the activation dtype (where a layer-wise network has them), fp32 activations use
+3xTF32 on a GPU.
 
 Stride 2 (C -> K, no residual)
 ------------------------------
@@ -64,8 +69,9 @@ benchmarks/static/small_b128_sm90_train.md: the static cost model's low-high end
 
     kernel                   registers  shared KB  MMA
     _moments_kernel           92-221     <= 128    wgmma (C = 32: mma.sync)
-    _ffn_fwd_kernel          184-254     <= 81     wgmma (8 warps at CP = 128)
-    _ffn_bwd_weights_kernel  150-230     <= 217    wgmma (C = 32: its M = 32 weight dots on mma.sync)
+    _ffn_fwd_kernel          184-254     <= 75     wgmma (8 warps at C = 96 stride 1, else 4)
+    _ffn_bwd_weights_kernel  165-255     <= 198    wgmma (C = 32 and 32-channel parts: M = 32 weight
+                                                  dots on mma.sync)
     _ffn_bwd_input_kernel    162-252     <= 114    wgmma
     finalize (finalize.py)    31-196     <= 65     mma.sync (the tf32x3 W1 Cov products)
     elementwise, BlurPool     54-176     <= 2      -
@@ -74,20 +80,22 @@ benchmarks/static/small_b128_sm90_train.md: the static cost model's low-high end
     block (C -> K, map)      fused step (ms)   layer-wise training bound (ms)   stored MB fused / layer-wise
     s1 32, 128^2               1.41-1.70            3.23-3.99                      269 / 1208
     s2 32 -> 64, 128^2         1.20-1.47            2.32-2.85                      405 / 1351
-    s1 64, 64^2                1.02-1.22            2.59-3.20                      204 / 1074
-    s2 64 -> 96, 64^2          0.71-0.88            1.15-1.41                      202 /  672
-    s1 96, 32^2                0.57-0.70            0.99-1.22                       81 /  403
+    s1 64, 64^2                1.01-1.21            2.59-3.20                      204 / 1074
+    s2 64 -> 96, 64^2          0.68-0.84            1.15-1.41                      202 /  672
+    s1 96, 32^2                0.56-0.66            0.99-1.22                       81 /  403
     (fused: 20 or 24 Triton launches per step, of which 7 or 8 are the small finalize kernels, plus the
     drop-path mask's ops; before the finalize kernels, 121-126 small aten ops cost 0.16-0.17 ms per block)
 
 Where the time goes: the narrow passes (gconv, moments, BN3 + residual, sums, prep, BN1's input
 gradient: each a DRAM pass over C-channel maps; the gconv windows' and the BlurPool transpose's re-reads
-served by L1, as their launches declare) bound stage 1; the weights pass (L2: y and dp re-read by each
-of R / 32 chunk programs; 206 of the 700 us of a C = 96 block) and the forward and input FFN passes
-(latency and waits at one 8-warp program per SM, 107 and 117 us) bound stage 3, where padding 96
-channels to 128 costs a quarter of every dot and of the accumulators' registers (64 hidden channels per
-weights-pass program, which would halve its L2 traffic, spill 72-120 B). What a GPU run must confirm:
-the L1 hits of the gconv windows and the BlurPool transpose, the static
+served by L1, as their launches declare) bound stage 1; the weights pass (y and dp re-read by each of
+R / 32 chunk programs; at C = 96 in 64 + 32 channel parts: 178 of the 658 us of a block, latency and
+L2 bound, 206 us when padded to 128) and the forward and input FFN passes (latency and waits at one
+8-warp program per SM, 94 and 117 us) bound stage 3. The forward takes the parts too (C = 96 stride 1:
+107 -> 94 us; the stride-2 64 -> 96 FFN then fits on 4 warps, two programs per SM: 73 -> 42 us); the
+input pass in parts was no faster (fewer MACs, more instructions) and stays padded. 64 hidden channels
+per weights-pass program (half the L2 traffic) spill at C = 96 even in parts (32-136 B at 8 warps, 500 B
+at 16). What a GPU run must confirm: the L1 hits of the gconv windows and the BlurPool transpose, the static
 latency and L2 terms of the weights and input passes, the weight partials' reduction order on the
 device (deterministic by construction), fp16/bf16 gradients against the fp32 training form at the
 model's shapes, and ``convfirstnet bench --train`` against eager cuDNN and torch.compile.
@@ -113,6 +121,55 @@ def _load_tile(ptr, rows, rok, C: tl.constexpr, CP: tl.constexpr):
     if CP > C:
         m = m & (c < C)[None, :]
     return tl.load(ptr + rows[:, None].to(tl.int64) * C + c[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def _load_cols(ptr, rows, rok, C: tl.constexpr, C0: tl.constexpr, CW: tl.constexpr):
+    """[BM, CW] tile of channels C0 ... C0 + CW of a contiguous (M, C) map (zero on masked rows and
+    channels >= C): one channel part (module docstring, Tiles)."""
+    c = C0 + tl.arange(0, CW)
+    m = rok[:, None]
+    if C0 + CW > C:
+        m = m & (c < C)[None, :]
+    return tl.load(ptr + rows[:, None].to(tl.int64) * C + c[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def _store_cols(ptr, v, rows, rok, C: tl.constexpr, C0: tl.constexpr, CW: tl.constexpr):
+    """v [BM, CW] into channels C0 ... C0 + CW of a contiguous (M, C) map (masked as _load_cols)."""
+    c = C0 + tl.arange(0, CW)
+    m = rok[:, None]
+    if C0 + CW > C:
+        m = m & (c < C)[None, :]
+    tl.store(ptr + rows[:, None].to(tl.int64) * C + c[None, :], v.to(ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _w1t_part(w1_ptr, hh, hok, CI: tl.constexpr, C0: tl.constexpr, CW: tl.constexpr):
+    """W1[chunk, C0:C0 + CW]^T, [CW, BH], of w1 (R, CI) (zero past R and CI)."""
+    c = C0 + tl.arange(0, CW)
+    return tl.load(w1_ptr + hh[None, :] * CI + c[:, None], mask=hok[None, :] & (c < CI)[:, None], other=0.0)
+
+
+@triton.jit
+def _w2c_part(w2_ptr, hh, hok, R, CO: tl.constexpr, C0: tl.constexpr, CW: tl.constexpr):
+    """W2[C0:C0 + CW, chunk], [CW, BH], of w2 (CO, R) (zero past R and CO)."""
+    c = C0 + tl.arange(0, CW)
+    return tl.load(w2_ptr + c[:, None] * R + hh[None, :], mask=hok[None, :] & (c < CO)[:, None], other=0.0)
+
+
+@triton.jit
+def _store_w2_part(base, v, hh, hok, R, CO: tl.constexpr, C0: tl.constexpr, CW: tl.constexpr):
+    """v [CW, BH] into rows C0 ... of a (CO, R) block."""
+    c = C0 + tl.arange(0, CW)
+    tl.store(base + c[:, None] * R + hh[None, :], v, mask=hok[None, :] & (c < CO)[:, None])
+
+
+@triton.jit
+def _store_w1_part(base, v, hh, hok, CI: tl.constexpr, C0: tl.constexpr, CW: tl.constexpr):
+    """v [CW, BH] (transposed) into columns C0 ... of an (R, CI) block."""
+    c = C0 + tl.arange(0, CW)
+    tl.store(base + hh[None, :] * CI + c[:, None], v, mask=hok[None, :] & (c < CI)[:, None])
 
 
 @triton.jit
@@ -186,45 +243,77 @@ def _ffn_fwd_kernel(
     k1_ptr, t1_ptr, k2_ptr, t2_ptr,  # fp32 affine of the input (CI: BN1; AFFINE_IN) and of BN2 (R)
     mean_ptr, m2_ptr,  # fp32 partials of p per share: (shares, CO) each
     M, R, TILES, TILES_PER_SHARE,
-    CI: tl.constexpr, CPI: tl.constexpr, CO: tl.constexpr, CPO: tl.constexpr, BM: tl.constexpr,
-    BH: tl.constexpr, PRECISION: tl.constexpr, AFFINE_IN: tl.constexpr,
+    CI: tl.constexpr, CIA: tl.constexpr, CIB: tl.constexpr, CO: tl.constexpr, COA: tl.constexpr,
+    COB: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr, AFFINE_IN: tl.constexpr,
 ):
     """Per tile of the share: p = W2 ReLU(k2 (W1 y) + t2) with y = k1 a + t1 (AFFINE_IN; else y = a),
-    over hidden chunks; the share's moments of p (Chan's merge tile by tile, as _moments_kernel)."""
+    over hidden chunks; the share's moments of p (Chan's merge tile by tile, as _moments_kernel).
+    Channels in two parts, as the weights pass."""
     share = tl.program_id(0)
     dt = a_ptr.dtype.element_ty
-    ci = tl.arange(0, CPI)
-    co = tl.arange(0, CPO)
-    mean = tl.zeros((CPO,), tl.float32)
-    m2 = tl.zeros((CPO,), tl.float32)
+    mean_a = tl.zeros((COA,), tl.float32)
+    m2_a = tl.zeros((COA,), tl.float32)
+    if COB > 0:
+        mean_b = tl.zeros((COB,), tl.float32)
+        m2_b = tl.zeros((COB,), tl.float32)
     t0 = share * TILES_PER_SHARE
     for t in range(t0, tl.minimum(t0 + TILES_PER_SHARE, TILES)):
         rows, rok = _rows_of(t, M, BM)
-        y = _load_tile(a_ptr, rows, rok, CI, CPI)
-        if AFFINE_IN:
-            y = (y.to(tl.float32) * _vec(k1_ptr, ci, CI)[None, :] + _vec(t1_ptr, ci, CI)[None, :]).to(dt)
-        acc = tl.zeros((BM, CPO), tl.float32)
+        ya = _ffn_input(a_ptr, k1_ptr, t1_ptr, rows, rok, CI, 0, CIA, AFFINE_IN)
+        acc_a = tl.zeros((BM, COA), tl.float32)
+        if CIB > 0:
+            yb = _ffn_input(a_ptr, k1_ptr, t1_ptr, rows, rok, CI, CIA, CIB, AFFINE_IN)
+        if COB > 0:
+            acc_b = tl.zeros((BM, COB), tl.float32)
         for h0 in range(0, R, BH):
             hh = h0 + tl.arange(0, BH)
             hok = hh < R
-            w1t = tl.load(w1_ptr + hh[None, :] * CI + ci[:, None], mask=hok[None, :] & (ci < CI)[:, None],
-                          other=0.0).to(dt)
-            z = tl.dot(y, w1t, input_precision=PRECISION)
+            z = tl.dot(ya, _w1t_part(w1_ptr, hh, hok, CI, 0, CIA).to(dt), input_precision=PRECISION)
+            if CIB > 0:
+                z = tl.dot(yb, _w1t_part(w1_ptr, hh, hok, CI, CIA, CIB).to(dt), z, input_precision=PRECISION)
             h = tl.maximum(z * _vec(k2_ptr, hh, R)[None, :] + _vec(t2_ptr, hh, R)[None, :], 0.0).to(dt)
-            w2t = tl.load(w2_ptr + co[None, :] * R + hh[:, None], mask=hok[:, None] & (co < CO)[None, :],
-                          other=0.0).to(dt)
-            acc = tl.dot(h, w2t, acc, input_precision=PRECISION)
-        p = acc.to(dt)
-        _store_tile(p_ptr, p, rows, rok, CO, CPO)
-        # BN3 statistics of the stored (rounded) p, as a layer-wise BatchNorm reads it
+            acc_a = tl.dot(h, tl.trans(_w2c_part(w2_ptr, hh, hok, R, CO, 0, COA).to(dt)), acc_a,
+                           input_precision=PRECISION)
+            if COB > 0:
+                acc_b = tl.dot(h, tl.trans(_w2c_part(w2_ptr, hh, hok, R, CO, COA, COB).to(dt)), acc_b,
+                               input_precision=PRECISION)
         n_prev = ((t - t0) * BM).to(tl.float32)
         nt = tl.minimum(M - t * BM, BM).to(tl.float32)
-        tm, pc = _tile_moments(tl.where(rok[:, None], p.to(tl.float32), 0.0), rok, nt)
-        d = tm - mean
-        m2 += tl.sum(pc * pc, axis=0) + d * d * (n_prev * nt / (n_prev + nt))
-        mean += d * (nt / (n_prev + nt))
-    _store_vec(mean_ptr + share * CO, mean, co, CO)
-    _store_vec(m2_ptr + share * CO, m2, co, CO)
+        mean_a, m2_a = _store_p_moments(p_ptr, acc_a.to(dt), rows, rok, CO, 0, COA, mean_a, m2_a, n_prev, nt)
+        if COB > 0:
+            mean_b, m2_b = _store_p_moments(p_ptr, acc_b.to(dt), rows, rok, CO, COA, COB, mean_b, m2_b,
+                                            n_prev, nt)
+    ca = tl.arange(0, COA)
+    _store_vec(mean_ptr + share * CO, mean_a, ca, CO)
+    _store_vec(m2_ptr + share * CO, m2_a, ca, CO)
+    if COB > 0:
+        cb = COA + tl.arange(0, COB)
+        _store_vec(mean_ptr + share * CO, mean_b, cb, CO)
+        _store_vec(m2_ptr + share * CO, m2_b, cb, CO)
+
+
+@triton.jit
+def _ffn_input(a_ptr, k1_ptr, t1_ptr, rows, rok, CI: tl.constexpr, C0: tl.constexpr, CW: tl.constexpr,
+               AFFINE_IN: tl.constexpr):
+    """Channels C0 ... C0 + CW of the FFN's input tile: y = k1 a + t1 (AFFINE_IN; else a), rounded once."""
+    y = _load_cols(a_ptr, rows, rok, CI, C0, CW)
+    if AFFINE_IN:
+        c = C0 + tl.arange(0, CW)
+        y = (y.to(tl.float32) * _vec(k1_ptr, c, CI)[None, :] + _vec(t1_ptr, c, CI)[None, :]).to(y.dtype)
+    return y
+
+
+@triton.jit
+def _store_p_moments(p_ptr, p, rows, rok, CO: tl.constexpr, C0: tl.constexpr, CW: tl.constexpr, mean, m2,
+                     n_prev, nt):
+    """Stores channels C0 ... C0 + CW of p and merges the tile's moments of them into (mean, m2)."""
+    _store_cols(p_ptr, p, rows, rok, CO, C0, CW)
+    # BN3 statistics of the stored (rounded) p, as a layer-wise BatchNorm reads it
+    tm, pc = _tile_moments(tl.where(rok[:, None], p.to(tl.float32), 0.0), rok, nt)
+    d = tm - mean
+    m2 += tl.sum(pc * pc, axis=0) + d * d * (n_prev * nt / (n_prev + nt))
+    mean += d * (nt / (n_prev + nt))
+    return mean, m2
 
 
 @triton.jit
@@ -347,44 +436,63 @@ def _ffn_bwd_weights_kernel(
     k2_ptr, t2_ptr, m2_ptr, r2_ptr,  # BN2: affine, mean, 1/std (R)
     part_ptr,  # fp32 partials, one row of TOTAL per share: dW2 (CO, R) | dzn^T y (R, CI) | sums (2, R)
     M, R, TILES, TILES_PER_SHARE, TOTAL,
-    CI: tl.constexpr, CPI: tl.constexpr, CO: tl.constexpr, CPO: tl.constexpr, BM: tl.constexpr,
-    BH: tl.constexpr, PRECISION: tl.constexpr,
+    CI: tl.constexpr, CIA: tl.constexpr, CIB: tl.constexpr, CO: tl.constexpr, COA: tl.constexpr,
+    COB: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Program (share, hidden chunk): the share's contributions to dW2[:, chunk], (dzn^T y)[chunk] and
     the chunk's sums of dzn and dzn z_hat, from z, h and dh recomputed tile by tile. Rows past M load as
-    zero (y = dp = 0), which adds nothing to any sum."""
+    zero (y = dp = 0), which adds nothing to any sum. Channels in two parts (module docstring: CIA + CIB
+    input, COA + COB output; a part of width 0 is absent)."""
     share = tl.program_id(0)
     hh = tl.program_id(1) * BH + tl.arange(0, BH)
     hok = hh < R
-    ci = tl.arange(0, CPI)
-    co = tl.arange(0, CPO)
-    wmi = hok[None, :] & (ci < CI)[:, None]
-    wmo = hok[None, :] & (co < CO)[:, None]
     dt = y_ptr.dtype.element_ty
-    w1t = tl.load(w1_ptr + hh[None, :] * CI + ci[:, None], mask=wmi, other=0.0).to(dt)  # [CPI, BH]
-    w2c = tl.load(w2_ptr + co[:, None] * R + hh[None, :], mask=wmo, other=0.0).to(dt)  # [CPO, BH]
+    w1a = _w1t_part(w1_ptr, hh, hok, CI, 0, CIA).to(dt)  # [CIA, BH]
+    w2a = _w2c_part(w2_ptr, hh, hok, R, CO, 0, COA).to(dt)  # [COA, BH]
+    acc_w2a = tl.zeros((COA, BH), tl.float32)
+    acc_ga = tl.zeros((CIA, BH), tl.float32)  # (dzn^T y)^T: y^T dzn keeps M = CIA on wgmma
+    if CIB > 0:
+        w1b = _w1t_part(w1_ptr, hh, hok, CI, CIA, CIB).to(dt)
+        acc_gb = tl.zeros((CIB, BH), tl.float32)
+    if COB > 0:
+        w2b = _w2c_part(w2_ptr, hh, hok, R, CO, COA, COB).to(dt)
+        acc_w2b = tl.zeros((COB, BH), tl.float32)
     k2, t2 = _vec(k2_ptr, hh, R), _vec(t2_ptr, hh, R)
     m2, r2 = _vec(m2_ptr, hh, R), _vec(r2_ptr, hh, R)
-    acc_w2 = tl.zeros((CPO, BH), tl.float32)
-    acc_g = tl.zeros((CPI, BH), tl.float32)  # (dzn^T y)^T: y^T dzn keeps M = CPI on wgmma
     s_dzn = tl.zeros((BH,), tl.float32)
     s_dzz = tl.zeros((BH,), tl.float32)
     t0 = share * TILES_PER_SHARE
     for t in range(t0, tl.minimum(t0 + TILES_PER_SHARE, TILES)):
         rows, rok = _rows_of(t, M, BM)
-        y = _load_tile(y_ptr, rows, rok, CI, CPI)
-        dp = _load_tile(dp_ptr, rows, rok, CO, CPO)
-        z = tl.dot(y, w1t, input_precision=PRECISION)
+        ya = _load_cols(y_ptr, rows, rok, CI, 0, CIA)
+        dpa = _load_cols(dp_ptr, rows, rok, CO, 0, COA)
+        z = tl.dot(ya, w1a, input_precision=PRECISION)
+        dh = tl.dot(dpa, w2a, input_precision=PRECISION)
+        if CIB > 0:
+            yb = _load_cols(y_ptr, rows, rok, CI, CIA, CIB)
+            z = tl.dot(yb, w1b, z, input_precision=PRECISION)
+        if COB > 0:
+            dpb = _load_cols(dp_ptr, rows, rok, CO, COA, COB)
+            dh = tl.dot(dpb, w2b, dh, input_precision=PRECISION)
         zn = z * k2[None, :] + t2[None, :]
-        h = tl.maximum(zn, 0.0).to(y.dtype)
-        dzn = tl.where(zn > 0.0, tl.dot(dp, w2c, input_precision=PRECISION), 0.0)
+        h = tl.maximum(zn, 0.0).to(dt)
+        dzn = tl.where(zn > 0.0, dh, 0.0)
         s_dzn += tl.sum(dzn, axis=0)
         s_dzz += tl.sum(dzn * (z - m2[None, :]), axis=0)
-        acc_w2 = tl.dot(tl.trans(dp), h, acc_w2, input_precision=PRECISION)
-        acc_g = tl.dot(tl.trans(y), dzn.to(y.dtype), acc_g, input_precision=PRECISION)
+        dznd = dzn.to(dt)
+        acc_w2a = tl.dot(tl.trans(dpa), h, acc_w2a, input_precision=PRECISION)
+        acc_ga = tl.dot(tl.trans(ya), dznd, acc_ga, input_precision=PRECISION)
+        if COB > 0:
+            acc_w2b = tl.dot(tl.trans(dpb), h, acc_w2b, input_precision=PRECISION)
+        if CIB > 0:
+            acc_gb = tl.dot(tl.trans(yb), dznd, acc_gb, input_precision=PRECISION)
     base = part_ptr + share.to(tl.int64) * TOTAL
-    tl.store(base + co[:, None] * R + hh[None, :], acc_w2, mask=wmo)
-    tl.store(base + CO * R + hh[None, :] * CI + ci[:, None], acc_g, mask=wmi)
+    _store_w2_part(base, acc_w2a, hh, hok, R, CO, 0, COA)
+    _store_w1_part(base + CO * R, acc_ga, hh, hok, CI, 0, CIA)
+    if COB > 0:
+        _store_w2_part(base, acc_w2b, hh, hok, R, CO, COA, COB)
+    if CIB > 0:
+        _store_w1_part(base + CO * R, acc_gb, hh, hok, CI, CIA, CIB)
     _store_vec(base + CO * R + R * CI, s_dzn, hh, R)
     _store_vec(base + CO * R + R * CI + R, s_dzz * r2, hh, R)
 

@@ -11,8 +11,9 @@ Tiles (``train_config``)
 * CP: the channels padded to a power of two >= 16 (tl.dot); BM = 128 rows (64 for fp32, whose 3xTF32
   operands take three times the registers); BH = 32 hidden channels per chunk; the forward FFN on 4
   warps, the input pass on 4 up to CP = 32 and 8 above (train_config says why).
-* The weights pass (two [CP, BH] fp32 accumulators live across its tile loop): 8 warps, 128 x 32
-  tiles, three pipeline stages (train_config says why).
+* The weights pass (two fp32 accumulators of [channels, BH] live across its tile loop; channels in two
+  power-of-two parts where that avoids padding, ``channel_parts``): 8 warps, 128 x 32 tiles, three
+  pipeline stages (train_config says why).
 * Shares (reductions in a fixed order, never depending on the device): the moments pass and the
   output-gradient sums use at least MIN_SHARE_ROWS rows per share and at most SHARES programs; the
   weights pass uses at most WEIGHT_PROGRAMS programs (shares x hidden chunks) and keeps its fp32
@@ -74,6 +75,8 @@ FIN_INTERPRETER = dict(sb=2, merge_block=256, terms_block=32, running_block=32, 
 class TrainConfig:
     cp_in: int  # FFN input channels padded to a power of two
     cp_out: int  # FFN output channels padded to a power of two
+    parts_in: tuple[int, int]  # FFN input channels as two power-of-two parts (``channel_parts``)
+    parts_out: tuple[int, int]  # FFN output channels alike
     block_m: int  # rows per tile
     block_h: int  # hidden channels per chunk
     block_m_weights: int  # rows per tile of the weights pass
@@ -86,6 +89,18 @@ class TrainConfig:
 
 def _pow2(c: int) -> int:
     return max(16, triton.next_power_of_2(c))
+
+
+def channel_parts(c: int) -> tuple[int, int]:
+    """c channels of the FFN weights pass as two power-of-two parts (the second 0 where one part, padded
+    to _pow2(c) and masked past c, is used): 96 = 64 + 32 instead of 128 with a quarter masked, since
+    that pass re-reads y and dp once per hidden chunk (L2 bound). Parts of 32 channels at least: a
+    16-channel part's dots were not compiled and estimated (C = 48 stays padded to 64)."""
+    a = triton.next_power_of_2(c) // 2
+    b = c - a
+    if c != triton.next_power_of_2(c) and b >= 32 and b & (b - 1) == 0:
+        return a, b
+    return _pow2(c), 0
 
 
 def train_config(c_in: int, c_out: int, r: int, dtype: torch.dtype) -> TrainConfig:
@@ -104,10 +119,14 @@ def train_config(c_in: int, c_out: int, r: int, dtype: torch.dtype) -> TrainConf
     # static estimate of Small's stride-1 blocks at batch 128: 64 x 32 and 1-2 stages were latency
     # bound (C = 64: 566-617 us against 264 us), 128 x 64 spilled, 256 x 32 was slower (397 us).
     bmw, bhw, stages = (64, 16, 2) if fp32 else (128, 32, 3)
-    # the forward on 8 warps at CP = 128: its tile loop (one program per share) left 4 warps at 255
-    # registers with 176-312 B of stack
-    return TrainConfig(cpi, cpo, bm, bh, bmw, min(bhw, bh), stages, 4 if cp <= 32 else 8,
-                       8 if cp >= 128 else 4, "tf32x3" if fp32 else "tf32")
+    parts_in, parts_out = channel_parts(c_in), channel_parts(c_out)
+    # the forward on 4 warps (two programs per SM), on 8 where 4 spill: a [BM, 128] accumulator (its tile
+    # loop left 255 registers with 176-312 B of stack) or BN1's affine on a two-part input at CP = 128
+    # (C = 96 stride 1: 48-200 B). The 64 -> 96 stride-2 FFN (output parts 64 + 32) fits on 4 warps: 73
+    # -> 42 us per step, static estimate, Small at batch 128 on sm_90
+    wide = sum(parts_out) >= 128 or (cp >= 128 and parts_in[1] > 0)
+    return TrainConfig(cpi, cpo, parts_in, parts_out, bm, bh, bmw, min(bhw, bh), stages,
+                       4 if cp <= 32 else 8, 8 if wide else 4, "tf32x3" if fp32 else "tf32")
 
 
 def shares_of(tiles: int, block_m: int, interpreter: bool, cap: int = SHARES) -> tuple[int, int]:
@@ -297,7 +316,8 @@ def ffn_forward(inp, vec_in, w1, w2, vec2, cfg: TrainConfig):
     affine = vec_in is not None
     launch(_ffn_fwd_kernel, (shares,), inp, w1, w2, p, vec_in[VEC_K] if affine else pmean,
            vec_in[VEC_T] if affine else pmean, vec2[VEC_K], vec2[VEC_T], pmean, pm2, m, r, tiles, per, CI=ci,
-           CPI=cfg.cp_in, CO=co, CPO=cfg.cp_out, BM=cfg.block_m, BH=cfg.block_h, PRECISION=cfg.precision,
+           CIA=cfg.parts_in[0], CIB=cfg.parts_in[1], CO=co, COA=cfg.parts_out[0], COB=cfg.parts_out[1],
+           BM=cfg.block_m, BH=cfg.block_h, PRECISION=cfg.precision,
            AFFINE_IN=affine, num_warps=cfg.num_warps_fwd,
            cost=lambda: ffn_fwd_cost(cfg, m, ci, co, r, inp.element_size(), shares, per))
     return p, pmean, pm2, per * cfg.block_m
@@ -337,8 +357,9 @@ def ffn_backward(y, dp, a, w1, w2, vec1, mean1, vec2, mean2, gamma2, mean_in, co
     total = co * r + r * ci + 2 * r
     part = _f32(shares, total, like=y)
     launch(_ffn_bwd_weights_kernel, (shares, chunks), y, dp, w1, w2, vec2[VEC_K], vec2[VEC_T], mean2,
-           vec2[VEC_R], part, m, r, wtiles, per, total, CI=ci, CPI=cfg.cp_in, CO=co, CPO=cfg.cp_out,
-           BM=cfg.block_m_weights, BH=cfg.block_h_weights, PRECISION=cfg.precision, num_warps=8,
+           vec2[VEC_R], part, m, r, wtiles, per, total, CI=ci, CIA=cfg.parts_in[0], CIB=cfg.parts_in[1],
+           CO=co, COA=cfg.parts_out[0], COB=cfg.parts_out[1], BM=cfg.block_m_weights, BH=cfg.block_h_weights,
+           PRECISION=cfg.precision, num_warps=8,
            num_stages=cfg.stages_weights,
            cost=lambda: ffn_bwd_weights_cost(cfg, m, ci, co, r, eb, shares, per, chunks))
     red = _f32(total, like=y)
@@ -582,7 +603,8 @@ def ffn_fwd_cost(cfg: TrainConfig, m: int, ci: int, co: int, r: int, eb: int, sh
     chunks = triton.cdiv(r, cfg.block_h)
     return KernelCost(
         useful_macs=m * (ci + co) * r,
-        mma_macs=tiles * chunks * cfg.block_m * (cfg.cp_in + cfg.cp_out) * cfg.block_h * _passes(cfg),
+        mma_macs=tiles * chunks * cfg.block_m * (sum(cfg.parts_in) + sum(cfg.parts_out)) * cfg.block_h
+        * _passes(cfg),
         dram_bytes=eb * m * (ci + co) + eb * (ci + co) * r + 8 * shares * co,
         loops=(Loop("tiles", per, (Loop("hidden", chunks),)),),
         note=f"FFN forward {ci}->{r}->{co} BM={cfg.block_m} BH={cfg.block_h}",
@@ -628,8 +650,8 @@ def ffn_bwd_weights_cost(cfg: TrainConfig, m: int, ci: int, co: int, r: int, eb:
     # per tile and chunk: z and dh (recomputed), dW2 and dzn^T y
     return KernelCost(
         useful_macs=m * (ci + co) * r,
-        mma_macs=tiles * chunks * 2 * cfg.block_m_weights * (cfg.cp_in + cfg.cp_out) * cfg.block_h_weights
-        * _passes(cfg),
+        mma_macs=tiles * chunks * 2 * cfg.block_m_weights * (sum(cfg.parts_in) + sum(cfg.parts_out))
+        * cfg.block_h_weights * _passes(cfg),
         # y and dp read once from DRAM (the chunks of a share run side by side and share them in L2)
         dram_bytes=(eb * m * (ci + co) + 4 * shares * ((ci + co) * r + 2 * r)
                     + chunks * eb * (ci + co) * cfg.block_h_weights),
