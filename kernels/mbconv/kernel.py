@@ -321,7 +321,11 @@ def _mbconv_hidden_kernel(
                     pix = (y * W + xx_)[:, :, None]
                     ok3 = ok[:, :, None]
                     if STRIDE == 1:
-                        gp = g_ptr + (n * OHW + pix).to(tl.int64) * R + r3
+                        if RESIDENT and HWP > 64:  # 16x16: the row index (>= 0) zero-extended; sign-
+                            # extended, its high word took a uniform register that spilled in the chunk loop
+                            gp = g_ptr + (n * OHW + pix).to(tl.uint32).to(tl.int64) * R + r3
+                        else:
+                            gp = g_ptr + (n * OHW + pix).to(tl.int64) * R + r3
                         if EXACT:
                             pool += v
                             if MASK_R:

@@ -35,7 +35,7 @@ Predicted (``convfirstnet kernels --model small --arch sm_90``: batch 128, fp16,
 end of the band, us; the terms that bind are what the next redesign has to move):
 
     block (Small)             launch   regs  smem    terms at the high end                   time
-    s1 16x16, C 256 (x17)     hidden   128  180 KB  L2 51, issue 52, latency 39 + waits 30     71
+    s1 16x16, C 256 (x17)     hidden   128  180 KB  latency 31 + waits 27, L2 51, issue 46     59
                               project  254  176 KB  L2 43 (W_proj per 128 px), DRAM 38 (g)     45
     s1 8x8, C 256 (x17)       hidden   126  180 KB  latency 10 + waits 7, L2 17, issue 16      19
                               project  254  176 KB  tensor 11 (64 programs), latency 11         13
@@ -44,8 +44,8 @@ end of the band, us; the terms that bind are what the next redesign has to move)
     s2 16x16, C 256           hidden   128  164 KB  issue 70, latency 44 + waits 27, L2 64     73
                               project  252  176 KB  tensor 11, L2 10                           13
 
-Against the layer-wise bound of the same model: 0.57x (16x16), 0.53x (8x8), 0.63x (32x32 s2),
-0.57x (16x16 s2); stage 4 2.10 ms (0.57x), stage 5 0.62 ms (0.54x). L2 <-> SM bytes are 3.5x
+Against the layer-wise bound of the same model: 0.51x (16x16), 0.53x (8x8), 0.63x (32x32 s2),
+0.57x (16x16 s2); stage 4 1.90 ms (0.52x), stage 5 0.62 ms (0.54x). L2 <-> SM bytes are 3.5x
 (16x16) to 12.5x (16x16 s2) the DRAM bytes: the h slot (written once, read from L2 once per chunk)
 and the g round trip are 2.2 of the 3.5 at 16x16, and with maps this small every image's item reads
 the chunk weights (1.2 MB per block) again. The 8x8 projection cannot go below its tensor term on 64
@@ -104,7 +104,8 @@ SLOT_L1_TILED = 160 * 1024
 SLOT_L1_PAIR = 56 * 1024
 # Hidden kernel programs, one per SM, of 16 warps on sm_90 with 16-bit data: a warp's stall-cycle chain
 # is half what 8 warps leave it (at the 128-register limit; the conv batch split CS and the one-load
-# SE partial keep the loops free of spills, and 16x16 stride 1 takes 32-pixel conv tiles). RESIDENT
+# SE partial keep the loops free of spills; 16x16 stride 1 takes 32-pixel conv tiles where an item holds
+# part of the chunks, see mbconv_config). RESIDENT
 # 16x16 stride 1: 119 -> 116 us per block predicted at the high end against 8 warps, 8x8 40 -> 33,
 # 16x16 stride 2 107 -> 85. Tiled: expand tiles of EM = 256 pixels (a 64-row wgmma per warpgroup;
 # 64-pixel tiles at 8 or 16 warps compiled to mma.sync). fp32 and sm_80 (16 warps spilled there):
@@ -413,20 +414,23 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
     if resident:
         while ib > 1 and slot_bytes(ib, rb) > limit:  # small maps: fewer images per slot
             ib //= 2
+    nchunk = triton.cdiv(r, rb)
+    blocks = triton.cdiv(max(n, 1), ib)
+    cg = chunk_groups(blocks, nchunk, sms) if resident else 1
     # EXACT: the conv (and tiled expand, and blur) tiles cover the map exactly, with dense pixel rows
     cm = conv_rows(rb)
-    if resident and stride == 1 and warps >= 16 and hwp > 64:
-        # half-size conv tiles on RESIDENT stride-1 maps of more than 64 pixels (Small's 16x16): with
-        # 64-pixel tiles the 16-warp sm_90 compile spilled 24-40 B inside the chunk loop (Triton 3.8)
+    if resident and stride == 1 and warps >= 16 and hwp > 64 and cg < nchunk:
+        # half-size conv tiles on RESIDENT stride-1 maps of more than 64 pixels (Small's 16x16) whose
+        # items hold part of the chunks (small batches): with 64-pixel tiles the 16-warp sm_90 compile
+        # spilled inside the chunk loop (Triton 3.8). Items of all the chunks (batch 128) take 64-pixel
+        # tiles: 16x16 hidden kernel 70.5 -> 58.5 us predicted at the high end (half the conv tiles'
+        # per-tile stall cycles and exposed waits)
         cm //= 2
     exact = dense and w == tw and h % (cm // tw) == 0
     if not resident:
         exact = exact and h % max(1, em // tw) == 0
     if stride == 2:
         exact = exact and h % 2 == 0 and w % 2 == 0 and ow == two and (oh % (BMO // two) == 0)
-    nchunk = triton.cdiv(r, rb)
-    blocks = triton.cdiv(max(n, 1), ib)
-    cg = chunk_groups(blocks, nchunk, sms) if resident else 1
     # 4-warp tiled programs: two per SM while both slots stay in the L1 that both programs' shared
     # memory leaves on any target (SLOT_L1_PAIR), and all slots in L2_SHARE of the L2
     per_sm = 2 if warps == 4 and 2 * slot_bytes(ib, rb) <= SLOT_L1_PAIR else 1

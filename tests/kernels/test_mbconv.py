@@ -198,6 +198,21 @@ def test_batch_zero_and_one(interpreter_backend, stride):
     check(x, weights, stride)
 
 
+def test_small_stage4_block(interpreter_backend, monkeypatch):
+    """Fused Small's 16x16 stride-1 block at its widths (C = 256, R = 1024, fp16), configured as on the
+    H100: RESIDENT items of one image holding all 16 chunks, four 64-pixel conv tiles per chunk, two
+    projection tiles per image. One program walks both images' items, so the item, chunk, conv tile and R
+    step loops all run more than once. Tolerance: TOL (fp16), as for the other shapes."""
+    from convfirstnet.kernels.mbconv import launcher
+
+    monkeypatch.setattr(launcher, "INTERPRETER_PROGRAMS", 1)
+    geo = launcher.mbconv_config(256, 1024, 256, 16, 16, 1, n=2, device="cpu")
+    assert (geo.resident, geo.ib, geo.chunks_per_group, geo.nchunk, geo.cm, geo.tiles, geo.items,
+            geo.programs, geo.tpi) == (True, 1, 16, 16, 64, 4, 2, 1, 2)
+    x, weights = make_block(2, 256, 16, 16, 1, dtype=torch.float16, seed=7)
+    check(x, weights, 1)
+
+
 def test_output_independent_of_program_count(interpreter_backend, monkeypatch):
     """Bit-reproducible: every reduction runs in a fixed order, so the result does not depend on how
     the work items are spread over programs (1 or 5 persistent programs here)."""
