@@ -568,6 +568,17 @@ def test_scratch_loads_follow_the_barrier(small_asm):
 
 
 @pytest.mark.compile
+def test_gate_loads_are_plain_loads(small_asm):
+    """GATE (fused Small's 16x16 stride 1 at batch 128): the projection reads the gates with 2-byte
+    ld.global (L1-allocating, as its cost declaration counts them), while g and W_proj stay pipelined
+    cp.async copies."""
+    gated = [asm["ptx"] for _, _, v, asm in small_asm if v.name == "_mbconv_project_kernel" and v.meta.get("GATE")]
+    assert gated
+    for ptx in gated:
+        assert "ld.global.b16" in ptx and "cp.async.cg" in ptx
+
+
+@pytest.mark.compile
 def test_scratch_slot_fits_the_l1_left(mbconv_compiled):
     """The hidden kernel's scratch slot stays in L1 (what its cost declaration claims, and why the
     launcher halves RB for stride 2, and picks 8-warp programs and their expand tiles on sm_80): for
