@@ -21,6 +21,12 @@ flow instead.
    set, and a load reached with a non-empty set is a hazard. Loops are handled by the fixed point: a
    store at the end of one iteration reaches a load at the start of the next through the back edge.
 
+A ``call`` of a function of the same PTX (a ``@triton.jit(noinline=True)`` helper) counts, at the call,
+as a load of every buffer whose address it passes to a parameter the function loads from, and as a
+store of every buffer passed to a parameter it stores to (the function's body is analysed the same
+way, with its own parameters); the function's accesses are not ordered among themselves, and a
+function that calls another is refused (``ValueError``).
+
 The analysis is conservative: stores and loads are matched by the argument they derive from, not by
 their addresses (two regions of one buffer that are never read after the other's stores, such as the
 ``h`` and ``g`` slots of a scratch, need their own arguments), and a predicated barrier does not
@@ -37,6 +43,8 @@ from dataclasses import dataclass
 from pathlib import PurePath
 
 _ENTRY = re.compile(r"\.entry\s+([\w$]+)\s*\(([^)]*)\)", re.S)
+_FUNC = re.compile(r"^\.func\s+(?:\([^)]*\)\s*)?([\w$]+)\s*\(([^)]*)\)[^;{]*?(?=\n\{)", re.S | re.M)
+_CALL = re.compile(r"([\w$]+)\s*,\s*\(([^)]*)\)\s*$")
 _PARAM = re.compile(r"\.param\s+\.(\w+)(\s+\.ptr)?[^,]*?\s([\w$]+_param_(\d+))\s*$")
 _LABEL = re.compile(r"^([\w$]+):")
 _LOC = re.compile(r"^\.loc\s+(\d+)\s+(\d+)\s+\d+(?:.*inlined_at\s+(\d+)\s+(\d+)\s+\d+)?")
@@ -113,6 +121,15 @@ def _split_statements(line: str) -> list[str]:
     return [s for s in out if s]
 
 
+def _params(text: str) -> list[tuple[int, str, bool]]:
+    params = []
+    for part in text.split(","):
+        pm = _PARAM.search(part.strip())
+        if pm:
+            params.append((int(pm.group(4)), pm.group(1), bool(pm.group(2))))
+    return params
+
+
 def parse_kernel(
     ptx: str,
 ) -> tuple[str, list[tuple[int, str, bool]], list[_Insn], dict[str, int], int | None]:
@@ -121,14 +138,6 @@ def parse_kernel(
     m = _ENTRY.search(ptx)
     if not m:
         raise ValueError("no .entry in the PTX")
-    name = m.group(1)
-    params = []
-    for part in m.group(2).split(","):
-        pm = _PARAM.search(part.strip())
-        if pm:
-            params.append((int(pm.group(4)), pm.group(1), bool(pm.group(2))))
-    files = {int(f.group(1)): PurePath(f.group(2)).name
-             for f in map(_FILE.match, (s.strip() for s in ptx.splitlines())) if f}
     rest = ptx[m.end():]
     r = _REQNTID.search(rest.split("{", 1)[0])
     threads = None
@@ -136,10 +145,34 @@ def parse_kernel(
         threads = 1
         for g in r.groups():
             threads *= int(g) if g else 1
+    insns, labels = _parse_body(ptx, rest)
+    return m.group(1), _params(m.group(2)), insns, labels, threads
+
+
+def parse_functions(ptx: str) -> dict[str, tuple[list[tuple[int, str, bool]], list[_Insn], dict[str, int]]]:
+    """The functions defined in the PTX besides the entry (``.func`` with a body): name -> (parameters,
+    instructions, labels)."""
+    out = {}
+    for m in _FUNC.finditer(ptx):
+        insns, labels = _parse_body(ptx, ptx[m.end():])
+        out[m.group(1)] = (_params(m.group(2)), insns, labels)
+    return out
+
+
+def _parse_body(ptx: str, rest: str) -> tuple[list[_Insn], dict[str, int]]:
+    """The instructions and labels of the function body that ``rest`` starts with (up to its closing
+    brace, a line of its own)."""
+    files = {int(f.group(1)): PurePath(f.group(2)).name
+             for f in map(_FILE.match, (s.strip() for s in ptx.splitlines())) if f}
     insns: list[_Insn] = []
     labels: dict[str, int] = {}
     where = "?"
+    opened = False
     for raw in rest.splitlines():
+        if raw.rstrip() == "{":
+            opened = True
+        elif raw.rstrip() == "}" and opened:
+            break
         line = raw.strip()
         if not line:
             continue
@@ -167,7 +200,7 @@ def parse_kernel(
                 stmt = stmt[gm.end():]
             parts = stmt.split(None, 1)
             insns.append(_Insn(parts[0], parts[1] if len(parts) > 1 else "", guarded, stmt, where))
-    return name, params, insns, labels, threads
+    return insns, labels
 
 
 def _is_load(op: str) -> bool:
@@ -272,6 +305,7 @@ def round_trip_hazards(
     profile scratch)."""
     kernel, params, insns, labels, threads = parse_kernel(ptx)
     taint = _derived(insns, params, kernel)
+    functions = parse_functions(ptx)
 
     def pname(i: int) -> str:
         return names[i] if names is not None and i < len(names) else f"param_{i}"
@@ -280,6 +314,11 @@ def round_trip_hazards(
     stores: dict[int, list[int]] = {}
     for k, insn in enumerate(insns):
         op = insn.opcode
+        if op.startswith("call"):
+            for p, kinds in _call_accesses(insns, k, taint, functions).items():
+                for kind in kinds:
+                    (loads if kind == "load" else stores).setdefault(p, []).append(k)
+            continue
         is_load, is_store = _is_load(op), _is_store(op)
         if _is_atomic(op):
             is_load = is_store = True
@@ -308,6 +347,50 @@ def round_trip_hazards(
                     access = Access(k, insns[k].text, insns[k].where)
                     hazards.append(Hazard(kernel, pname(p), kind, access, before))
     return [pname(p) for p in buffers], hazards
+
+
+def _function_accesses(name: str, functions: dict) -> dict[int, set[str]]:
+    """Parameter index -> {"load", "store"}: what a function of the PTX does through each pointer it is
+    passed (module docstring)."""
+    fparams, finsns, _ = functions[name]
+    if any(i.opcode.startswith("call") for i in finsns):
+        raise ValueError(f"{name}: a function that calls another is not followed by the ordering check")
+    # a function's pointer parameters are plain .b64 (no .ptr qualifier): each one may be an address
+    ftaint = _derived(finsns, [(i, t, True) for i, t, _ in fparams], name)
+    out: dict[int, set[str]] = {}
+    for insn in finsns:
+        op = insn.opcode
+        is_load, is_store = _is_load(op) or _is_atomic(op), _is_store(op) or _is_atomic(op)
+        reg = _global_address(insn) if is_load or is_store else None
+        for p in ftaint.get(reg, set()) if reg else set():
+            if is_load:
+                out.setdefault(p, set()).add("load")
+            if is_store:
+                out.setdefault(p, set()).add("store")
+    return out
+
+
+def _call_accesses(insns: list[_Insn], k: int, taint: dict[str, set[int]], functions: dict) -> dict[int, set[str]]:
+    """Kernel parameter -> {"load", "store"}: the accesses the call at ``k`` makes through the buffers
+    it is passed (the registers stored to its argument slots just before it)."""
+    m = _CALL.search(insns[k].operands)
+    if not m or m.group(1) not in functions:
+        raise ValueError(f"a call the ordering check cannot follow: `{insns[k].text}`")
+    args = [a.strip() for a in m.group(2).split(",")]
+    stored: dict[str, str] = {}
+    for j in range(k - 1, -1, -1):  # the argument slots' st.param, back to the call sequence's start
+        if not insns[j].opcode.startswith("st.param"):
+            break
+        slot = _ADDR.findall(insns[j].operands)
+        regs = _REG.findall(insns[j].operands)
+        if slot and regs:
+            stored[slot[0].strip()] = regs[-1]
+    out: dict[int, set[str]] = {}
+    for i, kinds in _function_accesses(m.group(1), functions).items():
+        reg = stored.get(args[i]) if i < len(args) else None
+        for p in taint.get(reg, set()) if reg else set():
+            out.setdefault(p, set()).update(kinds)
+    return out
 
 
 def _unordered(first: set[int], succ: list[list[int]], barrier: list[bool]) -> list[frozenset[int]]:

@@ -44,6 +44,14 @@ written once in the input dtype (``gbuf``, (N, H'W', R)) and read back once. Two
    ``acc += (gbuf tile * gate) @ W_proj[:, step]^T`` (wgmma, A gated in registers); stored once.
    W_se2 is read once per program, with the step's W_proj rows.
 
+   GATE (launcher.py: items that hold every chunk of their images, Small's 16x16 stride 1 at batch
+   128): after its work items the hidden kernel computes its images' gates itself (``_se_gates``, after
+   a barrier: the SE partials it reads back were stored by other threads), once per image instead of
+   once per projection tile, into ``gate_ptr`` (N, R) in x's dtype; the projection then reads one gate
+   vector per R step and neither W_se2 nor the partials. ``_se_gates`` is compiled as a function of its
+   own (``noinline``): inlined, its code took registers that the chunk loop then spilled (the barrier
+   check follows the call, convfirstnet.analysis.ordering).
+
 Every reduction runs in a fixed order, so the output is bit-reproducible.
 
 Scratch
@@ -178,12 +186,14 @@ def _mbconv_hidden_kernel(
     x_ptr, wexp_ptr, bexp_ptr, wconv_ptr, bconv_ptr, w1_ptr, g_ptr, z_ptr, scr_ptr, gscr_ptr, ms_ptr,
     N, H, W_RT, OH, OW, C, R, S, NCHUNK, NGROUP, CG, ITEMS, IB, SLOT,
     sxn, sxc, sxh, sxw, swe_r, swe_c, swc_r, swc_i, swc_y, swc_x, sw1_s, sw1_r,
+    b1_ptr, w2_ptr, b2_ptr, gate_ptr, sw2_r, sw2_s,  # GATE only
     STRIDE: tl.constexpr, RB: tl.constexpr, CP: tl.constexpr, SP: tl.constexpr,
     MASK_C: tl.constexpr, MASK_R: tl.constexpr,
     TW: tl.constexpr, BM: tl.constexpr, EM: tl.constexpr, TWO: tl.constexpr, BMO: tl.constexpr,
     EXACT: tl.constexpr, RESIDENT: tl.constexpr, XM: tl.constexpr, HWP: tl.constexpr,
     ZB: tl.constexpr, SILU: tl.constexpr, PREC: tl.constexpr, CS: tl.constexpr, SEB: tl.constexpr,
-    NS: tl.constexpr, MOMENTS: tl.constexpr = False,
+    NS: tl.constexpr, GATE: tl.constexpr = False, GB: tl.constexpr = 128, NCP: tl.constexpr = 1,
+    MOMENTS: tl.constexpr = False,
 ):
     G: tl.constexpr = RB // 8
     GS: tl.constexpr = G * CS  # conv batch: each group's pixel tile split in CS sub-tiles
@@ -330,7 +340,11 @@ def _mbconv_hidden_kernel(
                     pix = (y * W + xx_)[:, :, None]
                     ok3 = ok[:, :, None]
                     if STRIDE == 1 and not MOMENTS:
-                        gp = g_ptr + (n * OHW + pix).to(tl.int64) * R + r3
+                        if RESIDENT and HWP > 64:  # 16x16: the row index (>= 0) zero-extended; sign-
+                            # extended, its high word took a uniform register that spilled in the chunk loop
+                            gp = g_ptr + (n * OHW + pix).to(tl.uint32).to(tl.int64) * R + r3
+                        else:
+                            gp = g_ptr + (n * OHW + pix).to(tl.int64) * R + r3
                         if EXACT:
                             pool += v
                             if MASK_R:
@@ -370,6 +384,13 @@ def _mbconv_hidden_kernel(
                 if not MOMENTS:
                     _se_partial(ms, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, sw1_r, RB, SP, SEB,
                                 NS)
+    if GATE and not MOMENTS:  # every item held all the chunks of its images: their SE gates, once per image,
+        # in a loop of their own after the work items
+        tl.debug_barrier()  # the SE partials (stored by other threads) are complete
+        for item in range(pid, ITEMS, nprog):
+            n0 = (item // NGROUP) * IB
+            _se_gates(z_ptr, b1_ptr, w2_ptr, b2_ptr, gate_ptr, n0, tl.minimum(IB, N - n0), N, NCHUNK, R, S,
+                      sw2_r, sw2_s, SP, NCP, GB, SILU)
 
 
 @triton.jit
@@ -429,6 +450,29 @@ def _se_partial(mean_ptr, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, 
         tl.store(zrow + s2, tl.sum(w1c.to(tl.float32) * mc[None, :], axis=1))
 
 
+@triton.jit(noinline=True)
+def _se_gates(z_ptr, b1_ptr, w2_ptr, b2_ptr, gate_ptr, n0, nimg, N, NCHUNK, R, S, sw2_r, sw2_s,
+              SP: tl.constexpr, NCP: tl.constexpr, GB: tl.constexpr, SILU: tl.constexpr):
+    """GATE: the SE gates of an item's images, ``sigmoid(W_se2 ReLU(sum_chunk zpart + b_se1) + b_se2)``
+    rounded to the data type, to ``gate_ptr`` (N, R), in steps of GB hidden channels (the arithmetic of
+    the projection's own gate path)."""
+    dtype = gate_ptr.dtype.element_ty
+    sv = tl.arange(0, SP)
+    s_ok = sv < S
+    b1 = tl.load(b1_ptr + sv, mask=s_ok, other=0.0).to(tl.float32)
+    for i in range(0, nimg):
+        nj = tl.minimum(n0 + i, N - 1).to(tl.int64)
+        z = _se_hidden(z_ptr, b1, nj, NCHUNK, sv, tl.arange(0, NCP), SP)
+        for r0 in range(0, R, GB):
+            rg = r0 + tl.arange(0, GB)
+            rv = rg < R
+            w2 = tl.load(w2_ptr + rg[:, None] * sw2_r + sv[None, :] * sw2_s, mask=rv[:, None] & s_ok[None, :],
+                         other=0.0).to(tl.float32)
+            b2 = tl.load(b2_ptr + rg, mask=rv, other=0.0).to(tl.float32)
+            gate = _sigmoid(tl.sum(w2 * z[None, :], axis=1) + b2, SILU)
+            tl.store(gate_ptr + nj * R + rg, gate.to(dtype), mask=rv)
+
+
 @triton.jit
 def _acc_init(bproj_ptr, x_ptr, nrow, k, kv, oy, ox, m_ok, sxn, sxc, sxh, sxw, BM: tl.constexpr,
               BH: tl.constexpr, RESIDUAL: tl.constexpr):
@@ -449,14 +493,16 @@ def _se_hidden(z_ptr, b1, nj, NCHUNK, sv, ch, SP: tl.constexpr):
     return tl.maximum(tl.sum(zz, axis=0) + b1, 0.0)
 
 
-@triton.jit
+# sgate (the gates' row stride) is not specialized: see the GATE loads below
+@triton.jit(do_not_specialize=["sgate"])
 def _mbconv_project_kernel(
     g_ptr, z_ptr, b1_ptr, w2_ptr, b2_ptr, wproj_ptr, bproj_ptr, x_ptr, out_ptr,
     N, OHW, OW, R, K, S, NCHUNK, TPI,
     sxn, sxc, sxh, sxw, son, sok, soh, sow, sw2_r, sw2_s, swp_k, swp_r,
+    gate_ptr, sgate,  # GATE only
     RESIDUAL: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, HALVES: tl.constexpr, BR: tl.constexpr,
     SP: tl.constexpr, NCP: tl.constexpr, IPT: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
-    SIGMOID: tl.constexpr,
+    SIGMOID: tl.constexpr, GATE: tl.constexpr = False,
 ):
     dtype = g_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -477,13 +523,18 @@ def _mbconv_project_kernel(
     ox = p % OW
     # SE hidden layer of the tile's images; the gate itself, sigmoid(W_se2 z + b2), is computed per R
     # step from the step's W_se2 rows (W_se2 read once per program)
+    # (GATE: the hidden kernel wrote the gates, (N, R) in the data type, read per R step)
     sv = tl.arange(0, SP)
     s_ok = sv < S
-    ch = tl.arange(0, NCP)
-    b1 = tl.load(b1_ptr + sv, mask=s_ok, other=0.0).to(tl.float32)
-    z0 = _se_hidden(z_ptr, b1, tl.minimum(n0, N - 1).to(tl.int64), NCHUNK, sv, ch, SP)
-    if IPT == 2:
-        z1 = _se_hidden(z_ptr, b1, tl.minimum(n0 + 1, N - 1).to(tl.int64), NCHUNK, sv, ch, SP)
+    if GATE:
+        n0c = tl.minimum(n0, N - 1).to(tl.int64)
+        n1c = tl.minimum(n0 + 1, N - 1).to(tl.int64)
+    else:
+        ch = tl.arange(0, NCP)
+        b1 = tl.load(b1_ptr + sv, mask=s_ok, other=0.0).to(tl.float32)
+        z0 = _se_hidden(z_ptr, b1, tl.minimum(n0, N - 1).to(tl.int64), NCHUNK, sv, ch, SP)
+        if IPT == 2:
+            z1 = _se_hidden(z_ptr, b1, tl.minimum(n0 + 1, N - 1).to(tl.int64), NCHUNK, sv, ch, SP)
     # accumulators start at bias (+ residual); with HALVES = 2 the output width is split in two
     # accumulators so that the epilogue converts half of it at a time
     acc0 = _acc_init(bproj_ptr, x_ptr, nrow, k0, k0 < K, oy, ox, pv, sxn, sxc, sxh, sxw, BM, BH, RESIDUAL)
@@ -493,17 +544,24 @@ def _mbconv_project_kernel(
     for r0 in range(0, R, BR):
         rr = r0 + rb
         rv = rr < R
-        if EVEN:  # R a multiple of BR, S of SP, every row real, K a multiple of BH * HALVES: no masks
-            w2 = tl.load(w2_ptr + rr[:, None] * sw2_r + sv[None, :] * sw2_s).to(tl.float32)
-            b2 = tl.load(b2_ptr + rr).to(tl.float32)
+        if GATE:  # the step's gates: with a row stride of unknown alignment these are 2-byte LDGs
+            # (L1-allocating, not pipelined), not 16-byte cp.async copies that every thread repeats from L2
+            gsel = tl.load(gate_ptr + n0c * sgate + rr, mask=rv, other=0.0)[None, :]
+            if IPT == 2:
+                gate1 = tl.load(gate_ptr + n1c * sgate + rr, mask=rv, other=0.0)[None, :]
+                gsel = tl.where((img == 1)[:, None], gate1, gsel)
         else:
-            w2 = tl.load(w2_ptr + rr[:, None] * sw2_r + sv[None, :] * sw2_s, mask=rv[:, None] & s_ok[None, :],
-                         other=0.0).to(tl.float32)
-            b2 = tl.load(b2_ptr + rr, mask=rv, other=0.0).to(tl.float32)
-        gsel = _sigmoid(tl.sum(w2 * z0[None, :], axis=1) + b2, SIGMOID).to(dtype)[None, :]
-        if IPT == 2:
-            gate1 = _sigmoid(tl.sum(w2 * z1[None, :], axis=1) + b2, SIGMOID).to(dtype)[None, :]
-            gsel = tl.where((img == 1)[:, None], gate1, gsel)
+            if EVEN:  # R a multiple of BR, S of SP, every row real, K a multiple of BH * HALVES: no masks
+                w2 = tl.load(w2_ptr + rr[:, None] * sw2_r + sv[None, :] * sw2_s).to(tl.float32)
+                b2 = tl.load(b2_ptr + rr).to(tl.float32)
+            else:
+                w2 = tl.load(w2_ptr + rr[:, None] * sw2_r + sv[None, :] * sw2_s,
+                             mask=rv[:, None] & s_ok[None, :], other=0.0).to(tl.float32)
+                b2 = tl.load(b2_ptr + rr, mask=rv, other=0.0).to(tl.float32)
+            gsel = _sigmoid(tl.sum(w2 * z0[None, :], axis=1) + b2, SIGMOID).to(dtype)[None, :]
+            if IPT == 2:
+                gate1 = _sigmoid(tl.sum(w2 * z1[None, :], axis=1) + b2, SIGMOID).to(dtype)[None, :]
+                gsel = tl.where((img == 1)[:, None], gate1, gsel)
         if EVEN:
             a = tl.load(rows[:, None] + rr[None, :]) * gsel
             b0 = tl.load(wproj_ptr + k0[None, :] * swp_k + rr[:, None] * swp_r)

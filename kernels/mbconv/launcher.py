@@ -35,8 +35,8 @@ Predicted (``convfirstnet kernels --model small --arch sm_90``: batch 128, fp16,
 end of the band, us; the terms that bind are what the next redesign has to move):
 
     block (Small)             launch   regs  smem    terms at the high end                   time
-    s1 16x16, C 256 (x17)     hidden   128  180 KB  L2 51, issue 52, latency 39 + waits 30     71
-                              project  254  176 KB  L2 43 (W_proj per 128 px), DRAM 38 (g)     45
+    s1 16x16, C 256 (x17)     hidden   128  180 KB  latency 32 + waits 27, L2 54, issue 48     60
+                              project  255  160 KB  L2 38 (W_proj per 128 px), DRAM 37 (g)     39
     s1 8x8, C 256 (x17)       hidden   126  180 KB  latency 10 + waits 7, L2 17, issue 16      19
                               project  254  176 KB  tensor 11 (64 programs), latency 11         13
     s2 32x32, C 96 -> 256     hidden   128   92 KB  L2 115 (x re-read per chunk), issue 84    117
@@ -44,8 +44,8 @@ end of the band, us; the terms that bind are what the next redesign has to move)
     s2 16x16, C 256           hidden   128  164 KB  issue 70, latency 44 + waits 27, L2 64     73
                               project  252  176 KB  tensor 11, L2 10                           13
 
-Against the layer-wise bound of the same model: 0.57x (16x16), 0.53x (8x8), 0.63x (32x32 s2),
-0.57x (16x16 s2); stage 4 2.10 ms (0.57x), stage 5 0.62 ms (0.54x). L2 <-> SM bytes are 3.5x
+Against the layer-wise bound of the same model: 0.49x (16x16), 0.53x (8x8), 0.63x (32x32 s2),
+0.57x (16x16 s2); stage 4 1.82 ms (0.50x), stage 5 0.62 ms (0.54x). L2 <-> SM bytes are 3.5x
 (16x16) to 12.5x (16x16 s2) the DRAM bytes: the h slot (written once, read from L2 once per chunk)
 and the g round trip are 2.2 of the 3.5 at 16x16, and with maps this small every image's item reads
 the chunk weights (1.2 MB per block) again. The 8x8 projection cannot go below its tensor term on 64
@@ -104,7 +104,8 @@ SLOT_L1_TILED = 160 * 1024
 SLOT_L1_PAIR = 56 * 1024
 # Hidden kernel programs, one per SM, of 16 warps on sm_90 with 16-bit data: a warp's stall-cycle chain
 # is half what 8 warps leave it (at the 128-register limit; the conv batch split CS and the one-load
-# SE partial keep the loops free of spills, and 16x16 stride 1 takes 32-pixel conv tiles). RESIDENT
+# SE partial keep the loops free of spills; 16x16 stride 1 takes 32-pixel conv tiles where an item holds
+# part of the chunks, see mbconv_config). RESIDENT
 # 16x16 stride 1: 119 -> 116 us per block predicted at the high end against 8 warps, 8x8 40 -> 33,
 # 16x16 stride 2 107 -> 85. Tiled: expand tiles of EM = 256 pixels (a 64-row wgmma per warpgroup;
 # 64-pixel tiles at 8 or 16 warps compiled to mma.sync). fp32 and sm_80 (16 warps spilled there):
@@ -140,6 +141,15 @@ P_BH_FP32 = 64
 # 64-row projection tiles for fp32 (3xTF32 operands in 128-row tiles took 213 KB of shared memory) and
 # below sm_90 (mma.sync keeps the A operand in registers: 128-row tiles spilled 88-168 B on sm_80)
 P_BM_SMALL = 64
+# GATE: where each hidden-kernel item holds every chunk of its images (RESIDENT stride-1 maps of more than
+# 64 pixels in one chunk group: Small's 16x16 at batch 128), the hidden kernel ends with the images' SE
+# gates (``_se_gates``: W_se2 read once per image, in steps of GATE_ROWS hidden channels), and the
+# projection reads a gate vector per R step instead of W_se2 (128 KB at R = 1024) and the SE partials in
+# each of its tiles (two per 16x16 image): 16x16 block 103.3 -> 99.0 us predicted at the high end
+# (projection 44.8 -> 39.2, hidden kernel 58.5 -> 59.9), 84.3 -> 85.4 at the low end (there the
+# projection is DRAM bound either way). 512 rows per step: 59.9 us against 60.4 at 128; at 1024 the
+# function spilled.
+GATE_ROWS = 512
 # Share of the L2 the resident programs' scratch may take (the rest holds the streamed x, g, weights).
 L2_SHARE = 0.75
 # Per-warp instruction estimates from the sm_90 SASS (a chunk of a 256-pixel item; an item's x tile),
@@ -192,6 +202,7 @@ class MBConvGeometry:
     cm: int  # pixels per conv tile
     em: int  # pixels per expand tile of the tiled path
     maxnreg: bool = False  # compile the hidden kernel with HIDDEN_MAXNREG_SM80
+    gate: bool = False  # the hidden kernel computes the SE gates, the projection reads them (GATE_ROWS)
 
     @property
     def hw(self) -> int:
@@ -304,6 +315,7 @@ class MBConvGeometry:
                     HWP=self.hwp if self.resident else 1,
                     ZB=ZERO_BLOCK, SILU=silu, PREC=prec, CS=self.conv_split, NS=self.mean_rows,
                     SEB=self.sp if self.maxnreg else min(self.sp, 4 * self.hidden_warps),  # sm_80: one step
+                    **(dict(GATE=True, GB=GATE_ROWS, NCP=triton.next_power_of_2(self.nchunk)) if self.gate else {}),
                     num_warps=self.hidden_warps, num_stages=1, **self.hidden_options)
 
     @property
@@ -315,7 +327,8 @@ class MBConvGeometry:
     def project_constexprs(self, silu: int, prec: str) -> dict:
         return dict(RESIDUAL=self.stride == 1, BM=self.p_bm, BH=self.p_bh, HALVES=self.halves, BR=P_BR,
                     SP=self.sp, NCP=triton.next_power_of_2(self.nchunk), IPT=self.ipt, EVEN=self.p_even,
-                    PREC=prec, SIGMOID=silu, num_warps=P_WARPS, num_stages=P_STAGES)
+                    PREC=prec, SIGMOID=silu, **(dict(GATE=True) if self.gate else {}),
+                    num_warps=P_WARPS, num_stages=P_STAGES)
 
 
 def conv_rows(rb: int) -> int:
@@ -413,20 +426,23 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
     if resident:
         while ib > 1 and slot_bytes(ib, rb) > limit:  # small maps: fewer images per slot
             ib //= 2
+    nchunk = triton.cdiv(r, rb)
+    blocks = triton.cdiv(max(n, 1), ib)
+    cg = chunk_groups(blocks, nchunk, sms) if resident else 1
     # EXACT: the conv (and tiled expand, and blur) tiles cover the map exactly, with dense pixel rows
     cm = conv_rows(rb)
-    if resident and stride == 1 and warps >= 16 and hwp > 64:
-        # half-size conv tiles on RESIDENT stride-1 maps of more than 64 pixels (Small's 16x16): with
-        # 64-pixel tiles the 16-warp sm_90 compile spilled 24-40 B inside the chunk loop (Triton 3.8)
+    if resident and stride == 1 and warps >= 16 and hwp > 64 and cg < nchunk:
+        # half-size conv tiles on RESIDENT stride-1 maps of more than 64 pixels (Small's 16x16) whose
+        # items hold part of the chunks (small batches): with 64-pixel tiles the 16-warp sm_90 compile
+        # spilled inside the chunk loop (Triton 3.8). Items of all the chunks (batch 128) take 64-pixel
+        # tiles: 16x16 hidden kernel 70.5 -> 58.5 us predicted at the high end (half the conv tiles'
+        # per-tile stall cycles and exposed waits)
         cm //= 2
     exact = dense and w == tw and h % (cm // tw) == 0
     if not resident:
         exact = exact and h % max(1, em // tw) == 0
     if stride == 2:
         exact = exact and h % 2 == 0 and w % 2 == 0 and ow == two and (oh % (BMO // two) == 0)
-    nchunk = triton.cdiv(r, rb)
-    blocks = triton.cdiv(max(n, 1), ib)
-    cg = chunk_groups(blocks, nchunk, sms) if resident else 1
     # 4-warp tiled programs: two per SM while both slots stay in the L1 that both programs' shared
     # memory leaves on any target (SLOT_L1_PAIR), and all slots in L2_SHARE of the L2
     per_sm = 2 if warps == 4 and 2 * slot_bytes(ib, rb) <= SLOT_L1_PAIR else 1
@@ -443,13 +459,17 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
         bn = min(bn, P_BH)
     halves = 2 if bn > P_BH else 1
     g_in_l2 = n * ohw * r * elem + programs * (slot_bytes(ib, rb) + rb * 4) <= L2_SHARE * l2
+    # GATE_ROWS; unmasked widths only (C and S powers of two): at Nano's C = 160, S = 40 the hidden
+    # kernel spilled 216 B
+    gate = (resident and stride == 1 and hwp > 64 and cg >= nchunk and c == cp
+            and s == max(16, triton.next_power_of_2(s)))
     return MBConvGeometry(
         n=n, c=c, r=r, s=s, k=k, h=h, w=w, stride=stride, oh=oh, ow=ow, elem=elem, fp32=fp32, rb=rb, cp=cp,
         sp=max(16, triton.next_power_of_2(s)), tw=tw, two=two, exact=exact, resident=resident,
         hwp=hwp, ib=ib, chunks_per_group=cg, programs=programs, p_bm=p_bm, p_bh=bn // halves, halves=halves,
         ipt=ipt, tpi=tpi, g_in_l2=g_in_l2,
         hidden_warps=warps, cm=cm, em=em,
-        maxnreg=warps == HIDDEN_WARPS_TILED_SM80 and not resident and gpu.arch < 90)
+        maxnreg=warps == HIDDEN_WARPS_TILED_SM80 and not resident and gpu.arch < 90, gate=gate)
 
 
 def check_supported(x: torch.Tensor, c: int, r: int, k: int) -> None:
@@ -513,6 +533,9 @@ def mbconv_triton(
     mslot = torch.empty((geo.programs, geo.mean_slot), device=x.device, dtype=torch.float32)
     gbuf = torch.empty((n, geo.ohw, r), device=x.device, dtype=x.dtype)
     zpart = torch.empty((n, geo.nchunk, geo.sp), device=x.device, dtype=torch.float32)
+    gates = torch.empty((n, r) if geo.gate else (1,), device=x.device, dtype=x.dtype)
+    if x.device.type == "cpu":  # the interpreter: a gate read before the hidden kernel wrote it shows as NaN
+        gates.fill_(float("nan"))
     prec = FP32_PRECISION if x.dtype == torch.float32 else "tf32"  # only fp32 operands use it
     silu = 0 if x.dtype == torch.float32 or x.device.type == "cpu" else 1
     # the stride-2 g slots, past the h slots of each program's slot: their own argument, so that the
@@ -521,10 +544,11 @@ def mbconv_triton(
     launch(_mbconv_hidden_kernel, (geo.programs,), x, w_exp, b_exp, w_conv, b_conv, w_se1, gbuf, zpart,
            scratch, gscratch, mslot, n, h, w, geo.oh, geo.ow, c, r, s, geo.nchunk, geo.groups,
            geo.chunks_per_group, geo.items, geo.ib, geo.slot, *x.stride(), *w_exp.stride(), *w_conv.stride(), *w_se1.stride(),
+           b_se1, w_se2, b_se2, gates, *w_se2.stride(),
            cost=lambda: hidden_cost(geo), **geo.hidden_constexprs(silu, prec))
     launch(_mbconv_project_kernel, geo.p_grid, gbuf, zpart, b_se1, w_se2, b_se2, w_proj, b_proj, x, out,
            n, geo.ohw, geo.ow, r, k, s, geo.nchunk, geo.tpi, *x.stride(), *out.stride(), *w_se2.stride(),
-           *w_proj.stride(), cost=lambda: project_cost(geo), **geo.project_constexprs(silu, prec))
+           *w_proj.stride(), gates, r, cost=lambda: project_cost(geo), **geo.project_constexprs(silu, prec))
     return out
 
 
@@ -532,13 +556,16 @@ def hidden_cost(geo: MBConvGeometry) -> KernelCost:
     """What the hidden kernel does (kernels/_cost.py gives the counting rules)."""
     n, c, r, s, rb, eb = geo.n, geo.c, geo.r, geo.s, geo.rb, geo.elem
     hw, ohw, nchunk, g8 = geo.hw, geo.ohw, geo.nchunk, geo.rb // 8
-    useful = n * (hw * c * r + hw * r * 72 + (ohw * r * 9 if geo.stride == 2 else 0) + r * s)
+    # the SE MLP's first layer (and with GATE its second)
+    useful = n * (hw * c * r + hw * r * 72 + (ohw * r * 9 if geo.stride == 2 else 0) + r * s * (1 + geo.gate))
     expand_rows = geo.image_blocks * XM if geo.resident else n * geo.tiles_e * geo.em
     mma = nchunk * (expand_rows * rb * geo.cp + n * geo.tiles * geo.cm * g8 * 16 * 8 * 5)
     conv_reads = n * geo.tiles * geo.cm * 5 * g8 * 16
     # g is counted as written to DRAM even when the projection reads it from L2 (a dirty line is
     # written back when it leaves the L2)
     dram = (n * c * hw + r * c + r * 72 + 2 * r + s * r + n * ohw * r) * eb + n * nchunk * geo.sp * 4
+    if geo.gate:  # W_se2 and the SE biases read, the gates written
+        dram += (r * s + r + s + n * r) * eb
     # scratch traffic per chunk: h written, five two-tap reads; stride 2: the full-resolution g written,
     # nine blur taps per output tile; the means (fp32)
     scr = n * hw * rb + conv_reads
@@ -553,12 +580,17 @@ def hidden_cost(geo: MBConvGeometry) -> KernelCost:
     loops = (Loop("zero scratch", triton.cdiv(geo.slot_images * geo.border, ZERO_BLOCK)),
              Loop("work items", rounds, (Loop("chunks", geo.chunks_per_group,
                                               (Loop("images", geo.ib, per_image),)),)))
+    if geo.gate:
+        loops += (Loop("gate items", rounds), Loop("gate images", rounds * geo.ib,
+                                                   (Loop("gate steps", triton.cdiv(r, GATE_ROWS)),)))
     # L1-allocating loads, per item: x (RESIDENT: once; else once per chunk), each chunk's weights
     # and its slot once (the nine taps re-read it from L1), the means
     cg, ib = geo.chunks_per_group, geo.ib
     x_item = ib * hw * c * eb * (1 if geo.resident else cg)
     weights = cg * (rb * c + rb * 72 + 2 * rb + s * rb) * eb
     slots = cg * (geo.slot * eb + geo.mean_slot * 4)
+    if geo.gate:  # per item: W_se2 and the SE biases, the item's images' SE partials
+        weights += (r * s + r + s) * eb + ib * nchunk * geo.sp * 4
     return KernelCost(useful, mma, dram, loops, l2_bytes=l2, scratch_bytes_per_program=geo.scratch_bytes,
                       l1_unique_bytes_per_program=rounds * (x_item + weights + slots),
                       l1_working_set_bytes=geo.scratch_bytes,
@@ -571,16 +603,18 @@ def project_cost(geo: MBConvGeometry) -> KernelCost:
     n, r, k, s, eb = geo.n, geo.r, geo.k, geo.s, geo.elem
     steps = triton.cdiv(r, P_BR)
     tiles, kb = geo.p_grid
-    dram = (k * r + k + r * s + s + r + n * geo.ohw * k * (2 if geo.stride == 1 else 1)) * eb
-    dram += n * geo.nchunk * geo.sp * 4 + (0 if geo.g_in_l2 else geo.g_bytes)
+    dram = (k * r + k + n * geo.ohw * k * (2 if geo.stride == 1 else 1)) * eb + (0 if geo.g_in_l2 else geo.g_bytes)
+    # the SE: the gates the hidden kernel wrote (GATE), or W_se2, the biases and the SE partials
+    dram += n * r * eb if geo.gate else (r * s + s + r) * eb + n * geo.nchunk * geo.sp * 4
     mma = tiles * kb * geo.p_bm * geo.p_bn * steps * P_BR
-    # L1-allocating loads: the SE partials of the tile's images, the biases, the residual tile: each read
-    # once (W_se2, g and W_proj are pipelined cp.async copies, L2 only)
-    unique = (2 * s + r + geo.p_bn + (geo.p_bm * geo.p_bn if geo.stride == 1 else 0)) * eb
-    unique += geo.ipt * geo.nchunk * geo.sp * 4
-    return KernelCost(n * geo.ohw * r * k + n * r * s, mma, dram, (Loop("R steps", steps),),
-                      l1_unique_bytes_per_program=unique,
-                      l1_working_set_bytes=geo.ipt * geo.nchunk * geo.sp * 4,
+    # L1-allocating loads: the SE partials of the tile's images and the SE biases (GATE: the images'
+    # gates), the projection bias, the residual tile: each read once (W_se2, g and W_proj are pipelined
+    # cp.async copies, L2 only)
+    unique = (geo.p_bn + (geo.p_bm * geo.p_bn if geo.stride == 1 else 0)) * eb
+    se = geo.ipt * r * eb if geo.gate else (2 * s + r) * eb + geo.ipt * geo.nchunk * geo.sp * 4
+    return KernelCost(n * geo.ohw * r * k + (0 if geo.gate else n * r * s), mma, dram, (Loop("R steps", steps),),
+                      l1_unique_bytes_per_program=unique + se,
+                      l1_working_set_bytes=geo.ipt * (r * eb if geo.gate else geo.nchunk * geo.sp * 4),
                       l2_bytes=geo.g_bytes if geo.g_in_l2 else 0,
                       l2_footprint_bytes=geo.g_bytes if geo.g_in_l2 else 0,
                       note=("g read from L2" if geo.g_in_l2 else "g read from DRAM")

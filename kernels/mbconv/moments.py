@@ -66,7 +66,7 @@ def moment_partials(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tensor, w
     (the same one as the launch pair that follows)."""
     n, c, h, w = x.shape
     r = w_exp.shape[0]
-    geo = _geometry(x, w_exp, w_se1, k, stride)
+    geo = dataclasses.replace(_geometry(x, w_exp, w_se1, k, stride), gate=False)  # no SE in this pass
     cs = geo.conv_split
     parts = torch.empty((n, 2, cs, r), device=x.device, dtype=torch.float32)
     if n == 0:
@@ -77,7 +77,8 @@ def moment_partials(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tensor, w
     launch(_mbconv_hidden_kernel, (geo.programs,), x, w_exp, b_exp.contiguous(), w_conv, shift, w_se1,
            unused, parts, scratch, gscratch, mslot, n, h, w, geo.oh, geo.ow, c, r, w_se1.shape[0], geo.nchunk,
            geo.groups, geo.chunks_per_group, geo.items, geo.ib, geo.slot, *x.stride(),
-           *w_exp.stride(), *w_conv.stride(), *w_se1.stride(), cost=lambda: moments_cost(geo),
+           *w_exp.stride(), *w_conv.stride(), *w_se1.stride(), *(unused,) * 4, 0, 0,  # no SE gates
+           cost=lambda: moments_cost(geo),
            **geo.hidden_constexprs(silu, prec), MOMENTS=True)
     return parts
 
@@ -120,15 +121,17 @@ def mbconv_unnormalised(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tenso
     scratch, gscratch, mslot = _scratch(geo, x)
     gbuf = torch.empty((n, geo.ohw, r), device=x.device, dtype=x.dtype)
     zpart = torch.empty((n, geo.nchunk, geo.sp), device=x.device, dtype=torch.float32)
+    gates = torch.empty((n, r) if geo.gate else (1,), device=x.device, dtype=x.dtype)
     silu, prec = _settings(x)
     b_exp, b_conv, b_proj, b_se1, b_se2 = (t.contiguous() for t in (b_exp, b_conv, b_proj, b_se1, b_se2))
     launch(_mbconv_hidden_kernel, (geo.programs,), x, w_exp, b_exp, w_conv, b_conv, w_se1, gbuf, zpart,
            scratch, gscratch, mslot, n, h, w, geo.oh, geo.ow, c, r, s, geo.nchunk, geo.groups,
            geo.chunks_per_group, geo.items, geo.ib, geo.slot, *x.stride(), *w_exp.stride(), *w_conv.stride(),
-           *w_se1.stride(), cost=lambda: hidden_cost(geo), **geo.hidden_constexprs(silu, prec))
+           *w_se1.stride(), b_se1, w_se2, b_se2, gates, *w_se2.stride(), cost=lambda: hidden_cost(geo),
+           **geo.hidden_constexprs(silu, prec))
     launch(_mbconv_project_kernel, geo.p_grid, gbuf, zpart, b_se1, w_se2, b_se2, w_proj, b_proj, x, out,
            n, geo.ohw, geo.ow, r, k, s, geo.nchunk, geo.tpi, *x.stride(), *out.stride(), *w_se2.stride(),
-           *w_proj.stride(), cost=lambda: _no_residual(project_cost(geo), geo),
+           *w_proj.stride(), gates, r, cost=lambda: _no_residual(project_cost(geo), geo),
            **dict(geo.project_constexprs(silu, prec), RESIDUAL=False))
     return out
 

@@ -198,6 +198,21 @@ def test_batch_zero_and_one(interpreter_backend, stride):
     check(x, weights, stride)
 
 
+def test_small_stage4_block(interpreter_backend, monkeypatch):
+    """Fused Small's 16x16 stride-1 block at its widths (C = 256, R = 1024, fp16), configured as on the
+    H100: RESIDENT items of one image holding all 16 chunks, four 64-pixel conv tiles per chunk, two
+    projection tiles per image. One program walks both images' items, so the item, chunk, conv tile and R
+    step loops all run more than once. Tolerance: TOL (fp16), as for the other shapes."""
+    from convfirstnet.kernels.mbconv import launcher
+
+    monkeypatch.setattr(launcher, "INTERPRETER_PROGRAMS", 1)
+    geo = launcher.mbconv_config(256, 1024, 256, 16, 16, 1, n=2, device="cpu")
+    assert (geo.resident, geo.ib, geo.chunks_per_group, geo.nchunk, geo.cm, geo.tiles, geo.items,
+            geo.programs, geo.tpi, geo.gate) == (True, 1, 16, 16, 64, 4, 2, 1, 2, True)
+    x, weights = make_block(2, 256, 16, 16, 1, dtype=torch.float16, seed=7)
+    check(x, weights, 1)
+
+
 def test_output_independent_of_program_count(interpreter_backend, monkeypatch):
     """Bit-reproducible: every reduction runs in a fixed order, so the result does not depend on how
     the work items are spread over programs (1 or 5 persistent programs here)."""
@@ -577,6 +592,17 @@ def test_scratch_loads_follow_the_barrier(small_asm):
 
 
 @pytest.mark.compile
+def test_gate_loads_are_plain_loads(small_asm):
+    """GATE (fused Small's 16x16 stride 1 at batch 128): the projection reads the gates with 2-byte
+    ld.global (L1-allocating, as its cost declaration counts them), while g and W_proj stay pipelined
+    cp.async copies."""
+    gated = [asm["ptx"] for _, _, v, asm in small_asm if v.name == "_mbconv_project_kernel" and v.meta.get("GATE")]
+    assert gated
+    for ptx in gated:
+        assert "ld.global.b16" in ptx and "cp.async.cg" in ptx
+
+
+@pytest.mark.compile
 def test_scratch_slot_fits_the_l1_left(mbconv_compiled):
     """The hidden kernel's scratch slot stays in L1 (what its cost declaration claims, and why the
     launcher halves RB for stride 2, and picks 8-warp programs and their expand tiles on sm_80): for
@@ -624,11 +650,13 @@ def test_silu_fast_path_only_for_half_precision(small_asm):
     """fp16 (and bf16) kernels compute SiLU (hidden kernel) and the SE sigmoid (projection) through
     kernels/_activations.py's inline-asm form (ex2.approx and rcp.approx, GPU only; the interpreter
     runs the plain formula); fp32 keeps tl.exp2 and a division. tanh.approx (whose cancellation
-    test_activations.py measures) is in none of them."""
+    test_activations.py measures) is in none of them. With GATE (Small's 16x16 stride 1 at batch 128)
+    the SE sigmoid runs at the end of the hidden kernel and the projection has no activation."""
     names = set()
     for _, dtype, v, asm in small_asm:
         names.add(v.name)
-        assert ("rcp.approx.ftz.f32" in asm["ptx"]) == (dtype != torch.float32), (v.name, dtype)
+        fast = dtype != torch.float32 and not (v.name == "_mbconv_project_kernel" and v.meta.get("GATE"))
+        assert ("rcp.approx.ftz.f32" in asm["ptx"]) == fast, (v.name, dtype)
         assert "tanh.approx" not in asm["ptx"], (v.name, dtype)
     assert names == {"_mbconv_hidden_kernel", "_mbconv_project_kernel"}
 

@@ -89,6 +89,24 @@ def _two_buffers(a_ptr, b_ptr, out_ptr, B: tl.constexpr):
     tl.store(out_ptr + tile, tl.load(b_ptr + r[None, :] * B + r[:, None]))
 
 
+@triton.jit(noinline=True)
+def _read_back(src_ptr, dst_ptr, B: tl.constexpr):
+    """A function of its own in the PTX (a call, not inlined): loads one buffer, stores another."""
+    r = tl.arange(0, B)
+    tl.store(dst_ptr + r[:, None] * B + r[None, :], tl.load(src_ptr + r[None, :] * B + r[:, None]))
+
+
+@triton.jit
+def _call(scr_ptr, out_ptr, BARRIER: tl.constexpr, B: tl.constexpr):
+    """The read back happens inside a called function: the call must follow a barrier."""
+    r = tl.arange(0, B)
+    tile = r[:, None] * B + r[None, :]
+    tl.store(scr_ptr + tile, tile.to(tl.float32))
+    if BARRIER:
+        tl.debug_barrier()
+    _read_back(scr_ptr, out_ptr, B)
+
+
 def _variant(kernel, *args, **meta):
     return variant_of(Launch(kernel, (1,), args, dict(num_warps=4, **meta), None, None), 90)
 
@@ -106,6 +124,8 @@ def planted():
         "two buffers": _variant(_two_buffers, buf, buf, buf, B=B),
         "reuse, barrier": _variant(_reuse, buf, buf, 4, BARRIER=True, B=B),
         "reuse, no barrier": _variant(_reuse, buf, buf, 4, BARRIER=False, B=B),
+        "call, no barrier": _variant(_call, buf, buf, BARRIER=False, B=B),
+        "call, barrier": _variant(_call, buf, buf, BARRIER=True, B=B),
     }
     compiled = compile_variants(list(cases.values()))
     return {name: ordering.compiled_hazards(c, write_after_read=True) for name, c in zip(cases, compiled)}
@@ -140,6 +160,13 @@ def test_write_after_read(planted):
     assert hazards and {h.kind for h in hazards} == {"write after read"}
 
 
+def test_calls_are_followed(planted):
+    # a noinline function's loads count at its call site, through the buffers it is passed
+    buffers, hazards = planted["call, no barrier"]
+    assert buffers == ["scr_ptr"] and {(h.buffer, h.kind) for h in hazards} == {("scr_ptr", "read after write")}
+    assert planted["call, barrier"] == (["scr_ptr"], [])
+
+
 def test_separate_arguments_are_separate_buffers(planted):
     assert planted["two buffers"] == ([], [])
 
@@ -156,6 +183,19 @@ def _shipped_variants():
         with recording() as rec:
             fused(x.contiguous(memory_format=torch.channels_last))
         launches += rec.launches
+    # fused Small's 16x16 stride-1 MBConv block at batch 128: each hidden item holds all the chunks of
+    # its image, so the hidden kernel computes the SE gates (GATE, in a called function)
+    c, r, s = 256, 1024, 64
+    x = torch.empty(128, c, 16, 16, device="meta", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+
+    def m(*shape):
+        return torch.empty(shape, device="meta", dtype=torch.float16)
+
+    with recording() as rec:
+        torch.ops.convfirstnet.mbconv(x, m(r, c), m(r), m(r, 8, 3, 3), m(r), m(s, r), m(s), m(r, s), m(r), m(c, r),
+                                      m(c), 1)
+    assert rec.launches[0].meta.get("GATE")
+    launches += rec.launches
     for stride in (1, 2):
         x = torch.empty(2, 64, 32, 32, device="meta", dtype=torch.float16)
         x = x.contiguous(memory_format=torch.channels_last)
@@ -176,7 +216,7 @@ def test_shipped_kernels_order_their_round_trips():
     """Every kernel of the fused model (stem, ConvFirst, MBConv, head) and of the training layer
     (gconv), compiled for sm_90: each load of a round-trip buffer comes after a barrier that follows
     every store to it. Each round trip has its own argument (ordering's module docstring); the MBConv
-    kernels have four today."""
+    kernels have four today (with GATE, the SE partials are a fifth, read back by a called function)."""
     variants = _shipped_variants()
     names = {v.name for v in variants}
     assert {"_stem_kernel", "_mbconv_hidden_kernel", "_head_kernel", "_gconv_wgrad_kernel"} <= names
