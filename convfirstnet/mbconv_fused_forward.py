@@ -83,17 +83,25 @@ def _forward(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_s
     n, c, h, w = x.shape
     r, k, s = w_exp.shape[0], w_proj.shape[0], w_se1.shape[0]
     rm_e, rv_e, rm_d, rv_d, rm_p, rv_p = running
-    w_se1, w_se2, w_proj = w_se1.reshape(s, r).to(dt), w_se2.reshape(r, s).to(dt), w_proj.reshape(k, r).to(dt)
-    b_se1, b_se2 = b_se1.to(dt), b_se2.to(dt)
+    # the SE, projection and grouped-conv weights in x's dtype by one copy (autocast keeps them in fp32), and
+    # the projection's zero bias (BN_p follows) after them
+    parts = (w_se1, w_se2, w_proj, b_se1, b_se2, w_dw)
+    sizes = [t.numel() for t in parts]
+    buf = torch.empty(sum(sizes) + k, device=x.device, dtype=dt)
+    torch.cat([t.detach().reshape(-1) for t in parts], out=buf[:sum(sizes)])
+    zero_bias = buf[sum(sizes):].zero_()
+    w_se1, w_se2, w_proj, b_se1, b_se2, w_dw_x = buf[:sum(sizes)].split(sizes)
+    w_se1, w_se2, w_proj, w_dw_x = (w_se1.view(s, r), w_se2.view(r, s), w_proj.view(k, r),
+                                    w_dw_x.view(r, 8, 3, 3))
     # BN_e from x's moments, folded into the expand (one launch, running statistics updated)
     mean_x, gram = x_moments(x)
     w_exp_f, b_exp_f = fold_expand(w_exp.reshape(r, c), mean_x, mean_x, gram, gamma_e, beta_e, rm_e, rv_e,
                                    factors[0], eps, n * h * w, dt)
     # BN_d: the moments launch (shifted by BN_d's running mean), then the fold (which updates that mean)
-    parts = moment_partials(x, w_exp_f, b_exp_f, w_dw.to(dt), rm_d, w_se1, k, stride)
+    parts = moment_partials(x, w_exp_f, b_exp_f, w_dw_x, rm_d, w_se1, k, stride)
     w_dw_f, b_dw_f = fold_conv(parts, w_dw, gamma_d, beta_d, rm_d, rv_d, factors[1], eps, h * w, dt)
     o = mbconv_unnormalised(x, w_exp_f, b_exp_f, w_dw_f, b_dw_f, w_se1, b_se1, w_se2, b_se2, w_proj,
-                            torch.zeros(k, device=x.device, dtype=dt), stride)
+                            zero_bias, stride)
     # BN_p, drop-path and the residual, over o (its running statistics updated)
     return bn_residual(o, x if stride == 1 else None, drop_scale, gamma_p, beta_p, rm_p, rv_p, factors[2],
                        eps)

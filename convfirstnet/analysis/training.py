@@ -290,8 +290,8 @@ def stored_bytes(model: nn.Module, input_size: tuple[int, int, int], elem_bytes:
 # ``mm``); a CPU scalar
 _NO_LAUNCH = {"view", "_unsafe_view", "as_strided", "permute", "expand", "reshape", "select", "slice",
               "unsqueeze", "squeeze", "diagonal", "t", "transpose", "alias", "detach", "empty", "empty_like",
-              "empty_strided", "new_empty", "lift_fresh", "unbind", "split", "flatten", "contiguous", "to",
-              "matmul", "outer", "numpy_T", "scalar_tensor", "float"}
+              "empty_strided", "new_empty", "lift_fresh", "unbind", "split", "split_with_sizes", "flatten",
+              "contiguous", "to", "matmul", "outer", "numpy_T", "scalar_tensor", "float"}
 
 
 class _CountLaunches(torch.utils._python_dispatch.TorchDispatchMode):
