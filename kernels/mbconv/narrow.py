@@ -30,13 +30,13 @@ from .._launch import device_info, launch
 GRAM_BLOCK = 128  # Gram block side of a program (channels; C <= 256: at most 2 x 2 blocks, 3 computed)
 GRAM_PIXELS = 64  # pixels per step (the dot's K)
 GRAM_WARPS = 8
-MERGE_TILE = 32  # Gram tile side per merge program
-MERGE_SPLITS = 8  # splits per step of the Gram merge
-STAT_PIXELS = 32  # pixels per step of the BN_p statistics (all K channels)
+MERGE_TILE = 16  # Gram tile side per merge program
+MERGE_SPLITS = 16  # splits per step of the Gram merge
+STAT_PIXELS = 64  # pixels per step of the BN_p statistics (all K channels)
 APPLY_PIXELS = 32  # pixels per program of the apply
-MERGE_CHANNELS = 32  # channels per program of BN_p's merge
-STAT_SPLITS = 32  # splits per step of BN_p's merge
-MIN_TILES = 4  # the fewest tiles per split
+MERGE_CHANNELS = 16  # channels per program of BN_p's merge
+STAT_SPLITS = 64  # splits per step of BN_p's merge
+MIN_TILES = 2  # the fewest tiles per split
 
 
 def _splits(m: int, tile: int, want: int) -> tuple[int, int]:

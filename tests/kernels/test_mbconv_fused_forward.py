@@ -108,9 +108,9 @@ def test_moments_and_fold_of_the_conv_output(interpreter_backend, small_fold_ste
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """The narrow passes' steps at 16 pixels (of 64 and 32) and the merges' at 2 splits (of 8 and 32), so
-    that on these maps there are several pixel splits of 4 tiles (the last one short and masked) and
-    every loop runs more than once."""
+    """The narrow passes' steps at 16 pixels (of 64) and the merges' at 2 splits (of 16 and 64), so that on
+    these maps there are several pixel splits of 2 tiles (the last one short and masked) and every loop
+    runs more than once."""
     from convfirstnet.kernels.mbconv import narrow
 
     for name in ("GRAM_PIXELS", "STAT_PIXELS", "APPLY_PIXELS"):
@@ -120,8 +120,8 @@ def small_tiles(monkeypatch):
 
 
 # (N, C, H, W, dtype): C = 256 two Gram blocks of 128 (three computed, the lower one read transposed in the
-# merge) over 4 splits (243 pixels, the last split 51); C = 96 one block padded to 128; fp16 with a mean of
-# 3 against a spread of 0.5 (the shift: x - shift exact in fp16)
+# merge) over 8 splits (243 pixels, the last split 19); C = 96 one block padded to 128; fp16 with a mean of
+# 3 against a spread of 0.5 (the shift keeps mean^2 out of the Gram sums)
 NARROW_SHAPES = [(3, 256, 9, 9, torch.float32), (2, 96, 9, 9, torch.float32), (3, 256, 8, 8, torch.float16)]
 
 
