@@ -156,12 +156,12 @@ def _gram_merge_kernel(part_ptr, mean_ptr, gram_ptr, xmean_ptr, M, C, CH, S, BC:
 
 
 def x_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x's per-channel mean (C,), the Gram matrix of x centred there (C, C)), both fp32, for NHWC-strided
-    x (N, C, H, W) with channel stride 1 and more than one pixel."""
+    """(x's per-channel mean (C,), the Gram matrix of x centred there (C, C)), both fp32, for x (N, C, H, W)
+    of any strides (channels-last reads whole rows) with more than one pixel."""
     n, c, h, w = x.shape
-    if x.stride(1) != 1:
-        raise ValueError("x_moments: x must be channels-last (channel stride 1)")
     m = n * h * w
+    if m < 2:
+        raise ValueError("x_moments: BatchNorm in training needs more than one value per channel")
     bc = min(GRAM_BLOCK, max(16, triton.next_power_of_2(c)))
     nb = triton.cdiv(c, bc)
     blocks = nb * (nb + 1) // 2
@@ -302,12 +302,13 @@ def _bn_apply_kernel(o_ptr, x_ptr, drop_ptr, ss_ptr, M, K, HW, W, so_n, so_c, so
 def bn_residual(o: torch.Tensor, x: torch.Tensor | None, drop: torch.Tensor, gamma: torch.Tensor,
                 beta: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, f: float,
                 eps: float) -> torch.Tensor:
-    """Training-mode BatchNorm of ``o`` (N, K, OH, OW; channel stride 1) with ``gamma``, ``beta``, then,
-    with ``x`` (the block's input, o's shape), ``x + drop[n] * bn(o)``; written over ``o``, returned. The
-    running statistics updated in place with factor ``f`` (nn.BatchNorm2d's rule)."""
+    """Training-mode BatchNorm of ``o`` (N, K, OH, OW; any strides, channels-last reads whole rows) with
+    ``gamma``, ``beta``, then, with ``x`` (the block's input, o's shape, any strides),
+    ``x + drop[n] * bn(o)``; written over ``o``, returned. The running statistics updated in place with
+    factor ``f`` (nn.BatchNorm2d's rule)."""
     n, k, h, w = o.shape
-    if o.stride(1) != 1 or (x is not None and (x.shape != o.shape or x.stride(1) != 1)):
-        raise ValueError("bn_residual: o (and x) must be channels-last of one shape")
+    if x is not None and x.shape != o.shape:
+        raise ValueError(f"bn_residual: x {tuple(x.shape)} and o {tuple(o.shape)} differ")
     m = n * h * w
     if m < 2:
         raise ValueError("bn_residual: BatchNorm in training needs more than one value per channel")
