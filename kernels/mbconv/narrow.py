@@ -31,7 +31,7 @@ GRAM_BLOCK = 128  # Gram block side of a program (channels; C <= 256: at most 2 
 GRAM_PIXELS = 64  # pixels per step (the dot's K)
 GRAM_WARPS = 8
 MERGE_TILE = 16  # Gram tile side per merge program
-MERGE_SPLITS = 16  # splits per step of the Gram merge
+MERGE_SPLITS = 32  # splits per step of the Gram merge
 STAT_PIXELS = 64  # pixels per step of the BN_p statistics (all K channels)
 APPLY_PIXELS = 32  # pixels per program of the apply
 MERGE_CHANNELS = 16  # channels per program of BN_p's merge
