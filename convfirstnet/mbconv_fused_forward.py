@@ -3,22 +3,24 @@ three BatchNorms normalising by the batch's statistics, folded into the kernels'
 (kernels/mbconv/moments.py):
 
     BN_e (after the expand, R channels): mean and variance of z = W_exp x follow from the mean and the
-         C x C covariance of the narrow x (torch: x centred in its dtype, one C x C product with fp32
-         accumulation): mean_z = W mean_x, var_z = diag(W cov W^T), in the fold launch. No pass over a
-         wide tensor.
+         C x C covariance of the narrow x (kernels/mbconv/narrow.py ``x_moments``: one read of x, Gram
+         blocks per pixel split centred at a shift, fp32 accumulation, merged by Chan's rule in a second
+         launch): mean_z = W mean_x, var_z = diag(W cov W^T), in the fold launch. No pass over a wide
+         tensor.
     BN_d (after the grouped conv, before SiLU and, for stride 2, the BlurPool): one moments launch of the
          hidden kernel (per-image sums of u - shift and its square, shift = BN_d's running mean), merged
          in a fixed order by the fold launch.
     BN_p (after the projection, K channels): the launch pair with BN_e and BN_d folded writes the
-         projection without bias and residual; torch's training-mode BatchNorm on that narrow output
-         (statistics, normalise, running update), then drop-path and the residual, as the layer-wise
-         forward does them.
+         projection without bias and residual; then (narrow.py ``bn_residual``) its per-channel
+         statistics per pixel split, their merge (Chan's rule; scale, bias and the running update) and
+         one pass that normalises, applies drop-path and adds the residual, over the projection.
 
-Running statistics: BN_e's and BN_d's updated by the fold launches with nn.BatchNorm2d's rule (running =
-(1 - f) running + f batch, the unbiased variance), BN_p's by ``torch.native_batch_norm`` (the same rule):
+Running statistics: BN_e's and BN_d's updated by the fold launches, BN_p's by its merge launch, all with
+nn.BatchNorm2d's rule (running = (1 - f) running + f batch, the unbiased variance):
 the same update as the layer-wise forward, in place on the op's copies. The backward is unchanged
 (mbconv_recompute.py recomputes the layer-wise forward). Numerics: the fused form rounds where the
-kernels round (h, g, the gate, the projection, the folded weights and biases in x's dtype) instead of
+kernels round (h, g, the gate, the projection, x centred for the Gram product, the folded weights and
+biases in x's dtype) instead of
 after each layer, so it matches the layer-wise forward within the rounding of x's dtype
 (tests/kernels/test_mbconv_fused_forward.py).
 
@@ -60,23 +62,6 @@ def selected(x: T, w_exp: T, w_proj: T, stride: int) -> bool:
     return True
 
 
-def x_moments(x: T) -> tuple[T, T, T]:
-    """x's per-channel mean (fp32), that mean rounded to x's dtype (the centre), and the Gram matrix of x
-    centred there, sum over pixels of (x - centre)(x - centre)^T (C x C, fp32): x centred in its own dtype
-    and one product accumulated in fp32, so no cancellation of size mean^2 / variance enters BN_e's
-    variance (kernels/mbconv/moments.py: _fold_expand_kernel)."""
-    c = x.shape[1]
-    xm = x.permute(0, 2, 3, 1).reshape(-1, c)  # a view for channels-last x
-    mean = xm.mean(0, dtype=torch.float32)
-    centre = mean.to(x.dtype)
-    xc = xm - centre
-    if x.device.type != "cpu" and x.dtype != torch.float32:
-        gram = torch.mm(xc.t(), xc, out_dtype=torch.float32)  # tensor cores, fp32 accumulation and result
-    else:
-        gram = xc.t().float() @ xc.float()
-    return mean, centre, gram
-
-
 def forward(x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d: T, w_se1: T, b_se1: T,
             w_se2: T, b_se2: T, w_proj: T, gamma_p: T, beta_p: T, running: tuple[T, ...], drop_scale: T,
             stride: int, factors: tuple[float, float, float], eps: float) -> T:
@@ -92,39 +77,31 @@ def forward(x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d: 
 def _forward(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,
              beta_p, running, drop_scale, stride, factors, eps):
     from .kernels.mbconv.moments import fold_conv, fold_expand, mbconv_unnormalised, moment_partials
+    from .kernels.mbconv.narrow import bn_residual, x_moments
 
     dt = x.dtype
     n, c, h, w = x.shape
     r, k, s = w_exp.shape[0], w_proj.shape[0], w_se1.shape[0]
     rm_e, rv_e, rm_d, rv_d, rm_p, rv_p = running
-    w_se1, w_se2, w_proj = w_se1.reshape(s, r).to(dt), w_se2.reshape(r, s).to(dt), w_proj.reshape(k, r).to(dt)
-    b_se1, b_se2 = b_se1.to(dt), b_se2.to(dt)
+    # the SE, projection and grouped-conv weights in x's dtype by one copy (autocast keeps them in fp32), and
+    # the projection's zero bias (BN_p follows) after them
+    parts = (w_se1, w_se2, w_proj, b_se1, b_se2, w_dw)
+    sizes = [t.numel() for t in parts]
+    buf = torch.empty(sum(sizes) + k, device=x.device, dtype=dt)
+    torch.cat([t.detach().reshape(-1) for t in parts], out=buf[:sum(sizes)])
+    zero_bias = buf[sum(sizes):].zero_()
+    w_se1, w_se2, w_proj, b_se1, b_se2, w_dw_x = buf[:sum(sizes)].split(sizes)
+    w_se1, w_se2, w_proj, w_dw_x = (w_se1.view(s, r), w_se2.view(r, s), w_proj.view(k, r),
+                                    w_dw_x.view(r, 8, 3, 3))
     # BN_e from x's moments, folded into the expand (one launch, running statistics updated)
-    mean_x, centre, gram = x_moments(x)
-    w_exp_f, b_exp_f = fold_expand(w_exp.reshape(r, c), mean_x, centre, gram, gamma_e, beta_e, rm_e, rv_e,
+    mean_x, gram = x_moments(x)
+    w_exp_f, b_exp_f = fold_expand(w_exp.reshape(r, c), mean_x, mean_x, gram, gamma_e, beta_e, rm_e, rv_e,
                                    factors[0], eps, n * h * w, dt)
     # BN_d: the moments launch (shifted by BN_d's running mean), then the fold (which updates that mean)
-    parts = moment_partials(x, w_exp_f, b_exp_f, w_dw.to(dt), rm_d, w_se1, k, stride)
+    parts = moment_partials(x, w_exp_f, b_exp_f, w_dw_x, rm_d, w_se1, k, stride)
     w_dw_f, b_dw_f = fold_conv(parts, w_dw, gamma_d, beta_d, rm_d, rv_d, factors[1], eps, h * w, dt)
     o = mbconv_unnormalised(x, w_exp_f, b_exp_f, w_dw_f, b_dw_f, w_se1, b_se1, w_se2, b_se2, w_proj,
-                            torch.zeros(k, device=x.device, dtype=dt), stride)
-    ob = torch.native_batch_norm(o, gamma_p, beta_p, rm_p, rv_p, True, factors[2], eps)[0]
-    return torch.addcmul(x, ob, drop_scale.to(dt)[:, None, None, None]) if stride == 1 else ob  # one pass
-
-
-def narrow_passes(n: int, c: int, h: int, w: int, k: int, stride: int) -> list[tuple[str, int, int, int]]:
-    """The forward's torch passes over narrow (N, C or K, H, W) tensors, as (name, MACs, elements read,
-    elements written) for the static training report; each is one aten op here except BN_p's, whose
-    statistics and normalisation the report counts as two passes (its layer-wise rule)."""
-    oh, ow = (h, w) if stride == 1 else ((h + 1) // 2, (w + 1) // 2)
-    m, mo = n * h * w, n * oh * ow
-    passes = [("x mean", 0, m * c, 0), ("x centred", 0, m * c, m * c),
-              ("x covariance (C x C, tensor cores)", m * c * c, 2 * m * c, 0),
-              ("BN_p statistics", 0, mo * k, 0), ("BN_p normalise", 0, mo * k, mo * k)]
-    if stride == 1:
-        passes.append(("drop-path + residual", 0, 2 * mo * k, mo * k))
-    return passes
-
-
-# aten ops of those passes by stride (mean, sub, mm, native_batch_norm, addcmul at stride 1)
-NARROW_ATEN_OPS = {1: 5, 2: 4}
+                            zero_bias, stride)
+    # BN_p, drop-path and the residual, over o (its running statistics updated)
+    return bn_residual(o, x if stride == 1 else None, drop_scale, gamma_p, beta_p, rm_p, rv_p, factors[2],
+                       eps)

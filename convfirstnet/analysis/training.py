@@ -20,12 +20,11 @@ Per block of the training-form model (``stem``, ``stages.i.j``, ``head``, ``clas
   plus one launch gap per small op of the path (``mbconv_recompute.SMALL_OPS_PER_STEP``: the running
   statistics' copies). Where the op's forward runs through the fused MBConv kernels
   (convfirstnet/mbconv_fused_forward.py: the BatchNorms folded with the batch statistics), the forward
-  is counted instead as its recorded launches (``record_mbconv_forward``: the two fold launches, the
-  moments variant of the hidden kernel, the hidden kernel, the projection without residual; estimated
-  like the fused blocks'), its narrow torch passes (``mbconv_fused_forward.narrow_passes``: x's mean,
-  centring and Gram matrix, BN_p's statistics and normalisation, drop-path + residual; each at the
-  layer-wise rule below) and one launch gap per other aten op; the backward stays the layer-wise
-  bound's backward kernels plus the recompute;
+  is counted instead as its recorded launches (``record_mbconv_forward``: x's Gram partials and their
+  merge, the two fold launches, the moments variant of the hidden kernel, the hidden kernel, the
+  projection without residual, BN_p's statistics, merge and normalise + drop-path + residual
+  (kernels/mbconv/narrow.py); estimated like the fused blocks') and one launch gap per other aten op;
+  the backward stays the layer-wise bound's backward kernels plus the recompute;
 * layer-wise training bound: every layer as its own kernels, each at max(tensor, DRAM, L2) time of
   its MACs and bytes plus one launch gap in a CUDA graph (``estimate.layerwise_time``, the waterline's
   rule with the report's constants). Kernels and bytes (activations in the report's dtype, every input
@@ -291,8 +290,8 @@ def stored_bytes(model: nn.Module, input_size: tuple[int, int, int], elem_bytes:
 # ``mm``); a CPU scalar
 _NO_LAUNCH = {"view", "_unsafe_view", "as_strided", "permute", "expand", "reshape", "select", "slice",
               "unsqueeze", "squeeze", "diagonal", "t", "transpose", "alias", "detach", "empty", "empty_like",
-              "empty_strided", "new_empty", "lift_fresh", "unbind", "split", "flatten", "contiguous", "to",
-              "matmul", "outer", "numpy_T", "scalar_tensor", "float"}
+              "empty_strided", "new_empty", "lift_fresh", "unbind", "split", "split_with_sizes", "flatten",
+              "contiguous", "to", "matmul", "outer", "numpy_T", "scalar_tensor", "float"}
 
 
 class _CountLaunches(torch.utils._python_dispatch.TorchDispatchMode):
@@ -415,18 +414,13 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
             kinds = {k for e in mine for k in est.variants[e.variant]["mma_kind"].split("+")}
             mma = sorted(kinds - {"none"})
         elif path in fused_forward:
-            # forward: the fused launches, the narrow torch passes and a launch gap per other aten op;
+            # forward: the fused launches and a launch gap per other aten op;
             # backward: the layer-wise bound's backward kernels and the recompute, as below
             mine = [e for e, o in zip(est.launches, owner) if o == path]
-            n, c, h, w = batch, *shapes[path][0][1:]
-            narrow = [TrainKernel(f"{path} {name}", macs, (rd + wr) * eb)
-                      for name, macs, rd, wr in mbconv_fused_forward.narrow_passes(n, c, h, w, m.conv_project
-                                                                                   .out_channels, m.stride)]
             backward = [k for k in kernels if not _is_forward(k)] + lw.recompute(path, m)
-            own_glue = fused_forward[path] - mbconv_fused_forward.NARROW_ATEN_OPS[m.stride]
+            own_glue = fused_forward[path]
             glue[path] = own_glue + mbconv_recompute.SMALL_OPS_PER_STEP
             forward = {end: sum(e.predicted(end) for e in mine)
-                       + sum(layerwise_time(k, hw, end) for k in narrow)
                        + own_glue * hw.launch_graph_us.pick(end) * 1e-6 for end in ENDS}
             forwards[path] = (forward, {end: sum(layerwise_time(k, hw, end) for k in kernels
                                                  if _is_forward(k)) for end in ENDS})
@@ -434,7 +428,7 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
                          + mbconv_recompute.SMALL_OPS_PER_STEP * hw.launch_graph_us.pick(end) * 1e-6
                          for end in ENDS}
             bounds = sorted({e.bound("high") for e in mine}) + ["layer-wise backward + recompute"]
-            n_launches = len(mine) + len(narrow) + len(backward)
+            n_launches = len(mine) + len(backward)
             spills = max(est.variants[e.variant]["stack_bytes"] for e in mine)
             kinds = {k for e in mine for k in est.variants[e.variant]["mma_kind"].split("+")}
             mma = sorted(kinds - {"none"})
@@ -461,7 +455,7 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
             stored_bytes=batch * stored_fused.get(path, 0),
             layerwise_stored_bytes=batch * stored_lw.get(path, 0),
         ))
-        if path in forwards:  # the forward alone: the fused launches (+ narrow passes) against layer-wise
+        if path in forwards:  # the forward alone: the fused launches against layer-wise
             rows[-1].update(forward_ms={k: v * 1e3 for k, v in forwards[path][0].items()},
                             layerwise_forward_ms={k: v * 1e3 for k, v in forwards[path][1].items()})
     stages: dict[str, dict] = {}
@@ -571,8 +565,9 @@ def to_markdown(rep: dict) -> str:
                 return sum(b[key][end] for b in ff)
             lines[-1] += (
                 f" The forward of {len(ff)} of them runs through the fused MBConv kernels (BatchNorms folded "
-                f"with the batch statistics: fold, moments, hidden and projection launches, the narrow torch "
-                f"passes): predicted {fsum('forward_ms', 'low'):.3f}-{fsum('forward_ms', 'high'):.3f} ms "
+                f"with the batch statistics: x's Gram matrix, fold, moments, hidden, projection and BN_p + "
+                f"residual launches): predicted {fsum('forward_ms', 'low'):.3f}-"
+                f"{fsum('forward_ms', 'high'):.3f} ms "
                 f"against {fsum('layerwise_forward_ms', 'low'):.3f}-"
                 f"{fsum('layerwise_forward_ms', 'high'):.3f} ms for their layer-wise forward; their backward "
                 "stays the recompute with layer-wise kernels.")

@@ -10,7 +10,7 @@ the batch's statistics (convfirstnet/mbconv_fused_forward.py folds them per step
 * ``fold_expand`` and ``fold_conv`` (``_fold_expand_kernel``, ``_fold_conv_kernel``): one small launch
   each that turns a BatchNorm's batch statistics into the folded weights and bias of the kernels (in
   x's dtype) and updates its running statistics in place (nn.BatchNorm2d's rule, unbiased variance).
-  BN_e: mean and variance of W x from x's mean and Gram matrix (the caller's torch ops); BN_d: the
+  BN_e: mean and variance of W x from x's mean and Gram matrix (narrow.py ``x_moments``); BN_d: the
   moment rows merged in a fixed order (per image, then Chan's rule over the images, in tiles of images).
   They replace ~60 per-channel torch ops, each a launch of its own.
 * ``mbconv_unnormalised``: the usual launch pair (hidden kernel writing g and the SE partials,
@@ -174,8 +174,8 @@ def _fold_expand_kernel(w_ptr, mean_ptr, centre_ptr, gram_ptr, gamma_ptr, beta_p
                         bf_ptr, R, C, swr, swc, inv_m, f, unbias, eps,
                         BR: tl.constexpr, CP: tl.constexpr, BK: tl.constexpr):
     """BN_e of z = W x (W rounded to x's dtype, as the layer's conv rounds it): mean = W mean_x, var =
-    W (G / M - d d^T) W^T (diagonal), G the Gram matrix of x centred at ``centre`` (x's mean rounded to
-    x's dtype), d = mean_x - centre; folded into W (rows scaled) and a bias."""
+    W (G / M - d d^T) W^T (diagonal), G the Gram matrix of x centred at ``centre`` (x's mean: d = 0 from
+    narrow.x_moments), d = mean_x - centre; folded into W (rows scaled) and a bias."""
     dt = wf_ptr.dtype.element_ty
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     r_ok = r < R
@@ -250,8 +250,8 @@ def fold_expand(w: torch.Tensor, mean_x: torch.Tensor, centre: torch.Tensor, gra
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(W_exp with BN_e folded (R, C), its bias (R,)) in ``dtype``; the running statistics updated in place.
     ``w``: (R, C), any float dtype (rounded to ``dtype`` as the layer's conv does); ``mean_x`` (C,) fp32,
-    ``centre`` (C,) in ``dtype``, ``gram`` (C, C) fp32: sum over the M = ``pixels`` pixels of
-    (x - centre)(x - centre)^T."""
+    ``centre`` (C,), any float dtype, ``gram`` (C, C) fp32: sum over the M = ``pixels`` pixels of
+    (x - centre)(x - centre)^T (narrow.x_moments: centre = mean_x)."""
     r, c = w.shape
     wf = torch.empty((r, c), device=w.device, dtype=dtype)
     bf = torch.empty((r,), device=w.device, dtype=dtype)

@@ -6,6 +6,10 @@ chunks, images per item, pixel tiles and sub-tiles, exact and masked tilings, bo
 * The moments launch against torch on the reference conv output u = gconv(SiLU(W_exp x + b)): the
   per-image sums of u - shift and of its square; then BN_d's fold launch (factor 1): running mean and
   variance = the batch mean and unbiased variance, the folded weights and bias.
+* The narrow passes (kernels/mbconv/narrow.py) against fp64 torch, with small steps (``small_tiles``) so
+  that there are several pixel splits and merge steps: x's mean and centred Gram matrix (C = 256: two
+  Gram blocks, the lower one read transposed; C = 96 padded), BN_p + drop-path + residual with the running
+  statistics (and without the residual, as at stride 2).
 * The whole forward (output and the six running statistics) against the layer-wise training forward
   (mbconv_recompute._layers, the same op with the kernels off); BN_e's fold is checked through it.
 * The launches fused Small's training forward adds, compiled for sm_90 (``compile``), and a GPU check.
@@ -21,7 +25,10 @@ rounded to fp16 once: 2^-10. Planted bugs checked to fail (each fails 3 to 6 of 
 dropped partial (program 1's moment rows not stored), the biased variance in the running update, a
 wrong divisor in the merge (N P - 1 for N P), the last tile of images skipped in the merge's second
 pass, the Gram step offset dropped in BN_e's fold; each changes a compared tensor by >= 5e-4 of its
-maximum.
+maximum. The narrow passes' own tolerances are stated at their tests; planted there (each fails 5 to 7 of
+the narrow and forward tests): the last split skipped in the Gram merge or in BN_p's merge, the biased
+variance in BN_p's running update, the drop-path scale dropped, M - 1 for M in BN_p's variance or x's
+mean, the split's rank-1 correction dropped from its Gram block.
 """
 
 from __future__ import annotations
@@ -96,6 +103,87 @@ def test_moments_and_fold_of_the_conv_output(interpreter_backend, small_fold_ste
     assert _rel(bf, beta.double() - mean_ref * scale) <= tol
 
 
+# ------------------------------------------------------------------------------------------------ narrow
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """The narrow passes' steps at 16 pixels (of 64) and the merges' at 2 splits (of 16 and 64), so that on
+    these maps there are several pixel splits of 2 tiles (the last one short and masked) and every loop
+    runs more than once."""
+    from convfirstnet.kernels.mbconv import narrow
+
+    for name in ("GRAM_PIXELS", "STAT_PIXELS", "APPLY_PIXELS"):
+        monkeypatch.setattr(narrow, name, 16)
+    for name in ("MERGE_SPLITS", "STAT_SPLITS"):
+        monkeypatch.setattr(narrow, name, 2)
+
+
+# (N, C, H, W, dtype): C = 256 two Gram blocks of 128 (three computed, the lower one read transposed in the
+# merge) over 8 splits (243 pixels, the last split 19); C = 96 one block padded to 128; fp16 with a mean of
+# 3 against a spread of 0.5 (the shift keeps mean^2 out of the Gram sums); the C = 96 case's x in NCHW
+NARROW_SHAPES = [(3, 256, 9, 9, torch.float32), (2, 96, 9, 9, torch.float32), (3, 256, 8, 8, torch.float16)]
+
+
+def _nhwc(t: torch.Tensor) -> torch.Tensor:
+    return t.permute(0, 2, 3, 1).reshape(-1, t.shape[1]).double()
+
+
+def _narrow_id(s: tuple) -> str:
+    return f"n{s[0]}-c{s[1]}-{s[2]}x{s[3]}-{str(s[4])[6:]}"
+
+
+@pytest.mark.parametrize("shape", NARROW_SHAPES, ids=_narrow_id)
+def test_x_moments(interpreter_backend, small_tiles, shape):
+    """x's mean and centred Gram matrix (narrow.x_moments) against fp64 torch. fp32: ieee dot, only the
+    summation order differs (observed <= 2e-7 of the maximum): 1e-5. fp16: x - shift is rounded to fp16
+    for the tensor-core product (unit roundoff u = 2^-11, where x is far below the shift), so each
+    product carries up to 2u (observed 6e-5 of the maximum): 1e-3; the mean from fp32 sums: 1e-5."""
+    from convfirstnet.kernels.mbconv.narrow import x_moments
+
+    n, c, h, w, dt = shape
+    gen = torch.Generator().manual_seed(2)
+    x = (0.5 * torch.randn(n, c, h, w, generator=gen) + 3.0).to(dt)
+    x = x.contiguous(memory_format=CL) if c != 96 else x
+    mean, gram = x_moments(x)
+    xm = _nhwc(x)
+    xc = xm - xm.mean(0)
+    assert mean.dtype == gram.dtype == torch.float32
+    assert _rel(mean, xm.mean(0)) <= 1e-5, _rel(mean, xm.mean(0))
+    tol = 1e-5 if dt == torch.float32 else 1e-3
+    assert _rel(gram, xc.t() @ xc) <= tol, _rel(gram, xc.t() @ xc)
+
+
+@pytest.mark.parametrize("shape", NARROW_SHAPES + [(2, 192, 5, 5, torch.float32)], ids=_narrow_id)
+def test_bn_residual(interpreter_backend, small_tiles, shape):
+    """BN_p (training mode) + drop-path + residual (narrow.bn_residual; the last shape without residual, as
+    at stride 2) against fp64 torch: the output and the running statistics (factor 0.3, unbiased
+    variance). fp32: summation order only (observed ~1e-7): 1e-5; fp16: the output rounded to fp16 once
+    (2^-11 of the largest value): 1e-3, the running statistics (fp32 sums of fp16 data): 1e-5."""
+    from convfirstnet.kernels.mbconv.narrow import bn_residual
+
+    n, k, h, w, dt = shape
+    residual = k != 192
+    gen = torch.Generator().manual_seed(3)
+    o = (torch.randn(n, k, h, w, generator=gen) + 2.0).to(dt).contiguous(memory_format=CL)
+    x = torch.randn(n, k, h, w, generator=gen).to(dt)
+    x = x.contiguous(memory_format=CL) if k != 96 else x  # NCHW x read through its strides
+    gamma, beta = torch.rand(k, generator=gen) + 0.5, 0.3 * torch.randn(k, generator=gen)
+    rm, rv = 0.2 * torch.randn(k, generator=gen), torch.rand(k, generator=gen) + 0.5
+    drop = torch.tensor([0.0, 1.25, 1.25])[:n]
+    var, mean = torch.var_mean(o.double(), (0, 2, 3), unbiased=False)
+    want = (o.double() - mean[:, None, None]) * (gamma.double() / (var + 1e-5).sqrt())[:, None, None] \
+        + beta.double()[:, None, None]
+    if residual:
+        want = x.double() + drop.double()[:, None, None, None] * want
+    count = n * h * w
+    want_rm, want_rv = 0.7 * rm.double() + 0.3 * mean, 0.7 * rv.double() + 0.3 * var * count / (count - 1)
+    got = bn_residual(o, x if residual else None, drop, gamma, beta, rm, rv, 0.3, 1e-5)
+    assert got.data_ptr() == o.data_ptr() and got.dtype == dt
+    assert _rel(got, want) <= (1e-5 if dt == torch.float32 else 1e-3), _rel(got, want)
+    assert _rel(rm, want_rm) <= 1e-5 and _rel(rv, want_rv) <= 1e-5, (_rel(rm, want_rm), _rel(rv, want_rv))
+
+
 # ------------------------------------------------------------------------------------------------ forward
 
 
@@ -131,8 +219,8 @@ FORWARD_SHAPES = [(3, 128, 128, 8, 8, 1, torch.float32), (2, 96, 192, 9, 9, 2, t
 
 @pytest.mark.parametrize("shape", FORWARD_SHAPES,
                          ids=lambda s: f"n{s[0]}-c{s[1]}-k{s[2]}-{s[3]}x{s[4]}-s{s[5]}-{str(s[6])[6:]}")
-def test_forward_matches_the_layerwise_training_forward(interpreter_backend, small_fold_steps, monkeypatch,
-                                                        shape):
+def test_forward_matches_the_layerwise_training_forward(interpreter_backend, small_fold_steps, small_tiles,
+                                                        monkeypatch, shape):
     n, c, k, h, w, stride, dt = shape
     block = _block(c, k, stride)
     gen = torch.Generator().manual_seed(1)
@@ -200,12 +288,13 @@ def record_forward(c: int, k: int, stride: int, side: int, n: int = 128, dtype=t
 
 @pytest.mark.compile
 def test_small_training_forward_compiles_for_sm90():
-    """The launches fused Small's MBConv training forward adds to inference (the two folds, the moments
-    variant of the hidden kernel, the projection without residual; the hidden launch is the inference
-    variant, test_mbconv's) compile for sm_90 within shared memory, with no spill code in their inner
-    loops, the expand and projection dots on wgmma and the grouped conv on mma.sync. (Compiled: the
-    moments variants take 124-128 registers; 16x16 stride 1 keeps 8 B of stack outside the chunk loop,
-    as its inference variant does.)"""
+    """The launches fused Small's MBConv training forward adds to inference (x's Gram partials and merge,
+    the two folds, the moments variant of the hidden kernel, the projection without residual, BN_p's
+    statistics, merge and apply; the hidden launch is the inference variant, test_mbconv's) compile for
+    sm_90 within shared memory, with no spill code in their inner loops, the expand and projection dots
+    on wgmma and the grouped conv on mma.sync, the Gram product on wgmma. (Compiled: the moments variants
+    take 124-128 registers; 16x16 stride 1 keeps 8 B of stack outside the chunk loop, as its inference
+    variant does; the Gram partials 211-220 registers at 8 warps, the narrow launches no stack.)"""
     pytest.importorskip("triton")
     from convfirstnet.analysis.compiled import compile_variants, variant_of
 
@@ -213,22 +302,27 @@ def test_small_training_forward_compiles_for_sm90():
 
     variants = {}
     for shape in SMALL_SHAPES:
-        launches = record_forward(*shape)  # fold_e, moments, fold_d, hidden, projection
-        assert [lc.meta.get("MOMENTS", False) for lc in launches] == [False, True, False, False, False]
-        assert launches[4].meta["RESIDUAL"] is False
-        for lc in (launches[0], launches[1], launches[2], launches[4]):
-            v = variant_of(lc, 90)
-            variants.setdefault(v.key, v)
+        # gram partials, gram merge, fold_e, moments, fold_d, hidden, projection, BN_p partials, merge, apply
+        launches = record_forward(*shape)
+        assert [lc.meta.get("MOMENTS", False) for lc in launches] == [False] * 3 + [True] + [False] * 6
+        assert launches[6].meta["RESIDUAL"] is False and launches[9].meta["RESIDUAL"] is (shape[2] == 1)
+        for i, lc in enumerate(launches):
+            if i != 5:
+                v = variant_of(lc, 90)
+                variants.setdefault(v.key, v)
     assert sum(v.meta.get("MOMENTS", False) for v in variants.values()) == 4
     problems = []
+    expected = {"_mbconv_hidden_kernel": "wgmma+mma.sync", "_mbconv_project_kernel": "wgmma",
+                "_gram_partials_kernel": "wgmma"}
     for v, c in zip(variants.values(), compile_variants(list(variants.values()))):
         where = f"{v.name} MOMENTS={v.meta.get('MOMENTS', False)} {v.meta.get('STRIDE')}"
-        expected = {"_mbconv_hidden_kernel": "wgmma+mma.sync", "_mbconv_project_kernel": "wgmma"}.get(v.name)
-        if expected is None:  # the folds: fp32 FMA (no TF32 rounding of the statistics), no stack at all
-            if c.stack:
+        if v.name not in expected:  # the folds (fp32 FMA: no TF32 rounding of the statistics), the narrow
+            if c.stack:  # passes: no stack at all
                 problems.append(f"{v.name}: {c.stack} B of stack")
             continue
-        if c.shared > SHARED_LIMIT[90] or _spills_in_loops(c) or c.mma_kind != expected:
+        if v.name == "_gram_partials_kernel" and c.stack:
+            problems.append(f"{v.name}: {c.stack} B of stack")
+        if c.shared > SHARED_LIMIT[90] or _spills_in_loops(c) or c.mma_kind != expected[v.name]:
             problems.append(f"{where}: {c.shared} B shared, {_spills_in_loops(c)} spills in loops, "
                             f"{c.mma_kind}")
     assert not problems, "\n".join(problems)

@@ -1,0 +1,345 @@
+"""The narrow passes of the MBConv training forward (convfirstnet/mbconv_fused_forward.py), the passes over
+the block's input x (N, C, H, W) and its projection output o (N, K, OH, OW) around the fused launches:
+
+* ``x_moments``: BN_e's input statistics in one read of x: x's per-channel mean and its C x C Gram
+  matrix centred there, sum over pixels of (x - mean)(x - mean)^T (fp32). Two launches:
+  ``_gram_partials_kernel`` (grid: upper-triangle blocks of the Gram matrix x pixel splits; each
+  program centres its pixels at a shift, its first tile's mean rounded to x's dtype, so no cancellation
+  of size mean^2 / variance enters, and writes its split's mean and its Gram block centred at that
+  mean, the tensor-core product accumulated in fp32) and ``_gram_merge_kernel`` (Chan's rule over the
+  splits in a fixed order: G = sum G_s + n_s (m_s - m)(m_s - m)^T; no atomics, deterministic).
+* ``bn_residual``: BN_p in training mode, then drop-path and the residual. Three launches:
+  ``_channel_partials_kernel`` (per pixel split, per channel: the mean and centred sum of squares,
+  centred at the split's first tile's mean), ``_bn_merge_kernel`` (Chan's rule over the splits in a
+  fixed order; the scale gamma / sqrt(var + eps) and bias beta - mean scale; the running statistics
+  updated as nn.BatchNorm2d does, (1 - f) running + f (mean, unbiased variance)) and
+  ``_bn_apply_kernel`` (x + d_n (o scale + bias) at stride 1, o scale + bias at stride 2, written over o).
+
+Splits: pixel ranges of whole tiles, at least ``MIN_TILES`` tiles each, as many as fill the GPU's SMs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._cost import KernelCost, Loop
+from .._launch import device_info, launch
+
+GRAM_BLOCK = 128  # Gram block side of a program (channels; C <= 256: at most 2 x 2 blocks, 3 computed)
+GRAM_PIXELS = 64  # pixels per step (the dot's K)
+GRAM_WARPS = 8
+MERGE_TILE = 16  # Gram tile side per merge program
+MERGE_SPLITS = 32  # splits per step of the Gram merge
+STAT_PIXELS = 64  # pixels per step of the BN_p statistics (all K channels)
+APPLY_PIXELS = 32  # pixels per program of the apply
+MERGE_CHANNELS = 16  # channels per program of BN_p's merge
+STAT_SPLITS = 64  # splits per step of BN_p's merge
+MIN_TILES = 2  # the fewest tiles per split
+
+
+def _splits(m: int, tile: int, want: int) -> tuple[int, int]:
+    """(number of splits, pixels per split): whole tiles, >= MIN_TILES of them per split unless there are
+    fewer, about ``want`` splits, none empty."""
+    tiles = triton.cdiv(m, tile)
+    per = max(min(MIN_TILES, tiles), triton.cdiv(tiles, max(1, want)))
+    return triton.cdiv(tiles, per), per * tile
+
+
+@triton.jit
+def _pixel_offsets(m, HW, W, sn, sh, sw):
+    """The offset of pixels ``m`` (flat over N, H, W) in an NHWC-strided tensor."""
+    n = m // HW
+    p = m % HW
+    return n * sn + (p // W) * sh + (p % W) * sw
+
+
+# ------------------------------------------------------------------------------------------ x moments
+
+
+@triton.jit
+def _gram_partials_kernel(x_ptr, part_ptr, mean_ptr, M, C, HW, W, CH, sn, sc, sh, sw,
+                          NB: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
+    """Program (b, s): Gram block b (upper triangle, row-major) over the pixels of split s: writes
+    part[s, I, J] = sum (x_I - m_I)(x_J - m_J)^T over the split, m its mean; diagonal blocks write
+    mean[s, I]."""
+    dt = x_ptr.dtype.element_ty
+    b = tl.program_id(0)
+    s = tl.program_id(1)
+    bi = b * 0
+    for i in tl.static_range(1, NB):
+        bi = tl.where(b >= i * NB - (i * (i - 1)) // 2, i, bi)
+    bj = b - (bi * NB - (bi * (bi - 1)) // 2) + bi
+    ci = bi * BC + tl.arange(0, BC)
+    cj = bj * BC + tl.arange(0, BC)
+    i_ok = ci < C
+    j_ok = cj < C
+    start = s * CH
+    end = tl.minimum(start + CH, M)
+    count = (end - start).to(tl.float32)
+    # the shift: the split's first tile's mean, rounded to x's dtype (the centred values are exact-ish)
+    m = start + tl.arange(0, BM)
+    m_ok = m < end
+    off = _pixel_offsets(m, HW, W, sn, sh, sw)
+    first = tl.minimum(end - start, BM).to(tl.float32)
+    xi = tl.load(x_ptr + off[:, None] + ci[None, :] * sc, mask=m_ok[:, None] & i_ok[None, :], other=0.0)
+    xj = tl.load(x_ptr + off[:, None] + cj[None, :] * sc, mask=m_ok[:, None] & j_ok[None, :], other=0.0)
+    shift_i = (tl.sum(xi.to(tl.float32), axis=0) / first).to(dt)
+    shift_j = (tl.sum(xj.to(tl.float32), axis=0) / first).to(dt)
+    acc = tl.zeros((BC, BC), dtype=tl.float32)
+    sum_i = tl.zeros((BC,), dtype=tl.float32)
+    sum_j = tl.zeros((BC,), dtype=tl.float32)
+    for m0 in range(start, end, BM):
+        m = m0 + tl.arange(0, BM)
+        m_ok = m < end
+        off = _pixel_offsets(m, HW, W, sn, sh, sw)
+        xi = tl.load(x_ptr + off[:, None] + ci[None, :] * sc, mask=m_ok[:, None] & i_ok[None, :], other=0.0)
+        xj = tl.load(x_ptr + off[:, None] + cj[None, :] * sc, mask=m_ok[:, None] & j_ok[None, :], other=0.0)
+        di = tl.where(m_ok[:, None], xi - shift_i[None, :], 0.0).to(dt)
+        dj = tl.where(m_ok[:, None], xj - shift_j[None, :], 0.0).to(dt)
+        acc = tl.dot(tl.trans(di), dj, acc, input_precision=PREC)
+        sum_i += tl.sum(di.to(tl.float32), axis=0)
+        sum_j += tl.sum(dj.to(tl.float32), axis=0)
+    # centred at the split's mean: sum d d^T - (sum d)(sum d)^T / n (d = x - shift; sum d / n is small)
+    acc -= sum_i[:, None] * (sum_j / count)[None, :]
+    tl.store(part_ptr + s * C * C + ci[:, None] * C + cj[None, :], acc, mask=i_ok[:, None] & j_ok[None, :])
+    if bi == bj:
+        tl.store(mean_ptr + s * C + ci, shift_i.to(tl.float32) + sum_i / count, mask=i_ok)
+
+
+@triton.jit
+def _gram_merge_kernel(part_ptr, mean_ptr, gram_ptr, xmean_ptr, M, C, CH, S, BC: tl.constexpr,
+                       BT: tl.constexpr, BS: tl.constexpr):
+    """Gram tile (I, J) of the whole batch from the splits' (Chan's rule; BS splits per step, summed in a
+    fixed order); the lower triangle's blocks read transposed from the upper's. Programs on the diagonal
+    write x's mean."""
+    ti = tl.program_id(0)
+    tj = tl.program_id(1)
+    ci = ti * BT + tl.arange(0, BT)
+    cj = tj * BT + tl.arange(0, BT)
+    i_ok = ci < C
+    j_ok = cj < C
+    # the stored block of (I, J): row-major in the upper triangle of BC blocks, transposed below it
+    up = ((ti * BT) // BC <= (tj * BT) // BC).to(tl.int32)
+    rs = up * C + (1 - up)
+    cs = up + (1 - up) * C
+    sp = tl.arange(0, BS)
+    mi = tl.zeros((BT,), dtype=tl.float32)
+    mj = tl.zeros((BT,), dtype=tl.float32)
+    for s0 in range(0, S, BS):
+        s = s0 + sp
+        s_ok = s < S
+        n_s = tl.where(s_ok, tl.minimum(CH, M - s * CH), 0).to(tl.float32)
+        mi += tl.sum(n_s[:, None] * tl.load(mean_ptr + s[:, None] * C + ci[None, :],
+                                            mask=s_ok[:, None] & i_ok[None, :], other=0.0), axis=0)
+        mj += tl.sum(n_s[:, None] * tl.load(mean_ptr + s[:, None] * C + cj[None, :],
+                                            mask=s_ok[:, None] & j_ok[None, :], other=0.0), axis=0)
+    mi = mi / M.to(tl.float32)
+    mj = mj / M.to(tl.float32)
+    g = tl.zeros((BT, BT), dtype=tl.float32)
+    for s0 in range(0, S, BS):
+        s = s0 + sp
+        s_ok = s < S
+        n_s = tl.where(s_ok, tl.minimum(CH, M - s * CH), 0).to(tl.float32)
+        di = tl.load(mean_ptr + s[:, None] * C + ci[None, :], mask=s_ok[:, None] & i_ok[None, :], other=0.0)
+        dj = tl.load(mean_ptr + s[:, None] * C + cj[None, :], mask=s_ok[:, None] & j_ok[None, :], other=0.0)
+        di = n_s[:, None] * (di - mi[None, :])
+        dj = dj - mj[None, :]
+        ok = s_ok[:, None, None] & i_ok[None, :, None] & j_ok[None, None, :]
+        blk = tl.load(part_ptr + s[:, None, None] * C * C + ci[None, :, None] * rs + cj[None, None, :] * cs,
+                      mask=ok, other=0.0)
+        g += tl.sum(blk + di[:, :, None] * dj[:, None, :], axis=0)
+    tl.store(gram_ptr + ci[:, None] * C + cj[None, :], g, mask=i_ok[:, None] & j_ok[None, :])
+    if ti == tj:
+        tl.store(xmean_ptr + ci, mi, mask=i_ok)
+
+
+def x_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x's per-channel mean (C,), the Gram matrix of x centred there (C, C)), both fp32, for x (N, C, H, W)
+    of any strides (channels-last reads whole rows) with more than one pixel."""
+    n, c, h, w = x.shape
+    m = n * h * w
+    if m < 2:
+        raise ValueError("x_moments: BatchNorm in training needs more than one value per channel")
+    bc = min(GRAM_BLOCK, max(16, triton.next_power_of_2(c)))
+    nb = triton.cdiv(c, bc)
+    blocks = nb * (nb + 1) // 2
+    splits, ch = _splits(m, GRAM_PIXELS, device_info(x.device).sms // blocks)
+    part = torch.empty((splits, c, c), device=x.device, dtype=torch.float32)
+    smean = torch.empty((splits, c), device=x.device, dtype=torch.float32)
+    gram = torch.empty((c, c), device=x.device, dtype=torch.float32)
+    mean = torch.empty((c,), device=x.device, dtype=torch.float32)
+    sn, sc, sh, sw = x.stride()
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"  # 16-bit operands ignore it
+    eb = x.element_size()
+    launch(_gram_partials_kernel, (blocks, splits), x, part, smean, m, c, h * w, w, ch, sn, sc, sh, sw,
+           cost=lambda: _gram_partials_cost(m, c, bc, nb, splits, ch, eb),
+           NB=nb, BC=bc, BM=GRAM_PIXELS, PREC=prec, num_warps=GRAM_WARPS)
+    bt = min(MERGE_TILE, bc)
+    tiles = triton.cdiv(c, bt)
+    launch(_gram_merge_kernel, (tiles, tiles), part, smean, gram, mean, m, c, ch, splits,
+           cost=lambda: _gram_merge_cost(c, splits, tiles), BC=bc, BT=bt, BS=MERGE_SPLITS, num_warps=4)
+    return mean, gram
+
+
+def _gram_partials_cost(m: int, c: int, bc: int, nb: int, splits: int, ch: int, eb: int) -> KernelCost:
+    """x read once from DRAM; each further read of a pixel tile by the other blocks' programs of its split
+    (adjacent in the grid) from L2; the splits' Gram blocks and means written. The dots as issued:
+    BC x BC x BM per tile, the first tile loaded twice (the shift)."""
+    blocks = nb * (nb + 1) // 2
+    tiles = triton.cdiv(m, GRAM_PIXELS)
+    mma = blocks * tiles * bc * bc * GRAM_PIXELS
+    reads = blocks * (tiles + splits) * GRAM_PIXELS * 2 * bc * eb
+    dram = m * c * eb + splits * (blocks * bc * bc + c) * 4
+    return KernelCost(m * c * (c + 1) // 2, mma, dram, (Loop("pixel tiles", triton.cdiv(ch, GRAM_PIXELS)),),
+                      l2_bytes=max(0, reads - m * c * eb),
+                      note="x's centred Gram blocks per pixel split (BN_e's input statistics)")
+
+
+def _gram_merge_cost(c: int, splits: int, tiles: int) -> KernelCost:
+    """The splits' Gram matrices read once (each tile by one program), their means by every program of a
+    row and column (L2); the Gram matrix and mean written."""
+    dram = splits * (c * c + c) * 4 + (c * c + c) * 4
+    steps = triton.cdiv(splits, MERGE_SPLITS)
+    return KernelCost(splits * c * c, 0, dram, (Loop("splits", steps), Loop("splits again", steps)),
+                      l2_bytes=tiles * tiles * splits * 2 * 2 * (c // tiles) * 4,
+                      note="Chan's merge of the Gram partials")
+
+
+# ------------------------------------------------------------------------------------------ BN_p
+
+
+@triton.jit
+def _channel_partials_kernel(o_ptr, part_ptr, M, K, HW, W, CH, sn, sc, sh, sw, BK: tl.constexpr,
+                             BM: tl.constexpr):
+    """Split s: per channel the mean of o over its pixels and the sum of squares about it, as
+    part[s, 0] and part[s, 1] (centred at the first tile's mean, in fp32)."""
+    s = tl.program_id(0)
+    k = tl.arange(0, BK)
+    k_ok = k < K
+    start = s * CH
+    end = tl.minimum(start + CH, M)
+    count = (end - start).to(tl.float32)
+    m = start + tl.arange(0, BM)
+    m_ok = m < end
+    ok = m_ok[:, None] & k_ok[None, :]
+    v = tl.load(o_ptr + _pixel_offsets(m, HW, W, sn, sh, sw)[:, None] + k[None, :] * sc, mask=ok, other=0.0)
+    shift = tl.sum(v.to(tl.float32), axis=0) / tl.minimum(end - start, BM).to(tl.float32)
+    s1 = tl.zeros((BK,), dtype=tl.float32)
+    s2 = tl.zeros((BK,), dtype=tl.float32)
+    for m0 in range(start, end, BM):
+        m = m0 + tl.arange(0, BM)
+        ok = (m < end)[:, None] & k_ok[None, :]
+        v = tl.load(o_ptr + _pixel_offsets(m, HW, W, sn, sh, sw)[:, None] + k[None, :] * sc, mask=ok,
+                    other=0.0)
+        d = tl.where(ok, v.to(tl.float32) - shift[None, :], 0.0)
+        s1 += tl.sum(d, axis=0)
+        s2 += tl.sum(d * d, axis=0)
+    tl.store(part_ptr + s * 2 * K + k, shift + s1 / count, mask=k_ok)
+    tl.store(part_ptr + s * 2 * K + K + k, s2 - s1 * (s1 / count), mask=k_ok)
+
+
+@triton.jit
+def _bn_merge_kernel(part_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, ss_ptr, M, K, CH, S, f, eps,
+                     BK: tl.constexpr, BS: tl.constexpr):
+    """BN_p's batch statistics from the splits' (Chan's rule; BS splits per step, summed in a fixed
+    order): ss[0] = scale, ss[1] = bias; the running statistics updated (unbiased variance)."""
+    k = tl.program_id(0) * BK + tl.arange(0, BK)
+    k_ok = k < K
+    sp = tl.arange(0, BS)
+    mf = M.to(tl.float32)
+    mean = tl.zeros((BK,), dtype=tl.float32)
+    for s0 in range(0, S, BS):
+        s = s0 + sp
+        s_ok = s < S
+        n_s = tl.where(s_ok, tl.minimum(CH, M - s * CH), 0).to(tl.float32)
+        ok = s_ok[:, None] & k_ok[None, :]
+        ms = tl.load(part_ptr + (s * 2 * K)[:, None] + k[None, :], mask=ok, other=0.0)
+        mean += tl.sum(n_s[:, None] * ms, axis=0)
+    mean = mean / mf
+    m2 = tl.zeros((BK,), dtype=tl.float32)
+    for s0 in range(0, S, BS):
+        s = s0 + sp
+        s_ok = s < S
+        ok = s_ok[:, None] & k_ok[None, :]
+        n_s = tl.where(s_ok, tl.minimum(CH, M - s * CH), 0).to(tl.float32)
+        d = tl.load(part_ptr + (s * 2 * K)[:, None] + k[None, :], mask=ok, other=0.0) - mean[None, :]
+        m2s = tl.load(part_ptr + (s * 2 * K + K)[:, None] + k[None, :], mask=ok, other=0.0)
+        m2 += tl.sum(m2s + n_s[:, None] * d * d, axis=0)
+    var = tl.maximum(m2 / mf, 0.0)
+    gamma = tl.load(gamma_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+    scale = gamma / tl.sqrt(var + eps)
+    tl.store(ss_ptr + k, scale, mask=k_ok)
+    tl.store(ss_ptr + K + k, beta - mean * scale, mask=k_ok)
+    rm = tl.load(rm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+    rv = tl.load(rv_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+    tl.store(rm_ptr + k, (1.0 - f) * rm + f * mean, mask=k_ok)
+    tl.store(rv_ptr + k, (1.0 - f) * rv + f * (var * (mf / (mf - 1.0))), mask=k_ok)
+
+
+@triton.jit
+def _bn_apply_kernel(o_ptr, x_ptr, drop_ptr, ss_ptr, M, K, HW, W, so_n, so_c, so_h, so_w, sx_n, sx_c, sx_h,
+                     sx_w, RESIDUAL: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr):
+    """o <- x + d_n (o scale + bias) (RESIDUAL), o scale + bias otherwise; one rounding to o's dtype."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    k = tl.arange(0, BK)
+    k_ok = k < K
+    ok = (m < M)[:, None] & k_ok[None, :]
+    po = o_ptr + _pixel_offsets(m, HW, W, so_n, so_h, so_w)[:, None] + k[None, :] * so_c
+    scale = tl.load(ss_ptr + k, mask=k_ok, other=0.0)
+    bias = tl.load(ss_ptr + K + k, mask=k_ok, other=0.0)
+    y = tl.load(po, mask=ok, other=0.0).to(tl.float32) * scale[None, :] + bias[None, :]
+    if RESIDUAL:
+        d = tl.load(drop_ptr + m // HW, mask=m < M, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + _pixel_offsets(m, HW, W, sx_n, sx_h, sx_w)[:, None] + k[None, :] * sx_c, mask=ok,
+                     other=0.0)
+        y = xv.to(tl.float32) + d[:, None] * y
+    tl.store(po, y.to(o_ptr.dtype.element_ty), mask=ok)
+
+
+def bn_residual(o: torch.Tensor, x: torch.Tensor | None, drop: torch.Tensor, gamma: torch.Tensor,
+                beta: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, f: float,
+                eps: float) -> torch.Tensor:
+    """Training-mode BatchNorm of ``o`` (N, K, OH, OW; any strides, channels-last reads whole rows) with
+    ``gamma``, ``beta``, then, with ``x`` (the block's input, o's shape, any strides),
+    ``x + drop[n] * bn(o)``; written over ``o``, returned. The running statistics updated in place with
+    factor ``f`` (nn.BatchNorm2d's rule)."""
+    n, k, h, w = o.shape
+    if x is not None and x.shape != o.shape:
+        raise ValueError(f"bn_residual: x {tuple(x.shape)} and o {tuple(o.shape)} differ")
+    m = n * h * w
+    if m < 2:
+        raise ValueError("bn_residual: BatchNorm in training needs more than one value per channel")
+    bk = max(16, triton.next_power_of_2(k))
+    splits, ch = _splits(m, STAT_PIXELS, device_info(o.device).sms)
+    part = torch.empty((splits, 2, k), device=o.device, dtype=torch.float32)
+    ss = torch.empty((2, k), device=o.device, dtype=torch.float32)
+    eb = o.element_size()
+    launch(_channel_partials_kernel, (splits,), o, part, m, k, h * w, w, ch, *_nhwc(o), BK=bk, BM=STAT_PIXELS,
+           cost=lambda: KernelCost(0, 0, m * k * eb + splits * 2 * k * 4,
+                                   (Loop("pixel tiles", triton.cdiv(ch, STAT_PIXELS)),),
+                                   l2_bytes=splits * STAT_PIXELS * k * eb,
+                                   note="BN_p statistics per pixel split"),
+           num_warps=4)
+    bm = min(MERGE_CHANNELS, bk)
+    steps = triton.cdiv(splits, STAT_SPLITS)
+    launch(_bn_merge_kernel, (triton.cdiv(k, bm),), part, gamma, beta, running_mean, running_var, ss, m, k,
+           ch, splits, f, eps, BK=bm, BS=STAT_SPLITS,
+           cost=lambda: KernelCost(0, 0, splits * 2 * k * 4 + 2 * k * 4 + 6 * k * 4,
+                                   (Loop("splits", steps), Loop("splits again", steps)),
+                                   note="Chan's merge of BN_p's partials; running update"),
+           num_warps=4)
+    res = x if x is not None else o
+    launch(_bn_apply_kernel, (triton.cdiv(m, APPLY_PIXELS),), o, res, drop, ss, m, k, h * w, w, *_nhwc(o),
+           *_nhwc(res), RESIDUAL=x is not None, BK=bk, BM=APPLY_PIXELS,
+           cost=lambda: KernelCost(0, 0, m * k * eb * (3 if x is not None else 2) + 2 * k * 4 + n * 4,
+                                   note="BN_p normalise (+ drop-path and residual)"),
+           num_warps=4)
+    return o
+
+
+def _nhwc(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """(n, c, h, w) strides."""
+    return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
