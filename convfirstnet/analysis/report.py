@@ -671,8 +671,8 @@ def diagnosis(rep: dict) -> str:
         f"  The floor of these launches (each at max(tensor, DRAM) at the high end, plus its launch gap): "
         f"{floor:.3f} ms; with L2 too: {floor_l2:.3f} ms"
         + (
-            f". The target lies below the floor: it needs fewer DRAM bytes or tensor MACs (another design), "
-            f"not only hidden latency."
+            ". The target lies below the floor: it needs fewer DRAM bytes or tensor MACs (another design), "
+            "not only hidden latency."
             if floor > TARGETS_MODEL_HIGH_MS
             else "."
         ),
