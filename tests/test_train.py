@@ -424,15 +424,17 @@ def test_kernels_triton_runs_the_fused_training_blocks(tiny_data, tmp_path, caps
     state_dict; CONVFIRSTNET_KERNELS is restored after the run."""
     import warnings
 
-    from convfirstnet import mbconv_recompute, training_kernels
+    from convfirstnet import mbconv_fused_forward, mbconv_recompute, training_kernels
 
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.skip("interpreter test: runs where there is no GPU")
     monkeypatch.delenv("CONVFIRSTNET_KERNELS", raising=False)
     monkeypatch.setattr(training_kernels, "_WARNED", set())
-    # the MBConv recompute's gconv on its reference here (22 blocks through the interpreter take minutes;
-    # its Triton branch: tests/kernels/test_convfirst_train.py::test_model_runs_convfirst_fused_and_...)
+    # the MBConv recompute's gconv and its fused forward on their references here (22 blocks through the
+    # interpreter take minutes; their Triton branches: tests/kernels/test_convfirst_train.py::
+    # test_model_runs_convfirst_fused_and_..., tests/kernels/test_mbconv_fused_forward.py)
     monkeypatch.setattr(mbconv_recompute, "use_triton", lambda x: False)
+    monkeypatch.setattr(mbconv_fused_forward, "use_triton", lambda x: False)
     calls = []
     fused = training_kernels.fused_forward
     monkeypatch.setattr(training_kernels, "fused_forward", lambda b, x: calls.append(b) or fused(b, x))
