@@ -507,18 +507,15 @@ def mbconv_triton(
     w_proj: torch.Tensor,
     b_proj: torch.Tensor,
     stride: int,
+    *,
+    residual: bool = True,
 ) -> torch.Tensor:
     """Launch the hidden kernel and the projection. Inputs are validated by op.py before this call;
-    every buffer is allocated here (the op stays functional and CUDA-graph safe)."""
+    every buffer is allocated here (the op stays functional and CUDA-graph safe). ``residual=False``:
+    the projection without the residual at stride 1 too (the training forward adds it after BN_p)."""
     n, c, h, w = x.shape
     r, k, s = w_exp.shape[0], w_proj.shape[0], w_se1.shape[0]
-    dense = x.stride(2) == w * x.stride(3)
-
-    def config(m: int) -> MBConvGeometry:
-        return mbconv_config(c, r, k, h, w, stride, n=m, s=s, dtype=x.dtype, dense=dense, device=x.device)
-
-    geo = mbconv_config(c, r, k, h, w, stride, n=n, s=s, dtype=x.dtype, dense=x.stride(2) == w * x.stride(3),
-                        device=x.device)
+    geo = geometry_of(x, r, k, s, stride)
     out = torch.empty((n, k, geo.oh, geo.ow), device=x.device, dtype=x.dtype,
                       memory_format=torch.channels_last)
     if n == 0:
@@ -526,21 +523,15 @@ def mbconv_triton(
     # 1-D biases are addressed as base + index (unit stride)
     b_exp, b_conv, b_proj = b_exp.contiguous(), b_conv.contiguous(), b_proj.contiguous()
     b_se1, b_se2 = b_se1.contiguous(), b_se2.contiguous()
-    # Scratch: every element a program reads it has written (or zeroed) first, so no zero fill here.
-    scratch = torch.empty((geo.programs * geo.slot,), device=x.device, dtype=x.dtype)
-    if x.device.type == "cpu":  # the interpreter (tests): a read before a write or zero fill shows as NaN
-        scratch.fill_(float("nan"))
-    mslot = torch.empty((geo.programs, geo.mean_slot), device=x.device, dtype=torch.float32)
+    scratch, gscratch, mslot = hidden_buffers(geo, x)
     gbuf = torch.empty((n, geo.ohw, r), device=x.device, dtype=x.dtype)
     zpart = torch.empty((n, geo.nchunk, geo.sp), device=x.device, dtype=torch.float32)
     gates = torch.empty((n, r) if geo.gate else (1,), device=x.device, dtype=x.dtype)
     if x.device.type == "cpu":  # the interpreter: a gate read before the hidden kernel wrote it shows as NaN
         gates.fill_(float("nan"))
-    prec = FP32_PRECISION if x.dtype == torch.float32 else "tf32"  # only fp32 operands use it
-    silu = 0 if x.dtype == torch.float32 or x.device.type == "cpu" else 1
-    # the stride-2 g slots, past the h slots of each program's slot: their own argument, so that the
-    # barrier check (convfirstnet.analysis.ordering) follows each round trip apart
-    gscratch = scratch[geo.slot_images * geo.h_slot:] if geo.stride == 2 else scratch
+    silu, prec = kernel_settings(x)
+    pconst = geo.project_constexprs(silu, prec)
+    residual = residual and pconst["RESIDUAL"]
     launch(_mbconv_hidden_kernel, (geo.programs,), x, w_exp, b_exp, w_conv, b_conv, w_se1, gbuf, zpart,
            scratch, gscratch, mslot, n, h, w, geo.oh, geo.ow, c, r, s, geo.nchunk, geo.groups,
            geo.chunks_per_group, geo.items, geo.ib, geo.slot, *x.stride(), *w_exp.stride(), *w_conv.stride(), *w_se1.stride(),
@@ -548,8 +539,37 @@ def mbconv_triton(
            cost=lambda: hidden_cost(geo), **geo.hidden_constexprs(silu, prec))
     launch(_mbconv_project_kernel, geo.p_grid, gbuf, zpart, b_se1, w_se2, b_se2, w_proj, b_proj, x, out,
            n, geo.ohw, geo.ow, r, k, s, geo.nchunk, geo.tpi, *x.stride(), *out.stride(), *w_se2.stride(),
-           *w_proj.stride(), gates, r, cost=lambda: project_cost(geo), **geo.project_constexprs(silu, prec))
+           *w_proj.stride(), gates, r, cost=lambda: project_cost(geo, residual=residual),
+           **dict(pconst, RESIDUAL=residual))
     return out
+
+
+def geometry_of(x: torch.Tensor, r: int, k: int, s: int, stride: int) -> MBConvGeometry:
+    """The geometry the launches take for x (NCHW shape, any layout the op accepts)."""
+    n, c, h, w = x.shape
+    return mbconv_config(c, r, k, h, w, stride, n=n, s=s, dtype=x.dtype, dense=x.stride(2) == w * x.stride(3),
+                         device=x.device)
+
+
+def kernel_settings(x: torch.Tensor) -> tuple[int, str]:
+    """(SILU mode, dot precision): the exact-form activations on a GPU, the plain ones in the
+    interpreter; the dot precision only fp32 operands use."""
+    silu = 0 if x.dtype == torch.float32 or x.device.type == "cpu" else 1
+    return silu, FP32_PRECISION if x.dtype == torch.float32 else "tf32"
+
+
+def hidden_buffers(geo: MBConvGeometry, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The hidden kernel's scratch, its stride-2 g slots and its fp32 mean slots. Every scratch element
+    a program reads it has written (or zeroed) first, so no zero fill; in the interpreter (tests) the
+    scratch is NaN-filled, so that a read before a write shows. The stride-2 g slots, past the h slots
+    of each program's slot, are their own argument so that the barrier check
+    (convfirstnet.analysis.ordering) follows each round trip apart."""
+    scratch = torch.empty((geo.programs * geo.slot,), device=x.device, dtype=x.dtype)
+    if x.device.type == "cpu":
+        scratch.fill_(float("nan"))
+    mslot = torch.empty((geo.programs, geo.mean_slot), device=x.device, dtype=torch.float32)
+    gscratch = scratch[geo.slot_images * geo.h_slot:] if geo.stride == 2 else scratch
+    return scratch, gscratch, mslot
 
 
 def hidden_cost(geo: MBConvGeometry) -> KernelCost:
@@ -598,19 +618,20 @@ def hidden_cost(geo: MBConvGeometry) -> KernelCost:
                       f"chunks of {rb} channels" + (", x read once per item" if geo.resident else ""))
 
 
-def project_cost(geo: MBConvGeometry) -> KernelCost:
-    """What the projection does."""
+def project_cost(geo: MBConvGeometry, *, residual: bool = True) -> KernelCost:
+    """What the projection does (``residual``: it reads the residual tile, at stride 1)."""
     n, r, k, s, eb = geo.n, geo.r, geo.k, geo.s, geo.elem
+    res = residual and geo.stride == 1
     steps = triton.cdiv(r, P_BR)
     tiles, kb = geo.p_grid
-    dram = (k * r + k + n * geo.ohw * k * (2 if geo.stride == 1 else 1)) * eb + (0 if geo.g_in_l2 else geo.g_bytes)
+    dram = (k * r + k + n * geo.ohw * k * (2 if res else 1)) * eb + (0 if geo.g_in_l2 else geo.g_bytes)
     # the SE: the gates the hidden kernel wrote (GATE), or W_se2, the biases and the SE partials
     dram += n * r * eb if geo.gate else (r * s + s + r) * eb + n * geo.nchunk * geo.sp * 4
     mma = tiles * kb * geo.p_bm * geo.p_bn * steps * P_BR
     # L1-allocating loads: the SE partials of the tile's images and the SE biases (GATE: the images'
     # gates), the projection bias, the residual tile: each read once (W_se2, g and W_proj are pipelined
     # cp.async copies, L2 only)
-    unique = (geo.p_bn + (geo.p_bm * geo.p_bn if geo.stride == 1 else 0)) * eb
+    unique = (geo.p_bn + (geo.p_bm * geo.p_bn if res else 0)) * eb
     se = geo.ipt * r * eb if geo.gate else (2 * s + r) * eb + geo.ipt * geo.nchunk * geo.sp * 4
     return KernelCost(n * geo.ohw * r * k + (0 if geo.gate else n * r * s), mma, dram, (Loop("R steps", steps),),
                       l1_unique_bytes_per_program=unique + se,

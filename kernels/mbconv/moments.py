@@ -16,8 +16,9 @@ the batch's statistics (convfirstnet/mbconv_fused_forward.py folds them per step
 * ``mbconv_unnormalised``: the usual launch pair (hidden kernel writing g and the SE partials,
   projection) without the residual: ``W_proj (g * gate) + b_proj``, whose BatchNorm the caller applies.
 
-The geometry, buffers and cost declarations are launcher.py's (``mbconv_config``, ``hidden_cost``,
-``project_cost``); the moments launch declares the hidden kernel's work less what it skips.
+The geometry, buffers and cost declarations are launcher.py's (``geometry_of``, ``hidden_buffers``,
+``hidden_cost``); ``mbconv_unnormalised`` is ``mbconv_triton(..., residual=False)``; the moments launch
+declares the hidden kernel's work less what it skips.
 """
 
 from __future__ import annotations
@@ -30,32 +31,9 @@ import triton.language as tl
 
 from .._cost import KernelCost, Loop
 from .._launch import launch
-from .kernel import _mbconv_hidden_kernel, _mbconv_project_kernel
-from .launcher import BMO, FP32_PRECISION, MBConvGeometry, hidden_cost, mbconv_config, project_cost
-
-
-def _geometry(x: torch.Tensor, w_exp: torch.Tensor, w_se1: torch.Tensor, k: int, stride: int
-              ) -> MBConvGeometry:
-    n, c, h, w = x.shape
-    return mbconv_config(c, w_exp.shape[0], k, h, w, stride, n=n, s=w_se1.shape[0], dtype=x.dtype,
-                         dense=x.stride(2) == w * x.stride(3), device=x.device)
-
-
-def _settings(x: torch.Tensor) -> tuple[int, str]:
-    """(SILU mode, dot precision) as launcher.mbconv_triton picks them."""
-    silu = 0 if x.dtype == torch.float32 or x.device.type == "cpu" else 1
-    return silu, FP32_PRECISION if x.dtype == torch.float32 else "tf32"
-
-
-def _scratch(geo: MBConvGeometry, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The hidden kernel's scratch (h slots, stride-2 g slots) and mean slots, as mbconv_triton makes them
-    (NaN-filled on CPU, so that a read before a write fails a test)."""
-    scratch = torch.empty((geo.programs * geo.slot,), device=x.device, dtype=x.dtype)
-    if x.device.type == "cpu":
-        scratch.fill_(float("nan"))
-    mslot = torch.empty((geo.programs, geo.mean_slot), device=x.device, dtype=torch.float32)
-    gscratch = scratch[geo.slot_images * geo.h_slot:] if geo.stride == 2 else scratch
-    return scratch, gscratch, mslot
+from .kernel import _mbconv_hidden_kernel
+from .launcher import (BMO, MBConvGeometry, geometry_of, hidden_buffers, hidden_cost, kernel_settings,
+                       mbconv_triton)
 
 
 def moment_partials(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tensor, w_conv: torch.Tensor,
@@ -66,13 +44,13 @@ def moment_partials(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tensor, w
     (the same one as the launch pair that follows)."""
     n, c, h, w = x.shape
     r = w_exp.shape[0]
-    geo = dataclasses.replace(_geometry(x, w_exp, w_se1, k, stride), gate=False)  # no SE in this pass
+    geo = dataclasses.replace(geometry_of(x, r, k, w_se1.shape[0], stride), gate=False)  # no SE in this pass
     cs = geo.conv_split
     parts = torch.empty((n, 2, cs, r), device=x.device, dtype=torch.float32)
     if n == 0:
         return parts
-    scratch, gscratch, mslot = _scratch(geo, x)
-    silu, prec = _settings(x)
+    scratch, gscratch, mslot = hidden_buffers(geo, x)
+    silu, prec = kernel_settings(x)
     unused = torch.empty((1,), device=x.device, dtype=x.dtype)  # g_ptr: no g is written
     launch(_mbconv_hidden_kernel, (geo.programs,), x, w_exp, b_exp.contiguous(), w_conv, shift, w_se1,
            unused, parts, scratch, gscratch, mslot, n, h, w, geo.oh, geo.ow, c, r, w_se1.shape[0], geo.nchunk,
@@ -111,39 +89,8 @@ def mbconv_unnormalised(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tenso
                         ) -> torch.Tensor:
     """``W_proj (g * gate) + b_proj`` (NHWC, x's dtype): launcher.mbconv_triton's launch pair without the
     residual (whatever the stride), the weights with BN_e and BN_d folded (2-D 1x1 weights)."""
-    n, c, h, w = x.shape
-    r, k, s = w_exp.shape[0], w_proj.shape[0], w_se1.shape[0]
-    geo = _geometry(x, w_exp, w_se1, k, stride)
-    out = torch.empty((n, k, geo.oh, geo.ow), device=x.device, dtype=x.dtype,
-                      memory_format=torch.channels_last)
-    if n == 0:
-        return out
-    scratch, gscratch, mslot = _scratch(geo, x)
-    gbuf = torch.empty((n, geo.ohw, r), device=x.device, dtype=x.dtype)
-    zpart = torch.empty((n, geo.nchunk, geo.sp), device=x.device, dtype=torch.float32)
-    gates = torch.empty((n, r) if geo.gate else (1,), device=x.device, dtype=x.dtype)
-    silu, prec = _settings(x)
-    b_exp, b_conv, b_proj, b_se1, b_se2 = (t.contiguous() for t in (b_exp, b_conv, b_proj, b_se1, b_se2))
-    launch(_mbconv_hidden_kernel, (geo.programs,), x, w_exp, b_exp, w_conv, b_conv, w_se1, gbuf, zpart,
-           scratch, gscratch, mslot, n, h, w, geo.oh, geo.ow, c, r, s, geo.nchunk, geo.groups,
-           geo.chunks_per_group, geo.items, geo.ib, geo.slot, *x.stride(), *w_exp.stride(), *w_conv.stride(),
-           *w_se1.stride(), b_se1, w_se2, b_se2, gates, *w_se2.stride(), cost=lambda: hidden_cost(geo),
-           **geo.hidden_constexprs(silu, prec))
-    launch(_mbconv_project_kernel, geo.p_grid, gbuf, zpart, b_se1, w_se2, b_se2, w_proj, b_proj, x, out,
-           n, geo.ohw, geo.ow, r, k, s, geo.nchunk, geo.tpi, *x.stride(), *out.stride(), *w_se2.stride(),
-           *w_proj.stride(), gates, r, cost=lambda: _no_residual(project_cost(geo), geo),
-           **dict(geo.project_constexprs(silu, prec), RESIDUAL=False))
-    return out
-
-
-def _no_residual(cost: KernelCost, geo: MBConvGeometry) -> KernelCost:
-    """project_cost without the residual tile's read (stride 1 declares it)."""
-    if geo.stride != 1:
-        return cost
-    out = geo.n * geo.ohw * geo.k * geo.elem
-    return dataclasses.replace(cost, dram_bytes=cost.dram_bytes - out,
-                               l1_unique_bytes_per_program=cost.l1_unique_bytes_per_program
-                               - geo.p_bm * geo.p_bn * geo.elem)
+    return mbconv_triton(x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj, stride,
+                         residual=False)
 
 
 # ------------------------------------------------------------------------------------------ folding
