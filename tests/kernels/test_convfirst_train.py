@@ -33,6 +33,7 @@ from convfirstnet.blocks import ConvFirst, Head, MBConv
 from convfirstnet.training_kernels import fused_forward, unsupported
 
 from ..conftest import FULL_MATRIX
+from .._models import randomize_bn
 from ._traced import trace_graphs
 
 OPS = torch.ops.convfirstnet
@@ -60,13 +61,7 @@ def make_block(c: int, t: int, drop: float, seed: int = 0, k: int | None = None,
     values (so that no term of the BatchNorm backward vanishes)."""
     torch.manual_seed(seed)
     block = ConvFirst(c, k or c, stride, t, drop_path=drop)
-    with torch.no_grad():
-        for bn in (block.bn_dw, block.bn_expand, block.bn_project):
-            bn.weight.uniform_(0.5, 1.5)
-            bn.bias.normal_(0.0, 0.3)
-            bn.running_mean.normal_(0.0, 0.2)
-            bn.running_var.uniform_(0.5, 2.0)
-    return block
+    return randomize_bn(block, seed)
 
 
 def run_block(block, x, dout, seed, fused: bool):

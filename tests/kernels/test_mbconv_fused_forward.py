@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from convfirstnet import mbconv_fused_forward
 from convfirstnet.blocks import MBConv
 
+from .._models import randomize_bn
+
 CL = torch.channels_last
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (3e-3, 2e-4)}  # (output, running statistics)
 
@@ -190,13 +192,7 @@ def test_bn_residual(interpreter_backend, small_tiles, shape):
 def _block(c: int, k: int, stride: int) -> MBConv:
     torch.manual_seed(0)
     block = MBConv(c, k, stride).train()
-    with torch.no_grad():
-        for bn in (block.bn_expand, block.bn_dw, block.bn_project):
-            bn.weight.uniform_(0.5, 1.5)
-            bn.bias.normal_(0.0, 0.3)
-            bn.running_mean.normal_(0.0, 0.2)
-            bn.running_var.uniform_(0.5, 2.0)
-    return block
+    return randomize_bn(block, 0)
 
 
 def _op_args(block: MBConv, x: torch.Tensor, drop: torch.Tensor, dtype: torch.dtype) -> tuple:

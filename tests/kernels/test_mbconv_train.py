@@ -23,6 +23,8 @@ import torch
 from convfirstnet import training_kernels
 from convfirstnet.blocks import MBConv
 
+from .._models import randomize_bn
+
 CL = torch.channels_last
 TOL = 1e-6
 
@@ -31,13 +33,7 @@ def make_block(c: int, k: int, stride: int, drop: float) -> MBConv:
     """A model-width MBConv with BatchNorm parameters and running statistics off their initial values."""
     torch.manual_seed(0)
     block = MBConv(c, k, stride, drop_path=drop).train()
-    with torch.no_grad():
-        for bn in (block.bn_expand, block.bn_dw, block.bn_project):
-            bn.weight.uniform_(0.5, 1.5)
-            bn.bias.normal_(0.0, 0.3)
-            bn.running_mean.normal_(0.0, 0.2)
-            bn.running_var.uniform_(0.5, 2.0)
-    return block
+    return randomize_bn(block, 0)
 
 
 @pytest.fixture
