@@ -102,9 +102,10 @@ FOLD_WARPS = 4
 
 
 @triton.jit
-def _fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, f, unbias, eps):
+def bn_fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, f, unbias, eps):
     """scale = gamma / sqrt(var + eps); stores the folded bias beta - mean scale and the running update
-    (1 - f) running + f (mean, unbiased var); returns the scale (fp32)."""
+    (1 - f) running + f (mean, unbiased var); returns the scale (fp32). The BN_e and BN_d folds here and
+    BN_p's merge (narrow.py) end with it."""
     gamma = tl.load(gamma_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
     scale = gamma / tl.sqrt(var + eps)
@@ -143,7 +144,7 @@ def _fold_expand_kernel(w_ptr, mean_ptr, centre_ptr, gram_ptr, gamma_ptr, beta_p
     wd = tl.sum(w * d[None, :], axis=1)
     var = tl.maximum(tl.sum(wg * w, axis=1) * inv_m - wd * wd, 0.0)
     mean = tl.sum(w * mean_x[None, :], axis=1)
-    scale = _fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, f, unbias, eps)
+    scale = bn_fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, f, unbias, eps)
     tl.store(wf_ptr + r[:, None] * C + cc[None, :], (w * scale[:, None]).to(dt),
              mask=r_ok[:, None] & c_ok[None, :])
 
@@ -184,7 +185,7 @@ def _fold_conv_kernel(parts_ptr, w_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, wf_
         m2 += tl.sum(tl.where(ok, s2 - s1 * mi + P * dev * dev, 0.0), axis=0)
     var = tl.maximum(m2 / (N * P), 0.0)
     mean = mean_s + tl.load(rm_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
-    scale = _fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, f, unbias, eps)
+    scale = bn_fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, f, unbias, eps)
     k = tl.arange(0, 128)
     wm = r_ok[:, None] & (k < 72)[None, :]
     w = tl.load(w_ptr + r[:, None] * 72 + k[None, :], mask=wm, other=0.0).to(dt).to(tl.float32)

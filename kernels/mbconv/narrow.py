@@ -26,6 +26,7 @@ import triton.language as tl
 
 from .._cost import KernelCost, Loop
 from .._launch import device_info, launch
+from .moments import bn_fold_tail
 
 GRAM_BLOCK = 128  # Gram block side of a program (channels; C <= 256: at most 2 x 2 blocks, 3 computed)
 GRAM_PIXELS = 64  # pixels per step (the dot's K)
@@ -268,15 +269,10 @@ def _bn_merge_kernel(part_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, ss_ptr, M, K
         m2s = tl.load(part_ptr + (s * 2 * K + K)[:, None] + k[None, :], mask=ok, other=0.0)
         m2 += tl.sum(m2s + n_s[:, None] * d * d, axis=0)
     var = tl.maximum(m2 / mf, 0.0)
-    gamma = tl.load(gamma_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-    scale = gamma / tl.sqrt(var + eps)
+    # the bias into ss[1], the running update: as the folds of BN_e and BN_d do it
+    scale = bn_fold_tail(k, k_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, ss_ptr + K, f, mf / (mf - 1.0),
+                         eps)
     tl.store(ss_ptr + k, scale, mask=k_ok)
-    tl.store(ss_ptr + K + k, beta - mean * scale, mask=k_ok)
-    rm = tl.load(rm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-    rv = tl.load(rv_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-    tl.store(rm_ptr + k, (1.0 - f) * rm + f * mean, mask=k_ok)
-    tl.store(rv_ptr + k, (1.0 - f) * rv + f * (var * (mf / (mf - 1.0))), mask=k_ok)
 
 
 @triton.jit
