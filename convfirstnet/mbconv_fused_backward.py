@@ -1,0 +1,108 @@
+"""The backward of ``mbconv_recompute_train`` for stride-1 blocks, pass by pass over the block's narrow
+input (kernels/mbconv/backward_reference.py states each pass): no wide activation is kept from the
+forward; the forward saves x, its projection output o (narrow) and the three BatchNorms' batch mean and
+rstd. The wide tensors of the backward (h, d, dd, dh, de) each live from one launch to the next.
+
+    do                 BN_p's backward (narrow)
+    h, d               h from x (expand, BN_e, SiLU), d = gconv3x3(h)
+    dgate, gsum        one pass over d: per image, sum dq g and sum g (dq = do W_proj recomputed)
+    SE                 gate from gsum / HW, its backward on (N, R) vectors (PyTorch, as the layers run it)
+    BN_d sums, dW_proj one pass over d
+    dd                 one pass over d, written
+    dh, dW_conv        the group-width-8 conv's dgrad and wgrad (torch.ops.convfirstnet)
+    BN_e sums          one pass over dh (z = x W_exp^T recomputed)
+    de, dW_exp         one pass over dh, de written
+    dx                 de W_exp + dout (the residual)
+
+Every reduction runs in a fixed order (no atomics): two identical steps give equal gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kernels.mbconv import backward_reference as ref
+
+T = torch.Tensor
+
+
+def _passes(triton: bool) -> dict:
+    """The implementation of each pass: the Triton launches, or their PyTorch twins."""
+    names = ("bn_p_backward", "dgate_pool", "bn_d_sums", "bn_d_backward", "expand_hidden", "bn_e_sums",
+             "bn_e_backward", "expand_dgrad")
+    if not triton:
+        return {k: getattr(ref, k + "_reference") for k in names}
+    from .kernels.mbconv import expand_backward, gate_backward, narrow
+
+    mods = (narrow, gate_backward, gate_backward, gate_backward, expand_backward, expand_backward,
+            expand_backward, expand_backward)
+    return {k: getattr(m, k) for k, m in zip(names, mods)}
+
+
+def _rows(t: T) -> T:
+    """(N, C, H, W) channels-last -> its (P, C) row view."""
+    n, c, h, w = t.shape
+    return t.permute(0, 2, 3, 1).reshape(n * h * w, c)
+
+
+def _nchw(t: T, n: int, h: int, w: int) -> T:
+    """(P, C) rows -> the (N, C, H, W) channels-last view."""
+    return t.view(n, h, w, t.shape[1]).permute(0, 3, 1, 2)
+
+
+def backward(grad_out: T, x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d: T, w_se1: T,
+             b_se1: T, w_se2: T, b_se2: T, w_proj: T, gamma_p: T, beta_p: T, o: T, stats: T, drop_scale: T,
+             triton: bool) -> tuple[T, ...]:
+    """The gradients of x and of the 13 weights (the op's input order), for a stride-1 block; ``stats``:
+    (6, max(R, K)) fp32, rows mean_e, rstd_e, mean_d, rstd_d, mean_p, rstd_p."""
+    p = _passes(triton)
+    dt = x.dtype
+    n, c, hh, ww = x.shape
+    r, k = w_exp.shape[0], w_proj.shape[0]
+    hw = hh * ww
+    mean_e, rstd_e, mean_d, rstd_d = (s[:r] for s in stats[:4])
+    mean_p, rstd_p = stats[4, :k], stats[5, :k]
+    cl = torch.channels_last
+    x2 = _rows(x.contiguous(memory_format=cl))
+    dout = _rows(grad_out.to(dt).contiguous(memory_format=cl))
+    wexp = w_exp.reshape(r, c).to(dt)
+    wproj = w_proj.reshape(k, r).to(dt)
+    do, dgamma_p, dbeta_p = p["bn_p_backward"](dout, _rows(o.contiguous(memory_format=cl)), mean_p, rstd_p,
+                                               gamma_p, drop_scale, n)
+    h = p["expand_hidden"](x2, wexp, mean_e, rstd_e, gamma_e, beta_e)
+    h4 = _nchw(h, n, hh, ww)
+    d = _rows(torch.ops.convfirstnet.gconv3x3(h4, w_dw, 1, True)) if triton else _rows(
+        F.conv2d(h4, w_dw.to(dt), None, 1, 1, 1, r // 8).contiguous(memory_format=cl))
+    # SE: the gate from the pool, its backward on (N, R) vectors (fp32)
+    dgate, gsum = p["dgate_pool"](d, mean_d, rstd_d, gamma_d, beta_d, do, wproj, n)
+    with torch.enable_grad():
+        pool = (gsum / hw).requires_grad_()
+        w1, b1, w2, b2 = (t.detach().to(pool.dtype).requires_grad_() for t in (w_se1, b_se1, w_se2, b_se2))
+        gate = torch.sigmoid(F.linear(F.relu(F.linear(pool, w1.reshape(w1.shape[0], -1), b1)),
+                                      w2.reshape(w2.shape[0], -1), b2))
+        dpool, dw_se1, db_se1, dw_se2, db_se2 = torch.autograd.grad(gate, (pool, w1, b1, w2, b2), dgate)
+    gate = gate.detach()
+    dpix = dpool / hw
+    sum_dy, sum_dyu, dw_proj = p["bn_d_sums"](d, mean_d, rstd_d, gamma_d, beta_d, do, wproj, gate, dpix, n)
+    dd = p["bn_d_backward"](d, mean_d, rstd_d, gamma_d, beta_d, do, wproj, gate, dpix, sum_dy, sum_dyu, n)
+    del d
+    dd4 = _nchw(dd, n, hh, ww)
+    if triton:
+        dh = _rows(torch.ops.convfirstnet.gconv3x3_dgrad(dd4, w_dw, hh, ww, 1))
+        dw_dw = torch.ops.convfirstnet.gconv3x3_wgrad(dd4, h4, w_dw.dtype, 1, True)
+    else:
+        dh4, dw_dw, _ = torch.ops.aten.convolution_backward(dd4, h4, w_dw.to(dt), None, [1, 1], [1, 1], [1, 1],
+                                                            False, [0, 0], r // 8, [True, True, False])
+        dh = _rows(dh4.contiguous(memory_format=cl))
+    del dd, dd4, h, h4
+    sum_dv, sum_dve = p["bn_e_sums"](x2, wexp, mean_e, rstd_e, gamma_e, beta_e, dh)
+    de, dw_exp = p["bn_e_backward"](x2, wexp, mean_e, rstd_e, gamma_e, beta_e, dh, sum_dv, sum_dve)
+    del dh
+    dx = p["expand_dgrad"](de, wexp, dout)
+    grads = (_nchw(dx, n, hh, ww), dw_exp.reshape(w_exp.shape), sum_dve, sum_dv, dw_dw, sum_dyu, sum_dy,
+             dw_se1.reshape(w_se1.shape), db_se1, dw_se2.reshape(w_se2.shape), db_se2,
+             dw_proj.reshape(w_proj.shape), dgamma_p, dbeta_p)
+    params = (x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,
+              beta_p)
+    return tuple(g.to(q.dtype) for g, q in zip(grads, params))

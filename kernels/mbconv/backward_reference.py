@@ -1,0 +1,136 @@
+"""The passes of the fused MBConv + SE training backward (stride 1), in PyTorch: the specification of the
+Triton launches in gate_backward.py, expand_backward.py and narrow.py (``bn_p_backward``), and their
+twin in the tests. convfirstnet/mbconv_fused_backward.py chains them.
+
+Every activation is a 2-D row-major view of an NHWC tensor: (P, channels), P = N H W pixels, image n in
+rows n HW ... (n + 1) HW - 1. The training forward, with each BatchNorm's batch statistics (mean mu, rstd
+rho = 1 / sqrt(var + eps)) saved by the forward:
+
+    z = x W_exp^T            e_hat = (z - mu_e) rho_e       v_e = gamma_e e_hat + beta_e   h = SiLU(v_e)
+    d = gconv3x3(h)          u_hat = (d - mu_d) rho_d       v_d = gamma_d u_hat + beta_d   g = SiLU(v_d)
+    p = mean_hw(g)           gate = sigmoid(W_se2 ReLU(W_se1 p + b_se1) + b_se2)           (N, R)
+    o = (g gate) W_proj^T    o_hat = (o - mu_p) rho_p       out = x + drop_n (gamma_p o_hat + beta_p)
+
+and the backward, pass by pass (each BatchNorm's backward: dz = gamma rho (dy - mean(dy) - y_hat
+mean(dy y_hat)), dgamma = sum dy y_hat, dbeta = sum dy; SiLU'(v) = s (1 + v (1 - s)), s = sigmoid(v)):
+
+    bn_p_backward:   dob = drop_n dout;  do, dgamma_p, dbeta_p                     (narrow)
+    dgate_pool:      dq = do W_proj;  dgate[n] = sum_hw dq g;  gsum[n] = sum_hw g  (per image, per channel)
+    (SE backward on (N, R) vectors in PyTorch: gate from gsum / HW, dpix = dp / HW)
+    bn_d_sums:       dy = (dq gate_n + dpix_n) SiLU'(v_d);  sum dy, sum dy u_hat;  dW_proj = do^T (g gate)
+    bn_d_backward:   dd = gamma_d rho_d (dy - sum dy / P - u_hat sum(dy u_hat) / P)
+    (gconv3x3_dgrad, gconv3x3_wgrad: dh, dW_conv)
+    expand_hidden:   h (for the conv's recompute and its wgrad)
+    bn_e_sums:       dv = dh SiLU'(v_e);  sum dv, sum dv e_hat
+    bn_e_backward:   de = gamma_e rho_e (dv - sum dv / P - e_hat sum(dv e_hat) / P);  dW_exp = de^T x
+    expand_dgrad:    dx = de W_exp (+ dout, the residual)
+
+Computed in fp32 (fp64 for fp64 input); the tensors the kernels write in the input dtype (h, dd, de, do,
+dx) are returned in it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+T = torch.Tensor
+
+
+def _f(t: T) -> T:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def silu_grad(v: T) -> T:
+    """d SiLU(v) / dv."""
+    s = torch.sigmoid(v)
+    return s * (1 + v * (1 - s))
+
+
+def _images(t: T, n: int) -> T:
+    return t.reshape(n, -1, t.shape[-1])
+
+
+def bn_p_backward_reference(dout: T, o: T, mean_p: T, rstd_p: T, gamma_p: T, drop: T, n: int
+                            ) -> tuple[T, T, T]:
+    """(do in dout's dtype, dgamma_p, dbeta_p (fp32)); ``drop``: the per-image drop-path scale (N,)."""
+    dob = _images(_f(dout), n) * _f(drop)[:, None, None]
+    dob = dob.reshape(dout.shape)
+    o_hat = (_f(o) - mean_p) * rstd_p
+    m = dout.shape[0]
+    dbeta, dgamma = dob.sum(0), (dob * o_hat).sum(0)
+    do = _f(gamma_p) * rstd_p * (dob - dbeta / m - o_hat * dgamma / m)
+    return do.to(dout.dtype), dgamma, dbeta
+
+
+def _g(d: T, mean_d: T, rstd_d: T, gamma_d: T, beta_d: T) -> tuple[T, T, T]:
+    u_hat = (_f(d) - mean_d) * rstd_d
+    v = _f(gamma_d) * u_hat + _f(beta_d)
+    return u_hat, v, torch.nn.functional.silu(v)
+
+
+def dgate_pool_reference(d: T, mean_d: T, rstd_d: T, gamma_d: T, beta_d: T, do: T, w_proj: T, n: int
+                         ) -> tuple[T, T]:
+    """(dgate, gsum), both (N, R) fp32: per image, sum over its pixels of dq g and of g."""
+    _, _, g = _g(d, mean_d, rstd_d, gamma_d, beta_d)
+    dq = _f(do) @ _f(w_proj)
+    return _images(dq * g, n).sum(1), _images(g, n).sum(1)
+
+
+def _dy(d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpix, n):
+    u_hat, v, g = _g(d, mean_d, rstd_d, gamma_d, beta_d)
+    dq = _f(do) @ _f(w_proj)
+    dg = _images(dq, n) * gate[:, None, :] + dpix[:, None, :]
+    return u_hat, g, dg.reshape(dq.shape) * silu_grad(v)
+
+
+def bn_d_sums_reference(d: T, mean_d: T, rstd_d: T, gamma_d: T, beta_d: T, do: T, w_proj: T, gate: T,
+                        dpix: T, n: int) -> tuple[T, T, T]:
+    """(sum dy (R,), sum dy u_hat (R,), dW_proj (K, R)), fp32; ``gate``, ``dpix``: (N, R) fp32."""
+    u_hat, g, dy = _dy(d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpix, n)
+    q = (_images(g, n) * gate[:, None, :]).reshape(g.shape)
+    return dy.sum(0), (dy * u_hat).sum(0), _f(do).t() @ q
+
+
+def bn_d_backward_reference(d: T, mean_d: T, rstd_d: T, gamma_d: T, beta_d: T, do: T, w_proj: T, gate: T,
+                            dpix: T, sum_dy: T, sum_dy_uhat: T, n: int) -> T:
+    """dd (P, R) in d's dtype."""
+    u_hat, _, dy = _dy(d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpix, n)
+    m = d.shape[0]
+    dd = _f(gamma_d) * rstd_d * (dy - sum_dy / m - u_hat * sum_dy_uhat / m)
+    return dd.to(d.dtype)
+
+
+def _v_e(x: T, w_exp: T, mean_e: T, rstd_e: T, gamma_e: T, beta_e: T) -> tuple[T, T]:
+    e_hat = (_f(x) @ _f(w_exp).t() - mean_e) * rstd_e
+    return e_hat, _f(gamma_e) * e_hat + _f(beta_e)
+
+
+def expand_hidden_reference(x: T, w_exp: T, mean_e: T, rstd_e: T, gamma_e: T, beta_e: T) -> T:
+    """h (P, R) in x's dtype."""
+    return torch.nn.functional.silu(_v_e(x, w_exp, mean_e, rstd_e, gamma_e, beta_e)[1]).to(x.dtype)
+
+
+def bn_e_sums_reference(x: T, w_exp: T, mean_e: T, rstd_e: T, gamma_e: T, beta_e: T, dh: T
+                        ) -> tuple[T, T]:
+    """(sum dv (R,), sum dv e_hat (R,)), fp32."""
+    e_hat, v = _v_e(x, w_exp, mean_e, rstd_e, gamma_e, beta_e)
+    dv = _f(dh) * silu_grad(v)
+    return dv.sum(0), (dv * e_hat).sum(0)
+
+
+def bn_e_backward_reference(x: T, w_exp: T, mean_e: T, rstd_e: T, gamma_e: T, beta_e: T, dh: T, sum_dv: T,
+                            sum_dv_ehat: T) -> tuple[T, T]:
+    """(de (P, R) in x's dtype, dW_exp (R, C) fp32 from de as rounded)."""
+    e_hat, v = _v_e(x, w_exp, mean_e, rstd_e, gamma_e, beta_e)
+    dv = _f(dh) * silu_grad(v)
+    m = x.shape[0]
+    de = (_f(gamma_e) * rstd_e * (dv - sum_dv / m - e_hat * sum_dv_ehat / m)).to(x.dtype)
+    return de, _f(de).t() @ _f(x)
+
+
+def expand_dgrad_reference(de: T, w_exp: T, residual: T | None) -> T:
+    """dx = de W_exp (+ residual), (P, C) in de's dtype."""
+    dx = _f(de) @ _f(w_exp)
+    if residual is not None:
+        dx = dx + _f(residual)
+    return dx.to(de.dtype)
