@@ -19,10 +19,14 @@ Every reduction runs in a fixed order (no atomics): two identical steps give equ
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from .kernels.mbconv import backward_reference as ref
+from . import mbconv_fused_forward
+from .mbconv_fused_forward import stats_rows
 
 T = torch.Tensor
 
@@ -51,18 +55,32 @@ def _nchw(t: T, n: int, h: int, w: int) -> T:
     return t.view(n, h, w, t.shape[1]).permute(0, 3, 1, 2)
 
 
+def selected(x: T, w_exp: T, w_proj: T) -> bool:
+    """Whether a stride-1 block's backward takes the fused passes: where its forward takes the fused
+    kernels (mbconv_fused_forward.selected), decided before any launch."""
+    return mbconv_fused_forward.selected(x, w_exp, w_proj, 1)
+
+
 def backward(grad_out: T, x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d: T, w_se1: T,
              b_se1: T, w_se2: T, b_se2: T, w_proj: T, gamma_p: T, beta_p: T, o: T, stats: T, drop_scale: T,
              triton: bool) -> tuple[T, ...]:
     """The gradients of x and of the 13 weights (the op's input order), for a stride-1 block; ``stats``:
-    (6, max(R, K)) fp32, rows mean_e, rstd_e, mean_d, rstd_d, mean_p, rstd_p."""
+    the forward's batch statistics (mbconv_fused_forward.stats_rows). Autocast is off inside (as in the
+    forward): every dtype here is chosen."""
+    dev = x.device.type
+    with torch.autocast(dev, enabled=False) if dev in ("cpu", "cuda") else contextlib.nullcontext():
+        return _backward(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2,
+                         w_proj, gamma_p, beta_p, o, stats, drop_scale, triton)
+
+
+def _backward(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj,
+              gamma_p, beta_p, o, stats, drop_scale, triton):
     p = _passes(triton)
     dt = x.dtype
     n, c, hh, ww = x.shape
     r, k = w_exp.shape[0], w_proj.shape[0]
     hw = hh * ww
-    mean_e, rstd_e, mean_d, rstd_d = (s[:r] for s in stats[:4])
-    mean_p, rstd_p = stats[4, :k], stats[5, :k]
+    (mean_e, rstd_e), (mean_d, rstd_d), (mean_p, rstd_p) = stats_rows(stats, r, k)
     cl = torch.channels_last
     x2 = _rows(x.contiguous(memory_format=cl))
     dout = _rows(grad_out.to(dt).contiguous(memory_format=cl))

@@ -42,6 +42,12 @@ CUDA_DTYPES = (torch.float16, torch.bfloat16)
 INTERPRETER_DTYPES = (torch.float16, torch.float32)
 
 
+def stats_rows(stats: T, r: int, k: int) -> tuple[T, T, T]:
+    """The (2, R), (2, R), (2, K) views (mean; rstd) of BN_e, BN_d and BN_p in ``stats``, the flat fp32
+    (4 R + 2 K,) tensor the op's forward returns for its backward."""
+    return stats[:2 * r].view(2, r), stats[2 * r:4 * r].view(2, r), stats[4 * r:].view(2, k)
+
+
 def selected(x: T, w_exp: T, w_proj: T, stride: int) -> bool:
     """Whether the op's forward takes the fused kernels for ``x`` (module docstring), decided before any
     launch."""
@@ -64,18 +70,20 @@ def selected(x: T, w_exp: T, w_proj: T, stride: int) -> bool:
 
 def forward(x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d: T, w_se1: T, b_se1: T,
             w_se2: T, b_se2: T, w_proj: T, gamma_p: T, beta_p: T, running: tuple[T, ...], drop_scale: T,
-            stride: int, factors: tuple[float, float, float], eps: float) -> T:
-    """The block's training forward output; ``running`` (the six running statistics, the op's copies)
-    updated in place. Weights in the module's shapes; ``factors``: each BatchNorm's update factor.
+            stride: int, factors: tuple[float, float, float], eps: float, stats: T | None = None
+            ) -> tuple[T, T]:
+    """(the block's training forward output, its projection before BN_p, o); ``running`` (the six running
+    statistics, the op's copies) updated in place; ``stats`` (``stats_rows``), when given, receives each
+    BatchNorm's batch mean and rstd, which the stride-1 backward normalises by. Weights in the module's shapes; ``factors``: each BatchNorm's update factor.
     Autocast, which stays on inside a custom op's body, is turned off: every dtype here is chosen."""
     dev = x.device.type
     with torch.autocast(dev, enabled=False) if dev in ("cpu", "cuda") else contextlib.nullcontext():
         return _forward(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj,
-                        gamma_p, beta_p, running, drop_scale, stride, factors, eps)
+                        gamma_p, beta_p, running, drop_scale, stride, factors, eps, stats)
 
 
 def _forward(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,
-             beta_p, running, drop_scale, stride, factors, eps):
+             beta_p, running, drop_scale, stride, factors, eps, stats):
     from .kernels.mbconv.moments import fold_conv, fold_expand, mbconv_unnormalised, moment_partials
     from .kernels.mbconv.narrow import bn_residual, x_moments
 
@@ -94,14 +102,16 @@ def _forward(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_s
     w_se1, w_se2, w_proj, w_dw_x = (w_se1.view(s, r), w_se2.view(r, s), w_proj.view(k, r),
                                     w_dw_x.view(r, 8, 3, 3))
     # BN_e from x's moments, folded into the expand (one launch, running statistics updated)
+    rows = (None,) * 3 if stats is None else stats_rows(stats, r, k)
     mean_x, gram = x_moments(x)
     w_exp_f, b_exp_f = fold_expand(w_exp.reshape(r, c), mean_x, mean_x, gram, gamma_e, beta_e, rm_e, rv_e,
-                                   factors[0], eps, n * h * w, dt)
+                                   factors[0], eps, n * h * w, dt, rows[0])
     # BN_d: the moments launch (shifted by BN_d's running mean), then the fold (which updates that mean)
     parts = moment_partials(x, w_exp_f, b_exp_f, w_dw_x, rm_d, w_se1, k, stride)
-    w_dw_f, b_dw_f = fold_conv(parts, w_dw, gamma_d, beta_d, rm_d, rv_d, factors[1], eps, h * w, dt)
+    w_dw_f, b_dw_f = fold_conv(parts, w_dw, gamma_d, beta_d, rm_d, rv_d, factors[1], eps, h * w, dt, rows[1])
     o = mbconv_unnormalised(x, w_exp_f, b_exp_f, w_dw_f, b_dw_f, w_se1, b_se1, w_se2, b_se2, w_proj,
                             zero_bias, stride)
     # BN_p, drop-path and the residual, over o (its running statistics updated)
-    return bn_residual(o, x if stride == 1 else None, drop_scale, gamma_p, beta_p, rm_p, rv_p, factors[2],
-                       eps)
+    out = bn_residual(o, x if stride == 1 else None, drop_scale, gamma_p, beta_p, rm_p, rv_p, factors[2], eps,
+                      rows[2], keep_o=True)
+    return out, o

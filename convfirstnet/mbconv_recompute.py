@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import mbconv_fused_forward
+from . import mbconv_fused_backward, mbconv_fused_forward
 from .kernels._blurpool import blur_filter
 from .kernels._launch import GROUP_WIDTH, use_triton
 
@@ -89,7 +89,7 @@ def _layers(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se
 def _forward(x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d: T, w_se1: T, b_se1: T,
              w_se2: T, b_se2: T, w_proj: T, gamma_p: T, beta_p: T, rm_e: T, rv_e: T, rm_d: T, rv_d: T,
              rm_p: T, rv_p: T, drop_scale: T, stride: int, momenta: list[float], eps: float, counts: list[T]
-             ) -> tuple[T, T, T, T, T, T, T]:
+             ) -> tuple[T, T, T, T, T, T, T, T, T]:
     # nn.BatchNorm2d's factor: the momentum, or 1 / num_batches_tracked (already counted) for momentum None
     factors = tuple(m if m >= 0 else 1.0 / float(n) for m, n in zip(momenta, counts))
     return _train(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj,
@@ -99,15 +99,22 @@ def _forward(x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d:
 
 def _train(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,
            beta_p, running, drop_scale, stride, factors, eps, fused=False):
+    """(out, the six updated running statistics, o, stats): o the projection before BN_p (narrow), stats
+    the batch mean and rstd of BN_e, BN_d, BN_p (mbconv_fused_forward.stats_rows): what the stride-1
+    backward (mbconv_fused_backward.py) starts from."""
     running = tuple(t.clone() for t in running)
+    r, k = w_exp.shape[0], w_proj.shape[0]
+    stats = x.new_empty((4 * r + 2 * k,), dtype=torch.float32)
     if fused and mbconv_fused_forward.selected(x, w_exp, w_proj, stride):  # the MBConv kernels
-        out = mbconv_fused_forward.forward(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1,
-                                           w_se2, b_se2, w_proj, gamma_p, beta_p, running, drop_scale, stride,
-                                           factors, eps)
-        return (out, *running)
+        out, o = mbconv_fused_forward.forward(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1,
+                                              w_se2, b_se2, w_proj, gamma_p, beta_p, running, drop_scale,
+                                              stride, factors, eps, stats)
+        return (out, *running, o, stats)
     v = _layers(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,
                 beta_p, drop_scale, stride, eps, running, factors)
-    return (v["out"], *running)
+    for rows, bn in zip(mbconv_fused_forward.stats_rows(stats, r, k), "edp"):
+        rows[0], rows[1] = v["mean_" + bn], v["rstd_" + bn]
+    return (v["out"], *running, v["o"].contiguous(memory_format=torch.channels_last), stats)
 
 
 def _fake(*args):
@@ -128,8 +135,23 @@ def _bn_backward(grad, v: dict, gamma, which: str, bn: str, eps: float):
 
 
 def _backward(grad_out: T, x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d: T, w_se1: T,
-              b_se1: T, w_se2: T, b_se2: T, w_proj: T, gamma_p: T, beta_p: T, drop_scale: T, stride: int,
-              eps: float) -> tuple[T, T, T, T, T, T, T, T, T, T, T, T, T, T]:
+              b_se1: T, w_se2: T, b_se2: T, w_proj: T, gamma_p: T, beta_p: T, o: T, stats: T, drop_scale: T,
+              stride: int, eps: float) -> tuple[T, T, T, T, T, T, T, T, T, T, T, T, T, T]:
+    return _backward_impl(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2,
+                          w_proj, gamma_p, beta_p, o, stats, drop_scale, stride, eps, fused=True)
+
+
+def _backward_fake(*args):
+    """The layers' backward on fake / meta tensors (the same shapes and dtypes as the fused passes')."""
+    return _backward_impl(*args, fused=False)
+
+
+def _backward_impl(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj,
+                   gamma_p, beta_p, o, stats, drop_scale, stride, eps, fused):
+    if fused and stride == 1 and mbconv_fused_backward.selected(x, w_exp, w_proj):  # the fused passes
+        return mbconv_fused_backward.backward(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1,
+                                              b_se1, w_se2, b_se2, w_proj, gamma_p, beta_p, o, stats,
+                                              drop_scale, triton=True)
     dt = x.dtype
     v = _layers(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,
                 beta_p, drop_scale, stride, eps)
@@ -178,22 +200,23 @@ def _backward(grad_out: T, x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma
 
 mbconv_recompute_train_backward = torch.library.custom_op("convfirstnet::mbconv_recompute_train_backward",
                                                           _backward, mutates_args=())
-mbconv_recompute_train_backward.register_fake(_backward)
+mbconv_recompute_train_backward.register_fake(_backward_fake)
 
 
 def _setup(ctx, inputs, output) -> None:
     ctx.stride, ctx.eps = inputs[21], inputs[23]
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(*inputs[:14], inputs[20])  # x, the weights, drop_scale: nothing wide
+    # x, the weights, o and the BatchNorms' statistics, drop_scale: nothing wide
+    ctx.save_for_backward(*inputs[:14], output[7], output[8], inputs[20])
 
 
 def _autograd(ctx, grad_out, *unused):
     if grad_out is None:
         return (*(None,) * 24, [None] * 3)
-    x, *weights, drop_scale = ctx.saved_tensors
-    grads = torch.ops.convfirstnet.mbconv_recompute_train_backward(grad_out, x, *weights, drop_scale,
-                                                                   ctx.stride, ctx.eps)
+    x, *weights, o, stats, drop_scale = ctx.saved_tensors
+    grads = torch.ops.convfirstnet.mbconv_recompute_train_backward(grad_out, x, *weights, o, stats,
+                                                                   drop_scale, ctx.stride, ctx.eps)
     return (*grads, *(None,) * 10, [None] * 3)  # counts: a list of three
 
 

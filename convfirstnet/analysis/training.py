@@ -81,6 +81,7 @@ TARGETS = dict(step_over_layerwise=0.5, stored_over_layerwise=0.25)  # issue 20,
 # how a block trains, by (fused, recompute)
 PATHS = {(True, False): "fused", (False, True): "recompute, layer-wise kernels", (False, False): "layer-wise"}
 FUSED_FORWARD_PATH = "fused forward; recompute backward, layer-wise kernels"
+FUSED_BACKWARD_PATH = "fused forward; fused backward passes over the narrow input"
 # names of the layer-wise kernels (_LayerWise.block) that belong to the forward
 _FORWARD_KERNELS = (" forward", " statistics", " normalise", " pool", " gate")
 
@@ -358,6 +359,35 @@ def record_mbconv_forward(block: nn.Module, in_shape: tuple, batch: int, dtype: 
     return rec.launches, counter.count
 
 
+def record_mbconv_backward(block: nn.Module, in_shape: tuple, batch: int, dtype: torch.dtype, tgt
+                           ) -> tuple[list, int] | None:
+    """The Triton launches of a stride-1 MBConv block's backward through the fused passes
+    (mbconv_fused_backward.py) on meta tensors, with the forward's saved o and statistics, and the number
+    of its other aten ops (the SE backward on (N, R) vectors, the casts); None where it is not selected."""
+    import copy
+
+    from convfirstnet import mbconv_fused_backward
+
+    meta = copy.deepcopy(block).to("meta").train()
+    x = torch.empty(batch, *in_shape[1:], device="meta", dtype=dtype).contiguous(
+        memory_format=torch.channels_last)
+    bns = (meta.bn_expand, meta.bn_dw, meta.bn_project)
+    se = meta.se
+    weights = (meta.conv_expand.weight, bns[0].weight, bns[0].bias, meta.conv_dw.weight, bns[1].weight,
+               bns[1].bias, se.fc1.weight, se.fc1.bias, se.fc2.weight, se.fc2.bias, meta.conv_project.weight,
+               bns[2].weight, bns[2].bias)
+    if meta.stride != 1 or not mbconv_fused_backward.selected(x, weights[0], weights[10]):
+        return None
+    r, k = weights[0].shape[0], weights[10].shape[0]
+    o = torch.empty_like(x)
+    stats = torch.empty(4 * r + 2 * k, device="meta")
+    drop = torch.ones(batch, device="meta")
+    counter = _CountLaunches()
+    with recording(sms=tgt.sms, l2_bytes=tgt.l2_bytes) as rec, counter:
+        mbconv_fused_backward.backward(torch.empty_like(x), x, *weights, o, stats, drop, triton=True)
+    return rec.launches, counter.count
+
+
 def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *, batch: int,
                           dtype: str = "float16", arch: int | str = 90, jobs: int | None = None,
                           progress: Callable[[str], None] | None = None, name: str | None = None) -> dict:
@@ -378,7 +408,7 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
 
     # fused blocks: record, compile, estimate
     launches, owner = [], []
-    fused_paths, glue, recomputed, fused_forward = [], {}, set(), {}
+    fused_paths, glue, recomputed, fused_forward, fused_backward = [], {}, set(), {}, {}
     for path, m in blocks:
         if training_kernels.unsupported(m) is None and training_kernels.recomputes(m):
             recomputed.add(path)
@@ -387,6 +417,11 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
                 launches += recorded[0]
                 owner += [path] * len(recorded[0])
                 fused_forward[path] = recorded[1]
+                recorded = record_mbconv_backward(m, shapes[path][0], batch, torch_dtype, tgt)
+                if recorded is not None:  # and the backward through the fused passes (stride 1)
+                    launches += recorded[0]
+                    owner += [path + " backward"] * len(recorded[0])
+                    fused_backward[path] = recorded[1]
         elif training_kernels.unsupported(m) is None:
             ls, glue[path] = record_fused_block(m, shapes[path][0], batch, torch_dtype, tgt)
             launches += ls
@@ -414,21 +449,32 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
             kinds = {k for e in mine for k in est.variants[e.variant]["mma_kind"].split("+")}
             mma = sorted(kinds - {"none"})
         elif path in fused_forward:
-            # forward: the fused launches and a launch gap per other aten op;
-            # backward: the layer-wise bound's backward kernels and the recompute, as below
+            # forward: the fused launches and a launch gap per other aten op; backward: the fused passes'
+            # launches (stride 1) and a launch gap per other aten op, else the layer-wise bound's backward
+            # kernels and the recompute, as below
             mine = [e for e, o in zip(est.launches, owner) if o == path]
-            backward = [k for k in kernels if not _is_forward(k)] + lw.recompute(path, m)
             own_glue = fused_forward[path]
             glue[path] = own_glue + mbconv_recompute.SMALL_OPS_PER_STEP
             forward = {end: sum(e.predicted(end) for e in mine)
                        + own_glue * hw.launch_graph_us.pick(end) * 1e-6 for end in ENDS}
             forwards[path] = (forward, {end: sum(layerwise_time(k, hw, end) for k in kernels
                                                  if _is_forward(k)) for end in ENDS})
-            predicted = {end: forward[end] + sum(layerwise_time(k, hw, end) for k in backward)
+            if path in fused_backward:
+                back = [e for e, o in zip(est.launches, owner) if o == path + " backward"]
+                glue[path] += fused_backward[path]
+                backward_time = {end: sum(e.predicted(end) for e in back)
+                                 + fused_backward[path] * hw.launch_graph_us.pick(end) * 1e-6 for end in ENDS}
+                bounds = sorted({e.bound("high") for e in mine + back})
+                n_launches = len(mine) + len(back)
+                mine = mine + back
+            else:
+                backward = [k for k in kernels if not _is_forward(k)] + lw.recompute(path, m)
+                backward_time = {end: sum(layerwise_time(k, hw, end) for k in backward) for end in ENDS}
+                bounds = sorted({e.bound("high") for e in mine}) + ["layer-wise backward + recompute"]
+                n_launches = len(mine) + len(backward)
+            predicted = {end: forward[end] + backward_time[end]
                          + mbconv_recompute.SMALL_OPS_PER_STEP * hw.launch_graph_us.pick(end) * 1e-6
                          for end in ENDS}
-            bounds = sorted({e.bound("high") for e in mine}) + ["layer-wise backward + recompute"]
-            n_launches = len(mine) + len(backward)
             spills = max(est.variants[e.variant]["stack_bytes"] for e in mine)
             kinds = {k for e in mine for k in est.variants[e.variant]["mma_kind"].split("+")}
             mma = sorted(kinds - {"none"})
@@ -447,7 +493,9 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
             block=path, stage=_stage_label(path),
             kind=type(m).__name__ + (f" s{m.stride}" if hasattr(m, "stride") else ""),
             fused=fused, recompute=path in recomputed, fused_forward=path in fused_forward,
-            path=FUSED_FORWARD_PATH if path in fused_forward else PATHS[(fused, path in recomputed)],
+            path=(FUSED_BACKWARD_PATH if path in fused_backward else FUSED_FORWARD_PATH if path in fused_forward
+                  else PATHS[(fused, path in recomputed)]),
+            fused_backward=path in fused_backward,
             launches=n_launches, glue_launches=glue.get(path, 0),
             predicted_ms={k: v * 1e3 for k, v in predicted.items()},
             layerwise_ms={k: v * 1e3 for k, v in layerwise.items()}, bounds=bounds, stack_bytes=spills,

@@ -102,13 +102,17 @@ FOLD_WARPS = 4
 
 
 @triton.jit
-def bn_fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, f, unbias, eps):
-    """scale = gamma / sqrt(var + eps); stores the folded bias beta - mean scale and the running update
-    (1 - f) running + f (mean, unbiased var); returns the scale (fp32). The BN_e and BN_d folds here and
-    BN_p's merge (narrow.py) end with it."""
+def bn_fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, st_ptr, R, f, unbias, eps):
+    """scale = gamma / sqrt(var + eps); stores the folded bias beta - mean scale, the batch statistics the
+    backward normalises by (``st_ptr``: mean, then rstd = 1 / sqrt(var + eps) R entries on) and the running
+    update (1 - f) running + f (mean, unbiased var); returns the scale (fp32). The BN_e and BN_d folds here
+    and BN_p's merge (narrow.py) end with it."""
     gamma = tl.load(gamma_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
-    scale = gamma / tl.sqrt(var + eps)
+    rstd = 1.0 / tl.sqrt(var + eps)
+    scale = gamma * rstd
+    tl.store(st_ptr + r, mean, mask=r_ok)
+    tl.store(st_ptr + R + r, rstd, mask=r_ok)
     tl.store(bf_ptr + r, (beta - mean * scale).to(bf_ptr.dtype.element_ty), mask=r_ok)
     rm = tl.load(rm_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
     rv = tl.load(rv_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
@@ -119,7 +123,7 @@ def bn_fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr
 
 @triton.jit
 def _fold_expand_kernel(w_ptr, mean_ptr, centre_ptr, gram_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, wf_ptr,
-                        bf_ptr, R, C, swr, swc, inv_m, f, unbias, eps,
+                        bf_ptr, st_ptr, R, C, swr, swc, inv_m, f, unbias, eps,
                         BR: tl.constexpr, CP: tl.constexpr, BK: tl.constexpr):
     """BN_e of z = W x (W rounded to x's dtype, as the layer's conv rounds it): mean = W mean_x, var =
     W (G / M - d d^T) W^T (diagonal), G the Gram matrix of x centred at ``centre`` (x's mean: d = 0 from
@@ -144,13 +148,14 @@ def _fold_expand_kernel(w_ptr, mean_ptr, centre_ptr, gram_ptr, gamma_ptr, beta_p
     wd = tl.sum(w * d[None, :], axis=1)
     var = tl.maximum(tl.sum(wg * w, axis=1) * inv_m - wd * wd, 0.0)
     mean = tl.sum(w * mean_x[None, :], axis=1)
-    scale = bn_fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, f, unbias, eps)
+    scale = bn_fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, st_ptr, R, f, unbias,
+                         eps)
     tl.store(wf_ptr + r[:, None] * C + cc[None, :], (w * scale[:, None]).to(dt),
              mask=r_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
-def _fold_conv_kernel(parts_ptr, w_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, wf_ptr, bf_ptr, N, R, P, f,
+def _fold_conv_kernel(parts_ptr, w_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, wf_ptr, bf_ptr, st_ptr, N, R, P, f,
                       unbias, eps, CS: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
     """BN_d from the moment rows ([N][2][CS][R]: sums of u - shift and its square per image and pixel
     sub-tile, shift = the running mean, read before its update): per image mean_i and M2_i, then the
@@ -185,28 +190,41 @@ def _fold_conv_kernel(parts_ptr, w_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, wf_
         m2 += tl.sum(tl.where(ok, s2 - s1 * mi + P * dev * dev, 0.0), axis=0)
     var = tl.maximum(m2 / (N * P), 0.0)
     mean = mean_s + tl.load(rm_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
-    scale = bn_fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, f, unbias, eps)
+    scale = bn_fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, st_ptr, R, f, unbias,
+                         eps)
     k = tl.arange(0, 128)
     wm = r_ok[:, None] & (k < 72)[None, :]
     w = tl.load(w_ptr + r[:, None] * 72 + k[None, :], mask=wm, other=0.0).to(dt).to(tl.float32)
     tl.store(wf_ptr + r[:, None] * 72 + k[None, :], (w * scale[:, None]).to(dt), mask=wm)
 
 
+def stats_out(stats: torch.Tensor | None, r: int, device) -> torch.Tensor:
+    """Where a fold writes the batch mean and rstd: ``stats`` ((2, R) fp32, contiguous), or a scratch."""
+    if stats is None:
+        return torch.empty((2, r), device=device, dtype=torch.float32)
+    if stats.shape != (2, r) or stats.dtype != torch.float32 or not stats.is_contiguous():
+        raise ValueError(f"stats: expected a contiguous (2, {r}) fp32 tensor, got {tuple(stats.shape)} "
+                         f"{stats.dtype}")
+    return stats
+
+
 def fold_expand(w: torch.Tensor, mean_x: torch.Tensor, centre: torch.Tensor, gram: torch.Tensor,
                 gamma: torch.Tensor, beta: torch.Tensor, running_mean: torch.Tensor,
-                running_var: torch.Tensor, f: float, eps: float, pixels: int, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W_exp with BN_e folded (R, C), its bias (R,)) in ``dtype``; the running statistics updated in place.
+                running_var: torch.Tensor, f: float, eps: float, pixels: int, dtype: torch.dtype,
+                stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W_exp with BN_e folded (R, C), its bias (R,)) in ``dtype``; the running statistics updated in place,
+    the batch mean and rstd written to ``stats`` ((2, R) fp32, contiguous) when given.
     ``w``: (R, C), any float dtype (rounded to ``dtype`` as the layer's conv does); ``mean_x`` (C,) fp32,
     ``centre`` (C,), any float dtype, ``gram`` (C, C) fp32: sum over the M = ``pixels`` pixels of
     (x - centre)(x - centre)^T (narrow.x_moments: centre = mean_x)."""
     r, c = w.shape
     wf = torch.empty((r, c), device=w.device, dtype=dtype)
     bf = torch.empty((r,), device=w.device, dtype=dtype)
+    st = stats_out(stats, r, w.device)
     cp = max(16, triton.next_power_of_2(c))
     eb = torch.empty((), dtype=dtype).element_size()
     launch(_fold_expand_kernel, (triton.cdiv(r, FOLD_ROWS),), w, mean_x, centre, gram.contiguous(), gamma,
-           beta, running_mean, running_var, wf, bf, r, c, *w.stride(), 1.0 / pixels, f, pixels / (pixels - 1),
+           beta, running_mean, running_var, wf, bf, st, r, c, *w.stride(), 1.0 / pixels, f, pixels / (pixels - 1),
            eps, cost=lambda: _fold_expand_cost(r, c, w.element_size(), eb),
            BR=FOLD_ROWS, CP=cp, BK=min(FOLD_K, cp), num_warps=FOLD_WARPS)
     return wf, bf
@@ -214,18 +232,20 @@ def fold_expand(w: torch.Tensor, mean_x: torch.Tensor, centre: torch.Tensor, gra
 
 def fold_conv(parts: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
               running_mean: torch.Tensor, running_var: torch.Tensor, f: float, eps: float, pixels: int,
-              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+              dtype: torch.dtype, stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the grouped conv's weights with BN_d folded (R, 8, 3, 3), its bias (R,)) in ``dtype``, from
     ``moment_partials``' rows over ``pixels`` pixels per image, whose shift was ``running_mean``; the
-    running statistics updated in place."""
+    running statistics updated in place, the batch mean and rstd written to ``stats`` ((2, R) fp32) when
+    given."""
     n, _, cs, r = parts.shape
     w = w.contiguous()
     wf = torch.empty((r, 8, 3, 3), device=w.device, dtype=dtype)
     bf = torch.empty((r,), device=w.device, dtype=dtype)
     count = n * pixels
+    st = stats_out(stats, r, w.device)
     eb = torch.empty((), dtype=dtype).element_size()
     launch(_fold_conv_kernel, (triton.cdiv(r, FOLD_CHANNELS),), parts, w, gamma, beta, running_mean,
-           running_var, wf, bf, n, r, pixels, f, count / (count - 1), eps,
+           running_var, wf, bf, st, n, r, pixels, f, count / (count - 1), eps,
            cost=lambda: _fold_conv_cost(n, cs, r, w.element_size(), eb),
            CS=cs, BR=FOLD_CHANNELS, BN=FOLD_IMAGES, num_warps=FOLD_WARPS)
     return wf, bf
@@ -235,7 +255,7 @@ def _fold_expand_cost(r: int, c: int, wb: int, eb: int) -> KernelCost:
     """W (read twice: rows and K steps), the Gram matrix once per program (from L2 after the first), the
     per-channel vectors; the folded W and bias written."""
     progs = triton.cdiv(r, FOLD_ROWS)
-    dram = 2 * r * c * wb + c * c * 4 + 2 * c * 4 + r * c * eb + r * eb + 6 * r * 4
+    dram = 2 * r * c * wb + c * c * 4 + 2 * c * 4 + r * c * eb + r * eb + 8 * r * 4
     return KernelCost(r * c * c + 2 * r * c, 0, dram, (Loop("Gram steps", triton.cdiv(c, FOLD_K)),),
                       l2_bytes=progs * c * c * 4, note="BN_e from x's Gram matrix, folded into W_exp")
 
@@ -243,6 +263,6 @@ def _fold_expand_cost(r: int, c: int, wb: int, eb: int) -> KernelCost:
 def _fold_conv_cost(n: int, cs: int, r: int, wb: int, eb: int) -> KernelCost:
     """The moment rows read twice (two passes over the images), W_conv read, folded W_conv written."""
     steps = triton.cdiv(n, FOLD_IMAGES)
-    dram = 2 * n * 2 * cs * r * 4 + r * 72 * (wb + eb) + r * eb + 6 * r * 4
+    dram = 2 * n * 2 * cs * r * 4 + r * 72 * (wb + eb) + r * eb + 8 * r * 4
     return KernelCost(r * 72 + 4 * n * r, 0, dram, (Loop("images", steps), Loop("images again", steps)),
                       note="BN_d from the moment rows (Chan's merge), folded into W_conv")

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from .._cost import KernelCost, Loop
 from .._launch import device_info, launch
-from .moments import bn_fold_tail
+from .moments import stats_out, bn_fold_tail
 
 GRAM_BLOCK = 128  # Gram block side of a program (channels; C <= 256: at most 2 x 2 blocks, 3 computed)
 GRAM_PIXELS = 64  # pixels per step (the dot's K)
@@ -242,7 +242,7 @@ def _channel_partials_kernel(o_ptr, part_ptr, M, K, HW, W, CH, sn, sc, sh, sw, B
 
 
 @triton.jit
-def _bn_merge_kernel(part_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, ss_ptr, M, K, CH, S, f, eps,
+def _bn_merge_kernel(part_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, ss_ptr, st_ptr, M, K, CH, S, f, eps,
                      BK: tl.constexpr, BS: tl.constexpr):
     """BN_p's batch statistics from the splits' (Chan's rule; BS splits per step, summed in a fixed
     order): ss[0] = scale, ss[1] = bias; the running statistics updated (unbiased variance)."""
@@ -270,38 +270,40 @@ def _bn_merge_kernel(part_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, ss_ptr, M, K
         m2 += tl.sum(m2s + n_s[:, None] * d * d, axis=0)
     var = tl.maximum(m2 / mf, 0.0)
     # the bias into ss[1], the running update: as the folds of BN_e and BN_d do it
-    scale = bn_fold_tail(k, k_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, ss_ptr + K, f, mf / (mf - 1.0),
-                         eps)
+    scale = bn_fold_tail(k, k_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, ss_ptr + K, st_ptr, K, f,
+                         mf / (mf - 1.0), eps)
     tl.store(ss_ptr + k, scale, mask=k_ok)
 
 
 @triton.jit
-def _bn_apply_kernel(o_ptr, x_ptr, drop_ptr, ss_ptr, M, K, HW, W, so_n, so_c, so_h, so_w, sx_n, sx_c, sx_h,
-                     sx_w, RESIDUAL: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr):
-    """o <- x + d_n (o scale + bias) (RESIDUAL), o scale + bias otherwise; one rounding to o's dtype."""
+def _bn_apply_kernel(o_ptr, out_ptr, x_ptr, drop_ptr, ss_ptr, M, K, HW, W, so_n, so_c, so_h, so_w, sx_n, sx_c,
+                     sx_h, sx_w, RESIDUAL: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr):
+    """out <- x + d_n (o scale + bias) (RESIDUAL), o scale + bias otherwise; one rounding to o's dtype.
+    ``out`` has o's strides (it may be o)."""
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     k = tl.arange(0, BK)
     k_ok = k < K
     ok = (m < M)[:, None] & k_ok[None, :]
-    po = o_ptr + _pixel_offsets(m, HW, W, so_n, so_h, so_w)[:, None] + k[None, :] * so_c
+    off = _pixel_offsets(m, HW, W, so_n, so_h, so_w)[:, None] + k[None, :] * so_c
     scale = tl.load(ss_ptr + k, mask=k_ok, other=0.0)
     bias = tl.load(ss_ptr + K + k, mask=k_ok, other=0.0)
-    y = tl.load(po, mask=ok, other=0.0).to(tl.float32) * scale[None, :] + bias[None, :]
+    y = tl.load(o_ptr + off, mask=ok, other=0.0).to(tl.float32) * scale[None, :] + bias[None, :]
     if RESIDUAL:
         d = tl.load(drop_ptr + m // HW, mask=m < M, other=0.0).to(tl.float32)
         xv = tl.load(x_ptr + _pixel_offsets(m, HW, W, sx_n, sx_h, sx_w)[:, None] + k[None, :] * sx_c, mask=ok,
                      other=0.0)
         y = xv.to(tl.float32) + d[:, None] * y
-    tl.store(po, y.to(o_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + off, y.to(o_ptr.dtype.element_ty), mask=ok)
 
 
 def bn_residual(o: torch.Tensor, x: torch.Tensor | None, drop: torch.Tensor, gamma: torch.Tensor,
                 beta: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, f: float,
-                eps: float) -> torch.Tensor:
+                eps: float, stats: torch.Tensor | None = None, keep_o: bool = False) -> torch.Tensor:
     """Training-mode BatchNorm of ``o`` (N, K, OH, OW; any strides, channels-last reads whole rows) with
     ``gamma``, ``beta``, then, with ``x`` (the block's input, o's shape, any strides),
-    ``x + drop[n] * bn(o)``; written over ``o``, returned. The running statistics updated in place with
-    factor ``f`` (nn.BatchNorm2d's rule)."""
+    ``x + drop[n] * bn(o)``; written over ``o`` (``keep_o``: to a new tensor of o's strides), returned. The
+    running statistics updated in place with factor ``f`` (nn.BatchNorm2d's rule), the batch mean and rstd
+    written to ``stats`` ((2, K) fp32) when given."""
     n, k, h, w = o.shape
     if x is not None and x.shape != o.shape:
         raise ValueError(f"bn_residual: x {tuple(x.shape)} and o {tuple(o.shape)} differ")
@@ -312,6 +314,8 @@ def bn_residual(o: torch.Tensor, x: torch.Tensor | None, drop: torch.Tensor, gam
     splits, ch = _splits(m, STAT_PIXELS, device_info(o.device).sms)
     part = torch.empty((splits, 2, k), device=o.device, dtype=torch.float32)
     ss = torch.empty((2, k), device=o.device, dtype=torch.float32)
+    st = stats_out(stats, k, o.device)
+    out = torch.empty_like(o) if keep_o else o
     eb = o.element_size()
     launch(_channel_partials_kernel, (splits,), o, part, m, k, h * w, w, ch, *_nhwc(o), BK=bk, BM=STAT_PIXELS,
            cost=lambda: KernelCost(0, 0, m * k * eb + splits * 2 * k * 4,
@@ -321,19 +325,19 @@ def bn_residual(o: torch.Tensor, x: torch.Tensor | None, drop: torch.Tensor, gam
            num_warps=4)
     bm = min(MERGE_CHANNELS, bk)
     steps = triton.cdiv(splits, STAT_SPLITS)
-    launch(_bn_merge_kernel, (triton.cdiv(k, bm),), part, gamma, beta, running_mean, running_var, ss, m, k,
+    launch(_bn_merge_kernel, (triton.cdiv(k, bm),), part, gamma, beta, running_mean, running_var, ss, st, m, k,
            ch, splits, f, eps, BK=bm, BS=STAT_SPLITS,
-           cost=lambda: KernelCost(0, 0, splits * 2 * k * 4 + 2 * k * 4 + 6 * k * 4,
+           cost=lambda: KernelCost(0, 0, splits * 2 * k * 4 + 2 * k * 4 + 8 * k * 4,
                                    (Loop("splits", steps), Loop("splits again", steps)),
                                    note="Chan's merge of BN_p's partials; running update"),
            num_warps=4)
     res = x if x is not None else o
-    launch(_bn_apply_kernel, (triton.cdiv(m, APPLY_PIXELS),), o, res, drop, ss, m, k, h * w, w, *_nhwc(o),
+    launch(_bn_apply_kernel, (triton.cdiv(m, APPLY_PIXELS),), o, out, res, drop, ss, m, k, h * w, w, *_nhwc(o),
            *_nhwc(res), RESIDUAL=x is not None, BK=bk, BM=APPLY_PIXELS,
            cost=lambda: KernelCost(0, 0, m * k * eb * (3 if x is not None else 2) + 2 * k * 4 + n * 4,
                                    note="BN_p normalise (+ drop-path and residual)"),
            num_warps=4)
-    return o
+    return out
 
 
 def _nhwc(t: torch.Tensor) -> tuple[int, int, int, int]:
