@@ -23,8 +23,12 @@ Per block of the training-form model (``stem``, ``stages.i.j``, ``head``, ``clas
   is counted instead as its recorded launches (``record_mbconv_forward``: x's Gram partials and their
   merge, the two fold launches, the moments variant of the hidden kernel, the hidden kernel, the
   projection without residual, BN_p's statistics, merge and normalise + drop-path + residual
-  (kernels/mbconv/narrow.py); estimated like the fused blocks') and one launch gap per other aten op;
-  the backward stays the layer-wise bound's backward kernels plus the recompute;
+  (kernels/mbconv/narrow.py); estimated like the fused blocks') and one launch gap per other aten op.
+  The backward of those of stride 1 runs the fused passes over the narrow input
+  (convfirstnet/mbconv_fused_backward.py) and is counted the same way (``record_mbconv_backward``: BN_p's
+  backward, h and the conv's output recomputed, the SE and BN_d passes, the conv's dgrad and wgrad, the
+  BN_e passes, dx, and one launch gap per aten op of the SE backward on (N, R) vectors); the others' stays
+  the layer-wise bound's backward kernels plus the recompute;
 * layer-wise training bound: every layer as its own kernels, each at max(tensor, DRAM, L2) time of
   its MACs and bytes plus one launch gap in a CUDA graph (``estimate.layerwise_time``, the waterline's
   rule with the report's constants). Kernels and bytes (activations in the report's dtype, every input
@@ -567,11 +571,13 @@ def to_markdown(rep: dict) -> str:
         "Static estimate (fused blocks: compiled launches, low-high ends of the cost model, plus one "
         "launch gap per small aten op between them) against the layer-wise training bound (every layer's "
         "forward, dgrad, wgrad, the BatchNorm passes, stored activations written and read back; "
-        "convfirstnet/analysis/training.py). MBConv blocks (only the narrow input stored): the forward as "
-        "the fused MBConv kernels' launches where they run (BatchNorms folded with the batch statistics), "
-        "else layer-wise; the backward at the layer-wise bound's backward kernels plus the forward kernels "
-        "recomputed; other blocks without a fused training op at their layer-wise bound. Estimates, not "
-        "measurements.",
+        "convfirstnet/analysis/training.py). MBConv blocks (only narrow tensors stored: the input, the "
+        "projection before BN_p, the BatchNorms' statistics): the forward as the fused MBConv kernels' "
+        "launches where they run (BatchNorms folded with the batch statistics), else layer-wise; the "
+        "backward of stride-1 blocks as the launches of the fused passes over the narrow input "
+        "(convfirstnet/mbconv_fused_backward.py) where they run, else the layer-wise bound's backward "
+        "kernels plus the forward kernels recomputed; other blocks without a fused training op at their "
+        "layer-wise bound. Estimates, not measurements.",
         "",
         "| stage | blocks (fused, recompute) | predicted ms | layer-wise bound ms | ratio (low, high) "
         "| stored MB | layer-wise stored MB | stored ratio |",
@@ -600,7 +606,7 @@ def to_markdown(rep: dict) -> str:
             return sum(b[key][end] if end else b[key] for b in rc)
         lines += [
             "",
-            f"Recompute blocks only ({len(rc)}, layer-wise kernels): predicted "
+            f"Recompute blocks only ({len(rc)}): predicted "
             f"{total('predicted_ms', 'low'):.3f}-{total('predicted_ms', 'high'):.3f} ms against a layer-wise "
             f"bound of {total('layerwise_ms', 'low'):.3f}-{total('layerwise_ms', 'high'):.3f} ms (ratio "
             f"{total('predicted_ms', 'high') / total('layerwise_ms', 'high'):.2f} at the high ends); stored "
@@ -617,8 +623,12 @@ def to_markdown(rep: dict) -> str:
                 f"residual launches): predicted {fsum('forward_ms', 'low'):.3f}-"
                 f"{fsum('forward_ms', 'high'):.3f} ms "
                 f"against {fsum('layerwise_forward_ms', 'low'):.3f}-"
-                f"{fsum('layerwise_forward_ms', 'high'):.3f} ms for their layer-wise forward; their backward "
-                "stays the recompute with layer-wise kernels.")
+                f"{fsum('layerwise_forward_ms', 'high'):.3f} ms for their layer-wise forward.")
+        fb = [b for b in rc if b.get("fused_backward")]
+        lines[-1] += (
+            f" The backward of {len(fb)} of them (stride 1) runs the fused passes over the narrow input "
+            "(BN_p backward, h and the conv's output recomputed, the SE and BN_d passes, the conv's dgrad and "
+            "wgrad, the BN_e passes, dx); the others' backward is the recompute with layer-wise kernels.")
     tg = rep["targets"]
     r = t["step_over_layerwise"]["high"]
     lines += [

@@ -69,3 +69,71 @@ def test_chain_of_reference_passes_is_autograd():
         assert a.shape == b.shape and a.dtype == b.dtype, name
         err = float((a - b).abs().max() / b.abs().max())
         assert err <= 1e-12, f"{name}: {err:.3g}"
+
+
+# ------------------------------------------------------------------------------------------------ the op
+
+def _op_grads(block: MBConv, x: torch.Tensor, drop: torch.Tensor, dt: torch.dtype, gout: torch.Tensor):
+    """The op's output and the gradients of x and the 13 weights for ``gout``."""
+    from .test_mbconv_fused_forward import _op_args
+
+    args = list(_op_args(block, x, drop, dt))
+    leaves = [args[0].detach().requires_grad_()] + [t.detach().requires_grad_() for t in args[1:14]]
+    args[:14] = leaves
+    out = torch.ops.convfirstnet.mbconv_recompute_train(*args)[0]
+    return out, torch.autograd.grad(out, leaves, gout.to(out.dtype))
+
+
+@pytest.mark.parametrize("c", [128, 96])
+def test_op_backward_through_the_fused_passes(interpreter_backend, monkeypatch, c):
+    """The op (fused forward and the fused backward passes in the interpreter, fp32, N = 3, 8x8 maps,
+    one image dropped and two scaled by 1.25; C = 96 has masked channel chunks) against the layer-wise op
+    in fp64 (the layers' autograd): each gradient within 1e-4 of its maximum. fp32 rounding differs
+    between the two forms (the folded weights, the summation orders); the BatchNorm backwards subtract
+    means of the same size as the terms, which amplifies it (observed <= 2e-5)."""
+    from .test_mbconv_fused_forward import _block as block_of
+
+    calls = []
+    real = mbconv_fused_backward.backward
+    monkeypatch.setattr(mbconv_fused_backward, "backward", lambda *a, **k: calls.append(k) or real(*a, **k))
+    block = block_of(c, c, 1)
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(3, c, 8, 8, generator=gen) + 0.5).contiguous(memory_format=CL)
+    gout = torch.randn(3, c, 8, 8, generator=gen).contiguous(memory_format=CL)
+    drop = torch.tensor([0.0, 1.25, 1.25])
+    _, got = _op_grads(block, x, drop, torch.float32, gout)
+    assert calls == [{"triton": True}]
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "reference")
+    _, want = _op_grads(block, x.double(), drop, torch.float64, gout)
+    assert len(calls) == 1
+    for name, a, b in zip(NAMES, got, want):
+        err = float((a.double() - b).abs().max() / b.abs().max())
+        assert err <= 1e-4, f"{name}: {err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("side", [16, 8])
+def test_small_backward_on_gpu(monkeypatch, dtype, side):
+    """Small's stride-1 MBConv (C = 256), batch 16, fused forward and backward through the compiled kernels
+    against the layer-wise op in fp32 on the same 16-bit input: every gradient within a few units of the
+    dtype's rounding in norm (fp16 2^-11, bf16 2^-8, through four 16-bit round trips of wide tensors)."""
+    from .test_mbconv_fused_forward import _block as block_of
+
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "auto")
+    calls = []
+    real = mbconv_fused_backward.backward
+    monkeypatch.setattr(mbconv_fused_backward, "backward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    block = block_of(256, 256, 1).cuda()
+    x = (torch.randn(16, 256, side, side, device="cuda") + 0.5).to(dtype).contiguous(memory_format=CL)
+    gout = torch.randn(16, 256, side, side, device="cuda").contiguous(memory_format=CL)
+    drop = torch.tensor([0.0] + [1.25] * 15, device="cuda")
+    _, got = _op_grads(block, x, drop, dtype, gout)
+    assert calls == [1]
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "reference")
+    _, want = _op_grads(block, x.float(), drop, torch.float32, gout)
+    tol = 2e-2 if dtype == torch.float16 else 1e-1
+    for name, a, b in zip(NAMES, got, want):
+        err = ((a.double() - b.double()).norm() / b.double().norm()).item()
+        assert err <= tol, f"{name}: {err:.3g}"
