@@ -30,6 +30,13 @@ values costs 72 x 4 bytes per channel against 4 bytes per pixel and channel of 1
 so >= 1024 pixels keep the partials under 7 % of the traffic), and more per share when that still
 leaves more than WGRAD_PROGRAMS programs (about 8 per SM of an H100). The shares depend only on the
 shapes, never on the device, so the reduction order (and the bits of dw) is the same on any GPU.
+
+Where G = 8 with full shares gives fewer than WGRAD_MIN_PROGRAMS programs (small maps: Small's 8 x 8 and
+7 x 7 stages at batch 128 make 8 shares x 16 channel blocks), each SM runs at most one program, whose
+tiles follow one another: latency-bound, not DRAM-bound. ``wgrad_tile_config`` then takes G = 4 (the
+same issue per output, G_ISSUE): twice the programs, with shares of as many pixels, so no more partials
+(static model, sm_90, high end, partials + reduction: Small's 8 x 8 wgrad 21.2 -> 18.8 us, 7 x 7
+21.2 -> 15.9 us; 512 to 768 channels at 7 x 7 and 8 x 8 ~20 -> ~14.5 us; 64 at 28 x 28 20.0 -> 14.6 us).
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ NUM_WARPS = 4
 NUM_STAGES = 1  # no cp.async: a 16-byte cp.async is always .cg (L2 only), the windows must hit L1
 MIN_SHARE_PIXELS = 1024  # output pixels per wgrad share at least (partials <= ~7 % of the traffic)
 WGRAD_PROGRAMS = 1024  # wgrad shares x channel blocks at most, unless a share would fall below the minimum
+WGRAD_MIN_PROGRAMS = 132  # the SMs of an H100: a wgrad grid of full shares below this takes G = 4 for G = 8
 # Partials reduction: BLOCK dw elements per program, SB shares per step ([SB, BLOCK] = 4096 fp32, 32 per
 # thread): up to 1024 shares take 16 steps of independent loads (a share-by-share loop would be a chain
 # of 1024 dependent load latencies).
@@ -116,9 +124,11 @@ def precision_for(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
-def tile_config(c: int, ho: int, wo: int, dtype: torch.dtype, wgrad: bool = False) -> TileConfig:
-    """Tiles for a C-channel conv over HO x WO positions (output pixels; stride-2 dgrad: 2x2 quads)."""
-    g = groups_per_program(c)
+def tile_config(c: int, ho: int, wo: int, dtype: torch.dtype, wgrad: bool = False, g: int | None = None
+                ) -> TileConfig:
+    """Tiles for a C-channel conv over HO x WO positions (output pixels; stride-2 dgrad: 2x2 quads), with
+    ``g`` groups per program (default: groups_per_program)."""
+    g = g or groups_per_program(c)
     elems = WGRAD_FP32_ELEMS if wgrad and dtype == torch.float32 else TILE_ELEMS[dtype.itemsize]
     bm = max(16, elems // g)
     tw = min(8 if bm <= 64 else 16, max(8, triton.next_power_of_2(wo)))
@@ -139,6 +149,26 @@ def wgrad_shares(tiles: int, cblocks: int, block_m: int, interpreter: bool = Fal
                         triton.cdiv(tiles * cblocks, WGRAD_PROGRAMS))
     per_share = min(per_share, max(1, tiles))
     return per_share, triton.cdiv(tiles, per_share)
+
+
+def wgrad_tile_config(n: int, c: int, ho: int, wo: int, dtype: torch.dtype) -> TileConfig:
+    """Wgrad's tiles: tile_config's, or G = 4 for G = 8 where G = 8's grid of full shares (at least
+    MIN_SHARE_PIXELS pixels each) has fewer than WGRAD_MIN_PROGRAMS programs and G = 4's has more (module
+    docstring). The GPU's share rule decides, also under the interpreter: shapes alone choose the tiles."""
+    cfg = tile_config(c, ho, wo, dtype, wgrad=True)
+
+    def programs(cfg: TileConfig) -> tuple[int, int]:
+        cblocks = triton.cdiv(c, cfg.channels)
+        per_share, shares = wgrad_shares(_tiles(n, ho, wo, cfg), cblocks, cfg.block_m)
+        return per_share * cfg.block_m, shares * cblocks
+
+    if cfg.g != 8:
+        return cfg
+    pixels, count = programs(cfg)
+    if count >= WGRAD_MIN_PROGRAMS or pixels < MIN_SHARE_PIXELS:
+        return cfg
+    half = tile_config(c, ho, wo, dtype, wgrad=True, g=4)
+    return half if programs(half)[1] > count else cfg
 
 
 # ------------------------------------------------------------------------------------------------
@@ -251,7 +281,7 @@ def gconv3x3_wgrad_triton(
     if n * ho * wo == 0:
         return torch.zeros((c, GROUP_WIDTH, 3, 3), dtype=out_dtype, device=x.device)
     x, dy = _nhwc(x), _nhwc(dy)
-    cfg = tile_config(c, ho, wo, x.dtype, wgrad=True)
+    cfg = wgrad_tile_config(n, c, ho, wo, x.dtype)
     tiles = _tiles(n, ho, wo, cfg)
     cblocks = triton.cdiv(c, cfg.channels)
     interpreter = x.device.type == "cpu"

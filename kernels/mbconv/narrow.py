@@ -14,6 +14,12 @@ the block's input x (N, C, H, W) and its projection output o (N, K, OH, OW) arou
   fixed order; the scale gamma / sqrt(var + eps) and bias beta - mean scale; the running statistics
   updated as nn.BatchNorm2d does, (1 - f) running + f (mean, unbiased variance)) and
   ``_bn_apply_kernel`` (x + d_n (o scale + bias) at stride 1, o scale + bias at stride 2, written over o).
+* ``bn_p_backward``: BN_p's training backward through drop-path (the first pass of the fused backward,
+  backward_reference.bn_p_backward_reference), on (P, K) rows. Three launches in bn_residual's pattern:
+  ``_bn_grad_partials_kernel`` (per pixel split, per channel: sum dob and sum dob o_hat, dob = d_n dout,
+  o_hat = (o - mean) rstd; o_hat is centred at the batch mean already, so no shift), ``_bn_grad_merge_kernel``
+  (dgamma, dbeta: the splits summed in a fixed order) and ``_bn_grad_apply_kernel`` (do = gamma rstd (dob -
+  dbeta / P - o_hat dgamma / P), one rounding to dout's dtype).
 
 Splits: pixel ranges of whole tiles, at least ``MIN_TILES`` tiles each, as many as fill the GPU's SMs.
 """
@@ -338,6 +344,142 @@ def bn_residual(o: torch.Tensor, x: torch.Tensor | None, drop: torch.Tensor, gam
                                    note="BN_p normalise (+ drop-path and residual)"),
            num_warps=4)
     return out
+
+
+# ------------------------------------------------------------------------------------------ BN_p backward
+
+
+@triton.jit
+def _bn_grad_partials_kernel(dout_ptr, o_ptr, drop_ptr, mean_ptr, rstd_ptr, part_ptr, M, K, HW, CH,
+                             BK: tl.constexpr, BM: tl.constexpr):
+    """Split s: per channel, over its rows, sum dob and sum dob o_hat (dob = drop[image] dout, o_hat =
+    (o - mean) rstd) as part[s, 0] and part[s, 1], fp32."""
+    s = tl.program_id(0)
+    k = tl.arange(0, BK)
+    k_ok = k < K
+    mean = tl.load(mean_ptr + k, mask=k_ok, other=0.0)
+    rstd = tl.load(rstd_ptr + k, mask=k_ok, other=0.0)
+    start = s * CH
+    end = tl.minimum(start + CH, M)
+    s1 = tl.zeros((BK,), dtype=tl.float32)
+    s2 = tl.zeros((BK,), dtype=tl.float32)
+    for m0 in range(start, end, BM):
+        m = m0 + tl.arange(0, BM)
+        m_ok = m < end
+        ok = m_ok[:, None] & k_ok[None, :]
+        off = m[:, None] * K + k[None, :]
+        d = tl.load(drop_ptr + m // HW, mask=m_ok, other=0.0).to(tl.float32)
+        dob = d[:, None] * tl.load(dout_ptr + off, mask=ok, other=0.0).to(tl.float32)
+        o_hat = (tl.load(o_ptr + off, mask=ok, other=0.0).to(tl.float32) - mean[None, :]) * rstd[None, :]
+        s1 += tl.sum(dob, axis=0)
+        s2 += tl.sum(dob * o_hat, axis=0)
+    tl.store(part_ptr + s * 2 * K + k, s1, mask=k_ok)
+    tl.store(part_ptr + s * 2 * K + K + k, s2, mask=k_ok)
+
+
+@triton.jit
+def _bn_grad_merge_kernel(part_ptr, out_ptr, K, S, BK: tl.constexpr, BS: tl.constexpr):
+    """out[0] = dgamma = sum over the splits of part[s, 1], out[1] = dbeta = sum of part[s, 0] (BS splits
+    per step, summed in a fixed order)."""
+    k = tl.program_id(0) * BK + tl.arange(0, BK)
+    k_ok = k < K
+    sp = tl.arange(0, BS)
+    dbeta = tl.zeros((BK,), dtype=tl.float32)
+    dgamma = tl.zeros((BK,), dtype=tl.float32)
+    for s0 in range(0, S, BS):
+        s = s0 + sp
+        ok = (s < S)[:, None] & k_ok[None, :]
+        row = (s * 2 * K)[:, None] + k[None, :]
+        dbeta += tl.sum(tl.load(part_ptr + row, mask=ok, other=0.0), axis=0)
+        dgamma += tl.sum(tl.load(part_ptr + row + K, mask=ok, other=0.0), axis=0)
+    tl.store(out_ptr + k, dgamma, mask=k_ok)
+    tl.store(out_ptr + K + k, dbeta, mask=k_ok)
+
+
+@triton.jit
+def _bn_grad_apply_kernel(dout_ptr, o_ptr, drop_ptr, mean_ptr, rstd_ptr, gamma_ptr, sums_ptr, do_ptr, M, K,
+                          HW, BK: tl.constexpr, BM: tl.constexpr):
+    """do = gamma rstd (dob - dbeta / M - o_hat dgamma / M); one rounding to dout's dtype."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    m_ok = m < M
+    k = tl.arange(0, BK)
+    k_ok = k < K
+    ok = m_ok[:, None] & k_ok[None, :]
+    off = m[:, None] * K + k[None, :]
+    mf = M.to(tl.float32)
+    mean = tl.load(mean_ptr + k, mask=k_ok, other=0.0)
+    rstd = tl.load(rstd_ptr + k, mask=k_ok, other=0.0)
+    scale = tl.load(gamma_ptr + k, mask=k_ok, other=0.0).to(tl.float32) * rstd
+    dgamma_m = tl.load(sums_ptr + k, mask=k_ok, other=0.0) / mf
+    dbeta_m = tl.load(sums_ptr + K + k, mask=k_ok, other=0.0) / mf
+    d = tl.load(drop_ptr + m // HW, mask=m_ok, other=0.0).to(tl.float32)
+    dob = d[:, None] * tl.load(dout_ptr + off, mask=ok, other=0.0).to(tl.float32)
+    o_hat = (tl.load(o_ptr + off, mask=ok, other=0.0).to(tl.float32) - mean[None, :]) * rstd[None, :]
+    do = scale[None, :] * (dob - dbeta_m[None, :] - o_hat * dgamma_m[None, :])
+    tl.store(do_ptr + off, do.to(do_ptr.dtype.element_ty), mask=ok)
+
+
+def _check_bn_p_backward(dout, o, mean_p, rstd_p, gamma_p, drop, n) -> None:
+    def fail(msg: str):
+        raise ValueError(f"bn_p_backward: {msg}")
+
+    if dout.dim() != 2 or not dout.is_contiguous() or o.shape != dout.shape or not o.is_contiguous():
+        fail(f"dout {tuple(dout.shape)} and o {tuple(o.shape)} must be one row-major contiguous (P, K) shape")
+    if dout.dtype not in (torch.float32, torch.float16, torch.bfloat16) or o.dtype != dout.dtype:
+        fail(f"dout ({dout.dtype}) and o ({o.dtype}) must share one of fp32, fp16, bf16")
+    m, k = dout.shape
+    if n < 1 or m < 1 or m % n:
+        fail(f"{m} rows are not {n} images of equal size")
+    for name, t, size in (("mean_p", mean_p, k), ("rstd_p", rstd_p, k), ("gamma_p", gamma_p, k),
+                          ("drop", drop, n)):
+        if t.shape != (size,) or not t.is_contiguous():
+            fail(f"{name} {tuple(t.shape)} must be a contiguous ({size},) vector")
+        if t.device != dout.device:
+            fail(f"{name} is on {t.device}, dout on {dout.device}")
+    if mean_p.dtype != torch.float32 or rstd_p.dtype != torch.float32:
+        fail(f"mean_p ({mean_p.dtype}) and rstd_p ({rstd_p.dtype}) must be fp32")
+    for name, t in (("gamma_p", gamma_p), ("drop", drop)):
+        if t.dtype not in (torch.float32, dout.dtype):
+            fail(f"{name} ({t.dtype}) must be fp32 or dout's dtype ({dout.dtype})")
+    if o.device != dout.device:
+        fail(f"o is on {o.device}, dout on {dout.device}")
+
+
+def bn_p_backward(dout: torch.Tensor, o: torch.Tensor, mean_p: torch.Tensor, rstd_p: torch.Tensor,
+                  gamma_p: torch.Tensor, drop: torch.Tensor, n: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """BN_p's backward through drop-path (backward_reference.bn_p_backward_reference): (do (P, K) in dout's
+    dtype, dgamma_p (K,), dbeta_p (K,) fp32) for dout, o (P, K) row-major rows of ``n`` images, BN_p's
+    batch mean and rstd (K,) fp32, gamma_p (K,), drop (n,) the per-image drop-path scale. Three launches:
+    per pixel split the sums of dob and dob o_hat, their fixed-order merge, the apply pass."""
+    _check_bn_p_backward(dout, o, mean_p, rstd_p, gamma_p, drop, n)
+    m, k = dout.shape
+    hw = m // n
+    bk = max(16, triton.next_power_of_2(k))
+    splits, ch = _splits(m, STAT_PIXELS, device_info(dout.device).sms)
+    part = torch.empty((splits, 2, k), device=dout.device, dtype=torch.float32)
+    sums = torch.empty((2, k), device=dout.device, dtype=torch.float32)
+    do = torch.empty_like(dout)
+    eb = dout.element_size()
+    vec = 2 * k * 4 + n * drop.element_size()  # mean, rstd, drop
+    launch(_bn_grad_partials_kernel, (splits,), dout, o, drop, mean_p, rstd_p, part, m, k, hw, ch, BK=bk,
+           BM=STAT_PIXELS,
+           cost=lambda: KernelCost(0, 0, 2 * m * k * eb + vec + splits * 2 * k * 4,
+                                   (Loop("pixel tiles", triton.cdiv(ch, STAT_PIXELS)),),
+                                   note="BN_p backward: sum dob, sum dob o_hat per pixel split"),
+           num_warps=4)
+    bm = min(MERGE_CHANNELS, bk)
+    launch(_bn_grad_merge_kernel, (triton.cdiv(k, bm),), part, sums, k, splits, BK=bm, BS=STAT_SPLITS,
+           cost=lambda: KernelCost(0, 0, splits * 2 * k * 4 + 2 * k * 4,
+                                   (Loop("splits", triton.cdiv(splits, STAT_SPLITS)),),
+                                   note="BN_p backward: fixed-order merge of the partials (dgamma, dbeta)"),
+           num_warps=4)
+    launch(_bn_grad_apply_kernel, (triton.cdiv(m, APPLY_PIXELS),), dout, o, drop, mean_p, rstd_p, gamma_p,
+           sums, do, m, k, hw, BK=bk, BM=APPLY_PIXELS,
+           cost=lambda: KernelCost(0, 0, 3 * m * k * eb + vec + k * gamma_p.element_size() + 2 * k * 4,
+                                   note="BN_p backward: do from dob, o_hat, dgamma, dbeta"),
+           num_warps=4)
+    return do, sums[0], sums[1]
 
 
 def _nhwc(t: torch.Tensor) -> tuple[int, int, int, int]:

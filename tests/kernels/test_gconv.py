@@ -163,8 +163,10 @@ def test_wgrad_default_shares(interpreter_backend, monkeypatch):
     monkeypatch.setattr(L, "INTERPRETER_SHARE_TILES", 0)
     monkeypatch.setattr(L, "INTERPRETER_REDUCE_SB", L.REDUCE_SB)
     monkeypatch.setattr(L, "MIN_SHARE_PIXELS", 3 * 64)
+    monkeypatch.setattr(L, "WGRAD_MIN_PROGRAMS", 1)  # G = 8 (its 5 programs would take G = 4)
     x, wt, dy = make_case(3, 64, 17, 16, 1, torch.float32)
     cfg = L.tile_config(64, 17, 16, torch.float32, wgrad=True)
+    assert L.wgrad_tile_config(3, 64, 17, 16, torch.float32) == cfg
     tiles = 3 * math.ceil(17 / cfg.tile_h) * math.ceil(16 / cfg.tile_w)
     assert (tiles, cfg.block_m) == (54, 16)
     assert L.wgrad_shares(tiles, 1, cfg.block_m) == (12, 5)  # >= 192 pixels a share: 4 of 12 tiles, 1 of 6
@@ -472,7 +474,10 @@ def test_cost_declarations(kind, stride):
         assert 10 / 9 <= cost.mma_macs / cost.useful_macs < 10 / 9 * 1.7
         assert cost.dram_bytes >= 2 * 128 * c * (hw * hw + ho * ho)
         # L1: the halo window of each tile once (taps re-read it from L1), wgrad's dy tile, the weights
-        cfg = L.tile_config(c, ho, ho, torch.float16, wgrad=kind == "wgrad")
+        cfg = L.wgrad_tile_config(128, c, ho, ho, torch.float16) if kind == "wgrad" else \
+            L.tile_config(c, ho, ho, torch.float16)
+        assert (launches[0].meta["G"], launches[0].meta["TH"], launches[0].meta["TW"]) == \
+            (cfg.g, cfg.tile_h, cfg.tile_w)
         ch, bm = cfg.channels, cfg.block_m
         rows = ((cfg.tile_h - 1) * stride + 3, (cfg.tile_w - 1) * stride + 3)
         if kind == "dgrad":  # stride 1: the forward's window over dy; stride 2: dy windows of positions
@@ -491,6 +496,29 @@ def test_cost_declarations(kind, stride):
             assert shares * cblocks <= L.WGRAD_PROGRAMS + cblocks
 
 
+def test_wgrad_takes_half_the_channel_block_where_programs_are_few():
+    """launcher.wgrad_tile_config: G = 4 for G = 8 where G = 8's full shares make fewer programs than an
+    H100 has SMs (Small's 8 x 8 and 7 x 7 stages at batch 128: 8 shares x 16 channel blocks; 64 channels at
+    28 x 28: 128 x 1), twice the programs over as many pixels per share; G = 8 where the grid fills the GPU
+    (16 x 16: 32 x 16) or where the shares are short (a small batch)."""
+    grids = {}
+    for n, c, side in ((128, 1024, 8), (128, 1024, 7), (128, 64, 28), (128, 1024, 16), (2, 1024, 8)):
+        lc = _record("wgrad", n, c, side, side, 1)[0]
+        grids[(n, c, side)] = (lc.meta["G"], lc.grid, lc.args[9] * lc.meta["TH"] * lc.meta["TW"])
+    assert grids == {(128, 1024, 8): (4, (8, 32), 1024), (128, 1024, 7): (4, (8, 32), 1024),
+                     (128, 64, 28): (4, (128, 2), 1024), (128, 1024, 16): (8, (32, 16), 1024),
+                     (2, 1024, 8): (8, (1, 16), 128)}
+
+
+def test_wgrad_with_half_the_channel_block(interpreter_backend):
+    """A map whose G = 8 grid is one program of a full share (16 tiles of 8 x 8 at fp16) runs G = 4 (two
+    channel blocks) against autograd."""
+    x, wt, dy = make_case(16, 64, 8, 8, 1, torch.float16)
+    assert L.wgrad_tile_config(16, 64, 8, 8, torch.float16).g == 4
+    (_, _, dw_ref), (_, _, dw_abs) = reference_grads(x, wt, dy, 1)
+    assert_bounded(OPS.gconv3x3_wgrad(dy, x, torch.float16, 1), dw_ref, dw_abs, 16 * 64, "wgrad")
+
+
 def test_deterministic_shares_do_not_depend_on_the_device():
     """The share count (hence the reduction order and dw's bits) is a function of the shapes only."""
     a = _record("wgrad", 128, 256, 28, 28, 1)  # an H100 (132 SMs)
@@ -503,13 +531,14 @@ def test_deterministic_shares_do_not_depend_on_the_device():
 # ------------------------------------------------------------------------------------------------
 
 # (kind, N, C, H, W, stride, dtype, arch): Small's widest layer (G = 8), Tiny's 72-channel layer (G = 1),
-# the stride-2 dgrad and the wgrad pair in bf16 / fp32, on both targets.
+# the stride-2 dgrad and the wgrad pair in bf16 / fp32, on both targets, and Small's 8 x 8 wgrad (G = 4).
 COMPILE_SAMPLE = [
     ("forward", 128, 1024, 14, 14, 1, torch.float16, 90),
     ("dgrad", 128, 72, 28, 28, 1, torch.float16, 80),
     ("dgrad", 128, 256, 28, 28, 2, torch.bfloat16, 90),
     ("wgrad", 128, 32, 112, 112, 1, torch.float16, 90),
     ("wgrad", 128, 96, 28, 28, 2, torch.float32, 80),
+    ("wgrad", 128, 1024, 8, 8, 1, torch.float16, 90),
 ]
 
 
