@@ -331,15 +331,15 @@ def bn_residual(o: torch.Tensor, x: torch.Tensor | None, drop: torch.Tensor, gam
            num_warps=4)
     bm = min(MERGE_CHANNELS, bk)
     steps = triton.cdiv(splits, STAT_SPLITS)
-    launch(_bn_merge_kernel, (triton.cdiv(k, bm),), part, gamma, beta, running_mean, running_var, ss, st, m, k,
-           ch, splits, f, eps, BK=bm, BS=STAT_SPLITS,
+    launch(_bn_merge_kernel, (triton.cdiv(k, bm),), part, gamma, beta, running_mean, running_var, ss, st, m,
+           k, ch, splits, f, eps, BK=bm, BS=STAT_SPLITS,
            cost=lambda: KernelCost(0, 0, splits * 2 * k * 4 + 2 * k * 4 + 8 * k * 4,
                                    (Loop("splits", steps), Loop("splits again", steps)),
                                    note="Chan's merge of BN_p's partials; running update"),
            num_warps=4)
     res = x if x is not None else o
-    launch(_bn_apply_kernel, (triton.cdiv(m, APPLY_PIXELS),), o, out, res, drop, ss, m, k, h * w, w, *_nhwc(o),
-           *_nhwc(res), RESIDUAL=x is not None, BK=bk, BM=APPLY_PIXELS,
+    launch(_bn_apply_kernel, (triton.cdiv(m, APPLY_PIXELS),), o, out, res, drop, ss, m, k, h * w, w,
+           *_nhwc(o), *_nhwc(res), RESIDUAL=x is not None, BK=bk, BM=APPLY_PIXELS,
            cost=lambda: KernelCost(0, 0, m * k * eb * (3 if x is not None else 2) + 2 * k * 4 + n * 4,
                                    note="BN_p normalise (+ drop-path and residual)"),
            num_warps=4)
