@@ -74,7 +74,8 @@ def forward(x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d: 
             ) -> tuple[T, T]:
     """(the block's training forward output, its projection before BN_p, o); ``running`` (the six running
     statistics, the op's copies) updated in place; ``stats`` (``stats_rows``), when given, receives each
-    BatchNorm's batch mean and rstd, which the stride-1 backward normalises by. Weights in the module's shapes; ``factors``: each BatchNorm's update factor.
+    BatchNorm's batch mean and rstd, which the stride-1 backward normalises by. Weights in the module's
+    shapes; ``factors``: each BatchNorm's update factor.
     Autocast, which stays on inside a custom op's body, is turned off: every dtype here is chosen."""
     dev = x.device.type
     with torch.autocast(dev, enabled=False) if dev in ("cpu", "cuda") else contextlib.nullcontext():

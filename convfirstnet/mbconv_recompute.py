@@ -137,8 +137,8 @@ def _bn_backward(grad, v: dict, gamma, which: str, bn: str, eps: float):
 def _backward(grad_out: T, x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d: T, w_se1: T,
               b_se1: T, w_se2: T, b_se2: T, w_proj: T, gamma_p: T, beta_p: T, o: T, stats: T, drop_scale: T,
               stride: int, eps: float) -> tuple[T, T, T, T, T, T, T, T, T, T, T, T, T, T]:
-    return _backward_impl(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2,
-                          w_proj, gamma_p, beta_p, o, stats, drop_scale, stride, eps, fused=True)
+    return _backward_impl(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2,
+                          b_se2, w_proj, gamma_p, beta_p, o, stats, drop_scale, stride, eps, fused=True)
 
 
 def _backward_fake(*args):
@@ -146,11 +146,11 @@ def _backward_fake(*args):
     return _backward_impl(*args, fused=False)
 
 
-def _backward_impl(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj,
-                   gamma_p, beta_p, o, stats, drop_scale, stride, eps, fused):
+def _backward_impl(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2,
+                   w_proj, gamma_p, beta_p, o, stats, drop_scale, stride, eps, fused):
     if fused and stride == 1 and mbconv_fused_backward.selected(x, w_exp, w_proj):  # the fused passes
-        return mbconv_fused_backward.backward(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1,
-                                              b_se1, w_se2, b_se2, w_proj, gamma_p, beta_p, o, stats,
+        return mbconv_fused_backward.backward(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d,
+                                              w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p, beta_p, o, stats,
                                               drop_scale, triton=True)
     dt = x.dtype
     v = _layers(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,

@@ -497,8 +497,8 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
             block=path, stage=_stage_label(path),
             kind=type(m).__name__ + (f" s{m.stride}" if hasattr(m, "stride") else ""),
             fused=fused, recompute=path in recomputed, fused_forward=path in fused_forward,
-            path=(FUSED_BACKWARD_PATH if path in fused_backward else FUSED_FORWARD_PATH if path in fused_forward
-                  else PATHS[(fused, path in recomputed)]),
+            path=(FUSED_BACKWARD_PATH if path in fused_backward
+                  else FUSED_FORWARD_PATH if path in fused_forward else PATHS[(fused, path in recomputed)]),
             fused_backward=path in fused_backward,
             launches=n_launches, glue_launches=glue.get(path, 0),
             predicted_ms={k: v * 1e3 for k, v in predicted.items()},
@@ -627,8 +627,8 @@ def to_markdown(rep: dict) -> str:
         fb = [b for b in rc if b.get("fused_backward")]
         lines[-1] += (
             f" The backward of {len(fb)} of them (stride 1) runs the fused passes over the narrow input "
-            "(BN_p backward, h and the conv's output recomputed, the SE and BN_d passes, the conv's dgrad and "
-            "wgrad, the BN_e passes, dx); the others' backward is the recompute with layer-wise kernels.")
+            "(BN_p backward, h and the conv's output recomputed, the SE and BN_d passes, the conv's dgrad "
+            "and wgrad, the BN_e passes, dx); the others' backward is the recompute with layer-wise kernels.")
     tg = rep["targets"]
     r = t["step_over_layerwise"]["high"]
     lines += [

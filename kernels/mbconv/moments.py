@@ -148,15 +148,15 @@ def _fold_expand_kernel(w_ptr, mean_ptr, centre_ptr, gram_ptr, gamma_ptr, beta_p
     wd = tl.sum(w * d[None, :], axis=1)
     var = tl.maximum(tl.sum(wg * w, axis=1) * inv_m - wd * wd, 0.0)
     mean = tl.sum(w * mean_x[None, :], axis=1)
-    scale = bn_fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, st_ptr, R, f, unbias,
-                         eps)
+    scale = bn_fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, st_ptr, R, f,
+                         unbias, eps)
     tl.store(wf_ptr + r[:, None] * C + cc[None, :], (w * scale[:, None]).to(dt),
              mask=r_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
-def _fold_conv_kernel(parts_ptr, w_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, wf_ptr, bf_ptr, st_ptr, N, R, P, f,
-                      unbias, eps, CS: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
+def _fold_conv_kernel(parts_ptr, w_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, wf_ptr, bf_ptr, st_ptr, N, R, P,
+                      f, unbias, eps, CS: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
     """BN_d from the moment rows ([N][2][CS][R]: sums of u - shift and its square per image and pixel
     sub-tile, shift = the running mean, read before its update): per image mean_i and M2_i, then the
     batch mean (of the image means) and M2 = sum M2_i + P (mean_i - mean)^2 (Chan), in tiles of BN
@@ -190,8 +190,8 @@ def _fold_conv_kernel(parts_ptr, w_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, wf_
         m2 += tl.sum(tl.where(ok, s2 - s1 * mi + P * dev * dev, 0.0), axis=0)
     var = tl.maximum(m2 / (N * P), 0.0)
     mean = mean_s + tl.load(rm_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
-    scale = bn_fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, st_ptr, R, f, unbias,
-                         eps)
+    scale = bn_fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, st_ptr, R, f,
+                         unbias, eps)
     k = tl.arange(0, 128)
     wm = r_ok[:, None] & (k < 72)[None, :]
     w = tl.load(w_ptr + r[:, None] * 72 + k[None, :], mask=wm, other=0.0).to(dt).to(tl.float32)
@@ -224,8 +224,8 @@ def fold_expand(w: torch.Tensor, mean_x: torch.Tensor, centre: torch.Tensor, gra
     cp = max(16, triton.next_power_of_2(c))
     eb = torch.empty((), dtype=dtype).element_size()
     launch(_fold_expand_kernel, (triton.cdiv(r, FOLD_ROWS),), w, mean_x, centre, gram.contiguous(), gamma,
-           beta, running_mean, running_var, wf, bf, st, r, c, *w.stride(), 1.0 / pixels, f, pixels / (pixels - 1),
-           eps, cost=lambda: _fold_expand_cost(r, c, w.element_size(), eb),
+           beta, running_mean, running_var, wf, bf, st, r, c, *w.stride(), 1.0 / pixels, f,
+           pixels / (pixels - 1), eps, cost=lambda: _fold_expand_cost(r, c, w.element_size(), eb),
            BR=FOLD_ROWS, CP=cp, BK=min(FOLD_K, cp), num_warps=FOLD_WARPS)
     return wf, bf
 
