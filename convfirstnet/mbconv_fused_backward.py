@@ -110,8 +110,9 @@ def _backward(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1,
         dh = _rows(torch.ops.convfirstnet.gconv3x3_dgrad(dd4, w_dw, hh, ww, 1))
         dw_dw = torch.ops.convfirstnet.gconv3x3_wgrad(dd4, h4, w_dw.dtype, 1, True)
     else:
-        dh4, dw_dw, _ = torch.ops.aten.convolution_backward(dd4, h4, w_dw.to(dt), None, [1, 1], [1, 1], [1, 1],
-                                                            False, [0, 0], r // 8, [True, True, False])
+        one = [1, 1]
+        dh4, dw_dw, _ = torch.ops.aten.convolution_backward(dd4, h4, w_dw.to(dt), None, one, one, one, False,
+                                                            [0, 0], r // 8, [True, True, False])
         dh = _rows(dh4.contiguous(memory_format=cl))
     del dd, dd4, h, h4
     sum_dv, sum_dve = p["bn_e_sums"](x2, wexp, mean_e, rstd_e, gamma_e, beta_e, dh)
