@@ -72,9 +72,13 @@ def _gate_backward_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, do_ptr
     wt = tl.load(w_ptr + c[:, None] + k[None, :] * R, mask=c_ok[:, None] & k_ok[None, :], other=0.0)  # W^T
     n0 = s * IPG
     tiles = (tl.minimum(n0 + IPG, N) - n0) * TPI
-    acc = tl.zeros((RB,), dtype=tl.float32)  # MODE 0: sum dq g of the image; MODE 1: sum dy
-    acc2 = tl.zeros((RB,), dtype=tl.float32)  # MODE 0: sum g of the image; MODE 1: sum dy u_hat
+    acc = tl.zeros((RB,), dtype=tl.float32)  # MODE 0: sum dq g of the image
+    acc2 = tl.zeros((RB,), dtype=tl.float32)  # MODE 0: sum g of the image
     if MODE == 1:
+        # sum dy, sum dy u_hat per thread's elements, reduced after the loop: at RB = 64 a tile's pixels
+        # span both warpgroups, whose per-tile sums would meet in shared memory behind barriers
+        acc_dy = tl.zeros((RB, BM), dtype=tl.float32)
+        acc_dyu = tl.zeros((RB, BM), dtype=tl.float32)
         acc_w = tl.zeros((BK, RB), dtype=tl.float32)  # dW_proj
     if MODE == 2:
         sum_dy = (tl.load(sums_ptr + c, mask=c_ok, other=0.0) * inv_p)[:, None]
@@ -108,15 +112,15 @@ def _gate_backward_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, do_ptr
         else:
             gate = tl.load(gate_ptr + img * R + c, mask=c_ok, other=0.0)[:, None]
             dpix = tl.load(dpix_ptr + img * R + c, mask=c_ok, other=0.0)[:, None]
-            dy = (dq * gate + dpix) * (sg * (1.0 + v * (1.0 - sg)))
+            g = v * sg
+            dy = (dq * gate + dpix) * (sg + g * (1.0 - sg))  # SiLU'(v) = s (1 + v (1 - s))
             u_hat = x * rstd[:, None] - mr
             if MODE == 1:
-                g = v * sg
                 if not EVEN:
                     dy = tl.where(ok, dy, 0.0)
                     g = tl.where(ok, g, 0.0)
-                acc += tl.sum(dy, axis=1)
-                acc2 += tl.sum(dy * u_hat, axis=1)
+                acc_dy += dy
+                acc_dyu += dy * u_hat
                 acc_w = tl.dot(tl.trans(do), tl.trans((g * gate).to(dt)), acc_w, input_precision=PREC)
             else:
                 dd = (a * (dy - sum_dy - u_hat * sum_dyu)).to(dt)
@@ -127,8 +131,8 @@ def _gate_backward_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, do_ptr
     if MODE == 1:
         part = out0_ptr + s * (K + 2) * R
         tl.store(part + k[:, None] * R + c[None, :], acc_w, mask=k_ok[:, None] & c_ok[None, :])
-        tl.store(part + K * R + c, acc, mask=c_ok)
-        tl.store(part + (K + 1) * R + c, acc2, mask=c_ok)
+        tl.store(part + K * R + c, tl.sum(acc_dy, axis=1), mask=c_ok)
+        tl.store(part + (K + 1) * R + c, tl.sum(acc_dyu, axis=1), mask=c_ok)
 
 
 @triton.jit
