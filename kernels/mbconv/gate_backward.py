@@ -13,10 +13,12 @@ One kernel, ``_gate_backward_kernel``, with a ``MODE`` constexpr:
 
 Grid: program (c, s) = channel chunk c of RB channels (the fast axis, so the chunks of one image group run
 together and the do tiles they share are re-read from L2) x image group s of whole images (per-image sums
-complete within a program, no merge for MODE 0). The chunk's W_proj slice [K, RB] is loaded once per
-program (loop-invariant). One loop walks the group's pixel tiles of BM rows, image by image (a tile never
-straddles two images; the last tile of an image is masked where BM does not divide HW). Products on
-16-bit operands with fp32 accumulation (fp32 data: ``FP32_PRECISION``); every sum in fp32.
+complete within a program, no merge for MODE 0), about one program per SM (RB = 128 for MODES 0 and 2:
+8 chunks x 16 groups at Small; RB = 64 for MODE 1, whose [K, RB] fp32 dW_proj partial lives in registers:
+16 x 8). The chunk's W_proj slice is loaded once per program (loop-invariant, in shared memory). One loop
+walks the group's tiles of BM pixels, image by image (a tile never straddles two images; the last tile of
+an image is masked where BM does not divide HW). Tiles are [channels, pixels] (see the kernel). Products
+on 16-bit operands with fp32 accumulation (fp32 data: launcher.FP32_PRECISION); every sum in fp32.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from .launcher import kernel_settings
 
 BM = 64  # pixels per tile (the dots' M; wgmma needs >= 64)
 RB = (128, 64, 128)  # channels per chunk by MODE (MODE 1 also holds the [K, RB] fp32 dW_proj partial)
-WARPS = (8, 8, 8)
-STAGES = (3, 3, 3)
+WARPS = 8  # two warpgroups
+STAGES = 3  # do tiles in flight (cp.async)
 MIN_IMAGES = 2  # the fewest images per group: the W_proj slice is read once per program
 MERGE_GROUPS = 16  # groups per step of the merge
 MERGE_BLOCK = 512  # elements of the (K + 2, R) result per merge program
@@ -41,18 +43,19 @@ MERGE_BLOCK = 512  # elements of the (K + 2, R) result per merge program
 
 @triton.jit
 def _gate_backward_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, do_ptr, w_ptr, gate_ptr, dpix_ptr,
-                          sums_ptr, out0_ptr, out1_ptr, N, R, K, IPG, inv_p, HW: tl.constexpr,
+                          a0_ptr, a1_ptr, a2_ptr, N, R, K, IPG, inv_p, HW: tl.constexpr,
                           MODE: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                           EVEN: tl.constexpr, FAST: tl.constexpr, PREC: tl.constexpr):
     """Program (c, s): channels c RB ... (c + 1) RB - 1 of images s IPG ... (s + 1) IPG - 1 (TPI = HW / BM
-    tiles each, rounded up). MODE 0: out0 = dgate, out1 = gsum (N, R). MODE 1: out0 = the partials
-    (groups, K + 2, R): rows 0 ... K - 1 dW_proj, K sum dy, K + 1 sum dy u_hat. MODE 2: out0 = dd (P, R);
-    sums_ptr: sum dy, sum dy u_hat (R,). EVEN: HW a multiple of BM, R of RB, K = BK (no masks).
+    tiles each, rounded up). MODE 0: a0 = dgate, a1 = gsum (N, R). MODE 1: a2 = the partials (groups,
+    K + 2, R): rows 0 ... K - 1 dW_proj, K sum dy, K + 1 sum dy u_hat. MODE 2: a0 = sum dy, a1 = sum dy
+    u_hat (R,), a2 = dd (P, R). EVEN: HW a multiple of BM, R of RB, K = BK (no masks).
 
     Tiles are transposed, [RB channels, BM pixels]: dq^T = W^T do^T puts the pixels along the wgmma
-    accumulator's N, where a thread holds BM / 4 of a row's values and 4 lanes the rest, so the sums over
-    pixels take adds and two shuffle rounds (no shared memory, no barrier); dW_proj^T += q^T do takes q^T
-    as the A operand from registers (as attention's P V)."""
+    accumulator's N, where a thread holds BM / 4 of a row's values and 3 more lanes the rest, so at
+    RB = 128 (one warpgroup per 64 channels) an image's sums over pixels take adds and two shuffle rounds,
+    no shared memory and no barrier. dW_proj += do^T q (MODE 1) takes q from shared memory: as the A
+    operand from registers (q^T do) ptxas serialised every wgmma of the loop (C7515)."""
     TPI: tl.constexpr = (HW + BM - 1) // BM
     dt = d_ptr.dtype.element_ty
     c = tl.program_id(0) * RB + tl.arange(0, RB)
@@ -81,9 +84,9 @@ def _gate_backward_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, do_ptr
         acc_dyu = tl.zeros((RB, BM), dtype=tl.float32)
         acc_w = tl.zeros((BK, RB), dtype=tl.float32)  # dW_proj
     if MODE == 2:
-        sum_dy = (tl.load(sums_ptr + c, mask=c_ok, other=0.0) * inv_p)[:, None]
-        sum_dyu = (tl.load(sums_ptr + R + c, mask=c_ok, other=0.0) * inv_p)[:, None]
-    for t in range(0, tiles):
+        sum_dy = (tl.load(a0_ptr + c, mask=c_ok, other=0.0) * inv_p)[:, None]
+        sum_dyu = (tl.load(a1_ptr + c, mask=c_ok, other=0.0) * inv_p)[:, None]
+    for t in range(tiles):
         img = n0 + t // TPI
         j = (t % TPI) * BM + i
         rows = img * HW + j
@@ -105,8 +108,8 @@ def _gate_backward_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, do_ptr
             acc += tl.sum(dq * g, axis=1)
             acc2 += tl.sum(g, axis=1)
             last = t % TPI == TPI - 1  # the image's sums are complete: write them, start the next
-            tl.store(out0_ptr + img * R + c, acc, mask=c_ok & last)
-            tl.store(out1_ptr + img * R + c, acc2, mask=c_ok & last)
+            tl.store(a0_ptr + img * R + c, acc, mask=c_ok & last)
+            tl.store(a1_ptr + img * R + c, acc2, mask=c_ok & last)
             acc = tl.where(last, 0.0, acc)
             acc2 = tl.where(last, 0.0, acc2)
         else:
@@ -125,21 +128,22 @@ def _gate_backward_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, do_ptr
             else:
                 dd = (a * (dy - sum_dy - u_hat * sum_dyu)).to(dt)
                 if EVEN:
-                    tl.store(out0_ptr + c[:, None] + rows[None, :] * R, dd)
+                    tl.store(a2_ptr + c[:, None] + rows[None, :] * R, dd)
                 else:
-                    tl.store(out0_ptr + c[:, None] + rows[None, :] * R, dd, mask=ok)
+                    tl.store(a2_ptr + c[:, None] + rows[None, :] * R, dd, mask=ok)
     if MODE == 1:
-        part = out0_ptr + s * (K + 2) * R
+        part = a2_ptr + s * (K + 2) * R
         tl.store(part + k[:, None] * R + c[None, :], acc_w, mask=k_ok[:, None] & c_ok[None, :])
         tl.store(part + K * R + c, tl.sum(acc_dy, axis=1), mask=c_ok)
         tl.store(part + (K + 1) * R + c, tl.sum(acc_dyu, axis=1), mask=c_ok)
 
 
 @triton.jit
-def _merge_kernel(part_ptr, out_ptr, E, S, BE: tl.constexpr, BS: tl.constexpr):
-    """out[e] = sum over the S groups of part[s, e], e < E = (K + 2) R, BS groups per step, in a fixed
-    order."""
+def _merge_kernel(part_ptr, dw_ptr, sum_ptr, sumu_ptr, KR, R, S, BE: tl.constexpr, BS: tl.constexpr):
+    """The groups' partials (S, K + 2, R) summed in a fixed order, BS groups per step: rows 0 ... K - 1 to
+    dW_proj (K, R), row K to sum dy, row K + 1 to sum dy u_hat."""
     e = tl.program_id(0) * BE + tl.arange(0, BE)
+    E = KR + 2 * R
     e_ok = e < E
     sp = tl.arange(0, BS)
     acc = tl.zeros((BE,), dtype=tl.float32)
@@ -147,7 +151,9 @@ def _merge_kernel(part_ptr, out_ptr, E, S, BE: tl.constexpr, BS: tl.constexpr):
         s = s0 + sp
         acc += tl.sum(tl.load(part_ptr + s[:, None] * E + e[None, :], mask=(s < S)[:, None] & e_ok[None, :],
                               other=0.0), axis=0)
-    tl.store(out_ptr + e, acc, mask=e_ok)
+    tl.store(dw_ptr + e, acc, mask=e < KR)
+    tl.store(sum_ptr + (e - KR), acc, mask=(e >= KR) & (e < KR + R))
+    tl.store(sumu_ptr + (e - KR - R), acc, mask=(e >= KR + R) & e_ok)
 
 
 # ---------------------------------------------------------------------------------------------- launchers
@@ -196,18 +202,22 @@ def _geometry(d: torch.Tensor, n: int, mode: int) -> tuple[int, int, int, int]:
     return chunks, triton.cdiv(n, ipg), ipg, triton.cdiv(p // n, BM)
 
 
-def _launch(mode: int, d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpix, sums, out0, out1, n,
+def _launch(mode: int, d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpix, a0, a1, a2, n,
             geo) -> None:
+    """MODE's launch; a0, a1, a2: MODE 0 dgate, gsum, (unused); MODE 1 (unused) x 2, the partials;
+    MODE 2 sum dy, sum dy u_hat, dd."""
     p, r = d.shape
     kk = do.shape[1]
-    chunks, groups, ipg, tpi = geo
+    hw = p // n
+    chunks, groups, ipg, _ = geo
     silu, prec = kernel_settings(d)
     bk = max(16, triton.next_power_of_2(kk))
-    launch(_gate_backward_kernel, (chunks, groups), d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpix,
-           sums, out0, out1, n, r, kk, ipg, 1.0 / p,
+    even = hw % BM == 0 and r % RB[mode] == 0 and kk == bk
+    launch(_gate_backward_kernel, (chunks, groups), d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate,
+           dpix, a0, a1, a2, n, r, kk, ipg, 1.0 / p,
            cost=lambda: _cost(mode, p, r, kk, n, geo, d.element_size()),
-           HW=p // n, MODE=mode, RB=RB[mode], BM=BM, BK=bk, EVEN=(p // n) % BM == 0 and r % RB[mode] == 0 and kk == bk,
-           FAST=silu, PREC=prec, num_warps=WARPS[mode], num_stages=STAGES[mode])
+           HW=hw, MODE=mode, RB=RB[mode], BM=BM, BK=bk, EVEN=even, FAST=silu, PREC=prec, num_warps=WARPS,
+           num_stages=STAGES)
 
 
 def dgate_pool(d: torch.Tensor, mean_d: torch.Tensor, rstd_d: torch.Tensor, gamma_d: torch.Tensor,
@@ -218,7 +228,7 @@ def dgate_pool(d: torch.Tensor, mean_d: torch.Tensor, rstd_d: torch.Tensor, gamm
     r = d.shape[1]
     dgate = torch.empty((n, r), device=d.device, dtype=torch.float32)
     gsum = torch.empty((n, r), device=d.device, dtype=torch.float32)
-    _launch(0, d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, mean_d, mean_d, mean_d, dgate, gsum, n,
+    _launch(0, d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, mean_d, mean_d, dgate, gsum, dgate, n,
             _geometry(d, n, 0))
     return dgate, gsum
 
@@ -232,50 +242,53 @@ def bn_d_sums(d: torch.Tensor, mean_d: torch.Tensor, rstd_d: torch.Tensor, gamma
     geo = _geometry(d, n, 1)
     groups = geo[1]
     part = torch.empty((groups, kk + 2, r), device=d.device, dtype=torch.float32)
-    out = torch.empty((kk + 2, r), device=d.device, dtype=torch.float32)
-    _launch(1, d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpix, mean_d, part, part, n, geo)
+    dw = torch.empty((kk, r), device=d.device, dtype=torch.float32)
+    sum_dy = torch.empty((r,), device=d.device, dtype=torch.float32)
+    sum_dyu = torch.empty((r,), device=d.device, dtype=torch.float32)
+    _launch(1, d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpix, mean_d, mean_d, part, n, geo)
     e = (kk + 2) * r
     steps = triton.cdiv(groups, MERGE_GROUPS)
-    launch(_merge_kernel, (triton.cdiv(e, MERGE_BLOCK),), part, out, e, groups,
+    launch(_merge_kernel, (triton.cdiv(e, MERGE_BLOCK),), part, dw, sum_dy, sum_dyu, kk * r, r, groups,
            cost=lambda: KernelCost(0, 0, e * 4, (Loop("groups", steps),), l2_bytes=groups * e * 4,
                                    l2_footprint_bytes=groups * e * 4,
-                                   note="BN_d sums and dW_proj: the groups' partials summed in a fixed order"),
+                                   note="BN_d sums, dW_proj: the groups' partials summed in a fixed order"),
            BE=MERGE_BLOCK, BS=MERGE_GROUPS, num_warps=4)
-    return out[kk], out[kk + 1], out[:kk]
+    return sum_dy, sum_dyu, dw
 
 
 def bn_d_backward(d: torch.Tensor, mean_d: torch.Tensor, rstd_d: torch.Tensor, gamma_d: torch.Tensor,
                   beta_d: torch.Tensor, do: torch.Tensor, w_proj: torch.Tensor, gate: torch.Tensor,
-                  dpix: torch.Tensor, sum_dy: torch.Tensor, sum_dy_uhat: torch.Tensor, n: int) -> torch.Tensor:
+                  dpix: torch.Tensor, sum_dy: torch.Tensor, sum_dy_uhat: torch.Tensor, n: int
+                  ) -> torch.Tensor:
     """dd (P, R) in d's dtype."""
     _check("bn_d_backward", d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, n, gate, dpix,
            (sum_dy, sum_dy_uhat))
-    sums = torch.stack((sum_dy, sum_dy_uhat))  # one (2, R) argument
     dd = torch.empty_like(d)
-    _launch(2, d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpix, sums, dd, dd, n,
+    _launch(2, d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpix, sum_dy, sum_dy_uhat, dd, n,
             _geometry(d, n, 2))
     return dd
 
 
 def _cost(mode: int, p: int, r: int, kk: int, n: int, geo, eb: int) -> KernelCost:
-    """d and do read once from DRAM, do's re-reads by the other chunks' programs (adjacent in the grid)
-    from L2, as are the W_proj slices' re-reads by the other groups and the gate/dpix rows re-read per tile;
-    MODE 0 writes (N, R) twice, MODE 1 its partials, MODE 2 dd. The dots as issued: BM x BK x RB per tile
-    (the masked rows of an image's last tile included), MODE 1 a second one of BK x RB x BM."""
+    """d, do, W_proj, the statistics and two (N, R) fp32 tensors (written by MODE 0, gate and dpix read by
+    the others) once from DRAM; do's re-reads by the other chunks' programs (adjacent in the grid), the
+    W_proj slices' by the other groups and gate/dpix rows' per tile from L2; MODE 1 writes its partials,
+    MODE 2 dd. The dots as issued: BM x BK x RB per tile (the masked pixels of an image's last tile and
+    K's padding included), MODE 1 a second one of BK x RB x BM. Useful: dq once (MODE 0) and dW_proj
+    (MODE 1); the other dq's are recomputed."""
     chunks, groups, ipg, tpi = geo
-    rb = RB[mode]
     bk = max(16, triton.next_power_of_2(kk))
     tiles = n * tpi
-    mma = chunks * tiles * BM * bk * rb * (2 if mode == 1 else 1)
-    useful = p * kk * r if mode < 2 else 0  # dq (MODE 0) and dW_proj (MODE 1); the other dq's recompute
-    dram = p * r * eb + p * kk * eb + kk * r * eb + 4 * r * 4
+    mma = chunks * tiles * BM * bk * RB[mode] * (2 if mode == 1 else 1)
+    useful = p * kk * r if mode < 2 else 0
+    dram = (p * r + p * kk + kk * r) * eb + 4 * r * 4 + 2 * n * r * 4
     l2 = (chunks - 1) * p * kk * eb + (groups - 1) * kk * r * eb
-    if mode == 0:
-        dram += 2 * n * r * 4
-    else:
-        dram += 2 * n * r * 4
-        l2 += 2 * (tiles * r - n * r) * 4
-        dram += groups * (kk + 2) * r * 4 if mode == 1 else p * r * eb + 2 * r * 4
+    if mode:
+        l2 += 2 * (tiles - n) * r * 4
+    if mode == 1:
+        dram += groups * (kk + 2) * r * 4
+    if mode == 2:
+        dram += p * r * eb + 2 * r * 4
     notes = ("SE backward: per image sum dq g and sum g", "BN_d backward sums and dW_proj partials",
              "BN_d backward: dd written")
     return KernelCost(useful, mma, dram, (Loop("pixel tiles", ipg * tpi),), l2_bytes=l2, note=notes[mode])

@@ -73,8 +73,7 @@ def test_dgate_pool(interpreter_backend, small_tiles, shape):
     from convfirstnet.kernels.mbconv import backward_reference as ref
     from convfirstnet.kernels.mbconv.gate_backward import dgate_pool
 
-    args = _inputs(shape)
-    d, mean, rstd, gamma, beta, do, w_proj, gate, dpix, n = args
+    d, mean, rstd, gamma, beta, do, w_proj, _, _, n = _inputs(shape)
     dgate, gsum = dgate_pool(d, mean, rstd, gamma, beta, do, w_proj, n)
     want = ref.dgate_pool_reference(*_f64((d, mean, rstd, gamma, beta, do, w_proj)), n)
     assert dgate.dtype == gsum.dtype == torch.float32 and dgate.shape == gsum.shape == (n, d.shape[1])
