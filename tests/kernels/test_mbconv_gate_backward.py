@@ -162,7 +162,9 @@ def record_small(side: int, n: int = 128, c: int = 256) -> list:
 def test_small_gate_backward_compiles_for_sm90():
     """The four launches at fused Small's 16x16 and 8x8 maps (batch 128, fp16) compile for sm_90 within
     shared memory, with no spill code in their loops (and no stack at all), the dots on wgmma; each pass's
-    grid fills the 132 SMs (at least 128 programs)."""
+    grid fills the 132 SMs (at least 128 programs). (Compiled: dgate_pool 173 / 139 registers at 16x16 /
+    8x8, bn_d_sums 233 / 242, bn_d_backward 215 / 217, the merge 63; shared memory 192 KB, 152.5 KB for
+    bn_d_sums: the W_proj slice and three do tiles.)"""
     pytest.importorskip("triton")
     from convfirstnet.analysis.compiled import compile_variants, variant_of
     from convfirstnet.analysis.launches import kernel_name
