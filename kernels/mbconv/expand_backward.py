@@ -15,6 +15,13 @@ other chunks from L2. Per-split partials (fp32, their own rows) are summed over 
 order by ``_split_sum_kernel``: no atomics, two identical calls give equal results.
 
 Splits: whole pixel tiles (narrow._splits), about as many as fill the GPU's SMs with the chunks.
+
+Tiles (8 warps each; Small's C = 256, R = 1024, fp16, sm_90 compile): h and sums modes RB = 128 channels x
+BM = 64 pixels, 3 pipeline stages (W's chunk 64 KB of shared memory, 176 KB in all; 8 chunks x 16 splits);
+de mode RB = 64 x BM = 128 (the z dot's M is 64 per warpgroup), 2 stages, its dW_exp^T partial [C, RB]
+fp32 in registers (255 registers, no stack: the per-channel vectors are folded to four, v = z A + B and
+de = A dv + z D1 + D0, each thread holding 16 channels of each); 16 chunks x 8 splits. expand_dgrad:
+128-pixel tiles (64 where 128 would leave SMs idle) x all C, K steps of 32.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import triton.language as tl
 from .._activations import sigmoid, silu
 from .._cost import KernelCost, Loop
 from .._launch import FLOAT_DTYPES, device_info, launch
-from .launcher import kernel_settings
+from .launcher import MAX_C, kernel_settings
 from .narrow import _splits
 
 MODE_H, MODE_SUMS, MODE_DE = 0, 1, 2
@@ -35,9 +42,11 @@ DE_ROWS = 64  # ... of the de mode (its dW_exp partial [RB, C] fp32 stays in reg
 PIXELS = 64  # pixel tile (BM) of the h and sums modes: the wgmma's M
 DE_PIXELS = 128  # ... of the de mode (M = 64 per warpgroup of the z dot; the dW_exp dot's K)
 EXPAND_WARPS = 8
-DE_STAGES = 2  # software-pipeline stages of the de mode (its x tiles are 64 KB each)
+EXPAND_STAGES = 3  # software-pipeline stages of the h and sums modes
+DE_WARPS = 8
+DE_STAGES = 2  # ... of the de mode (its x tiles are 64 KB each)
 DGRAD_PIXELS = 128  # pixel tile of expand_dgrad (64 where 128-row tiles would not fill the SMs)
-DGRAD_STEP = 64  # hidden channels per K step of expand_dgrad
+DGRAD_STEP = 32  # hidden channels per K step of expand_dgrad
 DGRAD_WARPS = 8
 SUM_COLUMNS = 256  # columns per program of the split merge
 SUM_SPLITS = 8  # splits per step of the split merge
@@ -179,11 +188,17 @@ def _check_expand(op: str, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh=None) -
         _check(op, name, t, (r,), tuple(dict.fromkeys((torch.float32, x.dtype))), dev)
     if dh is not None:
         _check(op, "dh", dh, (p, r), (x.dtype,), dev)
+    _check_sizes(op, p, c, r)
+    return p, c, r
+
+
+def _check_sizes(op: str, p: int, c: int, r: int) -> None:
     if p < 1 or c < 1 or r < 1:
         raise ValueError(f"{op}: empty operands (P, C, R) = {(p, c, r)}")
+    if c > MAX_C:  # a whole row of x (and W_exp's chunk) is one tile in shared memory
+        raise ValueError(f"{op}: C = {c} channels, the kernels take at most {MAX_C}")
     if p * max(r, c) >= 2**31:
         raise ValueError(f"{op}: P x max(R, C) = {p * max(r, c)} elements exceed 32-bit offsets")
-    return p, c, r
 
 
 # ------------------------------------------------------------------------------------------ launches
@@ -201,8 +216,9 @@ def _expand_launch(mode: int, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, sum
            part, p, c, r, ch, 1.0 / p,
            cost=lambda: _expand_cost(mode, p, c, r, rb, cp, bm, splits, ch, x.element_size(),
                                      gamma_e.element_size()),
-           MODE=mode, RB=rb, CP=cp, BM=bm, EVEN_R=r % rb == 0, FAST=fast, PREC=prec, num_warps=EXPAND_WARPS,
-           **({"num_stages": DE_STAGES} if mode == MODE_DE else {}))
+           MODE=mode, RB=rb, CP=cp, BM=bm, EVEN_R=r % rb == 0, FAST=fast, PREC=prec,
+           num_warps=DE_WARPS if mode == MODE_DE else EXPAND_WARPS,
+           num_stages=DE_STAGES if mode == MODE_DE else EXPAND_STAGES)
 
 
 def _expand_cost(mode: int, p: int, c: int, r: int, rb: int, cp: int, bm: int, splits: int, ch: int,
@@ -303,10 +319,7 @@ def expand_dgrad(de: torch.Tensor, w_exp: torch.Tensor, residual: torch.Tensor |
     _check(op, "w_exp", w_exp, (r, c), (de.dtype,), de.device)
     if residual is not None:
         _check(op, "residual", residual, (p, c), (de.dtype,), de.device)
-    if p < 1 or c < 1 or r < 1:
-        raise ValueError(f"{op}: empty operands (P, C, R) = {(p, c, r)}")
-    if p * max(r, c) >= 2**31:
-        raise ValueError(f"{op}: P x max(R, C) = {p * max(r, c)} elements exceed 32-bit offsets")
+    _check_sizes(op, p, c, r)
     dx = torch.empty((p, c), device=de.device, dtype=de.dtype)
     _, prec = kernel_settings(de)
     cp = max(16, triton.next_power_of_2(c))
