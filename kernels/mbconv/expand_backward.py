@@ -53,12 +53,13 @@ SUM_SPLITS = 8  # splits per step of the split merge
 
 
 @triton.jit
-def _expand_kernel(x_ptr, w_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, dh_ptr, sums_ptr, out_ptr, part_ptr,
+def _expand_kernel(x_ptr, w_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, dh_ptr, sdv_ptr, sdve_ptr, out_ptr,
+                   part_ptr,
                    P, C, R, CH, inv_p, MODE: tl.constexpr, RB: tl.constexpr, CP: tl.constexpr,
                    BM: tl.constexpr, EVEN_R: tl.constexpr, FAST: tl.constexpr, PREC: tl.constexpr):
     """Program (j, s): hidden channels j RB ... j RB + RB - 1 over the pixels of split s.
     MODE 0: h -> out. MODE 1: part[s, 0, r] = sum dv, part[s, 1, r] = sum dv e_hat. MODE 2: de -> out,
-    part[s] = de^T x [R, C] for the chunk's rows (``sums``: sum dv, then sum dv e_hat, (2, R))."""
+    part[s] = de^T x [R, C] for the chunk's rows (``sdv``, ``sdve``: sum dv and sum dv e_hat)."""
     dt = x_ptr.dtype.element_ty
     j = tl.program_id(0)
     s = tl.program_id(1)
@@ -78,9 +79,9 @@ def _expand_kernel(x_ptr, w_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, dh_ptr
     a = gamma * rstd
     b = beta - a * mean
     if MODE == 2:
-        t = -a * (tl.load(sums_ptr + R + r, mask=r_ok, other=0.0) * inv_p)  # the e_hat coefficient
+        t = -a * (tl.load(sdve_ptr + r, mask=r_ok, other=0.0) * inv_p)  # the e_hat coefficient
         d1 = t * rstd
-        d0 = -a * (tl.load(sums_ptr + r, mask=r_ok, other=0.0) * inv_p) - d1 * mean
+        d0 = -a * (tl.load(sdv_ptr + r, mask=r_ok, other=0.0) * inv_p) - d1 * mean
         dwt = tl.zeros((CP, RB), dtype=tl.float32)  # dW_exp^T: the wgmma's M is C
     if MODE == 1:  # elementwise partial sums, reduced over the rows once, after the loop
         s1 = tl.zeros((BM, RB), dtype=tl.float32)
@@ -204,16 +205,16 @@ def _check_sizes(op: str, p: int, c: int, r: int) -> None:
 # ------------------------------------------------------------------------------------------ launches
 
 
-def _expand_launch(mode: int, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, sums, out, part, splits, ch, rb,
-                   bm):
+def _expand_launch(mode: int, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, sdv, sdve, out, part, splits, ch,
+                   rb, bm):
     p, c = x.shape
     r = w_exp.shape[0]
     fast, prec = kernel_settings(x)
     nchunk = triton.cdiv(r, rb)
     cp = max(16, triton.next_power_of_2(c))
     dh_arg = dh if dh is not None else x
-    launch(_expand_kernel, (nchunk, splits), x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh_arg, sums, out,
-           part, p, c, r, ch, 1.0 / p,
+    launch(_expand_kernel, (nchunk, splits), x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh_arg, sdv, sdve,
+           out, part, p, c, r, ch, 1.0 / p,
            cost=lambda: _expand_cost(mode, p, c, r, rb, cp, bm, splits, ch, x.element_size(),
                                      gamma_e.element_size()),
            MODE=mode, RB=rb, CP=cp, BM=bm, EVEN_R=r % rb == 0, FAST=fast, PREC=prec,
@@ -267,8 +268,8 @@ def expand_hidden(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rs
     p, _c, r = _check_expand("expand_hidden", x, w_exp, mean_e, rstd_e, gamma_e, beta_e)
     h = torch.empty((p, r), device=x.device, dtype=x.dtype)
     splits, ch = _expand_splits(x, r, EXPAND_ROWS, PIXELS)
-    _expand_launch(MODE_H, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, None, mean_e, h, h, splits, ch,
-                   EXPAND_ROWS, PIXELS)
+    _expand_launch(MODE_H, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, None, mean_e, mean_e, h, h, splits,
+                   ch, EXPAND_ROWS, PIXELS)
     return h
 
 
@@ -279,8 +280,8 @@ def bn_e_sums(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rstd_e
     _p, _c, r = _check_expand("bn_e_sums", x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh)
     splits, ch = _expand_splits(x, r, EXPAND_ROWS, PIXELS)
     part = torch.empty((splits, 2 * r), device=x.device, dtype=torch.float32)
-    _expand_launch(MODE_SUMS, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, mean_e, x, part, splits, ch,
-                   EXPAND_ROWS, PIXELS)
+    _expand_launch(MODE_SUMS, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, mean_e, mean_e, x, part, splits,
+                   ch, EXPAND_ROWS, PIXELS)
     sums = _split_sum(part, torch.empty((2, r), device=x.device, dtype=torch.float32), "BN_e's sums")
     return sums[0], sums[1]
 
@@ -294,12 +295,11 @@ def bn_e_backward(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rs
     p, c, r = _check_expand(op, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh)
     _check(op, "sum_dv", sum_dv, (r,), (torch.float32,), x.device)
     _check(op, "sum_dv_ehat", sum_dv_ehat, (r,), (torch.float32,), x.device)
-    sums = torch.stack((sum_dv, sum_dv_ehat))
     splits, ch = _expand_splits(x, r, DE_ROWS, DE_PIXELS)
     de = torch.empty((p, r), device=x.device, dtype=x.dtype)
     part = torch.empty((splits, r * c), device=x.device, dtype=torch.float32)
-    _expand_launch(MODE_DE, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, sums, de, part, splits, ch,
-                   DE_ROWS, DE_PIXELS)
+    _expand_launch(MODE_DE, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, sum_dv, sum_dv_ehat, de, part,
+                   splits, ch, DE_ROWS, DE_PIXELS)
     dw = _split_sum(part, torch.empty((r, c), device=x.device, dtype=torch.float32), "dW_exp's partials")
     return de, dw
 
