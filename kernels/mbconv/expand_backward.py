@@ -1,0 +1,336 @@
+"""The expand passes of the fused MBConv training backward (backward_reference.py states each one), over
+the block's narrow input x (P, C) with z = x W_exp^T (K = C) recomputed on the tensor cores:
+
+* ``expand_hidden``: h = SiLU(gamma_e e_hat + beta_e), e_hat = (z - mu_e) rho_e, written (P, R);
+* ``bn_e_sums``: dv = dh SiLU'(v_e); per channel sum dv and sum dv e_hat (a partials launch + merge);
+* ``bn_e_backward``: de = gamma_e rho_e (dv - sum dv / P - e_hat sum(dv e_hat) / P) written in x's dtype,
+  and dW_exp = de^T x from de as rounded (a partials launch + merge);
+* ``expand_dgrad``: dx = de W_exp (+ the residual), a GEMM over pixel tiles (K = R).
+
+The first three are one kernel, ``_expand_kernel``, in three modes. Grid: (hidden chunks of RB channels,
+pixel splits); program (j, s) loads its chunk's W_exp rows [RB, C] once, before its loop, and walks the
+pixel tiles (BM rows) of split s: z = x_tile W^T (fp32 accumulation), then the mode's epilogue. The
+programs of one split are adjacent in the grid, so x's tiles are read from DRAM once and re-read by the
+other chunks from L2. Per-split partials (fp32, their own rows) are summed over the splits in a fixed
+order by ``_split_sum_kernel``: no atomics, two identical calls give equal results.
+
+Splits: whole pixel tiles (narrow._splits), about as many as fill the GPU's SMs with the chunks.
+
+Tiles (8 warps each; Small's C = 256, R = 1024, fp16, sm_90 compile): h and sums modes RB = 128 channels x
+BM = 64 pixels, 3 pipeline stages (W's chunk 64 KB of shared memory, 176 KB in all; 8 chunks x 16 splits);
+de mode RB = 64 x BM = 128 (the z dot's M is 64 per warpgroup), 2 stages, its dW_exp^T partial [C, RB]
+fp32 in registers (255 registers, no stack: the per-channel vectors are folded to four, v = z A + B and
+de = A dv + z D1 + D0, each thread holding 16 channels of each); 16 chunks x 8 splits. expand_dgrad:
+128-pixel tiles (64 where 128 would leave SMs idle) x all C, K steps of 32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._activations import sigmoid, silu
+from .._cost import KernelCost, Loop
+from .._launch import FLOAT_DTYPES, device_info, launch
+from .launcher import MAX_C, kernel_settings
+from .narrow import _splits
+
+MODE_H, MODE_SUMS, MODE_DE = 0, 1, 2
+EXPAND_ROWS = 128  # hidden channels per program (RB) of the h and sums modes
+DE_ROWS = 64  # ... of the de mode (its dW_exp partial [RB, C] fp32 stays in registers)
+PIXELS = 64  # pixel tile (BM) of the h and sums modes: the wgmma's M
+DE_PIXELS = 128  # ... of the de mode (M = 64 per warpgroup of the z dot; the dW_exp dot's K)
+EXPAND_WARPS = 8
+EXPAND_STAGES = 3  # software-pipeline stages of the h and sums modes
+DE_WARPS = 8
+DE_STAGES = 2  # ... of the de mode (its x tiles are 64 KB each)
+DGRAD_PIXELS = 128  # pixel tile of expand_dgrad (64 where 128-row tiles would not fill the SMs)
+DGRAD_STEP = 32  # hidden channels per K step of expand_dgrad
+DGRAD_WARPS = 8
+SUM_COLUMNS = 256  # columns per program of the split merge
+SUM_SPLITS = 8  # splits per step of the split merge
+
+
+@triton.jit
+def _expand_kernel(x_ptr, w_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, dh_ptr, sdv_ptr, sdve_ptr, out_ptr,
+                   part_ptr,
+                   P, C, R, CH, inv_p, MODE: tl.constexpr, RB: tl.constexpr, CP: tl.constexpr,
+                   BM: tl.constexpr, EVEN_R: tl.constexpr, FAST: tl.constexpr, PREC: tl.constexpr):
+    """Program (j, s): hidden channels j RB ... j RB + RB - 1 over the pixels of split s.
+    MODE 0: h -> out. MODE 1: part[s, 0, r] = sum dv, part[s, 1, r] = sum dv e_hat. MODE 2: de -> out,
+    part[s] = de^T x [R, C] for the chunk's rows (``sdv``, ``sdve``: sum dv and sum dv e_hat)."""
+    dt = x_ptr.dtype.element_ty
+    j = tl.program_id(0)
+    s = tl.program_id(1)
+    r = j * RB + tl.arange(0, RB)
+    r_ok = r < R
+    c = tl.arange(0, CP)
+    c_ok = c < C
+    w = tl.load(w_ptr + r[:, None] * C + c[None, :], mask=r_ok[:, None] & c_ok[None, :], other=0.0)
+    wt = tl.trans(w)  # [CP, RB], loop-invariant
+    mean = tl.load(mean_ptr + r, mask=r_ok, other=0.0)
+    rstd = tl.load(rstd_ptr + r, mask=r_ok, other=0.0)
+    gamma = tl.load(gamma_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+    # per-channel vectors folded, so fewer of them stay in registers over the loop (each thread holds 16
+    # channels of each): v = z A + B; in mode 2, de = A dv - A sum dv / P - e_hat A sum(dv e_hat) / P
+    # = A dv + z D1 + D0
+    a = gamma * rstd
+    b = beta - a * mean
+    if MODE == 2:
+        t = -a * (tl.load(sdve_ptr + r, mask=r_ok, other=0.0) * inv_p)  # the e_hat coefficient
+        d1 = t * rstd
+        d0 = -a * (tl.load(sdv_ptr + r, mask=r_ok, other=0.0) * inv_p) - d1 * mean
+        dwt = tl.zeros((CP, RB), dtype=tl.float32)  # dW_exp^T: the wgmma's M is C
+    if MODE == 1:  # elementwise partial sums, reduced over the rows once, after the loop
+        s1 = tl.zeros((BM, RB), dtype=tl.float32)
+        s2 = tl.zeros((BM, RB), dtype=tl.float32)
+    start = s * CH
+    end = tl.minimum(start + CH, P)
+    for m0 in range(start, end, BM):
+        m = m0 + tl.arange(0, BM)
+        m_ok = m < end
+        xt = tl.load(x_ptr + m[:, None] * C + c[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0)
+        z = tl.dot(xt, wt, input_precision=PREC)  # [BM, RB] fp32
+        v = z * a[None, :] + b[None, :]
+        if EVEN_R:  # R a multiple of RB: row masks only (fewer predicate registers)
+            ok = m_ok[:, None]
+        else:
+            ok = m_ok[:, None] & r_ok[None, :]
+        if MODE == 0:
+            tl.store(out_ptr + m[:, None] * R + r[None, :], silu(v, FAST).to(dt), mask=ok)
+        else:
+            dh = tl.load(dh_ptr + m[:, None] * R + r[None, :], mask=ok, other=0.0).to(tl.float32)
+            sg = sigmoid(v, FAST)
+            dv = dh * (sg * (1.0 + v * (1.0 - sg)))  # SiLU'(v); 0 on masked rows (dh = 0)
+            if MODE == 1:
+                s1 += dv
+                s2 += dv * ((z - mean[None, :]) * rstd[None, :])
+            else:
+                de = tl.where(m_ok[:, None], a[None, :] * dv + (z * d1[None, :] + d0[None, :]), 0.0).to(dt)
+                tl.store(out_ptr + m[:, None] * R + r[None, :], de, mask=ok)
+                dwt = tl.dot(tl.trans(xt), de, dwt, input_precision=PREC)
+    if MODE == 1:
+        tl.store(part_ptr + s * 2 * R + r, tl.sum(s1, axis=0), mask=r_ok)
+        tl.store(part_ptr + s * 2 * R + R + r, tl.sum(s2, axis=0), mask=r_ok)
+    if MODE == 2:
+        tl.store(part_ptr + s * R * C + r[None, :] * C + c[:, None], dwt, mask=r_ok[None, :] & c_ok[:, None])
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, out_ptr, S, L, BL: tl.constexpr, BS: tl.constexpr):
+    """out[i] = sum over s of part[s, i] (fp32), BS splits per step, in a fixed order."""
+    i = tl.program_id(0) * BL + tl.arange(0, BL)
+    i_ok = i < L
+    sp = tl.arange(0, BS)
+    acc = tl.zeros((BL,), dtype=tl.float32)
+    for s0 in range(0, S, BS):
+        s = s0 + sp
+        ok = (s < S)[:, None] & i_ok[None, :]
+        rows = part_ptr + s[:, None].to(tl.int64) * L
+        acc += tl.sum(tl.load(rows + i[None, :], mask=ok, other=0.0), axis=0)
+    tl.store(out_ptr + i, acc, mask=i_ok)
+
+
+@triton.jit
+def _dgrad_kernel(de_ptr, w_ptr, res_ptr, dx_ptr, P, C, R, RESIDUAL: tl.constexpr, BM: tl.constexpr,
+                  CP: tl.constexpr, RS: tl.constexpr, PREC: tl.constexpr):
+    """Pixel tile i: dx = de W_exp (+ residual), RS hidden channels per K step, one rounding."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    m_ok = m < P
+    c = tl.arange(0, CP)
+    c_ok = c < C
+    acc = tl.zeros((BM, CP), dtype=tl.float32)
+    for r0 in range(0, R, RS):
+        r = r0 + tl.arange(0, RS)
+        r_ok = r < R
+        de = tl.load(de_ptr + m[:, None] * R + r[None, :], mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + r[:, None] * C + c[None, :], mask=r_ok[:, None] & c_ok[None, :], other=0.0)
+        acc = tl.dot(de, w, acc, input_precision=PREC)
+    ok = m_ok[:, None] & c_ok[None, :]
+    if RESIDUAL:
+        acc += tl.load(res_ptr + m[:, None] * C + c[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(dx_ptr + m[:, None] * C + c[None, :], acc.to(dx_ptr.dtype.element_ty), mask=ok)
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+
+def _check(op: str, name: str, t, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...], device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, expected {shape}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{op}: {name} has dtype {t.dtype}, expected {' or '.join(map(str, dtypes))}")
+    if t.device != device:
+        raise ValueError(f"{op}: {name} is on {t.device}, the input on {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{op}: {name} must be contiguous (row-major), got strides {t.stride()}")
+
+
+def _check_expand(op: str, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh=None) -> tuple[int, int, int]:
+    """(P, C, R) after checking every argument of the expand kernel's modes."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"{op}: x must be a 2-D (P, C) tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{op}: x has dtype {x.dtype}, expected float32, float16 or bfloat16")
+    p, c = x.shape
+    if not isinstance(w_exp, torch.Tensor) or w_exp.dim() != 2:
+        raise ValueError(f"{op}: w_exp must be a 2-D (R, C) tensor")
+    r = w_exp.shape[0]
+    dev = x.device
+    _check(op, "x", x, (p, c), (x.dtype,), dev)
+    _check(op, "w_exp", w_exp, (r, c), (x.dtype,), dev)
+    for name, t in (("mean_e", mean_e), ("rstd_e", rstd_e)):
+        _check(op, name, t, (r,), (torch.float32,), dev)
+    for name, t in (("gamma_e", gamma_e), ("beta_e", beta_e)):
+        _check(op, name, t, (r,), tuple(dict.fromkeys((torch.float32, x.dtype))), dev)
+    if dh is not None:
+        _check(op, "dh", dh, (p, r), (x.dtype,), dev)
+    _check_sizes(op, p, c, r)
+    return p, c, r
+
+
+def _check_sizes(op: str, p: int, c: int, r: int) -> None:
+    if p < 1 or c < 1 or r < 1:
+        raise ValueError(f"{op}: empty operands (P, C, R) = {(p, c, r)}")
+    if c > MAX_C:  # a whole row of x (and W_exp's chunk) is one tile in shared memory
+        raise ValueError(f"{op}: C = {c} channels, the kernels take at most {MAX_C}")
+    if p * max(r, c) >= 2**31:
+        raise ValueError(f"{op}: P x max(R, C) = {p * max(r, c)} elements exceed 32-bit offsets")
+
+
+# ------------------------------------------------------------------------------------------ launches
+
+
+def _expand_launch(mode: int, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, sdv, sdve, out, part, splits, ch,
+                   rb, bm):
+    p, c = x.shape
+    r = w_exp.shape[0]
+    fast, prec = kernel_settings(x)
+    nchunk = triton.cdiv(r, rb)
+    cp = max(16, triton.next_power_of_2(c))
+    dh_arg = dh if dh is not None else x
+    launch(_expand_kernel, (nchunk, splits), x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh_arg, sdv, sdve,
+           out, part, p, c, r, ch, 1.0 / p,
+           cost=lambda: _expand_cost(mode, p, c, r, rb, cp, bm, splits, ch, x.element_size(),
+                                     gamma_e.element_size()),
+           MODE=mode, RB=rb, CP=cp, BM=bm, EVEN_R=r % rb == 0, FAST=fast, PREC=prec,
+           num_warps=DE_WARPS if mode == MODE_DE else EXPAND_WARPS,
+           num_stages=DE_STAGES if mode == MODE_DE else EXPAND_STAGES)
+
+
+def _expand_cost(mode: int, p: int, c: int, r: int, rb: int, cp: int, bm: int, splits: int, ch: int,
+                 eb: int, gb: int) -> KernelCost:
+    """x read from DRAM once, re-read from L2 by the other chunks' programs of its split (adjacent in the
+    grid); W_exp and the per-channel vectors once; dh read once and h or de written once; the partials
+    written. The dots as issued: BM x RB x CP per tile (z), plus RB x CP x BM (dW_exp) in mode 2. MACs
+    of the block's math: the recompute of z counts nothing (the forward counted it), dW_exp P R C."""
+    nchunk = triton.cdiv(r, rb)
+    tiles = splits * triton.cdiv(ch, bm)  # tiles as issued (the last split's short tail masked)
+    z = nchunk * tiles * bm * rb * cp
+    vectors = r * (2 * 4 + 2 * gb)
+    dram = p * c * eb + r * c * eb + vectors
+    if mode == MODE_H:
+        dram += p * r * eb
+        note = "h = SiLU(BN_e(x W_exp^T)) recomputed for the conv's backward"
+    elif mode == MODE_SUMS:
+        dram += p * r * eb + splits * 2 * r * 4
+        note = "BN_e backward sums (z recomputed), partials per pixel split"
+    else:
+        dram += 2 * p * r * eb + 2 * r * 4 + splits * r * c * 4
+        note = "de = BN_e backward (z recomputed), dW_exp partials per pixel split"
+    return KernelCost(p * r * c if mode == MODE_DE else 0, z * (2 if mode == MODE_DE else 1), dram,
+                      (Loop("pixel tiles", triton.cdiv(ch, bm)),),
+                      l2_bytes=(nchunk - 1) * p * c * eb, note=note)
+
+
+def _split_sum(part: torch.Tensor, out: torch.Tensor, what: str) -> torch.Tensor:
+    """out (L,) = part (S, L) summed over its rows in a fixed order (one launch)."""
+    s, n = part.shape[0], out.numel()
+    steps = triton.cdiv(s, SUM_SPLITS)
+    launch(_split_sum_kernel, (triton.cdiv(n, SUM_COLUMNS),), part, out, s, n,
+           cost=lambda: KernelCost(0, 0, n * 4, (Loop("splits", steps),), l2_bytes=s * n * 4,
+                                   l2_footprint_bytes=s * n * 4, note=f"fixed-order merge of {what}"),
+           BL=SUM_COLUMNS, BS=SUM_SPLITS, num_warps=4)
+    return out
+
+
+def _expand_splits(x: torch.Tensor, r: int, rb: int, bm: int) -> tuple[int, int]:
+    return _splits(x.shape[0], bm, max(1, device_info(x.device).sms // triton.cdiv(r, rb)))
+
+
+def expand_hidden(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rstd_e: torch.Tensor,
+                  gamma_e: torch.Tensor, beta_e: torch.Tensor) -> torch.Tensor:
+    """h = SiLU(gamma_e (x W_exp^T - mean_e) rstd_e + beta_e), (P, R) in x's dtype."""
+    p, _c, r = _check_expand("expand_hidden", x, w_exp, mean_e, rstd_e, gamma_e, beta_e)
+    h = torch.empty((p, r), device=x.device, dtype=x.dtype)
+    splits, ch = _expand_splits(x, r, EXPAND_ROWS, PIXELS)
+    _expand_launch(MODE_H, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, None, mean_e, mean_e, h, h, splits,
+                   ch, EXPAND_ROWS, PIXELS)
+    return h
+
+
+def bn_e_sums(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rstd_e: torch.Tensor,
+              gamma_e: torch.Tensor, beta_e: torch.Tensor, dh: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum dv (R,), sum dv e_hat (R,)) fp32, dv = dh SiLU'(v_e): partials per pixel split, then merged."""
+    _p, _c, r = _check_expand("bn_e_sums", x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh)
+    splits, ch = _expand_splits(x, r, EXPAND_ROWS, PIXELS)
+    part = torch.empty((splits, 2 * r), device=x.device, dtype=torch.float32)
+    _expand_launch(MODE_SUMS, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, mean_e, mean_e, x, part, splits,
+                   ch, EXPAND_ROWS, PIXELS)
+    sums = _split_sum(part, torch.empty((2, r), device=x.device, dtype=torch.float32), "BN_e's sums")
+    return sums[0], sums[1]
+
+
+def bn_e_backward(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rstd_e: torch.Tensor,
+                  gamma_e: torch.Tensor, beta_e: torch.Tensor, dh: torch.Tensor, sum_dv: torch.Tensor,
+                  sum_dv_ehat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(de (P, R) in x's dtype, dW_exp = de^T x (R, C) fp32 from de as rounded): one pass over dh, the
+    dW_exp partials per pixel split merged in a fixed order."""
+    op = "bn_e_backward"
+    p, c, r = _check_expand(op, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh)
+    _check(op, "sum_dv", sum_dv, (r,), (torch.float32,), x.device)
+    _check(op, "sum_dv_ehat", sum_dv_ehat, (r,), (torch.float32,), x.device)
+    splits, ch = _expand_splits(x, r, DE_ROWS, DE_PIXELS)
+    de = torch.empty((p, r), device=x.device, dtype=x.dtype)
+    part = torch.empty((splits, r * c), device=x.device, dtype=torch.float32)
+    _expand_launch(MODE_DE, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, sum_dv, sum_dv_ehat, de, part,
+                   splits, ch, DE_ROWS, DE_PIXELS)
+    dw = _split_sum(part, torch.empty((r, c), device=x.device, dtype=torch.float32), "dW_exp's partials")
+    return de, dw
+
+
+def expand_dgrad(de: torch.Tensor, w_exp: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """dx = de W_exp (+ residual), (P, C) in de's dtype; one rounding."""
+    op = "expand_dgrad"
+    if not isinstance(de, torch.Tensor) or de.dim() != 2:
+        raise ValueError(f"{op}: de must be a 2-D (P, R) tensor")
+    if de.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{op}: de has dtype {de.dtype}, expected float32, float16 or bfloat16")
+    if not isinstance(w_exp, torch.Tensor) or w_exp.dim() != 2:
+        raise ValueError(f"{op}: w_exp must be a 2-D (R, C) tensor")
+    p, r = de.shape
+    c = w_exp.shape[1]
+    _check(op, "de", de, (p, r), (de.dtype,), de.device)
+    _check(op, "w_exp", w_exp, (r, c), (de.dtype,), de.device)
+    if residual is not None:
+        _check(op, "residual", residual, (p, c), (de.dtype,), de.device)
+    _check_sizes(op, p, c, r)
+    dx = torch.empty((p, c), device=de.device, dtype=de.dtype)
+    _, prec = kernel_settings(de)
+    cp = max(16, triton.next_power_of_2(c))
+    bm = DGRAD_PIXELS if triton.cdiv(p, DGRAD_PIXELS) >= device_info(de.device).sms else DGRAD_PIXELS // 2
+    tiles = triton.cdiv(p, bm)
+    eb = de.element_size()
+    launch(_dgrad_kernel, (tiles,), de, w_exp, residual if residual is not None else dx, dx, p, c, r,
+           cost=lambda: KernelCost(p * r * c, tiles * bm * cp * triton.cdiv(r, DGRAD_STEP) * DGRAD_STEP,
+                                   p * r * eb + r * c * eb + p * c * eb * (2 if residual is not None else 1),
+                                   (Loop("hidden steps", triton.cdiv(r, DGRAD_STEP)),),
+                                   l2_bytes=(tiles - 1) * r * c * eb,
+                                   note="dx = de W_exp (+ residual)"),
+           RESIDUAL=residual is not None, BM=bm, CP=cp, RS=DGRAD_STEP, PREC=prec, num_warps=DGRAD_WARPS)
+    return dx
