@@ -94,13 +94,17 @@ def _backward(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1,
         F.conv2d(h4, w_dw.to(dt), None, 1, 1, 1, r // 8).contiguous(memory_format=cl))
     # SE: the gate from the pool, its backward on (N, R) vectors (fp32)
     dgate, gsum = p["dgate_pool"](d, mean_d, rstd_d, gamma_d, beta_d, do, wproj, n)
-    with torch.enable_grad():
-        pool = (gsum / hw).requires_grad_()
-        w1, b1, w2, b2 = (t.detach().to(pool.dtype).requires_grad_() for t in (w_se1, b_se1, w_se2, b_se2))
-        gate = torch.sigmoid(F.linear(F.relu(F.linear(pool, w1.reshape(w1.shape[0], -1), b1)),
-                                      w2.reshape(w2.shape[0], -1), b2))
-        dpool, dw_se1, db_se1, dw_se2, db_se2 = torch.autograd.grad(gate, (pool, w1, b1, w2, b2), dgate)
-    gate = gate.detach()
+    pool = gsum / hw
+    w1, b1, w2, b2 = (t.detach().to(pool.dtype) for t in (w_se1, b_se1, w_se2, b_se2))
+    w1, w2 = w1.reshape(w1.shape[0], -1), w2.reshape(w2.shape[0], -1)
+    s = torch.addmm(b1, pool, w1.t())
+    act = torch.relu(s)
+    gate = torch.sigmoid(torch.addmm(b2, act, w2.t()))
+    dt_se = dgate * gate * (1 - gate)
+    dw_se2, db_se2 = dt_se.t() @ act, dt_se.sum(0)
+    ds = (dt_se @ w2) * (s > 0)
+    dw_se1, db_se1 = ds.t() @ pool, ds.sum(0)
+    dpool = ds @ w1
     dpix = dpool / hw
     sum_dy, sum_dyu, dw_proj = p["bn_d_sums"](d, mean_d, rstd_d, gamma_d, beta_d, do, wproj, gate, dpix, n)
     dd = p["bn_d_backward"](d, mean_d, rstd_d, gamma_d, beta_d, do, wproj, gate, dpix, sum_dy, sum_dyu, n)
@@ -124,4 +128,11 @@ def _backward(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1,
              dw_proj.reshape(w_proj.shape), dgamma_p, dbeta_p)
     params = (x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,
               beta_p)
-    return tuple(g.to(q.dtype) for g, q in zip(grads, params))
+    out, storages = [], set()
+    for g, q in zip(grads, params):  # an op's outputs may not share memory (the sums come in pairs)
+        g = g.to(q.dtype)
+        if g.untyped_storage()._cdata in storages:
+            g = g.clone()
+        storages.add(g.untyped_storage()._cdata)
+        out.append(g)
+    return tuple(out)
