@@ -16,12 +16,13 @@ order by ``_split_sum_kernel``: no atomics, two identical calls give equal resul
 
 Splits: whole pixel tiles (narrow._splits), about as many as fill the GPU's SMs with the chunks.
 
-Tiles (8 warps each; Small's C = 256, R = 1024, fp16, sm_90 compile): h and sums modes RB = 128 channels x
-BM = 64 pixels, 3 pipeline stages (W's chunk 64 KB of shared memory, 176 KB in all; 8 chunks x 16 splits);
-de mode RB = 64 x BM = 128 (the z dot's M is 64 per warpgroup), 2 stages, its dW_exp^T partial [C, RB]
-fp32 in registers (255 registers, no stack: the per-channel vectors are folded to four, v = z A + B and
-de = A dv + z D1 + D0, each thread holding 16 channels of each); 16 chunks x 8 splits. expand_dgrad:
-128-pixel tiles (64 where 128 would leave SMs idle) x all C, K steps of 32.
+Tiles (``TILES``, ``DGRAD_TILES``; 8 warps each). At Small's C = 256, R = 1024 in 16-bit, compiled for
+sm_90: the h and sums modes 8 chunks x 16 splits of 64-pixel tiles, W's chunk 64 KB of shared memory (176 KB
+in all), 127 and 254 registers; the de mode 16 chunks x 8 splits of 128-pixel tiles, 255 registers and no
+stack because its per-channel vectors are folded to four (v = z A + B, de = A dv + z D1 + D0; each thread
+holds 16 channels of each over the loop); expand_dgrad 244 registers. fp32 (3xTF32: each operand split in
+two parts in registers, the whole C = 256 row per tile) takes smaller tiles that fit the shared memory and
+spills (440 to 1568 B of stack): correct, not fast; a K loop over C would be its fix.
 """
 
 from __future__ import annotations
@@ -37,17 +38,15 @@ from .launcher import MAX_C, kernel_settings
 from .narrow import _splits
 
 MODE_H, MODE_SUMS, MODE_DE = 0, 1, 2
-EXPAND_ROWS = 128  # hidden channels per program (RB) of the h and sums modes
-DE_ROWS = 64  # ... of the de mode (its dW_exp partial [RB, C] fp32 stays in registers)
-PIXELS = 64  # pixel tile (BM) of the h and sums modes: the wgmma's M
-DE_PIXELS = 128  # ... of the de mode (M = 64 per warpgroup of the z dot; the dW_exp dot's K)
-EXPAND_WARPS = 8
-EXPAND_STAGES = 3  # software-pipeline stages of the h and sums modes
-DE_WARPS = 8
-DE_STAGES = 2  # ... of the de mode (its x tiles are 64 KB each)
-DGRAD_PIXELS = 128  # pixel tile of expand_dgrad (64 where 128-row tiles would not fill the SMs)
-DGRAD_STEP = 32  # hidden channels per K step of expand_dgrad
-DGRAD_WARPS = 8
+# (RB hidden channels, BM pixels, warps, pipeline stages) of the expand kernel by mode and element size.
+# 16-bit: h and sums RB = 128 x BM = 64, 3 stages; de RB = 64 (its dW_exp^T partial [C, RB] fp32 stays in
+# registers) x BM = 128 (the z dot's M is 64 per warpgroup; the dW_exp dot's K), 2 stages (x tiles of
+# 64 KB). fp32 (3xTF32 keeps each operand as two parts): the tiles that fit the shared memory, one stage;
+# they spill (see the module docstring).
+TILES = {(MODE_H, 2): (128, 64, 8, 3), (MODE_SUMS, 2): (128, 64, 8, 3), (MODE_DE, 2): (64, 128, 8, 2),
+         (MODE_H, 4): (64, 64, 8, 1), (MODE_SUMS, 4): (64, 64, 8, 1), (MODE_DE, 4): (32, 64, 8, 1)}
+# expand_dgrad by element size: (pixel tile (halved where it would leave SMs idle), K step, warps)
+DGRAD_TILES = {2: (128, 32, 8), 4: (64, 32, 8)}
 SUM_COLUMNS = 256  # columns per program of the split merge
 SUM_SPLITS = 8  # splits per step of the split merge
 
@@ -205,8 +204,9 @@ def _check_sizes(op: str, p: int, c: int, r: int) -> None:
 # ------------------------------------------------------------------------------------------ launches
 
 
-def _expand_launch(mode: int, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, sdv, sdve, out, part, splits, ch,
-                   rb, bm):
+def _expand_launch(mode: int, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, sdv, sdve, out, part, splits,
+                   ch):
+    rb, bm, warps, stages = TILES[mode, _size(x)]
     p, c = x.shape
     r = w_exp.shape[0]
     fast, prec = kernel_settings(x)
@@ -218,8 +218,7 @@ def _expand_launch(mode: int, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, sdv
            cost=lambda: _expand_cost(mode, p, c, r, rb, cp, bm, splits, ch, x.element_size(),
                                      gamma_e.element_size()),
            MODE=mode, RB=rb, CP=cp, BM=bm, EVEN_R=r % rb == 0, FAST=fast, PREC=prec,
-           num_warps=DE_WARPS if mode == MODE_DE else EXPAND_WARPS,
-           num_stages=DE_STAGES if mode == MODE_DE else EXPAND_STAGES)
+           num_warps=warps, num_stages=stages)
 
 
 def _expand_cost(mode: int, p: int, c: int, r: int, rb: int, cp: int, bm: int, splits: int, ch: int,
@@ -258,7 +257,12 @@ def _split_sum(part: torch.Tensor, out: torch.Tensor, what: str) -> torch.Tensor
     return out
 
 
-def _expand_splits(x: torch.Tensor, r: int, rb: int, bm: int) -> tuple[int, int]:
+def _size(x: torch.Tensor) -> int:
+    return 4 if x.element_size() == 4 else 2
+
+
+def _expand_splits(mode: int, x: torch.Tensor, r: int) -> tuple[int, int]:
+    rb, bm = TILES[mode, _size(x)][:2]
     return _splits(x.shape[0], bm, max(1, device_info(x.device).sms // triton.cdiv(r, rb)))
 
 
@@ -267,9 +271,8 @@ def expand_hidden(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rs
     """h = SiLU(gamma_e (x W_exp^T - mean_e) rstd_e + beta_e), (P, R) in x's dtype."""
     p, _c, r = _check_expand("expand_hidden", x, w_exp, mean_e, rstd_e, gamma_e, beta_e)
     h = torch.empty((p, r), device=x.device, dtype=x.dtype)
-    splits, ch = _expand_splits(x, r, EXPAND_ROWS, PIXELS)
-    _expand_launch(MODE_H, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, None, mean_e, mean_e, h, h, splits,
-                   ch, EXPAND_ROWS, PIXELS)
+    splits, ch = _expand_splits(MODE_H, x, r)
+    _expand_launch(MODE_H, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, None, mean_e, mean_e, h, h, splits, ch)
     return h
 
 
@@ -278,10 +281,10 @@ def bn_e_sums(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rstd_e
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum dv (R,), sum dv e_hat (R,)) fp32, dv = dh SiLU'(v_e): partials per pixel split, then merged."""
     _p, _c, r = _check_expand("bn_e_sums", x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh)
-    splits, ch = _expand_splits(x, r, EXPAND_ROWS, PIXELS)
+    splits, ch = _expand_splits(MODE_SUMS, x, r)
     part = torch.empty((splits, 2 * r), device=x.device, dtype=torch.float32)
     _expand_launch(MODE_SUMS, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, mean_e, mean_e, x, part, splits,
-                   ch, EXPAND_ROWS, PIXELS)
+                   ch)
     sums = _split_sum(part, torch.empty((2, r), device=x.device, dtype=torch.float32), "BN_e's sums")
     return sums[0], sums[1]
 
@@ -295,11 +298,11 @@ def bn_e_backward(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rs
     p, c, r = _check_expand(op, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh)
     _check(op, "sum_dv", sum_dv, (r,), (torch.float32,), x.device)
     _check(op, "sum_dv_ehat", sum_dv_ehat, (r,), (torch.float32,), x.device)
-    splits, ch = _expand_splits(x, r, DE_ROWS, DE_PIXELS)
+    splits, ch = _expand_splits(MODE_DE, x, r)
     de = torch.empty((p, r), device=x.device, dtype=x.dtype)
     part = torch.empty((splits, r * c), device=x.device, dtype=torch.float32)
     _expand_launch(MODE_DE, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, sum_dv, sum_dv_ehat, de, part,
-                   splits, ch, DE_ROWS, DE_PIXELS)
+                   splits, ch)
     dw = _split_sum(part, torch.empty((r, c), device=x.device, dtype=torch.float32), "dW_exp's partials")
     return de, dw
 
@@ -323,14 +326,15 @@ def expand_dgrad(de: torch.Tensor, w_exp: torch.Tensor, residual: torch.Tensor |
     dx = torch.empty((p, c), device=de.device, dtype=de.dtype)
     _, prec = kernel_settings(de)
     cp = max(16, triton.next_power_of_2(c))
-    bm = DGRAD_PIXELS if triton.cdiv(p, DGRAD_PIXELS) >= device_info(de.device).sms else DGRAD_PIXELS // 2
+    bm, rs, warps = DGRAD_TILES[_size(de)]
+    bm = bm if triton.cdiv(p, bm) >= device_info(de.device).sms else bm // 2
     tiles = triton.cdiv(p, bm)
     eb = de.element_size()
     launch(_dgrad_kernel, (tiles,), de, w_exp, residual if residual is not None else dx, dx, p, c, r,
-           cost=lambda: KernelCost(p * r * c, tiles * bm * cp * triton.cdiv(r, DGRAD_STEP) * DGRAD_STEP,
+           cost=lambda: KernelCost(p * r * c, tiles * bm * cp * triton.cdiv(r, rs) * rs,
                                    p * r * eb + r * c * eb + p * c * eb * (2 if residual is not None else 1),
-                                   (Loop("hidden steps", triton.cdiv(r, DGRAD_STEP)),),
+                                   (Loop("hidden steps", triton.cdiv(r, rs)),),
                                    l2_bytes=(tiles - 1) * r * c * eb,
                                    note="dx = de W_exp (+ residual)"),
-           RESIDUAL=residual is not None, BM=bm, CP=cp, RS=DGRAD_STEP, PREC=prec, num_warps=DGRAD_WARPS)
+           RESIDUAL=residual is not None, BM=bm, CP=cp, RS=rs, PREC=prec, num_warps=warps)
     return dx

@@ -37,9 +37,10 @@ def small_tiles(monkeypatch):
     """Steps small enough that every loop runs more than once on these maps (module docstring)."""
     from convfirstnet.kernels.mbconv import expand_backward as eb
 
-    for name, value in (("PIXELS", 16), ("DE_PIXELS", 16), ("DGRAD_PIXELS", 32), ("DGRAD_STEP", 32),
-                        ("EXPAND_ROWS", 256), ("DE_ROWS", 256), ("SUM_SPLITS", 2), ("SUM_COLUMNS", 8192)):
-        monkeypatch.setattr(eb, name, value)
+    monkeypatch.setattr(eb, "TILES", {key: (256, 16, 8, 1) for key in eb.TILES})
+    monkeypatch.setattr(eb, "DGRAD_TILES", {key: (32, 32, 8) for key in eb.DGRAD_TILES})
+    monkeypatch.setattr(eb, "SUM_SPLITS", 2)
+    monkeypatch.setattr(eb, "SUM_COLUMNS", 8192)
 
 
 # (N, C, H, W, dtype, gamma/beta dtype): Small's widths in fp16 (BN_e's gamma, beta in fp16, as the layer's
@@ -205,8 +206,9 @@ def record_expand_backward(side: int, n: int = 128, dtype=torch.float16) -> list
 def test_small_expand_backward_compiles_for_sm90():
     """The launches at batch 128, 16x16 and 8x8 (hidden, sums + merge, de + merge, dgrad) compile for sm_90
     within shared memory, no spill code in their loops, the expand and dgrad dots on wgmma, enough
-    programs for the 132 SMs. (Compiled with Triton 3.8: h 127 registers, sums 254, de 255, all without
-    stack; shared memory 176 / 176 / 208 KiB; expand_dgrad 244 (16x16) and 127 (8x8) registers.)"""
+    programs for the 132 SMs; the fp32 variants within shared memory. (Compiled with Triton 3.8, fp16: h
+    127 registers, sums 254, de 255, all without stack; shared memory 176 / 176 / 208 KiB; expand_dgrad
+    244 (16x16) and 127 (8x8) registers.)"""
     pytest.importorskip("triton")
     from convfirstnet.analysis.compiled import compile_variants, variant_of
 
@@ -226,7 +228,14 @@ def test_small_expand_backward_compiles_for_sm90():
                 assert programs >= 128, (name, lc.grid)
             v = variant_of(lc, 90)
             variants.setdefault(v.key, v)
+    fp32 = {}  # fp32 (3xTF32, tiles that spill: module docstring) must still fit the shared memory
+    for lc in record_expand_backward(16, dtype=F32):
+        v = variant_of(lc, 90)
+        fp32.setdefault(v.key, v)
     problems = []
+    for v, c in zip(fp32.values(), compile_variants(list(fp32.values()))):
+        if c.shared > SHARED_LIMIT[90]:
+            problems.append(f"fp32 {v.name} {v.meta}: {c.shared} B shared")
     for v, c in zip(variants.values(), compile_variants(list(variants.values()))):
         where = f"{v.name} {v.meta}"
         want = "none" if v.name == "_split_sum_kernel" else "wgmma"
