@@ -380,15 +380,16 @@ def record_mbconv_backward(block: nn.Module, in_shape: tuple, batch: int, dtype:
     weights = (meta.conv_expand.weight, bns[0].weight, bns[0].bias, meta.conv_dw.weight, bns[1].weight,
                bns[1].bias, se.fc1.weight, se.fc1.bias, se.fc2.weight, se.fc2.bias, meta.conv_project.weight,
                bns[2].weight, bns[2].bias)
-    if meta.stride != 1 or not mbconv_fused_backward.selected(x, weights[0], weights[10]):
-        return None
     r, k = weights[0].shape[0], weights[10].shape[0]
     o = torch.empty_like(x)
     stats = torch.empty(4 * r + 2 * k, device="meta")
     drop = torch.ones(batch, device="meta")
     counter = _CountLaunches()
-    with recording(sms=tgt.sms, l2_bytes=tgt.l2_bytes) as rec, counter:
-        mbconv_fused_backward.backward(torch.empty_like(x), x, *weights, o, stats, drop, triton=True)
+    with recording(sms=tgt.sms, l2_bytes=tgt.l2_bytes) as rec:
+        if meta.stride != 1 or not mbconv_fused_backward.selected(x, weights[0], weights[10]):
+            return None
+        with counter:
+            mbconv_fused_backward.backward(torch.empty_like(x), x, *weights, o, stats, drop, triton=True)
     return rec.launches, counter.count
 
 
