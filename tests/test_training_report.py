@@ -75,8 +75,9 @@ def test_fused_block_recording_counts_launches_and_small_ops():
 def test_mbconv_recompute_counts_its_forward_twice_and_stores_its_input(pico):
     """An MBConv block on the recompute path: the report counts its layer-wise kernels plus the forward
     kernels run again in the backward (3 convs, 3 BatchNorms' statistics and normalise passes, the SE's
-    pool, fc1, fc2 and gate, BlurPool at stride 2: the forward MACs once more), and stores its narrow
-    input and the (N,) drop-path scale only, measured through the same saved_tensors_hooks."""
+    pool, fc1, fc2 and gate, BlurPool at stride 2: the forward MACs once more), and stores narrow tensors
+    only, measured through the same saved_tensors_hooks: its input and projection before BN_p, the (N,)
+    drop-path scale and the three BatchNorms' mean and rstd (4 R + 2 K values, fp32)."""
     model, shapes = pico
     lw = _LayerWise(shapes, batch=4, eb=2)
     fused = stored_bytes(model, SIZE, 2, fused=True)
@@ -92,8 +93,11 @@ def test_mbconv_recompute_counts_its_forward_twice_and_stores_its_input(pico):
         assert sum(k.macs for k in again) == sum(k.macs for k in forward) > 0
         assert all(k.bytes > 0 for k in again)
         _, c, h, w = shapes[path][0]
-        assert fused[path] == 2 * c * h * w + 4  # x at 2 bytes, the drop-path scale in fp32 (batch 1)
-        assert layerwise[path] > 10 * fused[path]
+        _, k, oh, ow = shapes[path][1]
+        r = m.conv_expand.out_channels
+        # x and o at 2 bytes, the drop-path scale and the statistics in fp32 (batch 1)
+        assert fused[path] == 2 * c * h * w + 2 * k * oh * ow + 4 + 4 * (4 * r + 2 * k)
+        assert layerwise[path] > 5 * fused[path]  # the layers keep wide (4C) tensors
     assert seen == {1, 2}
 
 
