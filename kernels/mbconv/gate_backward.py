@@ -45,11 +45,13 @@ MERGE_BLOCK = 512  # elements of the (K + 2, R) result per merge program
 def _gate_backward_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, do_ptr, w_ptr, gate_ptr, dpix_ptr,
                           a0_ptr, a1_ptr, a2_ptr, N, R, K, IPG, inv_p, HW: tl.constexpr,
                           MODE: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                          EVEN: tl.constexpr, FAST: tl.constexpr, PREC: tl.constexpr):
+                          EVEN_HW: tl.constexpr, EVEN_CK: tl.constexpr, FAST: tl.constexpr,
+                          PREC: tl.constexpr):
     """Program (c, s): channels c RB ... (c + 1) RB - 1 of images s IPG ... (s + 1) IPG - 1 (TPI = HW / BM
     tiles each, rounded up). MODE 0: a0 = dgate, a1 = gsum (N, R). MODE 1: a2 = the partials (groups,
     K + 2, R): rows 0 ... K - 1 dW_proj, K sum dy, K + 1 sum dy u_hat. MODE 2: a0 = sum dy, a1 = sum dy
-    u_hat (R,), a2 = dd (P, R). EVEN: HW a multiple of BM, R of RB, K = BK (no masks).
+    u_hat (R,), a2 = dd (P, R). EVEN_HW: HW a multiple of BM (no pixel masks); EVEN_CK: R a multiple
+    of RB and K = BK (no channel masks; a masked channel has a = b = gate = dpix = 0 and dq = 0: g = dy = 0).
 
     Tiles are transposed, [RB channels, BM pixels]: dq^T = W^T do^T puts the pixels along the wgmma
     accumulator's N, where a thread holds BM / 4 of a row's values and 3 more lanes the rest, so at
@@ -90,21 +92,30 @@ def _gate_backward_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, do_ptr
         img = n0 + t // TPI
         j = (t % TPI) * BM + i
         rows = img * HW + j
-        if EVEN:
-            x = tl.load(d_ptr + c[:, None] + rows[None, :] * R).to(tl.float32)
-            do = tl.load(do_ptr + rows[:, None] * K + k[None, :])
+        xp = d_ptr + c[:, None] + rows[None, :] * R
+        dp = do_ptr + rows[:, None] * K + k[None, :]
+        row_ok = j < HW
+        if EVEN_HW and EVEN_CK:
+            x = tl.load(xp)
+            do = tl.load(dp)
+        elif EVEN_HW:
+            x = tl.load(xp, mask=c_ok[:, None], other=0.0)
+            do = tl.load(dp, mask=k_ok[None, :], other=0.0)
+        elif EVEN_CK and MODE != 0:
+            x = tl.load(xp, mask=row_ok[None, :], other=0.0)
+            do = tl.load(dp, mask=row_ok[:, None], other=0.0)
         else:
-            ok = c_ok[:, None] & (j < HW)[None, :]
-            x = tl.load(d_ptr + c[:, None] + rows[None, :] * R, mask=ok, other=0.0).to(tl.float32)
-            do = tl.load(do_ptr + rows[:, None] * K + k[None, :], mask=(j < HW)[:, None] & k_ok[None, :],
-                         other=0.0)
+            x = tl.load(xp, mask=c_ok[:, None] & row_ok[None, :], other=0.0)
+            do = tl.load(dp, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        x = x.to(tl.float32)
         dq = tl.dot(wt, tl.trans(do), input_precision=PREC)  # [RB, BM]
         v = x * a + b
         sg = sigmoid(v, FAST)
         if MODE == 0:
             g = v * sg
-            if not EVEN:
-                g = tl.where(ok, g, 0.0)
+            if not EVEN_HW:  # (with the channel mask, and all of them on the loads: the compile of MODE 0
+                # at 14x14 keeps the cheaper layouts, 32-38 against 46-57 us in the static estimate)
+                g = tl.where(c_ok[:, None] & row_ok[None, :], g, 0.0)
             acc += tl.sum(dq * g, axis=1)
             acc2 += tl.sum(g, axis=1)
             last = t % TPI == TPI - 1  # the image's sums are complete: write them, start the next
@@ -119,18 +130,23 @@ def _gate_backward_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, do_ptr
             dy = (dq * gate + dpix) * (sg + g * (1.0 - sg))  # SiLU'(v) = s (1 + v (1 - s))
             u_hat = x * rstd[:, None] - mr
             if MODE == 1:
-                if not EVEN:
-                    dy = tl.where(ok, dy, 0.0)
-                    g = tl.where(ok, g, 0.0)
+                if not EVEN_HW:
+                    dy = tl.where(row_ok[None, :], dy, 0.0)
+                    g = tl.where(row_ok[None, :], g, 0.0)
                 acc_dy += dy
                 acc_dyu += dy * u_hat
                 acc_w = tl.dot(tl.trans(do), tl.trans((g * gate).to(dt)), acc_w, input_precision=PREC)
             else:
                 dd = (a * (dy - sum_dy - u_hat * sum_dyu)).to(dt)
-                if EVEN:
+                if EVEN_HW and EVEN_CK:
                     tl.store(a2_ptr + c[:, None] + rows[None, :] * R, dd)
+                elif EVEN_HW:
+                    tl.store(a2_ptr + c[:, None] + rows[None, :] * R, dd, mask=c_ok[:, None])
+                elif EVEN_CK:
+                    tl.store(a2_ptr + c[:, None] + rows[None, :] * R, dd, mask=row_ok[None, :])
                 else:
-                    tl.store(a2_ptr + c[:, None] + rows[None, :] * R, dd, mask=ok)
+                    tl.store(a2_ptr + c[:, None] + rows[None, :] * R, dd,
+                             mask=c_ok[:, None] & row_ok[None, :])
     if MODE == 1:
         part = a2_ptr + s * (K + 2) * R
         tl.store(part + k[:, None] * R + c[None, :], acc_w, mask=k_ok[:, None] & c_ok[None, :])
@@ -212,11 +228,11 @@ def _launch(mode: int, d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpi
     chunks, groups, ipg, _ = geo
     silu, prec = kernel_settings(d)
     bk = max(16, triton.next_power_of_2(kk))
-    even = hw % BM == 0 and r % RB[mode] == 0 and kk == bk
     launch(_gate_backward_kernel, (chunks, groups), d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate,
            dpix, a0, a1, a2, n, r, kk, ipg, 1.0 / p,
            cost=lambda: _cost(mode, p, r, kk, n, geo, d.element_size()),
-           HW=hw, MODE=mode, RB=RB[mode], BM=BM, BK=bk, EVEN=even, FAST=silu, PREC=prec, num_warps=WARPS,
+           HW=hw, MODE=mode, RB=RB[mode], BM=BM, BK=bk, EVEN_HW=hw % BM == 0,
+           EVEN_CK=r % RB[mode] == 0 and kk == bk, FAST=silu, PREC=prec, num_warps=WARPS,
            num_stages=STAGES)
 
 
