@@ -34,8 +34,12 @@ from .launcher import kernel_settings
 
 BM = 64  # pixels per tile (the dots' M; wgmma needs >= 64)
 RB = (128, 64, 128)  # channels per chunk by MODE (MODE 1 also holds the [K, RB] fp32 dW_proj partial)
-WARPS = 8  # two warpgroups
 STAGES = 3  # do tiles in flight (cp.async)
+# fp32 data (tiles of twice the bytes, tf32x3 dots): the W_proj slice and the do tiles within shared memory
+# (sm_90, Small: 192 KB; 64 channels took 256-320 KB). It spills and takes mma.sync: a fallback, not tuned
+RB_FP32 = (32, 16, 32)
+STAGES_FP32 = 2
+WARPS = 8  # two warpgroups
 MIN_IMAGES = 2  # the fewest images per group: the W_proj slice is read once per program
 MERGE_GROUPS = 16  # groups per step of the merge
 MERGE_BLOCK = 512  # elements of the (K + 2, R) result per merge program
@@ -208,14 +212,15 @@ def _check(op: str, d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, n, gate=None
         bad("every tensor must be contiguous (row-major)")
 
 
-def _geometry(d: torch.Tensor, n: int, mode: int) -> tuple[int, int, int, int]:
-    """(chunks, groups, images per group, tiles per image) of MODE's grid: about one program per SM
-    (each program loads its W_proj slice once), at least MIN_IMAGES images per group."""
+def _geometry(d: torch.Tensor, n: int, mode: int) -> tuple[int, int, int, int, int]:
+    """(channels per chunk, chunks, groups, images per group, tiles per image) of MODE's grid: about one
+    program per SM (each program loads its W_proj slice once), at least MIN_IMAGES images per group."""
     p, r = d.shape
-    chunks = triton.cdiv(r, RB[mode])
+    rb = (RB_FP32 if d.dtype == torch.float32 else RB)[mode]
+    chunks = triton.cdiv(r, rb)
     want = max(1, device_info(d.device).sms // chunks)
     ipg = max(min(MIN_IMAGES, n), triton.cdiv(n, want))
-    return chunks, triton.cdiv(n, ipg), ipg, triton.cdiv(p // n, BM)
+    return rb, chunks, triton.cdiv(n, ipg), ipg, triton.cdiv(p // n, BM)
 
 
 def _launch(mode: int, d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpix, a0, a1, a2, n,
@@ -225,15 +230,15 @@ def _launch(mode: int, d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpi
     p, r = d.shape
     kk = do.shape[1]
     hw = p // n
-    chunks, groups, ipg, _ = geo
+    rb, chunks, groups, ipg, _ = geo
     silu, prec = kernel_settings(d)
     bk = max(16, triton.next_power_of_2(kk))
     launch(_gate_backward_kernel, (chunks, groups), d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate,
            dpix, a0, a1, a2, n, r, kk, ipg, 1.0 / p,
            cost=lambda: _cost(mode, p, r, kk, n, geo, d.element_size()),
-           HW=hw, MODE=mode, RB=RB[mode], BM=BM, BK=bk, EVEN_HW=hw % BM == 0,
-           EVEN_CK=r % RB[mode] == 0 and kk == bk, FAST=silu, PREC=prec, num_warps=WARPS,
-           num_stages=STAGES)
+           HW=hw, MODE=mode, RB=rb, BM=BM, BK=bk, EVEN_HW=hw % BM == 0, EVEN_CK=r % rb == 0 and kk == bk,
+           FAST=silu, PREC=prec, num_warps=WARPS,
+           num_stages=STAGES_FP32 if d.dtype == torch.float32 else STAGES)
 
 
 def dgate_pool(d: torch.Tensor, mean_d: torch.Tensor, rstd_d: torch.Tensor, gamma_d: torch.Tensor,
@@ -256,7 +261,7 @@ def bn_d_sums(d: torch.Tensor, mean_d: torch.Tensor, rstd_d: torch.Tensor, gamma
     _check("bn_d_sums", d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, n, gate, dpix)
     r, kk = d.shape[1], do.shape[1]
     geo = _geometry(d, n, 1)
-    groups = geo[1]
+    groups = geo[2]
     part = torch.empty((groups, kk + 2, r), device=d.device, dtype=torch.float32)
     dw = torch.empty((kk, r), device=d.device, dtype=torch.float32)
     sum_dy = torch.empty((r,), device=d.device, dtype=torch.float32)
@@ -292,10 +297,10 @@ def _cost(mode: int, p: int, r: int, kk: int, n: int, geo, eb: int) -> KernelCos
     MODE 2 dd. The dots as issued: BM x BK x RB per tile (the masked pixels of an image's last tile and
     K's padding included), MODE 1 a second one of BK x RB x BM. Useful: dq once (MODE 0) and dW_proj
     (MODE 1); the other dq's are recomputed."""
-    chunks, groups, ipg, tpi = geo
+    rb, chunks, groups, ipg, tpi = geo
     bk = max(16, triton.next_power_of_2(kk))
     tiles = n * tpi
-    mma = chunks * tiles * BM * bk * RB[mode] * (2 if mode == 1 else 1)
+    mma = chunks * tiles * BM * bk * rb * (2 if mode == 1 else 1)
     useful = p * kk * r if mode < 2 else 0
     dram = (p * r + p * kk + kk * r) * eb + 4 * r * 4 + 2 * n * r * 4
     l2 = (chunks - 1) * p * kk * eb + (groups - 1) * kk * r * eb

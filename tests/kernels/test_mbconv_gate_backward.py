@@ -141,8 +141,8 @@ def test_bad_input_raises_before_any_launch(triton_backend):
 # ------------------------------------------------------------------------------------------------ sm_90
 
 
-def record_small(side: int, n: int = 128, c: int = 256) -> list:
-    """The launches of the three passes at fused Small's shapes (fp16) on meta tensors."""
+def record_small(side: int, n: int = 128, c: int = 256, dtype=torch.float16) -> list:
+    """The launches of the three passes at fused Small's shapes on meta tensors."""
     from convfirstnet.kernels._cost import recording
     from convfirstnet.kernels.mbconv.gate_backward import bn_d_backward, bn_d_sums, dgate_pool
 
@@ -151,7 +151,7 @@ def record_small(side: int, n: int = 128, c: int = 256) -> list:
     def t(*shape, dtype=torch.float32):
         return torch.empty(*shape, device="meta", dtype=dtype)
 
-    d, do, w = t(p, r, dtype=torch.float16), t(p, c, dtype=torch.float16), t(c, r, dtype=torch.float16)
+    d, do, w = t(p, r, dtype=dtype), t(p, c, dtype=dtype), t(c, r, dtype=dtype)
     v = [t(r) for _ in range(4)]
     with recording(sms=132, l2_bytes=50 * 2**20) as rec:
         dgate_pool(d, *v, do, w, n)
@@ -190,3 +190,17 @@ def test_small_gate_backward_compiles_for_sm90():
         if c.shared > SHARED_LIMIT[90] or c.stack or _spills_in_loops(c) or c.mma_kind != want:
             problems.append(f"{where}: {c.shared} B shared, {c.stack} B stack, {c.mma_kind}")
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.compile
+def test_fp32_launches_fit_in_shared_memory():
+    """fp32 data (a fallback: smaller channel chunks, tf32x3 dots) compiles for sm_90 within shared memory
+    at Small's 16x16 maps, so that its launches start (64-channel chunks took 256-320 KB)."""
+    pytest.importorskip("triton")
+    from convfirstnet.analysis.compiled import compile_variants, variant_of
+
+    from .test_mbconv import SHARED_LIMIT
+
+    variants = {v.key: v for v in (variant_of(lc, 90) for lc in record_small(16, dtype=torch.float32))}
+    shared = [c.shared for c in compile_variants(list(variants.values()))]
+    assert max(shared) <= SHARED_LIMIT[90], shared
