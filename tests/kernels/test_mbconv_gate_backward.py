@@ -2,9 +2,9 @@
 bn_d_sums, bn_d_backward) against their specification (backward_reference.py) computed in fp64 on the
 same inputs, in the interpreter at the model's widths on small maps, with small steps (``small_tiles``:
 16-pixel tiles, one group per merge step) so that every loop runs more than once: tiles of an image
-(4 at 8x8; 2 at 5x5, the second ragged), images of a group (2, then a group of 1), channel chunks (8 or 16
-at R = 1024; a masked last chunk at R = 192), the merge over the groups; and each of the kernel's mask
-variants (EVEN_HW, EVEN_CK).
+(4 at 8x8; 2 at 5x5, the second ragged), images of a group (2, then a group of 1), channel chunks (at
+R = 1024: 8 or 16 in fp16, 32 or 64 in fp32; a masked last chunk at R = 192), the merge over the groups;
+and each of the kernel's mask variants (EVEN_HW, EVEN_CK).
 
 Tolerances (relative to each tensor's maximum). fp32: both sides sum the same fp32 products in another
 order (and exp2 against torch's sigmoid): observed <= 6e-7, compared within 1e-5. fp16: dq is a product
