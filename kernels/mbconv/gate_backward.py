@@ -34,8 +34,12 @@ from .launcher import kernel_settings
 
 BM = 64  # pixels per tile (the dots' M; wgmma needs >= 64)
 RB = (128, 64, 128)  # channels per chunk by MODE (MODE 1 also holds the [K, RB] fp32 dW_proj partial)
-WARPS = 8  # two warpgroups
 STAGES = 3  # do tiles in flight (cp.async)
+# fp32 data (tiles of twice the bytes, tf32x3 dots): the W_proj slice and the do tiles within shared memory
+# (sm_90, Small: 192 KB; 64 channels took 256-320 KB). It spills and takes mma.sync: a fallback, not tuned
+RB_FP32 = (32, 16, 32)
+STAGES_FP32 = 2
+WARPS = 8  # two warpgroups
 MIN_IMAGES = 2  # the fewest images per group: the W_proj slice is read once per program
 MERGE_GROUPS = 16  # groups per step of the merge
 MERGE_BLOCK = 512  # elements of the (K + 2, R) result per merge program
@@ -45,11 +49,13 @@ MERGE_BLOCK = 512  # elements of the (K + 2, R) result per merge program
 def _gate_backward_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, do_ptr, w_ptr, gate_ptr, dpix_ptr,
                           a0_ptr, a1_ptr, a2_ptr, N, R, K, IPG, inv_p, HW: tl.constexpr,
                           MODE: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                          EVEN: tl.constexpr, FAST: tl.constexpr, PREC: tl.constexpr):
+                          EVEN_HW: tl.constexpr, EVEN_CK: tl.constexpr, FAST: tl.constexpr,
+                          PREC: tl.constexpr):
     """Program (c, s): channels c RB ... (c + 1) RB - 1 of images s IPG ... (s + 1) IPG - 1 (TPI = HW / BM
     tiles each, rounded up). MODE 0: a0 = dgate, a1 = gsum (N, R). MODE 1: a2 = the partials (groups,
     K + 2, R): rows 0 ... K - 1 dW_proj, K sum dy, K + 1 sum dy u_hat. MODE 2: a0 = sum dy, a1 = sum dy
-    u_hat (R,), a2 = dd (P, R). EVEN: HW a multiple of BM, R of RB, K = BK (no masks).
+    u_hat (R,), a2 = dd (P, R). EVEN_HW: HW a multiple of BM (no pixel masks); EVEN_CK: R a multiple
+    of RB and K = BK (no channel masks; a masked channel has a = b = gate = dpix = 0 and dq = 0: g = dy = 0).
 
     Tiles are transposed, [RB channels, BM pixels]: dq^T = W^T do^T puts the pixels along the wgmma
     accumulator's N, where a thread holds BM / 4 of a row's values and 3 more lanes the rest, so at
@@ -90,21 +96,30 @@ def _gate_backward_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, do_ptr
         img = n0 + t // TPI
         j = (t % TPI) * BM + i
         rows = img * HW + j
-        if EVEN:
-            x = tl.load(d_ptr + c[:, None] + rows[None, :] * R).to(tl.float32)
-            do = tl.load(do_ptr + rows[:, None] * K + k[None, :])
+        xp = d_ptr + c[:, None] + rows[None, :] * R
+        dp = do_ptr + rows[:, None] * K + k[None, :]
+        row_ok = j < HW
+        if EVEN_HW and EVEN_CK:
+            x = tl.load(xp)
+            do = tl.load(dp)
+        elif EVEN_HW:
+            x = tl.load(xp, mask=c_ok[:, None], other=0.0)
+            do = tl.load(dp, mask=k_ok[None, :], other=0.0)
+        elif EVEN_CK and MODE != 0:
+            x = tl.load(xp, mask=row_ok[None, :], other=0.0)
+            do = tl.load(dp, mask=row_ok[:, None], other=0.0)
         else:
-            ok = c_ok[:, None] & (j < HW)[None, :]
-            x = tl.load(d_ptr + c[:, None] + rows[None, :] * R, mask=ok, other=0.0).to(tl.float32)
-            do = tl.load(do_ptr + rows[:, None] * K + k[None, :], mask=(j < HW)[:, None] & k_ok[None, :],
-                         other=0.0)
+            x = tl.load(xp, mask=c_ok[:, None] & row_ok[None, :], other=0.0)
+            do = tl.load(dp, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        x = x.to(tl.float32)
         dq = tl.dot(wt, tl.trans(do), input_precision=PREC)  # [RB, BM]
         v = x * a + b
         sg = sigmoid(v, FAST)
         if MODE == 0:
             g = v * sg
-            if not EVEN:
-                g = tl.where(ok, g, 0.0)
+            if not EVEN_HW:  # (with the channel mask, and all of them on the loads: the compile of MODE 0
+                # at 14x14 keeps the cheaper layouts, 32-38 against 46-57 us in the static estimate)
+                g = tl.where(c_ok[:, None] & row_ok[None, :], g, 0.0)
             acc += tl.sum(dq * g, axis=1)
             acc2 += tl.sum(g, axis=1)
             last = t % TPI == TPI - 1  # the image's sums are complete: write them, start the next
@@ -119,18 +134,23 @@ def _gate_backward_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, do_ptr
             dy = (dq * gate + dpix) * (sg + g * (1.0 - sg))  # SiLU'(v) = s (1 + v (1 - s))
             u_hat = x * rstd[:, None] - mr
             if MODE == 1:
-                if not EVEN:
-                    dy = tl.where(ok, dy, 0.0)
-                    g = tl.where(ok, g, 0.0)
+                if not EVEN_HW:
+                    dy = tl.where(row_ok[None, :], dy, 0.0)
+                    g = tl.where(row_ok[None, :], g, 0.0)
                 acc_dy += dy
                 acc_dyu += dy * u_hat
                 acc_w = tl.dot(tl.trans(do), tl.trans((g * gate).to(dt)), acc_w, input_precision=PREC)
             else:
                 dd = (a * (dy - sum_dy - u_hat * sum_dyu)).to(dt)
-                if EVEN:
+                if EVEN_HW and EVEN_CK:
                     tl.store(a2_ptr + c[:, None] + rows[None, :] * R, dd)
+                elif EVEN_HW:
+                    tl.store(a2_ptr + c[:, None] + rows[None, :] * R, dd, mask=c_ok[:, None])
+                elif EVEN_CK:
+                    tl.store(a2_ptr + c[:, None] + rows[None, :] * R, dd, mask=row_ok[None, :])
                 else:
-                    tl.store(a2_ptr + c[:, None] + rows[None, :] * R, dd, mask=ok)
+                    tl.store(a2_ptr + c[:, None] + rows[None, :] * R, dd,
+                             mask=c_ok[:, None] & row_ok[None, :])
     if MODE == 1:
         part = a2_ptr + s * (K + 2) * R
         tl.store(part + k[:, None] * R + c[None, :], acc_w, mask=k_ok[:, None] & c_ok[None, :])
@@ -192,14 +212,15 @@ def _check(op: str, d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, n, gate=None
         bad("every tensor must be contiguous (row-major)")
 
 
-def _geometry(d: torch.Tensor, n: int, mode: int) -> tuple[int, int, int, int]:
-    """(chunks, groups, images per group, tiles per image) of MODE's grid: about one program per SM
-    (each program loads its W_proj slice once), at least MIN_IMAGES images per group."""
+def _geometry(d: torch.Tensor, n: int, mode: int) -> tuple[int, int, int, int, int]:
+    """(channels per chunk, chunks, groups, images per group, tiles per image) of MODE's grid: about one
+    program per SM (each program loads its W_proj slice once), at least MIN_IMAGES images per group."""
     p, r = d.shape
-    chunks = triton.cdiv(r, RB[mode])
+    rb = (RB_FP32 if d.dtype == torch.float32 else RB)[mode]
+    chunks = triton.cdiv(r, rb)
     want = max(1, device_info(d.device).sms // chunks)
     ipg = max(min(MIN_IMAGES, n), triton.cdiv(n, want))
-    return chunks, triton.cdiv(n, ipg), ipg, triton.cdiv(p // n, BM)
+    return rb, chunks, triton.cdiv(n, ipg), ipg, triton.cdiv(p // n, BM)
 
 
 def _launch(mode: int, d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpix, a0, a1, a2, n,
@@ -209,15 +230,15 @@ def _launch(mode: int, d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpi
     p, r = d.shape
     kk = do.shape[1]
     hw = p // n
-    chunks, groups, ipg, _ = geo
+    rb, chunks, groups, ipg, _ = geo
     silu, prec = kernel_settings(d)
     bk = max(16, triton.next_power_of_2(kk))
-    even = hw % BM == 0 and r % RB[mode] == 0 and kk == bk
     launch(_gate_backward_kernel, (chunks, groups), d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate,
            dpix, a0, a1, a2, n, r, kk, ipg, 1.0 / p,
            cost=lambda: _cost(mode, p, r, kk, n, geo, d.element_size()),
-           HW=hw, MODE=mode, RB=RB[mode], BM=BM, BK=bk, EVEN=even, FAST=silu, PREC=prec, num_warps=WARPS,
-           num_stages=STAGES)
+           HW=hw, MODE=mode, RB=rb, BM=BM, BK=bk, EVEN_HW=hw % BM == 0, EVEN_CK=r % rb == 0 and kk == bk,
+           FAST=silu, PREC=prec, num_warps=WARPS,
+           num_stages=STAGES_FP32 if d.dtype == torch.float32 else STAGES)
 
 
 def dgate_pool(d: torch.Tensor, mean_d: torch.Tensor, rstd_d: torch.Tensor, gamma_d: torch.Tensor,
@@ -240,7 +261,7 @@ def bn_d_sums(d: torch.Tensor, mean_d: torch.Tensor, rstd_d: torch.Tensor, gamma
     _check("bn_d_sums", d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, n, gate, dpix)
     r, kk = d.shape[1], do.shape[1]
     geo = _geometry(d, n, 1)
-    groups = geo[1]
+    groups = geo[2]
     part = torch.empty((groups, kk + 2, r), device=d.device, dtype=torch.float32)
     dw = torch.empty((kk, r), device=d.device, dtype=torch.float32)
     sum_dy = torch.empty((r,), device=d.device, dtype=torch.float32)
@@ -276,10 +297,10 @@ def _cost(mode: int, p: int, r: int, kk: int, n: int, geo, eb: int) -> KernelCos
     MODE 2 dd. The dots as issued: BM x BK x RB per tile (the masked pixels of an image's last tile and
     K's padding included), MODE 1 a second one of BK x RB x BM. Useful: dq once (MODE 0) and dW_proj
     (MODE 1); the other dq's are recomputed."""
-    chunks, groups, ipg, tpi = geo
+    rb, chunks, groups, ipg, tpi = geo
     bk = max(16, triton.next_power_of_2(kk))
     tiles = n * tpi
-    mma = chunks * tiles * BM * bk * RB[mode] * (2 if mode == 1 else 1)
+    mma = chunks * tiles * BM * bk * rb * (2 if mode == 1 else 1)
     useful = p * kk * r if mode < 2 else 0
     dram = (p * r + p * kk + kk * r) * eb + 4 * r * 4 + 2 * n * r * 4
     l2 = (chunks - 1) * p * kk * eb + (groups - 1) * kk * r * eb
