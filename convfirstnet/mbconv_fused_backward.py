@@ -59,8 +59,10 @@ def selected(x: T, w_exp: T, w_proj: T) -> bool:
     """Whether a stride-1 block's backward takes the fused passes: where its forward takes the fused
     kernels (mbconv_fused_forward.selected) and its wide tensors take 32-bit offsets, decided before any
     launch."""
+    if not mbconv_fused_forward.selected(x, w_exp, w_proj, 1):
+        return False
     n, c, h, w = x.shape
-    return n * h * w * max(w_exp.shape[0], c) < 2**31 and mbconv_fused_forward.selected(x, w_exp, w_proj, 1)
+    return n * h * w * max(w_exp.shape[0], c) < 2**31
 
 
 def backward(grad_out: T, x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d: T, w_se1: T,
