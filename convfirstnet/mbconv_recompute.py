@@ -102,7 +102,7 @@ def _train(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2
     """(out, the six updated running statistics, o, stats): o the projection before BN_p (narrow), stats
     the batch mean and rstd of BN_e, BN_d, BN_p (mbconv_fused_forward.stats_rows): what the stride-1
     backward (mbconv_fused_backward.py) starts from."""
-    running = tuple(t.clone() for t in running)
+    running = tuple(torch._foreach_add(list(running), 0))  # the six copies in one multi-tensor launch
     r, k = w_exp.shape[0], w_proj.shape[0]
     stats = x.new_empty((4 * r + 2 * k,), dtype=torch.float32)
     if fused and mbconv_fused_forward.selected(x, w_exp, w_proj, stride):  # the MBConv kernels
@@ -223,9 +223,10 @@ def _autograd(ctx, grad_out, *unused):
 torch.library.register_autograd("convfirstnet::mbconv_recompute_train", _autograd, setup_context=_setup)
 
 
-# The small ops of a step besides the layers' kernels: 3 num_batches_tracked increments, 6 copies of the
-# running statistics in the op and 6 copies back (the static training report charges each a launch gap)
-SMALL_OPS_PER_STEP = 15
+# The small ops of a step besides the layers' kernels, each a multi-tensor launch: the num_batches_tracked
+# increments, the copies of the running statistics in the op and the copies back (the static training
+# report charges each a launch gap)
+SMALL_OPS_PER_STEP = 3
 
 
 def recompute_forward(block, x: torch.Tensor, dtype: torch.dtype, drop: torch.Tensor) -> torch.Tensor:
@@ -235,8 +236,7 @@ def recompute_forward(block, x: torch.Tensor, dtype: torch.dtype, drop: torch.Te
     scale per image, drawn by the caller."""
     bns = (block.bn_expand, block.bn_dw, block.bn_project)
     with torch.no_grad():
-        for bn in bns:
-            bn.num_batches_tracked.add_(1)
+        torch._foreach_add_([bn.num_batches_tracked for bn in bns], 1)
     se = block.se
     res = torch.ops.convfirstnet.mbconv_recompute_train(
         x.to(dtype), block.conv_expand.weight, bns[0].weight, bns[0].bias, block.conv_dw.weight,
@@ -246,7 +246,5 @@ def recompute_forward(block, x: torch.Tensor, dtype: torch.dtype, drop: torch.Te
         [-1.0 if bn.momentum is None else float(bn.momentum) for bn in bns], bns[0].eps,
         [bn.num_batches_tracked for bn in bns])
     with torch.no_grad():
-        for i, bn in enumerate(bns):
-            bn.running_mean.copy_(res[1 + 2 * i])
-            bn.running_var.copy_(res[2 + 2 * i])
+        torch._foreach_copy_([t for bn in bns for t in (bn.running_mean, bn.running_var)], list(res[1:7]))
     return res[0]
