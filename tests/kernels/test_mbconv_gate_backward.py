@@ -196,7 +196,7 @@ def test_small_gate_backward_compiles_for_sm90():
     """The four launches at fused Small's 16x16 and 8x8 maps (256-pixel input) and 14x14 and 7x7 (224, the
     training size: pixel masks), batch 128, fp16, compile for sm_90 within shared memory, with no spill code
     in their loops (and no stack at all), the dots on wgmma; each pass's grid fills the 132 SMs (at least
-    128 programs). (Compiled: dgate_pool 211 / 224 / 222 / 246 registers at 16x16 / 8x8 / 14x14 / 7x7,
+    128 programs). (Compiled: dgate_pool 211 / 224 / 222 / 226 registers at 16x16 / 8x8 / 14x14 / 7x7,
     bn_d_backward 244 / 246 / 245 / 249, bn_d_sums 32, the merge 61; shared memory 192 KB, 152.5 KB for
     bn_d_backward: the W_proj slice and three do tiles.)"""
     pytest.importorskip("triton")
