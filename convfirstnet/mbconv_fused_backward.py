@@ -5,10 +5,11 @@ rstd. The wide tensors of the backward (h, d, dd, dh, de) each live from one lau
 
     do                 BN_p's backward (narrow)
     h, d               h from x (expand, BN_e, SiLU), d = gconv3x3(h)
-    dgate, gsum        one pass over d: per image, sum dq g and sum g (dq = do W_proj recomputed)
+    dgate, gsum, parts one pass over d: per image, sum dq g, sum g and BN_d's backward sums' parts (dq =
+                       do W_proj recomputed)
     SE                 gate from gsum / HW, its backward on (N, R) vectors (PyTorch, as the layers run it)
-    BN_d sums, dW_proj one pass over d
-    dd                 one pass over d, written
+    BN_d sums          from the parts, gate and dpix ((N, R) -> (R,))
+    dd, dW_proj        one pass over d, dd written
     dh, dW_conv        the group-width-8 conv's dgrad and wgrad (torch.ops.convfirstnet)
     BN_e sums          one pass over dh (z = x W_exp^T recomputed)
     de, dW_exp         one pass over dh, de written
@@ -97,7 +98,7 @@ def _backward(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1,
     d = _rows(torch.ops.convfirstnet.gconv3x3(h4, w_dw, 1, True)) if triton else _rows(
         F.conv2d(h4, w_dw.to(dt), None, 1, 1, 1, r // 8).contiguous(memory_format=cl))
     # SE: the gate from the pool, its backward on (N, R) vectors (fp32)
-    dgate, gsum = p["dgate_pool"](d, mean_d, rstd_d, gamma_d, beta_d, do, wproj, n)
+    dgate, gsum, parts = p["dgate_pool"](d, mean_d, rstd_d, gamma_d, beta_d, do, wproj, n)
     pool = gsum / hw
     w1, b1, w2, b2 = (t.detach().to(pool.dtype) for t in (w_se1, b_se1, w_se2, b_se2))
     w1, w2 = w1.reshape(w1.shape[0], -1), w2.reshape(w2.shape[0], -1)
@@ -110,8 +111,9 @@ def _backward(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1,
     dw_se1, db_se1 = ds.t() @ pool, ds.sum(0)
     dpool = ds @ w1
     dpix = dpool / hw
-    sum_dy, sum_dyu, dw_proj = p["bn_d_sums"](d, mean_d, rstd_d, gamma_d, beta_d, do, wproj, gate, dpix, n)
-    dd = p["bn_d_backward"](d, mean_d, rstd_d, gamma_d, beta_d, do, wproj, gate, dpix, sum_dy, sum_dyu, n)
+    sum_dy, sum_dyu = p["bn_d_sums"](parts, gate, dpix)
+    dd, dw_proj = p["bn_d_backward"](d, mean_d, rstd_d, gamma_d, beta_d, do, wproj, gate, dpix, sum_dy,
+                                     sum_dyu, n)
     del d
     dd4 = _nchw(dd, n, hh, ww)
     if triton:

@@ -16,9 +16,12 @@ mean(dy y_hat)), dgamma = sum dy y_hat, dbeta = sum dy; SiLU'(v) = s (1 + v (1 -
 
     bn_p_backward:   dob = drop_n dout;  do, dgamma_p, dbeta_p                     (narrow)
     dgate_pool:      dq = do W_proj;  dgate[n] = sum_hw dq g;  gsum[n] = sum_hw g  (per image, per channel)
+                     and BN_d's backward sums per image (s' = SiLU'(v_d)): sum_hw dq s', sum_hw s',
+                     sum_hw dq s' u_hat, sum_hw s' u_hat
     (SE backward on (N, R) vectors in PyTorch: gate from gsum / HW, dpix = dp / HW)
-    bn_d_sums:       dy = (dq gate_n + dpix_n) SiLU'(v_d);  sum dy, sum dy u_hat;  dW_proj = do^T (g gate)
-    bn_d_backward:   dd = gamma_d rho_d (dy - sum dy / P - u_hat sum(dy u_hat) / P)
+    bn_d_sums:       dy = (dq gate_n + dpix_n) s', gate and dpix constant over an image, so
+                     sum dy = sum_n (gate_n sum_hw dq s' + dpix_n sum_hw s'), sum dy u_hat likewise
+    bn_d_backward:   dd = gamma_d rho_d (dy - sum dy / P - u_hat sum(dy u_hat) / P);  dW_proj = do^T (g gate)
     (gconv3x3_dgrad, gconv3x3_wgrad: dh, dW_conv)
     expand_hidden:   h (for the conv's recompute and its wgrad)
     bn_e_sums:       dv = dh SiLU'(v_e);  sum dv, sum dv e_hat
@@ -69,11 +72,15 @@ def _g(d: T, mean_d: T, rstd_d: T, gamma_d: T, beta_d: T) -> tuple[T, T, T]:
 
 
 def dgate_pool_reference(d: T, mean_d: T, rstd_d: T, gamma_d: T, beta_d: T, do: T, w_proj: T, n: int
-                         ) -> tuple[T, T]:
-    """(dgate, gsum), both (N, R) fp32: per image, sum over its pixels of dq g and of g."""
-    _, _, g = _g(d, mean_d, rstd_d, gamma_d, beta_d)
+                         ) -> tuple[T, T, T]:
+    """(dgate, gsum, parts), fp32: per image, sum over its pixels of dq g and of g, (N, R) each; ``parts``
+    (4, N, R), per image the sums over its pixels of dq s', s', dq s' u_hat and s' u_hat (s' = SiLU'(v_d)),
+    from which bn_d_sums forms BN_d's backward sums once the SE backward has given gate and dpix."""
+    u_hat, v, g = _g(d, mean_d, rstd_d, gamma_d, beta_d)
     dq = _f(do) @ _f(w_proj)
-    return _images(dq * g, n).sum(1), _images(g, n).sum(1)
+    s1 = silu_grad(v)
+    parts = torch.stack([_images(t, n).sum(1) for t in (dq * s1, s1, dq * s1 * u_hat, s1 * u_hat)])
+    return _images(dq * g, n).sum(1), _images(g, n).sum(1), parts
 
 
 def _dy(d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpix, n):
@@ -83,21 +90,20 @@ def _dy(d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpix, n):
     return u_hat, g, dg.reshape(dq.shape) * silu_grad(v)
 
 
-def bn_d_sums_reference(d: T, mean_d: T, rstd_d: T, gamma_d: T, beta_d: T, do: T, w_proj: T, gate: T,
-                        dpix: T, n: int) -> tuple[T, T, T]:
-    """(sum dy (R,), sum dy u_hat (R,), dW_proj (K, R)), fp32; ``gate``, ``dpix``: (N, R) fp32."""
-    u_hat, g, dy = _dy(d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpix, n)
-    q = (_images(g, n) * gate[:, None, :]).reshape(g.shape)
-    return dy.sum(0), (dy * u_hat).sum(0), _f(do).t() @ q
+def bn_d_sums_reference(parts: T, gate: T, dpix: T) -> tuple[T, T]:
+    """(sum dy, sum dy u_hat), (R,) fp32, over all pixels, from dgate_pool's per-image ``parts`` (4, N, R):
+    dy = (dq gate_n + dpix_n) s' with gate_n, dpix_n ((N, R) fp32) constant over image n."""
+    return (gate * parts[0] + dpix * parts[1]).sum(0), (gate * parts[2] + dpix * parts[3]).sum(0)
 
 
 def bn_d_backward_reference(d: T, mean_d: T, rstd_d: T, gamma_d: T, beta_d: T, do: T, w_proj: T, gate: T,
-                            dpix: T, sum_dy: T, sum_dy_uhat: T, n: int) -> T:
-    """dd (P, R) in d's dtype."""
-    u_hat, _, dy = _dy(d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpix, n)
+                            dpix: T, sum_dy: T, sum_dy_uhat: T, n: int) -> tuple[T, T]:
+    """(dd (P, R) in d's dtype, dW_proj (K, R) fp32)."""
+    u_hat, g, dy = _dy(d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpix, n)
     m = d.shape[0]
     dd = _f(gamma_d) * rstd_d * (dy - sum_dy / m - u_hat * sum_dy_uhat / m)
-    return dd.to(d.dtype)
+    q = (_images(g, n) * gate[:, None, :]).reshape(g.shape)
+    return dd.to(d.dtype), _f(do).t() @ q
 
 
 def _v_e(x: T, w_exp: T, mean_e: T, rstd_e: T, gamma_e: T, beta_e: T) -> tuple[T, T]:

@@ -1,19 +1,25 @@
 """The passes of the fused MBConv training backward over d (kernels/mbconv/gate_backward.py: dgate_pool,
 bn_d_sums, bn_d_backward) against their specification (backward_reference.py) computed in fp64 on the
 same inputs, in the interpreter at the model's widths on small maps, with small steps (``small_tiles``:
-16-pixel tiles, one group per merge step) so that every loop runs more than once: tiles of an image
-(4 at 8x8; 2 at 5x5, the second ragged), images of a group (2, then a group of 1), channel chunks (at
-R = 1024: 8 or 16 in fp16, 32 or 64 in fp32; a masked last chunk at R = 192), the merge over the groups;
-and each of the kernel's mask variants (EVEN_HW, EVEN_CK).
+16-pixel tiles, one group per merge step, two images per bn_d_sums step) so that every loop runs more
+than once: tiles of an image (4 at 8x8; 2 at 5x5, the second ragged), images of a group (2, then a group
+of 1), channel chunks (at R = 1024: 8 or 16 in fp16, 32 or 64 in fp32; a masked last chunk at R = 192),
+the merge over the groups, bn_d_sums' steps over the images (2, then 1); and each of the kernel's mask
+variants (EVEN_HW, EVEN_CK). bn_d_sums' per-image decomposition itself is checked against the sums over
+the pixels as BN_d's backward defines them (fp64, 1e-12).
 
 Tolerances (relative to each tensor's maximum). fp32: both sides sum the same fp32 products in another
 order (and exp2 against torch's sigmoid): observed <= 6e-7, compared within 1e-5. fp16: dq is a product
-of fp16 operands accumulated in fp32 as the reference does (exact products), so the sums keep 1e-5;
-dW_proj's second operand g gate is rounded to fp16 for the tensor cores (u = 2^-11 each; observed
-<= 2.9e-4): 1e-3; dd is rounded to fp16 once (<= 2^-11 of an element; observed <= 4.1e-4): 1e-3.
-Planted bugs checked to fail: the tile offset within an image dropped (j = i: 12 of the 12 comparisons
-fail), the group's first image dropped (img = t // TPI: 12), the last group's partials skipped by the
-merge (4), P - 1 for P in bn_d_backward's divisor (4).
+of fp16 operands accumulated in fp32 as the reference does (exact products), so dgate_pool's six sums and
+bn_d_sums keep 1e-5 (observed <= 5.4e-7); dW_proj's second operand g gate is rounded to fp16 for the
+tensor cores (u = 2^-11 each; observed <= 2.9e-4): 1e-3; dd is rounded to fp16 once (<= 2^-11 of an
+element; observed <= 4.1e-4): 1e-3.
+Planted bugs checked to fail: s' dropped from sum dq s' u_hat (4 of 4 dgate_pool cases fail), from sum
+dq s' (4), from sum s' u_hat (4); s' left unmasked on an image's ragged last tile (the 2 ragged cases);
+sum s' not restarted at the next image (4); bn_d_sums skipping the last image (4 of 4) or reading
+sum s' for sum s' u_hat (4); the merge skipping the last group's dW_proj partial (4); gate dropped from
+dW_proj's q (4). Earlier: the tile offset within an image dropped, the group's first image dropped, P - 1
+for P in bn_d_backward's divisor.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ def small_tiles(monkeypatch):
 
     monkeypatch.setattr(gate_backward, "BM", 16)
     monkeypatch.setattr(gate_backward, "MERGE_GROUPS", 1)
+    monkeypatch.setattr(gate_backward, "SUMS_IMAGES", 2)
+    monkeypatch.setattr(gate_backward, "SUMS_BLOCK", 128)
 
 
 def _inputs(shape):
@@ -76,25 +84,43 @@ def test_dgate_pool(interpreter_backend, small_tiles, shape):
     from convfirstnet.kernels.mbconv.gate_backward import dgate_pool
 
     d, mean, rstd, gamma, beta, do, w_proj, _, _, n = _inputs(shape)
-    dgate, gsum = dgate_pool(d, mean, rstd, gamma, beta, do, w_proj, n)
+    got = dgate_pool(d, mean, rstd, gamma, beta, do, w_proj, n)
     want = ref.dgate_pool_reference(*_f64((d, mean, rstd, gamma, beta, do, w_proj)), n)
-    assert dgate.dtype == gsum.dtype == torch.float32 and dgate.shape == gsum.shape == (n, d.shape[1])
-    assert _rel(dgate, want[0]) <= 1e-5, _rel(dgate, want[0])
-    assert _rel(gsum, want[1]) <= 1e-5, _rel(gsum, want[1])
+    r = d.shape[1]
+    assert [t.shape for t in got] == [(n, r), (n, r), (4, n, r)]
+    names = ("dgate", "gsum", "sum dq s'", "sum s'", "sum dq s' u_hat", "sum s' u_hat")
+    for name, g, w in zip(names, [*got[:2], *got[2]], [*want[:2], *want[2]]):
+        assert g.dtype == torch.float32 and g.is_contiguous(), name
+        assert _rel(g, w) <= 1e-5, f"{name}: {_rel(g, w):.3g}"
+
+
+def test_bn_d_sums_reference_is_the_sum_over_pixels():
+    """The per-image decomposition is BN_d's backward sums over all pixels as defined: sum dy and
+    sum dy u_hat, dy = (dq gate_n + dpix_n) SiLU'(v_d), in fp64 (equal but for the summation order)."""
+    from convfirstnet.kernels.mbconv import backward_reference as ref
+
+    args = _f64(_inputs(SHAPES[1]))
+    d, mean, rstd, gamma, beta, do, w_proj, gate, dpix, n = args
+    parts = ref.dgate_pool_reference(d, mean, rstd, gamma, beta, do, w_proj, n)[2]
+    got = ref.bn_d_sums_reference(parts, gate, dpix)
+    u_hat, _, dy = ref._dy(*args)
+    for g, w in zip(got, (dy.sum(0), (dy * u_hat).sum(0))):
+        assert _rel(g, w) <= 1e-12, _rel(g, w)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
 def test_bn_d_sums(interpreter_backend, small_tiles, shape):
+    """From the parts as dgate_pool writes them (in fp32, the fp64 reference's rounded)."""
     from convfirstnet.kernels.mbconv import backward_reference as ref
     from convfirstnet.kernels.mbconv.gate_backward import bn_d_sums
 
-    args = _inputs(shape)
-    got = bn_d_sums(*args)
-    want = ref.bn_d_sums_reference(*_f64(args))
-    tol_w = 1e-5 if shape[4] == torch.float32 else 1e-3
-    for name, g, w, tol in zip(("sum dy", "sum dy u_hat", "dW_proj"), got, want, (1e-5, 1e-5, tol_w)):
+    d, mean, rstd, gamma, beta, do, w_proj, gate, dpix, n = _inputs(shape)
+    parts = ref.dgate_pool_reference(*_f64((d, mean, rstd, gamma, beta, do, w_proj)), n)[2].float()
+    got = bn_d_sums(parts, gate, dpix)
+    want = ref.bn_d_sums_reference(*_f64((parts, gate, dpix)))
+    for name, g, w in zip(("sum dy", "sum dy u_hat"), got, want):
         assert g.dtype == torch.float32 and g.shape == w.shape and g.is_contiguous(), name
-        assert _rel(g, w) <= tol, f"{name}: {_rel(g, w):.3g}"
+        assert _rel(g, w) <= 1e-5, f"{name}: {_rel(g, w):.3g}"
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
@@ -103,13 +129,16 @@ def test_bn_d_backward(interpreter_backend, small_tiles, shape):
     from convfirstnet.kernels.mbconv.gate_backward import bn_d_backward
 
     args = _inputs(shape)
-    sum_dy, sum_dyu, _ = ref.bn_d_sums_reference(*_f64(args))
-    n = args[-1]
-    got = bn_d_backward(*args[:-1], sum_dy.float(), sum_dyu.float(), n)
-    want = ref.bn_d_backward_reference(*_f64(args[:-1]), sum_dy, sum_dyu, n)
-    assert got.dtype == args[0].dtype and got.shape == args[0].shape
+    d, mean, rstd, gamma, beta, do, w_proj, gate, dpix, n = _f64(args)
+    parts = ref.dgate_pool_reference(d, mean, rstd, gamma, beta, do, w_proj, n)[2]
+    sum_dy, sum_dyu = ref.bn_d_sums_reference(parts, gate, dpix)
+    dd, dw = bn_d_backward(*args[:-1], sum_dy.float(), sum_dyu.float(), n)
+    want_dd, want_dw = ref.bn_d_backward_reference(*_f64(args[:-1]), sum_dy, sum_dyu, n)
+    assert dd.dtype == args[0].dtype and dd.shape == args[0].shape
+    assert dw.dtype == torch.float32 and dw.shape == want_dw.shape and dw.is_contiguous()
     tol = 1e-5 if shape[4] == torch.float32 else 1e-3
-    assert _rel(got, want) <= tol, _rel(got, want)
+    assert _rel(dd, want_dd) <= tol, f"dd: {_rel(dd, want_dd):.3g}"
+    assert _rel(dw, want_dw) <= tol, f"dW_proj: {_rel(dw, want_dw):.3g}"
 
 
 def test_bad_input_raises_before_any_launch(triton_backend):
@@ -130,7 +159,9 @@ def test_bad_input_raises_before_any_launch(triton_backend):
         lambda: dgate_pool(d, *v, do, t(16, 32, dtype=h), 2),  # W_proj's shape
         lambda: dgate_pool(d, t(64, dtype=h), *v[1:], do, w, 2),  # a 16-bit statistic
         lambda: dgate_pool(t(64, 50, dtype=h).t(), *v, do, w, 2),  # d not row-major
-        lambda: bn_d_sums(d, *v, do, w, t(3, 64), dpix, 2),  # gate not (N, R)
+        lambda: bn_d_sums(t(4, 2, 64), t(3, 64), dpix),  # gate not (N, R)
+        lambda: bn_d_sums(t(3, 2, 64), gate, dpix),  # three parts
+        lambda: bn_d_sums(t(4, 2, 64), gate, t(64, 2).t()),  # dpix not row-major
         lambda: bn_d_backward(d, *v, do, w, gate, dpix, t(64), t(32), 2),  # sum dy u_hat's shape
     ]
     for case in cases:
@@ -154,8 +185,8 @@ def record_small(side: int, n: int = 128, c: int = 256, dtype=torch.float16) -> 
     d, do, w = t(p, r, dtype=dtype), t(p, c, dtype=dtype), t(c, r, dtype=dtype)
     v = [t(r) for _ in range(4)]
     with recording(sms=132, l2_bytes=50 * 2**20) as rec:
-        dgate_pool(d, *v, do, w, n)
-        sum_dy, sum_dyu, _ = bn_d_sums(d, *v, do, w, t(n, r), t(n, r), n)
+        parts = dgate_pool(d, *v, do, w, n)[2]
+        sum_dy, sum_dyu = bn_d_sums(parts, t(n, r), t(n, r))
         bn_d_backward(d, *v, do, w, t(n, r), t(n, r), sum_dy, sum_dyu, n)
     return rec.launches
 
@@ -165,9 +196,9 @@ def test_small_gate_backward_compiles_for_sm90():
     """The four launches at fused Small's 16x16 and 8x8 maps (256-pixel input) and 14x14 and 7x7 (224, the
     training size: pixel masks), batch 128, fp16, compile for sm_90 within shared memory, with no spill code
     in their loops (and no stack at all), the dots on wgmma; each pass's grid fills the 132 SMs (at least
-    128 programs). (Compiled: dgate_pool 173 / 139 / 167 / 129 registers at 16x16 / 8x8 / 14x14 / 7x7,
-    bn_d_sums 234 / 242 / 237 / 243, bn_d_backward 215 / 217 / 216 / 219, the merge 63; shared memory
-    192 KB, 152.5 KB for bn_d_sums: the W_proj slice and three do tiles.)"""
+    128 programs). (Compiled: dgate_pool 211 / 224 / 222 / 226 registers at 16x16 / 8x8 / 14x14 / 7x7,
+    bn_d_backward 244 / 246 / 245 / 249, bn_d_sums 32, the merge 61; shared memory 192 KB, 152.5 KB for
+    bn_d_backward: the W_proj slice and three do tiles.)"""
     pytest.importorskip("triton")
     from convfirstnet.analysis.compiled import compile_variants, variant_of
     from convfirstnet.analysis.launches import kernel_name
@@ -178,7 +209,7 @@ def test_small_gate_backward_compiles_for_sm90():
     for side in (16, 8, 14, 7):  # 256-pixel input (inference size) and 224 (training: ragged tiles)
         launches = record_small(side)
         names = [kernel_name(lc).rsplit(".", 1)[1] for lc in launches]
-        assert names == ["_gate_backward_kernel"] * 2 + ["_merge_kernel", "_gate_backward_kernel"]
+        assert names == ["_gate_backward_kernel", "_sums_kernel", "_gate_backward_kernel", "_merge_kernel"]
         for lc in launches:
             if "MODE" in lc.meta and lc.grid[0] * lc.grid[1] < 128:
                 problems.append(f"MODE {lc.meta['MODE']} at {side}x{side}: grid {lc.grid}")
