@@ -40,6 +40,7 @@ BN = 16  # images per tile (the dots' M; 16 is their least)
 RC = 128  # channels per chunk of the chain (one s and one ds partial per chunk)
 SC = 16  # S columns per weight-gradient tile
 RW = 64  # channels per weight-gradient tile
+NW = 32  # images per step of a weight-gradient tile
 WARPS = 4
 
 
@@ -69,8 +70,18 @@ def _dt(dgate, gate):
 
 
 @triton.jit
+def _partials(part_ptr, n, j, n_ok, j_ok, N, S, CH: tl.constexpr, CHP: tl.constexpr):
+    """sum over the CH chunks of part[c, n, j] (one load of all of them, summed in a fixed tree)."""
+    c = tl.arange(0, CHP)
+    ok = (c < CH)[:, None, None] & n_ok[None, :, None] & j_ok[None, None, :]
+    off = (c[:, None, None] * N + n[None, :, None]) * S + j[None, None, :]
+    v = tl.load(part_ptr + off, mask=ok, other=0.0)
+    return tl.sum(v, axis=0)
+
+
+@triton.jit
 def _gate_kernel(dgate_ptr, b1_ptr, w2_ptr, b2_ptr, spart_ptr, s_ptr, gate_ptr, dspart_ptr, N, R, S,
-                 CHUNKS, BN: tl.constexpr, RC: tl.constexpr, SP: tl.constexpr):
+                 CH: tl.constexpr, CHP: tl.constexpr, BN: tl.constexpr, RC: tl.constexpr, SP: tl.constexpr):
     """Program (g, c): s of the group's images (chunk 0 writes it), the chunk's gate (written) and
     dspart[c, n, :] = dt_chunk W_se2[chunk, :]."""
     g = tl.program_id(0)
@@ -83,9 +94,7 @@ def _gate_kernel(dgate_ptr, b1_ptr, w2_ptr, b2_ptr, spart_ptr, s_ptr, gate_ptr, 
     j_ok = j < S
     nj = n_ok[:, None] & j_ok[None, :]
     nr = n_ok[:, None] & r_ok[None, :]
-    s = tl.zeros((BN, SP), dtype=tl.float32)
-    for k in range(0, CHUNKS):
-        s += tl.load(spart_ptr + (k * N + n[:, None]) * S + j[None, :], mask=nj, other=0.0)
+    s = _partials(spart_ptr, n, j, n_ok, j_ok, N, S, CH, CHP)
     s += tl.load(b1_ptr + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
     if c == 0:
         tl.store(s_ptr + n[:, None] * S + j[None, :], s, mask=nj)
@@ -104,23 +113,22 @@ def _gate_kernel(dgate_ptr, b1_ptr, w2_ptr, b2_ptr, spart_ptr, s_ptr, gate_ptr, 
 
 @triton.jit
 def _grad_kernel(gsum_ptr, dgate_ptr, w1_ptr, s_ptr, gate_ptr, dspart_ptr, dpix_ptr, dw1_ptr, db1_ptr,
-                 dw2_ptr, db2_ptr, N, R, S, hw, CHUNKS, GROUPS, PIX_TILES, SCH, W_TILES, BN: tl.constexpr,
-                 RC: tl.constexpr, SP: tl.constexpr, SC: tl.constexpr, RW: tl.constexpr):
-    """Program t: dpix tile t (group t // CHUNKS, chunk t % CHUNKS) if t < PIX_TILES, and weight tile t
+                 dw2_ptr, db2_ptr, N, R, S, hw, PIX_TILES, W_TILES, CH: tl.constexpr, CHP: tl.constexpr,
+                 BN: tl.constexpr, RC: tl.constexpr, SP: tl.constexpr, SCH: tl.constexpr, SC: tl.constexpr,
+                 RW: tl.constexpr, NW: tl.constexpr):
+    """Program t: dpix tile t (group t // CH, chunk t % CH) if t < PIX_TILES, and weight tile t
     (S columns (t % SCH) SC ..., channels (t // SCH) RW ...) if t < W_TILES; a tile past its count runs
     masked (no loads, no stores)."""
     t = tl.program_id(0)
     # dpix tile: ds of the group's images (partials in chunk order, masked by s > 0), times W_se1's chunk
-    n = (t // CHUNKS) * BN + tl.arange(0, BN)
-    r = (t % CHUNKS) * RC + tl.arange(0, RC)
+    n = (t // CH) * BN + tl.arange(0, BN)
+    r = (t % CH) * RC + tl.arange(0, RC)
     j = tl.arange(0, SP)
     n_ok = (n < N) & (t < PIX_TILES)
     r_ok = r < R
     j_ok = j < S
     nj = n_ok[:, None] & j_ok[None, :]
-    ds = tl.zeros((BN, SP), dtype=tl.float32)
-    for k in range(0, CHUNKS):
-        ds += tl.load(dspart_ptr + (k * N + n[:, None]) * S + j[None, :], mask=nj, other=0.0)
+    ds = _partials(dspart_ptr, n, j, n_ok, j_ok, N, S, CH, CHP)
     s = tl.load(s_ptr + n[:, None] * S + j[None, :], mask=nj, other=0.0)
     ds = tl.where(s > 0.0, ds, 0.0)
     w1 = tl.load(w1_ptr + j[:, None] * R + r[None, :], mask=j_ok[:, None] & r_ok[None, :],
@@ -128,7 +136,7 @@ def _grad_kernel(gsum_ptr, dgate_ptr, w1_ptr, s_ptr, gate_ptr, dspart_ptr, dpix_
     dpix = tl.dot(ds, w1, input_precision="ieee") / hw
     tl.store(dpix_ptr + n[:, None] * R + r[None, :], dpix, mask=n_ok[:, None] & r_ok[None, :])
 
-    # weight-gradient tile: over all images, BN at a time in image order
+    # weight-gradient tile: over all images, NW at a time in image order
     a = t % SCH
     b = t // SCH
     w_ok = t < W_TILES
@@ -140,14 +148,12 @@ def _grad_kernel(gsum_ptr, dgate_ptr, w1_ptr, s_ptr, gate_ptr, dspart_ptr, dpix_
     dw2 = tl.zeros((RW, SC), dtype=tl.float32)
     db1 = tl.zeros((SC,), dtype=tl.float32)
     db2 = tl.zeros((RW,), dtype=tl.float32)
-    for g in range(0, GROUPS):
-        m = g * BN + tl.arange(0, BN)
+    for m0 in range(0, N, NW):
+        m = m0 + tl.arange(0, NW)
         m_ok = m < N
         mj = m_ok[:, None] & jw_ok[None, :]
         mr = m_ok[:, None] & rw_ok[None, :]
-        dsw = tl.zeros((BN, SC), dtype=tl.float32)
-        for k in range(0, CHUNKS):
-            dsw += tl.load(dspart_ptr + (k * N + m[:, None]) * S + jw[None, :], mask=mj, other=0.0)
+        dsw = _partials(dspart_ptr, m, jw, m_ok, jw_ok, N, S, CH, CHP)
         sw = tl.load(s_ptr + m[:, None] * S + jw[None, :], mask=mj, other=0.0)
         dsw = tl.where(sw > 0.0, dsw, 0.0)
         act = tl.maximum(sw, 0.0)
@@ -232,18 +238,18 @@ def se_backward(gsum: torch.Tensor, dgate: torch.Tensor, w_se1: torch.Tensor, b_
                                    l2_bytes=(groups - 1) * r * s * web,
                                    note="SE backward: s's partials over channel chunks"),
            BN=BN, RC=RC, SP=sp, num_warps=WARPS)
-    launch(_gate_kernel, (groups, chunks), dgate, b_se1, w_se2, b_se2, spart, s_val, gate, dspart, n, r,
-           s, chunks,
+    chp = triton.next_power_of_2(chunks)
+    launch(_gate_kernel, (groups, chunks), dgate, b_se1, w_se2, b_se2, spart, s_val, gate, dspart, n, r, s,
            cost=lambda: KernelCost(2 * n * r * s, 0, 2 * vec + r * s * web + (r + s) * 4 + n * s * 4 + part,
-                                   (Loop("s partials", chunks),),
+                                   (),
                                    l2_bytes=chunks * part + (groups - 1) * r * s * web,
                                    l2_footprint_bytes=part,
                                    note="SE backward: s, the gate, ds's partials over channel chunks"),
-           BN=BN, RC=RC, SP=sp, num_warps=WARPS)
+           CH=chunks, CHP=chp, BN=BN, RC=RC, SP=sp, num_warps=WARPS)
     launch(_grad_kernel, (max(pix_tiles, w_tiles),), gsum, dgate, w_se1, s_val, gate, dspart, dpix, dw1, db1,
-           dw2, db2, n, r, s, hwf, chunks, groups, pix_tiles, sch, w_tiles,
+           dw2, db2, n, r, s, hwf, pix_tiles, w_tiles,
            cost=lambda: _grad_cost(n, r, s, web, chunks, groups, sch),
-           BN=BN, RC=RC, SP=sp, SC=SC, RW=RW, num_warps=WARPS)
+           CH=chunks, CHP=chp, BN=BN, RC=RC, SP=sp, SCH=sch, SC=SC, RW=RW, NW=NW, num_warps=WARPS)
     return gate, dpix, dw1, db1, dw2, db2
 
 
@@ -257,7 +263,6 @@ def _grad_cost(n: int, r: int, s: int, web: int, chunks: int, groups: int, sch: 
     dram = 2 * vec + r * s * web + vec + 2 * r * s * 4 + (r + s) * 4
     l2 = (chunks + rtiles) * (part + sv) + sch * vec + (sch - 1) * 2 * vec + (groups - 1) * r * s * web
     return KernelCost(3 * n * r * s, 0, dram,
-                      (Loop("ds partials", chunks),
-                       Loop("image groups", groups, (Loop("ds partials", chunks),))),
+                      (Loop("image steps", triton.cdiv(n, NW)),),
                       l2_bytes=l2, l2_footprint_bytes=3 * vec + part + sv,
                       note="SE backward: dpix, dW_se1, dW_se2 and the biases' gradients")
