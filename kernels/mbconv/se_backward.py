@@ -40,13 +40,15 @@ BN = 16  # images per tile (the dots' M; 16 is their least)
 RC = 128  # channels per chunk of the chain (one s and one ds partial per chunk)
 SC = 16  # S columns per weight-gradient tile
 RW = 64  # channels per weight-gradient tile
-NW = 32  # images per step of a weight-gradient tile
-WARPS = 4
+NW = 64  # images per step of a weight-gradient tile
+WARPS = 8
+PREC = "ieee"  # fp32 products on the FMA pipe
 
 
 @triton.jit
 def _s_partials_kernel(gsum_ptr, w1_ptr, part_ptr, N, R, S, hw, BN: tl.constexpr, RC: tl.constexpr,
-                       SP: tl.constexpr):
+                       SP: tl.constexpr,
+                       PREC: tl.constexpr):
     """Program (g, c): part[c, n, :] = (gsum[n, chunk] / hw) W_se1[:, chunk]^T for the group's images."""
     g = tl.program_id(0)
     c = tl.program_id(1)
@@ -59,8 +61,8 @@ def _s_partials_kernel(gsum_ptr, w1_ptr, part_ptr, N, R, S, hw, BN: tl.constexpr
     pool = tl.load(gsum_ptr + n[:, None] * R + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0) / hw
     w1t = tl.load(w1_ptr + j[None, :] * R + r[:, None], mask=r_ok[:, None] & j_ok[None, :],
                   other=0.0).to(tl.float32)
-    s = tl.dot(pool, w1t, input_precision="ieee")
-    tl.store(part_ptr + (c * N + n[:, None]) * S + j[None, :], s, mask=n_ok[:, None] & j_ok[None, :])
+    s = tl.dot(pool, w1t, input_precision=PREC)
+    tl.store(part_ptr + (c * N + n[:, None]) * SP + j[None, :], s, mask=n_ok[:, None])
 
 
 @triton.jit
@@ -70,18 +72,20 @@ def _dt(dgate, gate):
 
 
 @triton.jit
-def _partials(part_ptr, n, j, n_ok, j_ok, N, S, CH: tl.constexpr, CHP: tl.constexpr):
-    """sum over the CH chunks of part[c, n, j] (one load of all of them, summed in a fixed tree)."""
+def _partials(part_ptr, n, j, n_ok, N, SP: tl.constexpr, CH: tl.constexpr, CHP: tl.constexpr):
+    """sum over the CH chunks of part[c, n, j] (rows of SP: one load of all of them, summed in a fixed
+    tree)."""
     c = tl.arange(0, CHP)
-    ok = (c < CH)[:, None, None] & n_ok[None, :, None] & j_ok[None, None, :]
-    off = (c[:, None, None] * N + n[None, :, None]) * S + j[None, None, :]
+    ok = (c < CH)[:, None, None] & n_ok[None, :, None] & (j >= 0)[None, None, :]
+    off = (c[:, None, None] * N + n[None, :, None]) * SP + j[None, None, :]
     v = tl.load(part_ptr + off, mask=ok, other=0.0)
     return tl.sum(v, axis=0)
 
 
 @triton.jit
 def _gate_kernel(dgate_ptr, b1_ptr, w2_ptr, b2_ptr, spart_ptr, s_ptr, gate_ptr, dspart_ptr, N, R, S,
-                 CH: tl.constexpr, CHP: tl.constexpr, BN: tl.constexpr, RC: tl.constexpr, SP: tl.constexpr):
+                 CH: tl.constexpr, CHP: tl.constexpr, BN: tl.constexpr, RC: tl.constexpr, SP: tl.constexpr,
+                 PREC: tl.constexpr):
     """Program (g, c): s of the group's images (chunk 0 writes it), the chunk's gate (written) and
     dspart[c, n, :] = dt_chunk W_se2[chunk, :]."""
     g = tl.program_id(0)
@@ -94,28 +98,28 @@ def _gate_kernel(dgate_ptr, b1_ptr, w2_ptr, b2_ptr, spart_ptr, s_ptr, gate_ptr, 
     j_ok = j < S
     nj = n_ok[:, None] & j_ok[None, :]
     nr = n_ok[:, None] & r_ok[None, :]
-    s = _partials(spart_ptr, n, j, n_ok, j_ok, N, S, CH, CHP)
+    s = _partials(spart_ptr, n, j, n_ok, N, SP, CH, CHP)
     s += tl.load(b1_ptr + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
     if c == 0:
-        tl.store(s_ptr + n[:, None] * S + j[None, :], s, mask=nj)
+        tl.store(s_ptr + n[:, None] * SP + j[None, :], s, mask=n_ok[:, None])
     act = tl.where(nj, tl.maximum(s, 0.0), 0.0)
     w2 = tl.load(w2_ptr + r[:, None] * S + j[None, :], mask=r_ok[:, None] & j_ok[None, :],
                  other=0.0).to(tl.float32)
-    z = tl.dot(act, tl.trans(w2), input_precision="ieee")
+    z = tl.dot(act, tl.trans(w2), input_precision=PREC)
     z += tl.load(b2_ptr + r, mask=r_ok, other=0.0).to(tl.float32)[None, :]
     gate = sigmoid(z, False)
     tl.store(gate_ptr + n[:, None] * R + r[None, :], gate, mask=nr)
     dgate = tl.load(dgate_ptr + n[:, None] * R + r[None, :], mask=nr, other=0.0)
     dt = _dt(dgate, gate)
-    ds = tl.dot(dt, w2, input_precision="ieee")
-    tl.store(dspart_ptr + (c * N + n[:, None]) * S + j[None, :], ds, mask=nj)
+    ds = tl.dot(dt, w2, input_precision=PREC)
+    tl.store(dspart_ptr + (c * N + n[:, None]) * SP + j[None, :], ds, mask=n_ok[:, None])
 
 
 @triton.jit
 def _grad_kernel(gsum_ptr, dgate_ptr, w1_ptr, s_ptr, gate_ptr, dspart_ptr, dpix_ptr, dw1_ptr, db1_ptr,
                  dw2_ptr, db2_ptr, N, R, S, hw, PIX_TILES, W_TILES, CH: tl.constexpr, CHP: tl.constexpr,
                  BN: tl.constexpr, RC: tl.constexpr, SP: tl.constexpr, SCH: tl.constexpr, SC: tl.constexpr,
-                 RW: tl.constexpr, NW: tl.constexpr):
+                 RW: tl.constexpr, NW: tl.constexpr, PREC: tl.constexpr):
     """Program t: dpix tile t (group t // CH, chunk t % CH) if t < PIX_TILES, and weight tile t
     (S columns (t % SCH) SC ..., channels (t // SCH) RW ...) if t < W_TILES; a tile past its count runs
     masked (no loads, no stores)."""
@@ -127,13 +131,12 @@ def _grad_kernel(gsum_ptr, dgate_ptr, w1_ptr, s_ptr, gate_ptr, dspart_ptr, dpix_
     n_ok = (n < N) & (t < PIX_TILES)
     r_ok = r < R
     j_ok = j < S
-    nj = n_ok[:, None] & j_ok[None, :]
-    ds = _partials(dspart_ptr, n, j, n_ok, j_ok, N, S, CH, CHP)
-    s = tl.load(s_ptr + n[:, None] * S + j[None, :], mask=nj, other=0.0)
+    ds = _partials(dspart_ptr, n, j, n_ok, N, SP, CH, CHP)
+    s = tl.load(s_ptr + n[:, None] * SP + j[None, :], mask=n_ok[:, None], other=0.0)
     ds = tl.where(s > 0.0, ds, 0.0)
     w1 = tl.load(w1_ptr + j[:, None] * R + r[None, :], mask=j_ok[:, None] & r_ok[None, :],
                  other=0.0).to(tl.float32)
-    dpix = tl.dot(ds, w1, input_precision="ieee") / hw
+    dpix = tl.dot(ds, w1, input_precision=PREC) / hw
     tl.store(dpix_ptr + n[:, None] * R + r[None, :], dpix, mask=n_ok[:, None] & r_ok[None, :])
 
     # weight-gradient tile: over all images, NW at a time in image order
@@ -150,18 +153,17 @@ def _grad_kernel(gsum_ptr, dgate_ptr, w1_ptr, s_ptr, gate_ptr, dspart_ptr, dpix_
     db2 = tl.zeros((RW,), dtype=tl.float32)
     for m0 in range(0, N, NW):
         m = m0 + tl.arange(0, NW)
-        m_ok = m < N
-        mj = m_ok[:, None] & jw_ok[None, :]
+        m_ok = (m < N) & w_ok
         mr = m_ok[:, None] & rw_ok[None, :]
-        dsw = _partials(dspart_ptr, m, jw, m_ok, jw_ok, N, S, CH, CHP)
-        sw = tl.load(s_ptr + m[:, None] * S + jw[None, :], mask=mj, other=0.0)
+        dsw = _partials(dspart_ptr, m, jw, m_ok, N, SP, CH, CHP)
+        sw = tl.load(s_ptr + m[:, None] * SP + jw[None, :], mask=m_ok[:, None], other=0.0)
         dsw = tl.where(sw > 0.0, dsw, 0.0)
         act = tl.maximum(sw, 0.0)
         pool = tl.load(gsum_ptr + m[:, None] * R + rw[None, :], mask=mr, other=0.0) / hw
         gate = tl.load(gate_ptr + m[:, None] * R + rw[None, :], mask=mr, other=0.0)
         dt = _dt(tl.load(dgate_ptr + m[:, None] * R + rw[None, :], mask=mr, other=0.0), gate)
-        dw1 = tl.dot(tl.trans(dsw), pool, dw1, input_precision="ieee")
-        dw2 = tl.dot(tl.trans(dt), act, dw2, input_precision="ieee")
+        dw1 = tl.dot(tl.trans(dsw), pool, dw1, input_precision=PREC)
+        dw2 = tl.dot(tl.trans(dt), act, dw2, input_precision=PREC)
         db1 += tl.sum(dsw, axis=0)
         db2 += tl.sum(dt, axis=0)
     tl.store(dw1_ptr + jw[:, None] * R + rw[None, :], dw1, mask=jw_ok[:, None] & rw_ok[None, :])
@@ -221,9 +223,9 @@ def se_backward(gsum: torch.Tensor, dgate: torch.Tensor, w_se1: torch.Tensor, b_
     groups, chunks = triton.cdiv(n, BN), triton.cdiv(r, RC)
     sch = triton.cdiv(s, SC)
     pix_tiles, w_tiles = groups * chunks, sch * triton.cdiv(r, RW)
-    spart = torch.empty((chunks, n, s), **f32)
-    dspart = torch.empty((chunks, n, s), **f32)
-    s_val = torch.empty((n, s), **f32)
+    spart = torch.empty((chunks, n, sp), **f32)  # rows padded to SP (aligned; the padding holds zeros)
+    dspart = torch.empty((chunks, n, sp), **f32)
+    s_val = torch.empty((n, sp), **f32)
     gate = torch.empty((n, r), **f32)
     dpix = torch.empty((n, r), **f32)
     dw1 = torch.empty(w_se1.shape, **f32)
@@ -232,33 +234,33 @@ def se_backward(gsum: torch.Tensor, dgate: torch.Tensor, w_se1: torch.Tensor, b_
     db2 = torch.empty((r,), **f32)
     hwf = float(hw)
     web = w_se1.element_size()
-    vec, part = n * r * 4, chunks * n * s * 4
+    vec, part = n * r * 4, chunks * n * sp * 4
     launch(_s_partials_kernel, (groups, chunks), gsum, w_se1, spart, n, r, s, hwf,
            cost=lambda: KernelCost(n * r * s, 0, vec + r * s * web + part, (),
                                    l2_bytes=(groups - 1) * r * s * web,
                                    note="SE backward: s's partials over channel chunks"),
-           BN=BN, RC=RC, SP=sp, num_warps=WARPS)
+           BN=BN, RC=RC, SP=sp, PREC=PREC, num_warps=WARPS)
     chp = triton.next_power_of_2(chunks)
     launch(_gate_kernel, (groups, chunks), dgate, b_se1, w_se2, b_se2, spart, s_val, gate, dspart, n, r, s,
-           cost=lambda: KernelCost(2 * n * r * s, 0, 2 * vec + r * s * web + (r + s) * 4 + n * s * 4 + part,
+           cost=lambda: KernelCost(2 * n * r * s, 0, 2 * vec + r * s * web + (r + s) * 4 + n * sp * 4 + part,
                                    (),
                                    l2_bytes=chunks * part + (groups - 1) * r * s * web,
                                    l2_footprint_bytes=part,
                                    note="SE backward: s, the gate, ds's partials over channel chunks"),
-           CH=chunks, CHP=chp, BN=BN, RC=RC, SP=sp, num_warps=WARPS)
+           CH=chunks, CHP=chp, BN=BN, RC=RC, SP=sp, PREC=PREC, num_warps=WARPS)
     launch(_grad_kernel, (max(pix_tiles, w_tiles),), gsum, dgate, w_se1, s_val, gate, dspart, dpix, dw1, db1,
            dw2, db2, n, r, s, hwf, pix_tiles, w_tiles,
-           cost=lambda: _grad_cost(n, r, s, web, chunks, groups, sch),
-           CH=chunks, CHP=chp, BN=BN, RC=RC, SP=sp, SCH=sch, SC=SC, RW=RW, NW=NW, num_warps=WARPS)
+           cost=lambda: _grad_cost(n, r, s, sp, web, chunks, groups, sch),
+           CH=chunks, CHP=chp, BN=BN, RC=RC, SP=sp, SCH=sch, SC=SC, RW=RW, NW=NW, PREC=PREC, num_warps=WARPS)
     return gate, dpix, dw1, db1, dw2, db2
 
 
-def _grad_cost(n: int, r: int, s: int, web: int, chunks: int, groups: int, sch: int) -> KernelCost:
+def _grad_cost(n: int, r: int, s: int, sp: int, web: int, chunks: int, groups: int, sch: int) -> KernelCost:
     """gsum, dgate and W_se1 once from DRAM, their re-reads (gsum and dgate by each column of weight tiles,
     W_se1's chunks by every group) from L2; gate, s and ds's partials (the launch before wrote them) from
     L2: the partials and s by every dpix tile of a group (all S) and every weight tile of a channel range
     (SC columns), gate by each column of weight tiles; dpix and the weight gradients written."""
-    vec, part, sv = n * r * 4, chunks * n * s * 4, n * s * 4
+    vec, part, sv = n * r * 4, chunks * n * sp * 4, n * sp * 4
     rtiles = triton.cdiv(r, RW)
     dram = 2 * vec + r * s * web + vec + 2 * r * s * 4 + (r + s) * 4
     l2 = (chunks + rtiles) * (part + sv) + sch * vec + (sch - 1) * 2 * vec + (groups - 1) * r * s * web
