@@ -6,24 +6,31 @@ From the per-image sums gsum = sum_hw g and dgate = sum_hw dq g (gate_backward.d
     dt = dgate gate (1 - gate)      dW_se2 = dt^T ReLU(s), db_se2 = sum_n dt
     ds = (dt W_se2) [s > 0]         dW_se1 = ds^T pool,    db_se1 = sum_n ds      dpix = ds W_se1 / HW
 
-A few MFLOP in all (Small, batch 128: six products of 128 x 1024 x 64), so the launches are sized for
-parallelism and for each weight being read by few programs (W_se1 and W_se2 are 256 KB in fp32: a program
-that walked all of R would read them whole). The chain has two reductions over R (s and ds) and the
-weight gradients reduce over N, so three launches, each program on a tile of BN images x RC channels:
+Six products of N x R x S (Small, batch 128: 128 x 1024 x 64, 50 M MACs in all), so the launches are
+sized for parallelism and for each weight being read by few programs (W_se1 and W_se2 are 256 KB in fp32:
+a program that walked all of R would read them whole). The chain has two reductions over R (s and ds)
+and the weight gradients reduce over N, so three launches, the first two on tiles of BN images x RC
+channels:
 
 * ``_s_partials_kernel`` (groups x chunks): the chunk's part of s, pool_chunk W_se1[:, chunk]^T, written
-  to (chunks, N, S) partials.
-* ``_gate_kernel`` (groups x chunks): s as b_se1 plus the partials in chunk order (chunk 0's programs
-  write it, (N, S)); the chunk's gate (written) and dt; the chunk's part of dt W_se2 to (chunks, N, S).
-* ``_grad_kernel`` (one program per tile, two tiles each): a dpix tile (images x channels: ds from the
-  partials in chunk order, masked by s > 0, times W_se1's chunk) and a weight-gradient tile (SC rows of S
-  x RW channels: dW_se1 and dW_se2 over all images, BN at a time in image order, ds re-summed from the
-  partials for its SC columns, dt recomputed from gate and dgate; the first column of tiles writes
-  db_se1, the first row db_se2). At Small both tile kinds number 64, so every program does both.
+  to (chunks, N, SP) partials (rows padded to SP = S rounded up to a power of two: aligned loads).
+* ``_gate_kernel`` (groups x chunks): s = b_se1 + the partials (chunk 0's programs write it, (N, SP));
+  the chunk's gate (written) and dt; the chunk's part of dt W_se2 to (chunks, N, SP) partials.
+* ``_grad_kernel`` (one program per tile index, each with a tile of both kinds): a dpix tile (BN images
+  x RC channels: ds = the partials' sum masked by s > 0, times W_se1's chunk) and a weight-gradient tile
+  (SC columns of S x RW channels: dW_se1 and dW_se2 over all images, NW at a time in image order, ds
+  re-summed from the partials for its SC columns, dt recomputed from gate and dgate; the first column
+  of tiles writes db_se1, the first row db_se2). At Small both kinds number 64 (8 x 8 and 4 x 16).
 
-Every sum runs in a fixed order (no atomics): two identical calls give equal bits. All in fp32: the
+The partials are summed from one load of all chunks (tl.sum over the chunk axis: a fixed tree) and every
+other sum runs in a fixed order (no atomics): two identical calls give equal bits. All in fp32: the
 products by ``tl.dot`` with input_precision "ieee" (FMA, no tensor cores: the operands are fp32 and the
-work is small), the sigmoid in the exact form of _activations (exp2 and a division).
+work is small; tf32x3 on mma.sync estimated slower, its operand splits and layout changes), the sigmoid
+in the exact form of _activations (exp2 and a division).
+
+Static estimate (sm_90, Small, batch 128, fp32 master weights; low/high, with one graph launch gap
+each): 2.8/3.3, 3.2/3.6 and 5.4/5.7 us, the first two latency-bound, the third issue-bound (64 programs
+of 8 warps); the 17 aten ops this replaces were counted at one launch gap each (~1.3 us): 21/23 us.
 """
 
 from __future__ import annotations
@@ -122,7 +129,7 @@ def _grad_kernel(gsum_ptr, dgate_ptr, w1_ptr, s_ptr, gate_ptr, dspart_ptr, dpix_
                  RW: tl.constexpr, NW: tl.constexpr, PREC: tl.constexpr):
     """Program t: dpix tile t (group t // CH, chunk t % CH) if t < PIX_TILES, and weight tile t
     (S columns (t % SCH) SC ..., channels (t // SCH) RW ...) if t < W_TILES; a tile past its count runs
-    masked (no loads, no stores)."""
+    masked (no stores)."""
     t = tl.program_id(0)
     # dpix tile: ds of the group's images (partials in chunk order, masked by s > 0), times W_se1's chunk
     n = (t // CH) * BN + tl.arange(0, BN)
