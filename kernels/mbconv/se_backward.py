@@ -29,8 +29,8 @@ work is small; tf32x3 on mma.sync estimated slower, its operand splits and layou
 in the exact form of _activations (exp2 and a division).
 
 Static estimate (sm_90, Small, batch 128, fp32 master weights; low/high, with one graph launch gap
-each): 2.8/3.3, 3.2/3.6 and 5.4/5.7 us, the first two latency-bound, the third issue-bound (64 programs
-of 8 warps); the 17 aten ops this replaces were counted at one launch gap each (~1.3 us): 21/23 us.
+each): 2.8/3.3, 3.2/3.6 and 5.8/6.3 us, all three latency-bound (the third: 64 programs of 8 warps);
+the 17 aten ops this replaces were counted at one launch gap each (~1.3 us): 21/23 us.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ BN = 16  # images per tile (the dots' M; 16 is their least)
 RC = 128  # channels per chunk of the chain (one s and one ds partial per chunk)
 SC = 16  # S columns per weight-gradient tile
 RW = 64  # channels per weight-gradient tile
-NW = 64  # images per step of a weight-gradient tile
+NW = 32  # images per step of a weight-gradient tile (its shared memory, the dots' layout changes, grows
+# with NW: 104 KB at 32, 208 KB at 64, past the A100's 163 KB)
 WARPS = 8
 PREC = "ieee"  # fp32 products on the FMA pipe
 
