@@ -6,7 +6,7 @@ rstd. The wide tensors of the backward (h, d, dd, dh, de) each live from one lau
     do                 BN_p's backward (narrow)
     h, d               h from x (expand, BN_e, SiLU), d = gconv3x3(h)
     dgate, gsum        one pass over d: per image, sum dq g and sum g (dq = do W_proj recomputed)
-    SE                 gate from gsum / HW, its backward on (N, R) vectors (three small launches)
+    SE                 gate from gsum / HW, its backward on (N, R) vectors (se_backward: three small launches)
     BN_d sums, dW_proj one pass over d
     dd                 one pass over d, written
     dh, dW_conv        the group-width-8 conv's dgrad and wgrad (torch.ops.convfirstnet)
