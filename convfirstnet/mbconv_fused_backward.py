@@ -7,7 +7,7 @@ rstd. The wide tensors of the backward (h, d, dd, dh, de) each live from one lau
     h, d               h from x (expand, BN_e, SiLU), d = gconv3x3(h)
     dgate, gsum, parts one pass over d: per image, sum dq g, sum g and BN_d's backward sums' parts (dq =
                        do W_proj recomputed)
-    SE                 gate from gsum / HW, its backward on (N, R) vectors (PyTorch, as the layers run it)
+    SE                 gate from gsum / HW, its backward on (N, R) vectors (se_backward: three small launches)
     BN_d sums          from the parts, gate and dpix ((N, R) -> (R,))
     dd, dW_proj        one pass over d, dd written
     dh, dW_conv        the group-width-8 conv's dgrad and wgrad (torch.ops.convfirstnet)
@@ -25,8 +25,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from .kernels.mbconv import backward_reference as ref
 from . import mbconv_fused_forward
+from .kernels.mbconv import backward_reference as ref
 from .mbconv_fused_forward import stats_rows
 
 T = torch.Tensor
@@ -34,14 +34,14 @@ T = torch.Tensor
 
 def _passes(triton: bool) -> dict:
     """The implementation of each pass: the Triton launches, or their PyTorch twins."""
-    names = ("bn_p_backward", "dgate_pool", "bn_d_sums", "bn_d_backward", "expand_hidden", "bn_e_sums",
-             "bn_e_backward", "expand_dgrad")
+    names = ("bn_p_backward", "dgate_pool", "se_backward", "bn_d_sums", "bn_d_backward", "expand_hidden",
+             "bn_e_sums", "bn_e_backward", "expand_dgrad")
     if not triton:
         return {k: getattr(ref, k + "_reference") for k in names}
-    from .kernels.mbconv import expand_backward, gate_backward, narrow
+    from .kernels.mbconv import expand_backward, gate_backward, narrow, se_backward
 
-    mods = (narrow, gate_backward, gate_backward, gate_backward, expand_backward, expand_backward,
-            expand_backward, expand_backward)
+    mods = (narrow, gate_backward, se_backward, gate_backward, gate_backward, expand_backward,
+            expand_backward, expand_backward, expand_backward)
     return {k: getattr(m, k) for k, m in zip(names, mods)}
 
 
@@ -97,20 +97,9 @@ def _backward(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1,
     h4 = _nchw(h, n, hh, ww)
     d = _rows(torch.ops.convfirstnet.gconv3x3(h4, w_dw, 1, True)) if triton else _rows(
         F.conv2d(h4, w_dw.to(dt), None, 1, 1, 1, r // 8).contiguous(memory_format=cl))
-    # SE: the gate from the pool, its backward on (N, R) vectors (fp32)
+    # the SE and BN_d: one pass over d for the per-image sums, the SE backward on (N, R) vectors (fp32)
     dgate, gsum, parts = p["dgate_pool"](d, mean_d, rstd_d, gamma_d, beta_d, do, wproj, n)
-    pool = gsum / hw
-    w1, b1, w2, b2 = (t.detach().to(pool.dtype) for t in (w_se1, b_se1, w_se2, b_se2))
-    w1, w2 = w1.reshape(w1.shape[0], -1), w2.reshape(w2.shape[0], -1)
-    s = torch.addmm(b1, pool, w1.t())
-    act = torch.relu(s)
-    gate = torch.sigmoid(torch.addmm(b2, act, w2.t()))
-    dt_se = dgate * gate * (1 - gate)
-    dw_se2, db_se2 = dt_se.t() @ act, dt_se.sum(0)
-    ds = (dt_se @ w2) * (s > 0)
-    dw_se1, db_se1 = ds.t() @ pool, ds.sum(0)
-    dpool = ds @ w1
-    dpix = dpool / hw
+    gate, dpix, dw_se1, db_se1, dw_se2, db_se2 = p["se_backward"](gsum, dgate, w_se1, b_se1, w_se2, b_se2, hw)
     sum_dy, sum_dyu = p["bn_d_sums"](parts, gate, dpix)
     dd, dw_proj = p["bn_d_backward"](d, mean_d, rstd_d, gamma_d, beta_d, do, wproj, gate, dpix, sum_dy,
                                      sum_dyu, n)

@@ -27,7 +27,8 @@ Per block of the training-form model (``stem``, ``stages.i.j``, ``head``, ``clas
   The backward of those of stride 1 runs the fused passes over the narrow input
   (convfirstnet/mbconv_fused_backward.py) and is counted the same way (``record_mbconv_backward``: BN_p's
   backward, h and the conv's output recomputed, the SE and BN_d passes, the conv's dgrad and wgrad, the
-  BN_e passes, dx, and one launch gap per aten op of the SE backward on (N, R) vectors); the others' stays
+  BN_e passes, dx, and one launch gap per other aten op: the weights' casts, copies of outputs that share
+  memory); the others' stays
   the layer-wise bound's backward kernels plus the recompute;
 * layer-wise training bound: every layer as its own kernels, each at max(tensor, DRAM, L2) time of
   its MACs and bytes plus one launch gap in a CUDA graph (``estimate.layerwise_time``, the waterline's
@@ -367,7 +368,7 @@ def record_mbconv_backward(block: nn.Module, in_shape: tuple, batch: int, dtype:
                            ) -> tuple[list, int] | None:
     """The Triton launches of a stride-1 MBConv block's backward through the fused passes
     (mbconv_fused_backward.py) on meta tensors, with the forward's saved o and statistics, and the number
-    of its other aten ops (the SE backward on (N, R) vectors, the casts); None where it is not selected."""
+    of its other aten ops (the weights' casts, the copies); None where it is not selected."""
     import copy
 
     from convfirstnet import mbconv_fused_backward

@@ -1,6 +1,6 @@
 """The passes of the fused MBConv + SE training backward (stride 1), in PyTorch: the specification of the
-Triton launches in gate_backward.py, expand_backward.py and narrow.py (``bn_p_backward``), and their
-twin in the tests. convfirstnet/mbconv_fused_backward.py chains them.
+Triton launches in gate_backward.py, se_backward.py, expand_backward.py and narrow.py (``bn_p_backward``),
+and their twin in the tests. convfirstnet/mbconv_fused_backward.py chains them.
 
 Every activation is a 2-D row-major view of an NHWC tensor: (P, channels), P = N H W pixels, image n in
 rows n HW ... (n + 1) HW - 1. The training forward, with each BatchNorm's batch statistics (mean mu, rstd
@@ -18,7 +18,8 @@ mean(dy y_hat)), dgamma = sum dy y_hat, dbeta = sum dy; SiLU'(v) = s (1 + v (1 -
     dgate_pool:      dq = do W_proj;  dgate[n] = sum_hw dq g;  gsum[n] = sum_hw g  (per image, per channel)
                      and BN_d's backward sums per image (s' = SiLU'(v_d)): sum_hw dq s', sum_hw s',
                      sum_hw dq s' u_hat, sum_hw s' u_hat
-    (SE backward on (N, R) vectors in PyTorch: gate from gsum / HW, dpix = dp / HW)
+    se_backward:     pool = gsum / HW, s = W_se1 pool + b_se1, gate; dt = dgate gate (1 - gate);  dW_se2,
+                     db_se2;  ds = (dt W_se2) [s > 0];  dW_se1, db_se1;  dpix = ds W_se1 / HW   (N, R)
     bn_d_sums:       dy = (dq gate_n + dpix_n) s', gate and dpix constant over an image, so
                      sum dy = sum_n (gate_n sum_hw dq s' + dpix_n sum_hw s'), sum dy u_hat likewise
     bn_d_backward:   dd = gamma_d rho_d (dy - sum dy / P - u_hat sum(dy u_hat) / P);  dW_proj = do^T (g gate)
@@ -81,6 +82,24 @@ def dgate_pool_reference(d: T, mean_d: T, rstd_d: T, gamma_d: T, beta_d: T, do: 
     s1 = silu_grad(v)
     parts = torch.stack([_images(t, n).sum(1) for t in (dq * s1, s1, dq * s1 * u_hat, s1 * u_hat)])
     return _images(dq * g, n).sum(1), _images(g, n).sum(1), parts
+
+
+def se_backward_reference(gsum: T, dgate: T, w_se1: T, b_se1: T, w_se2: T, b_se2: T, hw: int
+                          ) -> tuple[T, T, T, T, T, T]:
+    """(gate, dpix (N, R), dW_se1, db_se1 (S,), dW_se2, db_se2 (R,)), fp32 (fp64 for fp64 gsum), the weight
+    gradients in the weights' shapes ((S, R) or (S, R, 1, 1); (R, S) or (R, S, 1, 1)); weights in any float
+    dtype (computed in gsum's)."""
+    pool = _f(gsum) / hw
+    w1, b1, w2, b2 = (t.to(pool.dtype) for t in (w_se1, b_se1, w_se2, b_se2))
+    w1, w2 = w1.reshape(w1.shape[0], -1), w2.reshape(w2.shape[0], -1)
+    s = torch.addmm(b1, pool, w1.t())
+    act = torch.relu(s)
+    gate = torch.sigmoid(torch.addmm(b2, act, w2.t()))
+    dt = _f(dgate) * gate * (1 - gate)
+    ds = (dt @ w2) * (s > 0)
+    dpix = (ds @ w1) / hw
+    return (gate, dpix, (ds.t() @ pool).reshape(w_se1.shape), ds.sum(0), (dt.t() @ act).reshape(w_se2.shape),
+            dt.sum(0))
 
 
 def _dy(d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpix, n):
