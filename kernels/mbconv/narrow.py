@@ -378,9 +378,9 @@ def _bn_grad_partials_kernel(dout_ptr, o_ptr, drop_ptr, mean_ptr, rstd_ptr, part
 
 
 @triton.jit
-def _bn_grad_merge_kernel(part_ptr, out_ptr, K, S, BK: tl.constexpr, BS: tl.constexpr):
-    """out[0] = dgamma = sum over the splits of part[s, 1], out[1] = dbeta = sum of part[s, 0] (BS splits
-    per step, summed in a fixed order)."""
+def _bn_grad_merge_kernel(part_ptr, dgamma_ptr, dbeta_ptr, K, S, BK: tl.constexpr, BS: tl.constexpr):
+    """dgamma = sum over the splits of part[s, 1], dbeta = sum of part[s, 0] (BS splits per step, summed in
+    a fixed order); two tensors of their own (a custom op's outputs may not share memory)."""
     k = tl.program_id(0) * BK + tl.arange(0, BK)
     k_ok = k < K
     sp = tl.arange(0, BS)
@@ -392,13 +392,13 @@ def _bn_grad_merge_kernel(part_ptr, out_ptr, K, S, BK: tl.constexpr, BS: tl.cons
         row = (s * 2 * K)[:, None] + k[None, :]
         dbeta += tl.sum(tl.load(part_ptr + row, mask=ok, other=0.0), axis=0)
         dgamma += tl.sum(tl.load(part_ptr + row + K, mask=ok, other=0.0), axis=0)
-    tl.store(out_ptr + k, dgamma, mask=k_ok)
-    tl.store(out_ptr + K + k, dbeta, mask=k_ok)
+    tl.store(dgamma_ptr + k, dgamma, mask=k_ok)
+    tl.store(dbeta_ptr + k, dbeta, mask=k_ok)
 
 
 @triton.jit
-def _bn_grad_apply_kernel(dout_ptr, o_ptr, drop_ptr, mean_ptr, rstd_ptr, gamma_ptr, sums_ptr, do_ptr, M, K,
-                          HW, BK: tl.constexpr, BM: tl.constexpr):
+def _bn_grad_apply_kernel(dout_ptr, o_ptr, drop_ptr, mean_ptr, rstd_ptr, gamma_ptr, dgamma_ptr, dbeta_ptr,
+                          do_ptr, M, K, HW, BK: tl.constexpr, BM: tl.constexpr):
     """do = gamma rstd (dob - dbeta / M - o_hat dgamma / M); one rounding to dout's dtype."""
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     m_ok = m < M
@@ -410,8 +410,8 @@ def _bn_grad_apply_kernel(dout_ptr, o_ptr, drop_ptr, mean_ptr, rstd_ptr, gamma_p
     mean = tl.load(mean_ptr + k, mask=k_ok, other=0.0)
     rstd = tl.load(rstd_ptr + k, mask=k_ok, other=0.0)
     scale = tl.load(gamma_ptr + k, mask=k_ok, other=0.0).to(tl.float32) * rstd
-    dgamma_m = tl.load(sums_ptr + k, mask=k_ok, other=0.0) / mf
-    dbeta_m = tl.load(sums_ptr + K + k, mask=k_ok, other=0.0) / mf
+    dgamma_m = tl.load(dgamma_ptr + k, mask=k_ok, other=0.0) / mf
+    dbeta_m = tl.load(dbeta_ptr + k, mask=k_ok, other=0.0) / mf
     d = tl.load(drop_ptr + m // HW, mask=m_ok, other=0.0).to(tl.float32)
     dob = d[:, None] * tl.load(dout_ptr + off, mask=ok, other=0.0).to(tl.float32)
     o_hat = (tl.load(o_ptr + off, mask=ok, other=0.0).to(tl.float32) - mean[None, :]) * rstd[None, :]
@@ -458,7 +458,8 @@ def bn_p_backward(dout: torch.Tensor, o: torch.Tensor, mean_p: torch.Tensor, rst
     bk = max(16, triton.next_power_of_2(k))
     splits, ch = _splits(m, STAT_PIXELS, device_info(dout.device).sms)
     part = torch.empty((splits, 2, k), device=dout.device, dtype=torch.float32)
-    sums = torch.empty((2, k), device=dout.device, dtype=torch.float32)
+    dgamma = torch.empty((k,), device=dout.device, dtype=torch.float32)
+    dbeta = torch.empty((k,), device=dout.device, dtype=torch.float32)
     do = torch.empty_like(dout)
     eb = dout.element_size()
     vec = 2 * k * 4 + n * drop.element_size()  # mean, rstd, drop
@@ -469,17 +470,18 @@ def bn_p_backward(dout: torch.Tensor, o: torch.Tensor, mean_p: torch.Tensor, rst
                                    note="BN_p backward: sum dob, sum dob o_hat per pixel split"),
            num_warps=4)
     bm = min(MERGE_CHANNELS, bk)
-    launch(_bn_grad_merge_kernel, (triton.cdiv(k, bm),), part, sums, k, splits, BK=bm, BS=STAT_SPLITS,
+    launch(_bn_grad_merge_kernel, (triton.cdiv(k, bm),), part, dgamma, dbeta, k, splits, BK=bm,
+           BS=STAT_SPLITS,
            cost=lambda: KernelCost(0, 0, splits * 2 * k * 4 + 2 * k * 4,
                                    (Loop("splits", triton.cdiv(splits, STAT_SPLITS)),),
                                    note="BN_p backward: fixed-order merge of the partials (dgamma, dbeta)"),
            num_warps=4)
     launch(_bn_grad_apply_kernel, (triton.cdiv(m, APPLY_PIXELS),), dout, o, drop, mean_p, rstd_p, gamma_p,
-           sums, do, m, k, hw, BK=bk, BM=APPLY_PIXELS,
+           dgamma, dbeta, do, m, k, hw, BK=bk, BM=APPLY_PIXELS,
            cost=lambda: KernelCost(0, 0, 3 * m * k * eb + vec + k * gamma_p.element_size() + 2 * k * 4,
                                    note="BN_p backward: do from dob, o_hat, dgamma, dbeta"),
            num_warps=4)
-    return do, sums[0], sums[1]
+    return do, dgamma, dbeta
 
 
 def _nhwc(t: torch.Tensor) -> tuple[int, int, int, int]:
