@@ -135,8 +135,9 @@ def _expand_kernel(x_ptr, w_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, dh_ptr
 
 
 @triton.jit
-def _split_sum_kernel(part_ptr, out_ptr, S, L, BL: tl.constexpr, BS: tl.constexpr):
-    """out[i] = sum over s of part[s, i] (fp32), BS splits per step, in a fixed order."""
+def _split_sum_kernel(part_ptr, out_ptr, out2_ptr, S, L, L1, BL: tl.constexpr, BS: tl.constexpr):
+    """out[i] = sum over s of part[s, i] (fp32), BS splits per step, in a fixed order; columns from L1 on
+    go to out2[i - L1] (two outputs of their own)."""
     i = tl.program_id(0) * BL + tl.arange(0, BL)
     i_ok = i < L
     sp = tl.arange(0, BS)
@@ -146,7 +147,8 @@ def _split_sum_kernel(part_ptr, out_ptr, S, L, BL: tl.constexpr, BS: tl.constexp
         ok = (s < S)[:, None] & i_ok[None, :]
         rows = part_ptr + s[:, None].to(tl.int64) * L
         acc += tl.sum(tl.load(rows + i[None, :], mask=ok, other=0.0), axis=0)
-    tl.store(out_ptr + i, acc, mask=i_ok)
+    tl.store(out_ptr + i, acc, mask=i_ok & (i < L1))
+    tl.store(out2_ptr + (i - L1), acc, mask=i_ok & (i >= L1))
 
 
 @triton.jit
@@ -263,11 +265,13 @@ def _expand_cost(mode: int, p: int, c: int, r: int, rb: int, cp: int, bm: int, s
                       l2_bytes=(nchunk - 1) * p * c * eb, note=note)
 
 
-def _split_sum(part: torch.Tensor, out: torch.Tensor, what: str) -> torch.Tensor:
-    """out (L,) = part (S, L) summed over its rows in a fixed order (one launch)."""
-    s, n = part.shape[0], out.numel()
+def _split_sum(part: torch.Tensor, out: torch.Tensor, what: str, out2: torch.Tensor | None = None):
+    """out = part (S, L) summed over its rows in a fixed order (one launch); with out2, its first
+    out.numel() columns go to out and the rest to out2."""
+    s, n = part.shape[0], part.shape[1]
     steps = triton.cdiv(s, SUM_SPLITS)
-    launch(_split_sum_kernel, (triton.cdiv(n, SUM_COLUMNS),), part, out, s, n,
+    launch(_split_sum_kernel, (triton.cdiv(n, SUM_COLUMNS),), part, out, out if out2 is None else out2, s, n,
+           out.numel(),
            cost=lambda: KernelCost(0, 0, n * 4, (Loop("splits", steps),), l2_bytes=s * n * 4,
                                    l2_footprint_bytes=s * n * 4, note=f"fixed-order merge of {what}"),
            BL=SUM_COLUMNS, BS=SUM_SPLITS, num_warps=4)
@@ -306,8 +310,9 @@ def bn_e_sums(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rstd_e
     part = torch.empty((splits, 2 * r), device=x.device, dtype=torch.float32)
     _expand_launch(MODE_SUMS, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, mean_e, mean_e, x, part, splits,
                    ch, paired)
-    sums = _split_sum(part, torch.empty((2, r), device=x.device, dtype=torch.float32), "BN_e's sums")
-    return sums[0], sums[1]
+    sum_dv, sum_dve = (torch.empty((r,), device=x.device, dtype=torch.float32) for _ in range(2))
+    _split_sum(part, sum_dv, "BN_e's sums", sum_dve)  # two tensors of their own (the op's outputs)
+    return sum_dv, sum_dve
 
 
 def bn_e_backward(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rstd_e: torch.Tensor,

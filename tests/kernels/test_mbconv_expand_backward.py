@@ -116,6 +116,7 @@ def test_bn_e_sums(interpreter_backend, small_tiles, shape):
     for g, w in zip(got, want):
         assert g.dtype == F32 and g.shape == w.shape and g.is_contiguous()
         assert _rel(g, w) <= 1e-5, _rel(g, w)
+    assert got[0].untyped_storage().data_ptr() != got[1].untyped_storage().data_ptr()  # the op's two outputs
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
