@@ -135,9 +135,10 @@ def _expand_kernel(x_ptr, w_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, dh_ptr
 
 
 @triton.jit
-def _split_sum_kernel(part_ptr, out_ptr, out2_ptr, S, L, L1, BL: tl.constexpr, BS: tl.constexpr):
+def _split_sum_kernel(part_ptr, out_ptr, out2_ptr, S, L, L1, BL: tl.constexpr, BS: tl.constexpr,
+                      TWO: tl.constexpr):
     """out[i] = sum over s of part[s, i] (fp32), BS splits per step, in a fixed order; columns from L1 on
-    go to out2[i - L1] (two outputs of their own)."""
+    go to out2[i - L1] where TWO (two outputs of their own)."""
     i = tl.program_id(0) * BL + tl.arange(0, BL)
     i_ok = i < L
     sp = tl.arange(0, BS)
@@ -147,8 +148,11 @@ def _split_sum_kernel(part_ptr, out_ptr, out2_ptr, S, L, L1, BL: tl.constexpr, B
         ok = (s < S)[:, None] & i_ok[None, :]
         rows = part_ptr + s[:, None].to(tl.int64) * L
         acc += tl.sum(tl.load(rows + i[None, :], mask=ok, other=0.0), axis=0)
-    tl.store(out_ptr + i, acc, mask=i_ok & (i < L1))
-    tl.store(out2_ptr + (i - L1), acc, mask=i_ok & (i >= L1))
+    if TWO:
+        tl.store(out_ptr + i, acc, mask=i_ok & (i < L1))
+        tl.store(out2_ptr + (i - L1), acc, mask=i_ok & (i >= L1))
+    else:
+        tl.store(out_ptr + i, acc, mask=i_ok)
 
 
 @triton.jit
@@ -274,7 +278,7 @@ def _split_sum(part: torch.Tensor, out: torch.Tensor, what: str, out2: torch.Ten
            out.numel(),
            cost=lambda: KernelCost(0, 0, n * 4, (Loop("splits", steps),), l2_bytes=s * n * 4,
                                    l2_footprint_bytes=s * n * 4, note=f"fixed-order merge of {what}"),
-           BL=SUM_COLUMNS, BS=SUM_SPLITS, num_warps=4)
+           BL=SUM_COLUMNS, BS=SUM_SPLITS, TWO=out2 is not None, num_warps=4)
     return out
 
 
