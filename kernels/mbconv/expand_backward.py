@@ -14,15 +14,22 @@ programs of one split are adjacent in the grid, so x's tiles are read from DRAM 
 other chunks from L2. Per-split partials (fp32, their own rows) are summed over the splits in a fixed
 order by ``_split_sum_kernel``: no atomics, two identical calls give equal results.
 
-Splits: whole pixel tiles (narrow._splits), about as many as fill the GPU's SMs with the chunks.
+Splits: whole pixel tiles (narrow._splits), about as many as fill the GPU's SMs with the chunks (twice as
+many where two programs share an SM).
 
-Tiles (``TILES``, ``DGRAD_TILES``; 8 warps each). At Small's C = 256, R = 1024 in 16-bit, compiled for
-sm_90: the h and sums modes 8 chunks x 16 splits of 64-pixel tiles, W's chunk 64 KB of shared memory (176 KB
-in all), 127 and 254 registers; the de mode 16 chunks x 8 splits of 128-pixel tiles, 255 registers and no
-stack because its per-channel vectors are folded to four (v = z A + B, de = A dv + z D1 + D0; each thread
-holds 16 channels of each over the loop); expand_dgrad 244 registers. fp32 (3xTF32: each operand split in
-two parts in registers, the whole C = 256 row per tile) takes smaller tiles that fit the shared memory and
-spills (440 to 1568 B of stack): correct, not fast; a K loop over C would be its fix.
+Tiles (``TILES``, ``DGRAD_TILES``; 8 warps each). At Small's C = 256, R = 1024 in 16-bit, compiled for sm_90:
+the h and sums modes 8 chunks x 16 splits of 64-pixel tiles, W's chunk 64 KB of shared memory (176 KB in all),
+127 and 254 registers; at 16x16 the h mode runs two programs per SM (``PAIRED``: 8 x 32 programs, one pipeline
+stage, 96 KB, at most 128 registers: 127) so that one program's dots run while the other's epilogue does
+(static estimate at the high end 38 -> 35 us, now L2-bound: x re-read by the 8 chunks); the de mode 16 chunks
+x 8 splits of 128-pixel tiles, 255 registers and no stack because its per-channel vectors are folded to four
+(v = z A + B, de = A dv + z D1 + D0; each thread holds 16 channels of each over the loop); expand_dgrad 244
+registers, 128-pixel tiles at 8x8 too (64 programs: see ``DGRAD_TILES``). The sums and de modes stay one
+program per SM: capped at 128 registers they spill in the loop (sums with its per-tile sums reduced in the
+tile: 240 B of stack; de with 64 x 64 tiles: 376 B), and the de mode's dW_exp^T partial [C, RB] needs RB = 64
+to stay in registers at all. fp32 (3xTF32: each operand split in two parts in registers, the whole C = 256 row
+per tile) takes smaller tiles that fit the shared memory and spills (440 to 1568 B of stack): correct, not
+fast; a K loop over C would be its fix.
 """
 
 from __future__ import annotations
@@ -45,8 +52,18 @@ MODE_H, MODE_SUMS, MODE_DE = 0, 1, 2
 # they spill (see the module docstring).
 TILES = {(MODE_H, 2): (128, 64, 8, 3), (MODE_SUMS, 2): (128, 64, 8, 3), (MODE_DE, 2): (64, 128, 8, 2),
          (MODE_H, 4): (64, 64, 8, 1), (MODE_SUMS, 4): (64, 64, 8, 1), (MODE_DE, 4): (32, 64, 8, 1)}
-# expand_dgrad by element size: (pixel tile (halved where it would leave SMs idle), K step, warps)
+# expand_dgrad by element size: (pixel tile, K step, warps). Not halved where it leaves SMs idle (Small at
+# 8x8: 64 programs): each program reads all of W_exp (512 KB) from L2, and at 64-pixel tiles those re-reads
+# (64 MB) would outweigh de (16 MB): static estimate 15.5 us (L2-bound) at 64 against 12.5 at 128 pixels.
 DGRAD_TILES = {2: (128, 32, 8), 4: (64, 32, 8)}
+# Modes whose programs fit two per SM with one pipeline stage (h in 16-bit: 128 registers, 96 KB of shared
+# memory; the sums mode 254 registers and the de mode 255 do not): with twice the splits, each program's
+# serial chain (its epilogues and the waits for its own dots) is half as long while the other program's
+# dots run. Taken where every split keeps >= PAIRED_MIN_TILES tiles (the chunk of W_exp that each program
+# loads stays small next to its x tiles): at 16x16, not at 8x8.
+PAIRED = {(MODE_H, 2)}
+PAIRED_MIN_TILES = 8
+REGISTERS = 65536  # per SM (sm_80, sm_90): two programs of 8 warps take at most 128 registers a thread
 SUM_COLUMNS = 256  # columns per program of the split merge
 SUM_SPLITS = 8  # splits per step of the split merge
 
@@ -118,8 +135,10 @@ def _expand_kernel(x_ptr, w_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, dh_ptr
 
 
 @triton.jit
-def _split_sum_kernel(part_ptr, out_ptr, S, L, BL: tl.constexpr, BS: tl.constexpr):
-    """out[i] = sum over s of part[s, i] (fp32), BS splits per step, in a fixed order."""
+def _split_sum_kernel(part_ptr, out_ptr, out2_ptr, S, L, L1, BL: tl.constexpr, BS: tl.constexpr,
+                      TWO: tl.constexpr):
+    """out[i] = sum over s of part[s, i] (fp32), BS splits per step, in a fixed order; columns from L1 on
+    go to out2[i - L1] where TWO (two outputs of their own)."""
     i = tl.program_id(0) * BL + tl.arange(0, BL)
     i_ok = i < L
     sp = tl.arange(0, BS)
@@ -129,7 +148,11 @@ def _split_sum_kernel(part_ptr, out_ptr, S, L, BL: tl.constexpr, BS: tl.constexp
         ok = (s < S)[:, None] & i_ok[None, :]
         rows = part_ptr + s[:, None].to(tl.int64) * L
         acc += tl.sum(tl.load(rows + i[None, :], mask=ok, other=0.0), axis=0)
-    tl.store(out_ptr + i, acc, mask=i_ok)
+    if TWO:
+        tl.store(out_ptr + i, acc, mask=i_ok & (i < L1))
+        tl.store(out2_ptr + (i - L1), acc, mask=i_ok & (i >= L1))
+    else:
+        tl.store(out_ptr + i, acc, mask=i_ok)
 
 
 @triton.jit
@@ -205,7 +228,7 @@ def _check_sizes(op: str, p: int, c: int, r: int) -> None:
 
 
 def _expand_launch(mode: int, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, sdv, sdve, out, part, splits,
-                   ch):
+                   ch, paired):
     rb, bm, warps, stages = TILES[mode, _size(x)]
     p, c = x.shape
     r = w_exp.shape[0]
@@ -217,8 +240,8 @@ def _expand_launch(mode: int, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, sdv
            out, part, p, c, r, ch, 1.0 / p,
            cost=lambda: _expand_cost(mode, p, c, r, rb, cp, bm, splits, ch, x.element_size(),
                                      gamma_e.element_size()),
-           MODE=mode, RB=rb, CP=cp, BM=bm, EVEN_R=r % rb == 0, FAST=fast, PREC=prec,
-           num_warps=warps, num_stages=stages)
+           MODE=mode, RB=rb, CP=cp, BM=bm, EVEN_R=r % rb == 0, FAST=fast, PREC=prec, num_warps=warps,
+           **({"num_stages": 1, "maxnreg": REGISTERS // (64 * warps)} if paired else {"num_stages": stages}))
 
 
 def _expand_cost(mode: int, p: int, c: int, r: int, rb: int, cp: int, bm: int, splits: int, ch: int,
@@ -246,14 +269,16 @@ def _expand_cost(mode: int, p: int, c: int, r: int, rb: int, cp: int, bm: int, s
                       l2_bytes=(nchunk - 1) * p * c * eb, note=note)
 
 
-def _split_sum(part: torch.Tensor, out: torch.Tensor, what: str) -> torch.Tensor:
-    """out (L,) = part (S, L) summed over its rows in a fixed order (one launch)."""
-    s, n = part.shape[0], out.numel()
+def _split_sum(part: torch.Tensor, out: torch.Tensor, what: str, out2: torch.Tensor | None = None):
+    """out = part (S, L) summed over its rows in a fixed order (one launch); with out2, its first
+    out.numel() columns go to out and the rest to out2."""
+    s, n = part.shape[0], part.shape[1]
     steps = triton.cdiv(s, SUM_SPLITS)
-    launch(_split_sum_kernel, (triton.cdiv(n, SUM_COLUMNS),), part, out, s, n,
+    launch(_split_sum_kernel, (triton.cdiv(n, SUM_COLUMNS),), part, out, out if out2 is None else out2, s, n,
+           out.numel(),
            cost=lambda: KernelCost(0, 0, n * 4, (Loop("splits", steps),), l2_bytes=s * n * 4,
                                    l2_footprint_bytes=s * n * 4, note=f"fixed-order merge of {what}"),
-           BL=SUM_COLUMNS, BS=SUM_SPLITS, num_warps=4)
+           BL=SUM_COLUMNS, BS=SUM_SPLITS, TWO=out2 is not None, num_warps=4)
     return out
 
 
@@ -261,9 +286,12 @@ def _size(x: torch.Tensor) -> int:
     return 4 if x.element_size() == 4 else 2
 
 
-def _expand_splits(mode: int, x: torch.Tensor, r: int) -> tuple[int, int]:
+def _expand_splits(mode: int, x: torch.Tensor, r: int) -> tuple[int, int, bool]:
+    """(splits, pixels per split, whether two programs share an SM: ``PAIRED``)."""
     rb, bm = TILES[mode, _size(x)][:2]
-    return _splits(x.shape[0], bm, max(1, device_info(x.device).sms // triton.cdiv(r, rb)))
+    per_sm = max(1, device_info(x.device).sms // triton.cdiv(r, rb))
+    paired = (mode, _size(x)) in PAIRED and triton.cdiv(x.shape[0], bm) >= 2 * per_sm * PAIRED_MIN_TILES
+    return (*_splits(x.shape[0], bm, 2 * per_sm if paired else per_sm), paired)
 
 
 def expand_hidden(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rstd_e: torch.Tensor,
@@ -271,8 +299,9 @@ def expand_hidden(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rs
     """h = SiLU(gamma_e (x W_exp^T - mean_e) rstd_e + beta_e), (P, R) in x's dtype."""
     p, _c, r = _check_expand("expand_hidden", x, w_exp, mean_e, rstd_e, gamma_e, beta_e)
     h = torch.empty((p, r), device=x.device, dtype=x.dtype)
-    splits, ch = _expand_splits(MODE_H, x, r)
-    _expand_launch(MODE_H, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, None, mean_e, mean_e, h, h, splits, ch)
+    splits, ch, paired = _expand_splits(MODE_H, x, r)
+    _expand_launch(MODE_H, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, None, mean_e, mean_e, h, h, splits, ch,
+                   paired)
     return h
 
 
@@ -281,12 +310,13 @@ def bn_e_sums(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rstd_e
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum dv (R,), sum dv e_hat (R,)) fp32, dv = dh SiLU'(v_e): partials per pixel split, then merged."""
     _p, _c, r = _check_expand("bn_e_sums", x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh)
-    splits, ch = _expand_splits(MODE_SUMS, x, r)
+    splits, ch, paired = _expand_splits(MODE_SUMS, x, r)
     part = torch.empty((splits, 2 * r), device=x.device, dtype=torch.float32)
     _expand_launch(MODE_SUMS, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, mean_e, mean_e, x, part, splits,
-                   ch)
-    sums = _split_sum(part, torch.empty((2, r), device=x.device, dtype=torch.float32), "BN_e's sums")
-    return sums[0], sums[1]
+                   ch, paired)
+    sum_dv, sum_dve = (torch.empty((r,), device=x.device, dtype=torch.float32) for _ in range(2))
+    _split_sum(part, sum_dv, "BN_e's sums", sum_dve)  # two tensors of their own (the op's outputs)
+    return sum_dv, sum_dve
 
 
 def bn_e_backward(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rstd_e: torch.Tensor,
@@ -298,11 +328,11 @@ def bn_e_backward(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rs
     p, c, r = _check_expand(op, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh)
     _check(op, "sum_dv", sum_dv, (r,), (torch.float32,), x.device)
     _check(op, "sum_dv_ehat", sum_dv_ehat, (r,), (torch.float32,), x.device)
-    splits, ch = _expand_splits(MODE_DE, x, r)
+    splits, ch, paired = _expand_splits(MODE_DE, x, r)
     de = torch.empty((p, r), device=x.device, dtype=x.dtype)
     part = torch.empty((splits, r * c), device=x.device, dtype=torch.float32)
     _expand_launch(MODE_DE, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, sum_dv, sum_dv_ehat, de, part,
-                   splits, ch)
+                   splits, ch, paired)
     dw = _split_sum(part, torch.empty((r, c), device=x.device, dtype=torch.float32), "dW_exp's partials")
     return de, dw
 
@@ -327,7 +357,6 @@ def expand_dgrad(de: torch.Tensor, w_exp: torch.Tensor, residual: torch.Tensor |
     _, prec = kernel_settings(de)
     cp = max(16, triton.next_power_of_2(c))
     bm, rs, warps = DGRAD_TILES[_size(de)]
-    bm = bm if triton.cdiv(p, bm) >= device_info(de.device).sms else bm // 2
     tiles = triton.cdiv(p, bm)
     eb = de.element_size()
     launch(_dgrad_kernel, (tiles,), de, w_exp, residual if residual is not None else dx, dx, p, c, r,

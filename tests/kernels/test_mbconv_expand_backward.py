@@ -16,7 +16,8 @@ neighbouring fp16 values (observed 2.6e-4): 1e-3.
 Planted bugs checked to fail: the pixel-tile offset dropped in the expand kernel (every tile reads the
 split's first: fails all expand tests), the last split skipped by the merge (the sums and dW_exp
 tests), P - 1 for P in de's mean terms (the de test), the K-step offset dropped in expand_dgrad (the
-dgrad tests), the bias beta dropped (h, sums, de), rstd dropped from de's e_hat term (the de test).
+dgrad tests), the bias beta dropped (h, sums, de), rstd dropped from de's e_hat term (the de test), the
+last split dropped where two programs share an SM (the paired h test).
 """
 
 from __future__ import annotations
@@ -90,6 +91,21 @@ def test_expand_hidden(interpreter_backend, small_tiles, shape):
     assert _rel(h, want) <= _tol(shape[4]), _rel(h, want)
 
 
+def test_expand_hidden_paired(interpreter_backend, small_tiles, monkeypatch):
+    """The launch of two programs per SM (one pipeline stage, a register cap: taken at Small's 16x16) at
+    any map size: the same h."""
+    from convfirstnet.kernels.mbconv import expand_backward as eb
+
+    monkeypatch.setattr(eb, "PAIRED_MIN_TILES", 0)
+    shape = SHAPES[0]
+    a = _inputs(shape, 6)
+    a.pop("dh")
+    assert eb._expand_splits(eb.MODE_H, a["x"], a["w_exp"].shape[0])[2]
+    h = eb.expand_hidden(**a)
+    want = ref.expand_hidden_reference(**_f64(a))
+    assert _rel(h, want) <= _tol(shape[4]), _rel(h, want)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
 def test_bn_e_sums(interpreter_backend, small_tiles, shape):
     from convfirstnet.kernels.mbconv.expand_backward import bn_e_sums
@@ -100,6 +116,7 @@ def test_bn_e_sums(interpreter_backend, small_tiles, shape):
     for g, w in zip(got, want):
         assert g.dtype == F32 and g.shape == w.shape and g.is_contiguous()
         assert _rel(g, w) <= 1e-5, _rel(g, w)
+    assert got[0].untyped_storage().data_ptr() != got[1].untyped_storage().data_ptr()  # the op's two outputs
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
@@ -205,10 +222,11 @@ def record_expand_backward(side: int, n: int = 128, dtype=torch.float16) -> list
 @pytest.mark.compile
 def test_small_expand_backward_compiles_for_sm90():
     """The launches at batch 128, 16x16 and 8x8 (hidden, sums + merge, de + merge, dgrad) compile for sm_90
-    within shared memory, no spill code in their loops, the expand and dgrad dots on wgmma, enough
-    programs for the 132 SMs; the fp32 variants within shared memory. (Compiled with Triton 3.8, fp16: h
-    127 registers, sums 254, de 255, all without stack; shared memory 176 / 176 / 208 KiB; expand_dgrad
-    244 (16x16) and 127 (8x8) registers.)"""
+    within shared memory, no spill code in their loops, the expand and dgrad dots on wgmma, enough programs
+    for the 132 SMs (expand_dgrad at 8x8: 64), h two programs per SM at 16x16 (8 x 32 programs, one stage, 128
+    registers at most) and one at 8x8; the fp32 variants within shared memory. (Compiled with Triton 3.8,
+    fp16: h 127 registers and 96 KiB of shared memory at 16x16, 127 and 176 KiB at 8x8; sums 254, de 255, all
+    without stack; shared memory 176 (sums) / 208 (de) KiB; expand_dgrad 244 registers, 72 KiB.)"""
     pytest.importorskip("triton")
     from convfirstnet.analysis.compiled import compile_variants, variant_of
 
@@ -220,12 +238,16 @@ def test_small_expand_backward_compiles_for_sm90():
         names = [lc.kernel.fn.__name__ if hasattr(lc.kernel, "fn") else lc.kernel.__name__ for lc in launches]
         assert names == ["_expand_kernel", "_expand_kernel", "_split_sum_kernel", "_expand_kernel",
                          "_split_sum_kernel", "_dgrad_kernel"]
+        h = launches[0]
+        paired = (h.grid, h.meta["num_stages"], h.meta.get("maxnreg"))
+        assert paired == (((8, 32), 1, 128) if side == 16 else ((8, 16), 3, None)), (side, paired)
         for lc, name in zip(launches, names):
             if name != "_split_sum_kernel":
                 programs = 1
                 for g in lc.grid:
                     programs *= g
-                assert programs >= 128, (name, lc.grid)
+                # expand_dgrad at 8x8: 64 programs of 128 pixels (DGRAD_TILES: smaller re-read W_exp more)
+                assert programs >= (64 if name == "_dgrad_kernel" and side == 8 else 128), (name, lc.grid)
             v = variant_of(lc, 90)
             variants.setdefault(v.key, v)
     fp32 = {}  # fp32 (3xTF32, tiles that spill: module docstring) must still fit the shared memory
