@@ -137,3 +137,28 @@ def test_small_backward_on_gpu(monkeypatch, dtype, side):
     for name, a, b in zip(NAMES, got, want):
         err = ((a.double() - b.double()).norm() / b.double().norm()).item()
         assert err <= tol, f"{name}: {err:.3g}"
+
+
+@pytest.mark.compile
+def test_small_backward_launches_fit_an_a100():
+    """The backward's launches at Small's 16x16 stride-1 shape (batch 128, fp16) compile for sm_80 within
+    its 163 KB of shared memory per block (the tiles are chosen for sm_90, whose limit is 227 KB; the
+    chain is selected on any CUDA GPU). Compiled: at most 160 KB; the BN_d and BN_e passes keep 144-344 B of
+    stack there (slower, not wrong)."""
+    pytest.importorskip("triton")
+    import convfirstnet
+    from convfirstnet.analysis.compiled import compile_variants, variant_of
+    from convfirstnet.analysis.targets import target
+    from convfirstnet.analysis.training import record_mbconv_backward
+
+    from .test_mbconv import SHARED_LIMIT
+
+    block = convfirstnet.small().stages[3][1].train()
+    launches, _ = record_mbconv_backward(block, (1, 256, 16, 16), 128, torch.float16, target(80))
+    variants = {}
+    for lc in launches:
+        v = variant_of(lc, 80)
+        variants.setdefault(v.key, v)
+    compiled = compile_variants(list(variants.values()))
+    over = [f"{v.name}: {c.shared} B" for v, c in zip(variants.values(), compiled) if c.shared > SHARED_LIMIT[80]]
+    assert not over, over
