@@ -123,11 +123,5 @@ def _backward(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1,
              dw_proj.reshape(w_proj.shape), dgamma_p, dbeta_p)
     params = (x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,
               beta_p)
-    out, storages = [], set()
-    for g, q in zip(grads, params):  # an op's outputs may not share memory (the sums come in pairs)
-        g = g.to(q.dtype)
-        if g.untyped_storage()._cdata in storages:
-            g = g.clone()
-        storages.add(g.untyped_storage()._cdata)
-        out.append(g)
-    return tuple(out)
+    # every pass returns tensors of their own: a custom op's outputs may not share memory
+    return tuple(g.to(q.dtype) for g, q in zip(grads, params))
