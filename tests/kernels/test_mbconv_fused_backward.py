@@ -163,3 +163,37 @@ def test_small_backward_launches_fit_an_a100():
     limit = SHARED_LIMIT[80]
     over = [f"{v.name}: {c.shared} B" for v, c in zip(variants.values(), compiled) if c.shared > limit]
     assert not over, over
+
+
+@pytest.mark.compile
+def test_weight_chunk_loaded_before_the_pixel_loop():
+    """gate_backward's and expand_backward's headers say each program loads its chunk of W_proj / W_exp
+    once, before its pixel loop, into shared memory. Compiled for sm_90 at Small's 16x16 shape (fp16):
+    the [RB, C] weight tile's load and its ``ttg.local_alloc`` come before the first ``scf.for``, and,
+    where the loop's own tiles have another shape (BM != RB), no load of that shape is inside the loop."""
+    pytest.importorskip("triton")
+    import re
+
+    import convfirstnet
+    from convfirstnet.analysis.compiled import variant_of
+    from convfirstnet.analysis.targets import target
+    from convfirstnet.analysis.training import record_mbconv_backward
+
+    from .test_mbconv import _compile_asm
+
+    block = convfirstnet.small().stages[3][1].train()
+    launches, _ = record_mbconv_backward(block, (1, 256, 16, 16), 128, torch.float16, target(90))
+    picked = [variant_of(lc, 90) for lc in launches
+              if lc.kernel.fn.__name__ in ("_gate_backward_kernel", "_expand_kernel")]
+    assert len(picked) == 5  # dgate_pool, bn_d_backward; expand_hidden, bn_e_sums, bn_e_backward
+    for v, asm in zip(picked, _compile_asm(picked)):
+        lines = asm["ttgir"].splitlines()
+        loop = next(i for i, line in enumerate(lines) if "scf.for" in line)
+        shape = f"tensor<{v.meta['RB']}x256x"
+        where = f"{v.name} MODE={v.meta['MODE']}"
+        loads = [i for i, line in enumerate(lines) if "tt.load" in line and shape in line]
+        allocs = [i for i, line in enumerate(lines) if "ttg.local_alloc" in line and shape in line]
+        assert loads and min(loads) < loop and allocs and min(allocs) < loop, where
+        if v.meta["BM"] != v.meta["RB"]:
+            assert max(loads) < loop, f"{where}: the weight tile is loaded inside the pixel loop"
+        assert re.search(r"warp_group_dot", asm["ttgir"]), where
