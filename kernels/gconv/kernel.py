@@ -438,11 +438,13 @@ def _gconv_wgrad_kernel(
 
 
 @triton.jit
-def _wgrad_reduce_kernel(part_ptr, dw_ptr, SHARES, TOTAL, SB: tl.constexpr, BLOCK: tl.constexpr):
-    """dw[i] = sum over the shares s of partial[s, i] (fp32), stored in dw's dtype. SB shares at a time:
-    one [SB, BLOCK] tile of independent loads (many in flight: a loop over single shares would wait
-    for one load per share), summed over the shares by tl.sum (a fixed tree), then added to the
-    running sum in share-block order. Rows past SHARES read as 0.0, which adds exactly."""
+def _wgrad_reduce_kernel(part_ptr, dw_ptr, dw2_ptr, SHARES, TOTAL, SPLIT, SB: tl.constexpr,
+                         BLOCK: tl.constexpr, TWO: tl.constexpr = False):
+    """dw[i] = sum over the shares s of partial[s, i] (fp32), stored in dw's dtype (TWO: elements from
+    SPLIT on to dw2[i - SPLIT], two results of their own from one launch). SB shares at a time: one
+    [SB, BLOCK] tile of independent loads (many in flight: a loop over single shares would wait for one
+    load per share), summed over the shares by tl.sum (a fixed tree), then added to the running sum in
+    share-block order. Rows past SHARES read as 0.0, which adds exactly."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < TOTAL
     rows = tl.arange(0, SB)
@@ -452,4 +454,8 @@ def _wgrad_reduce_kernel(part_ptr, dw_ptr, SHARES, TOTAL, SB: tl.constexpr, BLOC
         tile = tl.load(p, mask=(s0 + rows < SHARES)[:, None] & ok[None, :], other=0.0)
         acc += tl.sum(tile, axis=0)
         p += SB * TOTAL  # 64-bit pointer arithmetic: no int32 overflow of s x TOTAL
-    tl.store(dw_ptr + offs, acc.to(dw_ptr.dtype.element_ty), mask=ok)
+    if TWO:
+        tl.store(dw_ptr + offs, acc.to(dw_ptr.dtype.element_ty), mask=ok & (offs < SPLIT))
+        tl.store(dw2_ptr + (offs - SPLIT), acc.to(dw2_ptr.dtype.element_ty), mask=ok & (offs >= SPLIT))
+    else:
+        tl.store(dw_ptr + offs, acc.to(dw_ptr.dtype.element_ty), mask=ok)

@@ -305,12 +305,18 @@ def gconv3x3_wgrad_triton(
 
 
 def reduce_partials(partials: torch.Tensor, out: torch.Tensor, shares: int, total: int, *, block: int,
-                    sb: int) -> None:
+                    sb: int, out2: torch.Tensor | None = None, partials_in_l2: bool = False,
+                    what: str = "gconv3x3 wgrad") -> None:
     """out[i] = sum over s of partials[s, i] (fp32, s in a fixed order: bitwise reproducible), for the
     ``total`` elements of each of ``shares`` partial rows; ``sb`` rows at a time, ``block`` elements per
-    program. The deterministic second stage of every weight gradient summed from per-share partials."""
-    launch(_wgrad_reduce_kernel, (triton.cdiv(total, block),), partials, out, shares, total, SB=sb,
-           BLOCK=block, num_warps=NUM_WARPS, cost=lambda: reduce_cost(shares, total, sb, out.element_size()))
+    program. The deterministic second stage of every weight gradient summed from per-share partials.
+    With ``out2``, the elements from out.numel() on go to out2 (two results of their own, as a custom
+    op's outputs must be, from one launch). ``partials_in_l2``: the partials were written by the launch
+    just before and fit L2, so their read is L2 traffic (else DRAM)."""
+    split = out.numel() if out2 is not None else total
+    launch(_wgrad_reduce_kernel, (triton.cdiv(total, block),), partials, out, out if out2 is None else out2,
+           shares, total, split, SB=sb, BLOCK=block, TWO=out2 is not None, num_warps=NUM_WARPS,
+           cost=lambda: reduce_cost(shares, total, sb, out.element_size(), partials_in_l2, what))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -389,8 +395,13 @@ def wgrad_cost(cfg: TileConfig, n: int, c: int, h: int, w: int, stride: int, eb:
     )
 
 
-def reduce_cost(shares: int, total: int, sb: int, out_bytes: int) -> KernelCost:
-    """The partials read once, dw written once; no MACs."""
-    return KernelCost(useful_macs=0, mma_macs=0, dram_bytes=4 * shares * total + out_bytes * total,
-                      loops=(Loop("share blocks", triton.cdiv(shares, sb)),),
-                      note=f"gconv3x3 wgrad: reduction of {shares} partials, {sb} at a time")
+def reduce_cost(shares: int, total: int, sb: int, out_bytes: int, partials_in_l2: bool = False,
+                what: str = "gconv3x3 wgrad") -> KernelCost:
+    """The partials read once (from L2 where ``partials_in_l2``: their footprint declared), the result
+    written once; no MACs."""
+    parts = 4 * shares * total
+    loops = (Loop("share blocks", triton.cdiv(shares, sb)),)
+    note = f"{what}: reduction of {shares} partials, {sb} at a time"
+    if partials_in_l2:
+        return KernelCost(0, 0, out_bytes * total, loops, l2_bytes=parts, l2_footprint_bytes=parts, note=note)
+    return KernelCost(useful_macs=0, mma_macs=0, dram_bytes=parts + out_bytes * total, loops=loops, note=note)

@@ -12,7 +12,8 @@ pixel splits); program (j, s) loads its chunk's W_exp rows [RB, C] once, before 
 pixel tiles (BM rows) of split s: z = x_tile W^T (fp32 accumulation), then the mode's epilogue. The
 programs of one split are adjacent in the grid, so x's tiles are read from DRAM once and re-read by the
 other chunks from L2. Per-split partials (fp32, their own rows) are summed over the splits in a fixed
-order by ``_split_sum_kernel``: no atomics, two identical calls give equal results.
+order by the weight gradients' reduction (gconv.launcher.reduce_partials): no atomics, two identical
+calls give equal results.
 
 Splits: whole pixel tiles (narrow._splits), about as many as fill the GPU's SMs with the chunks (twice as
 many where two programs share an SM).
@@ -41,6 +42,7 @@ import triton.language as tl
 from .._activations import sigmoid, silu
 from .._cost import KernelCost, Loop
 from .._launch import FLOAT_DTYPES, device_info, launch
+from ..gconv.launcher import reduce_partials
 from .launcher import MAX_C, kernel_settings
 from .narrow import _splits
 
@@ -132,27 +134,6 @@ def _expand_kernel(x_ptr, w_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, dh_ptr
         tl.store(part_ptr + s * 2 * R + R + r, tl.sum(s2, axis=0), mask=r_ok)
     if MODE == 2:
         tl.store(part_ptr + s * R * C + r[None, :] * C + c[:, None], dwt, mask=r_ok[None, :] & c_ok[:, None])
-
-
-@triton.jit
-def _split_sum_kernel(part_ptr, out_ptr, out2_ptr, S, L, L1, BL: tl.constexpr, BS: tl.constexpr,
-                      TWO: tl.constexpr):
-    """out[i] = sum over s of part[s, i] (fp32), BS splits per step, in a fixed order; columns from L1 on
-    go to out2[i - L1] where TWO (two outputs of their own)."""
-    i = tl.program_id(0) * BL + tl.arange(0, BL)
-    i_ok = i < L
-    sp = tl.arange(0, BS)
-    acc = tl.zeros((BL,), dtype=tl.float32)
-    for s0 in range(0, S, BS):
-        s = s0 + sp
-        ok = (s < S)[:, None] & i_ok[None, :]
-        rows = part_ptr + s[:, None].to(tl.int64) * L
-        acc += tl.sum(tl.load(rows + i[None, :], mask=ok, other=0.0), axis=0)
-    if TWO:
-        tl.store(out_ptr + i, acc, mask=i_ok & (i < L1))
-        tl.store(out2_ptr + (i - L1), acc, mask=i_ok & (i >= L1))
-    else:
-        tl.store(out_ptr + i, acc, mask=i_ok)
 
 
 @triton.jit
@@ -270,15 +251,10 @@ def _expand_cost(mode: int, p: int, c: int, r: int, rb: int, cp: int, bm: int, s
 
 
 def _split_sum(part: torch.Tensor, out: torch.Tensor, what: str, out2: torch.Tensor | None = None):
-    """out = part (S, L) summed over its rows in a fixed order (one launch); with out2, its first
-    out.numel() columns go to out and the rest to out2."""
-    s, n = part.shape[0], part.shape[1]
-    steps = triton.cdiv(s, SUM_SPLITS)
-    launch(_split_sum_kernel, (triton.cdiv(n, SUM_COLUMNS),), part, out, out if out2 is None else out2, s, n,
-           out.numel(),
-           cost=lambda: KernelCost(0, 0, n * 4, (Loop("splits", steps),), l2_bytes=s * n * 4,
-                                   l2_footprint_bytes=s * n * 4, note=f"fixed-order merge of {what}"),
-           BL=SUM_COLUMNS, BS=SUM_SPLITS, TWO=out2 is not None, num_warps=4)
+    """out = part (S, L) summed over its rows in a fixed order (one launch; the partials were just
+    written, read from L2); with out2, its first out.numel() columns go to out and the rest to out2."""
+    reduce_partials(part, out, part.shape[0], part.shape[1], block=SUM_COLUMNS, sb=SUM_SPLITS, out2=out2,
+                    partials_in_l2=True, what=f"fixed-order merge of {what}")
     return out
 
 

@@ -13,8 +13,9 @@ One kernel, ``_gate_backward_kernel``, with a ``MODE`` constexpr:
   images) instead of a pass of its own over d.
 * 1 (``bn_d_backward``): dy = (dq gate_n + dpix_n) s', dd = gamma rho (dy - sum dy / P - u_hat sum(dy
   u_hat) / P) in d's dtype, and per program the dW_proj partial do^T (g gate_n), written to the program's
-  (K, R) rows of a (groups, K, R) buffer; ``_merge_kernel`` sums the groups in a fixed order (no atomics:
-  two calls give equal bits).
+  (K, R) rows of a (groups, K, R) buffer; the weight gradients' reduction
+  (gconv.launcher.reduce_partials) sums the groups in a fixed order (no atomics: two calls give equal
+  bits).
 
 Grid: program (c, s) = channel chunk c of RB channels (the fast axis, so the chunks of one image group run
 together and the do tiles they share are re-read from L2) x image group s of whole images (per-image sums
@@ -35,6 +36,7 @@ import triton.language as tl
 from .._activations import sigmoid
 from .._cost import KernelCost, Loop
 from .._launch import device_info, launch
+from ..gconv.launcher import reduce_partials
 from .launcher import kernel_settings
 
 BM = 64  # pixels per tile (the dots' M; wgmma needs >= 64)
@@ -188,20 +190,6 @@ def _gate_backward_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, do_ptr
 
 
 @triton.jit
-def _merge_kernel(part_ptr, out_ptr, E, S, BE: tl.constexpr, BS: tl.constexpr):
-    """The groups' partials (S, E) summed in a fixed order, BS groups per step, to out (E,)."""
-    e = tl.program_id(0) * BE + tl.arange(0, BE)
-    e_ok = e < E
-    sp = tl.arange(0, BS)
-    acc = tl.zeros((BE,), dtype=tl.float32)
-    for s0 in range(0, S, BS):
-        s = s0 + sp
-        acc += tl.sum(tl.load(part_ptr + s[:, None] * E + e[None, :], mask=(s < S)[:, None] & e_ok[None, :],
-                              other=0.0), axis=0)
-    tl.store(out_ptr + e, acc, mask=e_ok)
-
-
-@triton.jit
 def _sums_kernel(parts_ptr, gate_ptr, dpix_ptr, sum_ptr, sumu_ptr, N, R, BN: tl.constexpr, BR: tl.constexpr):
     """BN_d's backward sums of channels c BR ... (c + 1) BR - 1: sum dy = sum_n gate_n sum dq s' + dpix_n
     sum s', sum dy u_hat = sum_n gate_n sum dq s' u_hat + dpix_n sum s' u_hat (the parts (4, N, R)), over
@@ -347,13 +335,8 @@ def bn_d_backward(d: torch.Tensor, mean_d: torch.Tensor, rstd_d: torch.Tensor, g
     dw = torch.empty((kk, r), device=d.device, dtype=torch.float32)
     _launch(1, d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpix, sum_dy, sum_dy_uhat, dd, part, n,
             geo)
-    e = kk * r
-    steps = triton.cdiv(groups, MERGE_GROUPS)
-    launch(_merge_kernel, (triton.cdiv(e, MERGE_BLOCK),), part, dw, e, groups,
-           cost=lambda: KernelCost(0, 0, e * 4, (Loop("groups", steps),), l2_bytes=groups * e * 4,
-                                   l2_footprint_bytes=groups * e * 4,
-                                   note="dW_proj: the groups' partials summed in a fixed order"),
-           BE=MERGE_BLOCK, BS=MERGE_GROUPS, num_warps=4)
+    reduce_partials(part, dw, groups, kk * r, block=MERGE_BLOCK, sb=MERGE_GROUPS, partials_in_l2=True,
+                    what="dW_proj: the groups' partials summed in a fixed order")
     return dd, dw
 
 

@@ -17,9 +17,10 @@ the block's input x (N, C, H, W) and its projection output o (N, K, OH, OW) arou
 * ``bn_p_backward``: BN_p's training backward through drop-path (the first pass of the fused backward,
   backward_reference.bn_p_backward_reference), on (P, K) rows. Three launches in bn_residual's pattern:
   ``_bn_grad_partials_kernel`` (per pixel split, per channel: sum dob and sum dob o_hat, dob = d_n dout,
-  o_hat = (o - mean) rstd; o_hat is centred at the batch mean already, so no shift), ``_bn_grad_merge_kernel``
-  (dgamma, dbeta: the splits summed in a fixed order) and ``_bn_grad_apply_kernel`` (do = gamma rstd (dob -
-  dbeta / P - o_hat dgamma / P), one rounding to dout's dtype).
+  o_hat = (o - mean) rstd; o_hat is centred at the batch mean already, so no shift), the weight
+  gradients' reduction (gconv.launcher.reduce_partials: dgamma, dbeta, the splits summed in a fixed
+  order) and ``_bn_grad_apply_kernel`` (do = gamma rstd (dob - dbeta / P - o_hat dgamma / P), one rounding
+  to dout's dtype).
 
 Splits: pixel ranges of whole tiles, at least ``MIN_TILES`` tiles each, as many as fill the GPU's SMs.
 """
@@ -32,7 +33,8 @@ import triton.language as tl
 
 from .._cost import KernelCost, Loop
 from .._launch import device_info, launch
-from .moments import stats_out, bn_fold_tail
+from ..gconv.launcher import reduce_partials
+from .moments import bn_fold_tail, stats_out
 
 GRAM_BLOCK = 128  # Gram block side of a program (channels; C <= 256: at most 2 x 2 blocks, 3 computed)
 GRAM_PIXELS = 64  # pixels per step (the dot's K)
@@ -378,25 +380,6 @@ def _bn_grad_partials_kernel(dout_ptr, o_ptr, drop_ptr, mean_ptr, rstd_ptr, part
 
 
 @triton.jit
-def _bn_grad_merge_kernel(part_ptr, dgamma_ptr, dbeta_ptr, K, S, BK: tl.constexpr, BS: tl.constexpr):
-    """dgamma = sum over the splits of part[s, 1], dbeta = sum of part[s, 0] (BS splits per step, summed in
-    a fixed order); two tensors of their own (a custom op's outputs may not share memory)."""
-    k = tl.program_id(0) * BK + tl.arange(0, BK)
-    k_ok = k < K
-    sp = tl.arange(0, BS)
-    dbeta = tl.zeros((BK,), dtype=tl.float32)
-    dgamma = tl.zeros((BK,), dtype=tl.float32)
-    for s0 in range(0, S, BS):
-        s = s0 + sp
-        ok = (s < S)[:, None] & k_ok[None, :]
-        row = (s * 2 * K)[:, None] + k[None, :]
-        dbeta += tl.sum(tl.load(part_ptr + row, mask=ok, other=0.0), axis=0)
-        dgamma += tl.sum(tl.load(part_ptr + row + K, mask=ok, other=0.0), axis=0)
-    tl.store(dgamma_ptr + k, dgamma, mask=k_ok)
-    tl.store(dbeta_ptr + k, dbeta, mask=k_ok)
-
-
-@triton.jit
 def _bn_grad_apply_kernel(dout_ptr, o_ptr, drop_ptr, mean_ptr, rstd_ptr, gamma_ptr, dgamma_ptr, dbeta_ptr,
                           do_ptr, M, K, HW, BK: tl.constexpr, BM: tl.constexpr):
     """do = gamma rstd (dob - dbeta / M - o_hat dgamma / M); one rounding to dout's dtype."""
@@ -469,13 +452,9 @@ def bn_p_backward(dout: torch.Tensor, o: torch.Tensor, mean_p: torch.Tensor, rst
                                    (Loop("pixel tiles", triton.cdiv(ch, STAT_PIXELS)),),
                                    note="BN_p backward: sum dob, sum dob o_hat per pixel split"),
            num_warps=4)
-    bm = min(MERGE_CHANNELS, bk)
-    launch(_bn_grad_merge_kernel, (triton.cdiv(k, bm),), part, dgamma, dbeta, k, splits, BK=bm,
-           BS=STAT_SPLITS,
-           cost=lambda: KernelCost(0, 0, splits * 2 * k * 4 + 2 * k * 4,
-                                   (Loop("splits", triton.cdiv(splits, STAT_SPLITS)),),
-                                   note="BN_p backward: fixed-order merge of the partials (dgamma, dbeta)"),
-           num_warps=4)
+    # a split's partials are (sum dob, sum dob o_hat) = (dbeta, dgamma): K columns to each
+    reduce_partials(part, dbeta, splits, 2 * k, block=2 * min(MERGE_CHANNELS, bk), sb=STAT_SPLITS,
+                    out2=dgamma, what="BN_p backward: fixed-order merge of the partials (dbeta, dgamma)")
     launch(_bn_grad_apply_kernel, (triton.cdiv(m, APPLY_PIXELS),), dout, o, drop, mean_p, rstd_p, gamma_p,
            dgamma, dbeta, do, m, k, hw, BK=bk, BM=APPLY_PIXELS,
            cost=lambda: KernelCost(0, 0, 3 * m * k * eb + vec + k * gamma_p.element_size() + 2 * k * 4,

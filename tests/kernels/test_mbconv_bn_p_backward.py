@@ -117,7 +117,7 @@ def test_small_bn_p_backward_compiles_for_sm90():
     for side in (16, 8):
         launches = record_bn_p_backward(side)
         names = [lc.kernel.__name__ for lc in launches]
-        assert names == ["_bn_grad_partials_kernel", "_bn_grad_merge_kernel", "_bn_grad_apply_kernel"]
+        assert names == ["_bn_grad_partials_kernel", "_wgrad_reduce_kernel", "_bn_grad_apply_kernel"]
         for lc in launches:
             v = variant_of(lc, 90)
             variants.setdefault(v.key, v)

@@ -236,13 +236,13 @@ def test_small_expand_backward_compiles_for_sm90():
     for side in (16, 8):
         launches = record_expand_backward(side)
         names = [lc.kernel.fn.__name__ if hasattr(lc.kernel, "fn") else lc.kernel.__name__ for lc in launches]
-        assert names == ["_expand_kernel", "_expand_kernel", "_split_sum_kernel", "_expand_kernel",
-                         "_split_sum_kernel", "_dgrad_kernel"]
+        assert names == ["_expand_kernel", "_expand_kernel", "_wgrad_reduce_kernel", "_expand_kernel",
+                         "_wgrad_reduce_kernel", "_dgrad_kernel"]
         h = launches[0]
         paired = (h.grid, h.meta["num_stages"], h.meta.get("maxnreg"))
         assert paired == (((8, 32), 1, 128) if side == 16 else ((8, 16), 3, None)), (side, paired)
         for lc, name in zip(launches, names):
-            if name != "_split_sum_kernel":
+            if name != "_wgrad_reduce_kernel":
                 programs = 1
                 for g in lc.grid:
                     programs *= g
@@ -260,7 +260,7 @@ def test_small_expand_backward_compiles_for_sm90():
             problems.append(f"fp32 {v.name} {v.meta}: {c.shared} B shared")
     for v, c in zip(variants.values(), compile_variants(list(variants.values()))):
         where = f"{v.name} {v.meta}"
-        want = "none" if v.name == "_split_sum_kernel" else "wgmma"
+        want = "none" if v.name == "_wgrad_reduce_kernel" else "wgmma"
         if c.shared > SHARED_LIMIT[90] or _spills_in_loops(c) or c.mma_kind != want:
             problems.append(f"{where}: {c.shared} B shared, {_spills_in_loops(c)} spills in loops, "
                             f"{c.mma_kind}")

@@ -209,7 +209,8 @@ def test_small_gate_backward_compiles_for_sm90():
     for side in (16, 8, 14, 7):  # 256-pixel input (inference size) and 224 (training: ragged tiles)
         launches = record_small(side)
         names = [kernel_name(lc).rsplit(".", 1)[1] for lc in launches]
-        assert names == ["_gate_backward_kernel", "_sums_kernel", "_gate_backward_kernel", "_merge_kernel"]
+        assert names == ["_gate_backward_kernel", "_sums_kernel", "_gate_backward_kernel",
+                         "_wgrad_reduce_kernel"]
         for lc in launches:
             if "MODE" in lc.meta and lc.grid[0] * lc.grid[1] < 128:
                 problems.append(f"MODE {lc.meta['MODE']} at {side}x{side}: grid {lc.grid}")
