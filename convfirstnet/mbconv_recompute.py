@@ -229,6 +229,16 @@ torch.library.register_autograd("convfirstnet::mbconv_recompute_train", _autogra
 SMALL_OPS_PER_STEP = 3
 
 
+def op_weights(block) -> tuple[T, ...]:
+    """The 13 weights of a blocks.MBConv in the op's argument order (after x): W_exp, BN_e's gamma and
+    beta, W_dw, BN_d's, the SE's two convs' weights and biases, W_proj, BN_p's."""
+    bns = (block.bn_expand, block.bn_dw, block.bn_project)
+    se = block.se
+    return (block.conv_expand.weight, bns[0].weight, bns[0].bias, block.conv_dw.weight, bns[1].weight,
+            bns[1].bias, se.fc1.weight, se.fc1.bias, se.fc2.weight, se.fc2.bias, block.conv_project.weight,
+            bns[2].weight, bns[2].bias)
+
+
 def recompute_forward(block, x: torch.Tensor, dtype: torch.dtype, drop: torch.Tensor) -> torch.Tensor:
     """``block(x)`` of a training-mode MBConv (blocks.MBConv) through the op, its BatchNorms updated as
     ``nn.BatchNorm2d`` does: num_batches_tracked += 1, then running = (1 - f) running + f batch (unbiased
@@ -237,13 +247,9 @@ def recompute_forward(block, x: torch.Tensor, dtype: torch.dtype, drop: torch.Te
     bns = (block.bn_expand, block.bn_dw, block.bn_project)
     with torch.no_grad():
         torch._foreach_add_([bn.num_batches_tracked for bn in bns], 1)
-    se = block.se
     res = torch.ops.convfirstnet.mbconv_recompute_train(
-        x.to(dtype), block.conv_expand.weight, bns[0].weight, bns[0].bias, block.conv_dw.weight,
-        bns[1].weight, bns[1].bias, se.fc1.weight, se.fc1.bias, se.fc2.weight, se.fc2.bias,
-        block.conv_project.weight, bns[2].weight, bns[2].bias,
-        *(t for bn in bns for t in (bn.running_mean, bn.running_var)), drop, block.stride,
-        [-1.0 if bn.momentum is None else float(bn.momentum) for bn in bns], bns[0].eps,
+        x.to(dtype), *op_weights(block), *(t for bn in bns for t in (bn.running_mean, bn.running_var)), drop,
+        block.stride, [-1.0 if bn.momentum is None else float(bn.momentum) for bn in bns], bns[0].eps,
         [bn.num_batches_tracked for bn in bns])
     with torch.no_grad():
         torch._foreach_copy_([t for bn in bns for t in (bn.running_mean, bn.running_var)], list(res[1:7]))

@@ -27,9 +27,8 @@ Per block of the training-form model (``stem``, ``stages.i.j``, ``head``, ``clas
   The backward of those of stride 1 runs the fused passes over the narrow input
   (convfirstnet/mbconv_fused_backward.py) and is counted the same way (``record_mbconv_backward``: BN_p's
   backward, h and the conv's output recomputed, the SE and BN_d passes, the conv's dgrad and wgrad, the
-  BN_e passes, dx, and one launch gap per other aten op: the weights' casts, copies of outputs that share
-  memory); the others' stays
-  the layer-wise bound's backward kernels plus the recompute;
+  BN_e passes, dx, and one launch gap per other aten op: the weights' casts); the others' stays the
+  layer-wise bound's backward kernels plus the recompute;
 * layer-wise training bound: every layer as its own kernels, each at max(tensor, DRAM, L2) time of
   its MACs and bytes plus one launch gap in a CUDA graph (``estimate.layerwise_time``, the waterline's
   rule with the report's constants). Kernels and bytes (activations in the report's dtype, every input
@@ -338,21 +337,24 @@ def record_fused_block(block: nn.Module, in_shape: tuple, batch: int, dtype: tor
     return rec.launches, counter.count
 
 
-def record_mbconv_forward(block: nn.Module, in_shape: tuple, batch: int, dtype: torch.dtype, tgt
-                          ) -> tuple[list, int] | None:
-    """The Triton launches of an MBConv block's training forward through the fused kernels
-    (mbconv_fused_forward.py) on meta tensors, with the block's weights in fp32 as autocast keeps them,
-    and the number of its other aten ops; None where that forward is not selected."""
+def _mbconv_on_meta(block: nn.Module, in_shape: tuple, batch: int, dtype: torch.dtype):
+    """(a meta copy of the MBConv block in training mode, its weights in fp32 as autocast keeps them, a
+    channels-last meta input of ``batch`` images in ``dtype``, the copy's weights in the op's order)."""
     import copy
 
     meta = copy.deepcopy(block).to("meta").train()
     x = torch.empty(batch, *in_shape[1:], device="meta", dtype=dtype).contiguous(
         memory_format=torch.channels_last)
+    return meta, x, mbconv_recompute.op_weights(meta)
+
+
+def record_mbconv_forward(block: nn.Module, in_shape: tuple, batch: int, dtype: torch.dtype, tgt
+                          ) -> tuple[list, int] | None:
+    """The Triton launches of an MBConv block's training forward through the fused kernels
+    (mbconv_fused_forward.py) on meta tensors, with the block's weights in fp32 as autocast keeps them,
+    and the number of its other aten ops; None where that forward is not selected."""
+    meta, x, weights = _mbconv_on_meta(block, in_shape, batch, dtype)
     bns = (meta.bn_expand, meta.bn_dw, meta.bn_project)
-    se = meta.se
-    weights = (meta.conv_expand.weight, bns[0].weight, bns[0].bias, meta.conv_dw.weight, bns[1].weight,
-               bns[1].bias, se.fc1.weight, se.fc1.bias, se.fc2.weight, se.fc2.bias, meta.conv_project.weight,
-               bns[2].weight, bns[2].bias)
     running = tuple(t.clone() for bn in bns for t in (bn.running_mean, bn.running_var))
     drop = torch.ones(batch, device="meta")  # the caller's (training_kernels._drop_scale)
     counter = _CountLaunches()
@@ -368,19 +370,10 @@ def record_mbconv_backward(block: nn.Module, in_shape: tuple, batch: int, dtype:
                            ) -> tuple[list, int] | None:
     """The Triton launches of a stride-1 MBConv block's backward through the fused passes
     (mbconv_fused_backward.py) on meta tensors, with the forward's saved o and statistics, and the number
-    of its other aten ops (the weights' casts, the copies); None where it is not selected."""
-    import copy
-
+    of its other aten ops (the weights' casts); None where it is not selected."""
     from convfirstnet import mbconv_fused_backward
 
-    meta = copy.deepcopy(block).to("meta").train()
-    x = torch.empty(batch, *in_shape[1:], device="meta", dtype=dtype).contiguous(
-        memory_format=torch.channels_last)
-    bns = (meta.bn_expand, meta.bn_dw, meta.bn_project)
-    se = meta.se
-    weights = (meta.conv_expand.weight, bns[0].weight, bns[0].bias, meta.conv_dw.weight, bns[1].weight,
-               bns[1].bias, se.fc1.weight, se.fc1.bias, se.fc2.weight, se.fc2.bias, meta.conv_project.weight,
-               bns[2].weight, bns[2].bias)
+    meta, x, weights = _mbconv_on_meta(block, in_shape, batch, dtype)
     r, k = weights[0].shape[0], weights[10].shape[0]
     o = torch.empty_like(x)
     stats = torch.empty(4 * r + 2 * k, device="meta")

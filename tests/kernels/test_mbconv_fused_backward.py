@@ -16,6 +16,7 @@ import torch
 from convfirstnet import mbconv_fused_backward
 from convfirstnet.blocks import MBConv
 from convfirstnet.mbconv_fused_forward import stats_rows
+from convfirstnet.mbconv_recompute import op_weights
 
 CL = torch.channels_last
 NAMES = ("x", "w_exp", "gamma_e", "beta_e", "w_dw", "gamma_d", "beta_d", "w_se1", "b_se1", "w_se2", "b_se2",
@@ -29,13 +30,6 @@ def _block(c: int, dtype=torch.float64) -> MBConv:
         bn.weight.data.uniform_(0.5, 1.5)
         bn.bias.data.uniform_(-0.5, 0.5)
     return m
-
-
-def _params(m: MBConv) -> list[torch.Tensor]:
-    se = m.se
-    return [m.conv_expand.weight, m.bn_expand.weight, m.bn_expand.bias, m.conv_dw.weight, m.bn_dw.weight,
-            m.bn_dw.bias, se.fc1.weight, se.fc1.bias, se.fc2.weight, se.fc2.bias, m.conv_project.weight,
-            m.bn_project.weight, m.bn_project.bias]
 
 
 def _layers(m: MBConv, x: torch.Tensor, drop: torch.Tensor):
@@ -62,9 +56,9 @@ def test_chain_of_reference_passes_is_autograd():
     drop = torch.tensor([0.0, 1.25, 1.25], dtype=torch.float64)
     out, o, stats = _layers(m, x, drop)
     gout = torch.randn_like(out)
-    want = torch.autograd.grad(out, [x, *_params(m)], gout)
-    got = mbconv_fused_backward.backward(gout, x.detach(), *[p.detach() for p in _params(m)], o, stats, drop,
-                                         triton=False)
+    want = torch.autograd.grad(out, [x, *op_weights(m)], gout)
+    weights = [p.detach() for p in op_weights(m)]
+    got = mbconv_fused_backward.backward(gout, x.detach(), *weights, o, stats, drop, triton=False)
     for name, a, b in zip(NAMES, got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         err = float((a - b).abs().max() / b.abs().max())
