@@ -29,13 +29,28 @@ mean(dy y_hat)), dgamma = sum dy y_hat, dbeta = sum dy; SiLU'(v) = s (1 + v (1 -
     bn_e_backward:   de = gamma_e rho_e (dv - sum dv / P - e_hat sum(dv e_hat) / P);  dW_exp = de^T x
     expand_dgrad:    dx = de W_exp (+ dout, the residual)
 
-Computed in fp32 (fp64 for fp64 input); the tensors the kernels write in the input dtype (h, dd, de, do,
-dx) are returned in it.
+Stride 2 (g = BlurPool(SiLU(v_d)), the conv and BN_d at the input's H x W, g and everything after it at
+HO x WO = ceil(H / 2) x ceil(W / 2), no residual, no drop-path): the SE sums and dW_proj need g itself,
+and BN_d's dy = Blur^T(dg) s' mixes neighbouring pixels, so the per-image parts above do not apply:
+
+    blur_gate_input:  g = BlurPool(SiLU(v_d)) from d                                  (N HO WO, R)
+    gate_pool:        dq = do W_proj;  dgate[n] = sum_hw dq g;  gsum[n] = sum_hw g    (per image)
+    (se_backward as above, HW = HO WO)
+    gate_grad:        dg = dq gate_n + dpix_n (rounded once);  dW_proj = do^T (g gate)
+    blur_bn_d_sums:   dy = Blur^T(dg) s';  sum dy, sum dy u_hat                       (R,)
+    blur_bn_d_backward: dd = gamma_d rho_d (dy - sum dy / P - u_hat sum(dy u_hat) / P), P = N H W
+
+then the conv's dgrad and wgrad, BN_e's passes and dx = de W_exp as for stride 1, without the residual.
+
+Computed in fp32 (fp64 for fp64 input); the tensors the kernels write in the input dtype (h, g, dg, dd,
+de, do, dx) are returned in it.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .._blurpool import blurpool_reference
 
 T = torch.Tensor
 
@@ -159,3 +174,59 @@ def expand_dgrad_reference(de: T, w_exp: T, residual: T | None) -> T:
     if residual is not None:
         dx = dx + _f(residual)
     return dx.to(de.dtype)
+
+
+# ---- stride 2 ----------------------------------------------------------------------------------
+
+
+def blur_rows(t: T, n: int, h: int, w: int) -> T:
+    """BlurPool (timm's BlurPool2d semantics, _blurpool.py) of (N H W, C) rows -> (N HO WO, C) rows."""
+    x = t.reshape(n, h, w, t.shape[1]).permute(0, 3, 1, 2)
+    return blurpool_reference(x).permute(0, 2, 3, 1).reshape(-1, t.shape[1])
+
+
+def blur_transpose_rows(dg: T, n: int, h: int, w: int) -> T:
+    """The adjoint of ``blur_rows`` (BlurPool is linear: its vjp), (N HO WO, C) -> (N H W, C)."""
+    z = torch.zeros((n * h * w, dg.shape[1]), dtype=dg.dtype, device=dg.device, requires_grad=True)
+    with torch.enable_grad():
+        (dz,) = torch.autograd.grad(blur_rows(z, n, h, w), z, dg)
+    return dz
+
+
+def blur_gate_input_reference(d: T, mean_d: T, rstd_d: T, gamma_d: T, beta_d: T, n: int, h: int, w: int) -> T:
+    """g = BlurPool(SiLU(v_d)) (N HO WO, R) in d's dtype, from d (N H W, R)."""
+    return blur_rows(_g(d, mean_d, rstd_d, gamma_d, beta_d)[2], n, h, w).to(d.dtype)
+
+
+def gate_pool_reference(g: T, do: T, w_proj: T, n: int) -> tuple[T, T]:
+    """(dgate, gsum) (N, R) fp32: per image, the sums over its pixels of dq g and of g (dq = do W_proj)."""
+    dq = _f(do) @ _f(w_proj)
+    return _images(dq * _f(g), n).sum(1), _images(_f(g), n).sum(1)
+
+
+def gate_grad_reference(g: T, do: T, w_proj: T, gate: T, dpix: T, n: int) -> tuple[T, T]:
+    """(dg = dq gate_n + dpix_n (P, R) in g's dtype, dW_proj = do^T (g gate) (K, R) fp32)."""
+    dq = _f(do) @ _f(w_proj)
+    dg = (_images(dq, n) * gate[:, None, :] + dpix[:, None, :]).reshape(dq.shape)
+    q = (_images(_f(g), n) * gate[:, None, :]).reshape(dq.shape)
+    return dg.to(g.dtype), _f(do).t() @ q
+
+
+def _blur_dy(dg, d, mean_d, rstd_d, gamma_d, beta_d, n, h, w):
+    u_hat, v, _ = _g(d, mean_d, rstd_d, gamma_d, beta_d)
+    return u_hat, blur_transpose_rows(_f(dg), n, h, w) * silu_grad(v)
+
+
+def blur_bn_d_sums_reference(dg: T, d: T, mean_d: T, rstd_d: T, gamma_d: T, beta_d: T, n: int, h: int, w: int
+                             ) -> tuple[T, T]:
+    """(sum dy, sum dy u_hat) (R,) fp32 over the N H W pixels of d, dy = Blur^T(dg) SiLU'(v_d)."""
+    u_hat, dy = _blur_dy(dg, d, mean_d, rstd_d, gamma_d, beta_d, n, h, w)
+    return dy.sum(0), (dy * u_hat).sum(0)
+
+
+def blur_bn_d_backward_reference(dg: T, d: T, mean_d: T, rstd_d: T, gamma_d: T, beta_d: T, sum_dy: T,
+                                 sum_dy_uhat: T, n: int, h: int, w: int) -> T:
+    """dd (N H W, R) in d's dtype: BN_d's backward of dy = Blur^T(dg) SiLU'(v_d)."""
+    u_hat, dy = _blur_dy(dg, d, mean_d, rstd_d, gamma_d, beta_d, n, h, w)
+    m = d.shape[0]
+    return (_f(gamma_d) * rstd_d * (dy - sum_dy / m - u_hat * sum_dy_uhat / m)).to(d.dtype)
