@@ -71,7 +71,7 @@ def _gate_backward_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, do_ptr
                           a0_ptr, a1_ptr, a2_ptr, a3_ptr, N, R, K, IPG, inv_p, HW: tl.constexpr,
                           MODE: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                           EVEN_HW: tl.constexpr, EVEN_CK: tl.constexpr, FAST: tl.constexpr,
-                          PREC: tl.constexpr):
+                          PREC: tl.constexpr, GIVEN: tl.constexpr):
     """Program (c, s): channels c RB ... (c + 1) RB - 1 of images s IPG ... (s + 1) IPG - 1 (TPI = HW / BM
     tiles each, rounded up). MODE 0: a0 = dgate, a1 = gsum (N, R), a2 = the parts (4, N, R): sum dq s',
     sum s', sum dq s' u_hat, sum s' u_hat. MODE 1: a0 = sum dy, a1 = sum dy u_hat (R,), a2 = dd (P, R),
@@ -92,28 +92,31 @@ def _gate_backward_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, do_ptr
     i = tl.arange(0, BM)
     c_ok = c < R
     k_ok = k < K
-    mean = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
-    rstd = tl.load(rstd_ptr + c, mask=c_ok, other=0.0)
-    gamma = tl.load(gamma_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-    # v = gamma u_hat + beta = d a + b; u_hat = d rstd - mean rstd
-    a = (gamma * rstd)[:, None]
-    b = (beta - gamma * rstd * mean)[:, None]
-    mr = (mean * rstd)[:, None]
+    if not GIVEN:
+        mean = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
+        rstd = tl.load(rstd_ptr + c, mask=c_ok, other=0.0)
+        gamma = tl.load(gamma_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+        # v = gamma u_hat + beta = d a + b; u_hat = d rstd - mean rstd
+        a = (gamma * rstd)[:, None]
+        b = (beta - gamma * rstd * mean)[:, None]
+        mr = (mean * rstd)[:, None]
     wt = tl.load(w_ptr + c[:, None] + k[None, :] * R, mask=c_ok[:, None] & k_ok[None, :], other=0.0)  # W^T
     n0 = s * IPG
     tiles = (tl.minimum(n0 + IPG, N) - n0) * TPI
     if MODE == 0:  # the image's sums of dq g, g, dq s', s', dq s' u_hat, s' u_hat
         acc_dqg = tl.zeros((RB,), dtype=tl.float32)
         acc_g = tl.zeros((RB,), dtype=tl.float32)
-        acc_dqs = tl.zeros((RB,), dtype=tl.float32)
-        acc_s = tl.zeros((RB,), dtype=tl.float32)
-        acc_dqsu = tl.zeros((RB,), dtype=tl.float32)
-        acc_su = tl.zeros((RB,), dtype=tl.float32)
-        NR = N * R
+        if not GIVEN:
+            acc_dqs = tl.zeros((RB,), dtype=tl.float32)
+            acc_s = tl.zeros((RB,), dtype=tl.float32)
+            acc_dqsu = tl.zeros((RB,), dtype=tl.float32)
+            acc_su = tl.zeros((RB,), dtype=tl.float32)
+            NR = N * R
     else:
-        sum_dy = (tl.load(a0_ptr + c, mask=c_ok, other=0.0) * inv_p)[:, None]
-        sum_dyu = (tl.load(a1_ptr + c, mask=c_ok, other=0.0) * inv_p)[:, None]
+        if not GIVEN:
+            sum_dy = (tl.load(a0_ptr + c, mask=c_ok, other=0.0) * inv_p)[:, None]
+            sum_dyu = (tl.load(a1_ptr + c, mask=c_ok, other=0.0) * inv_p)[:, None]
         acc_w = tl.zeros((BK, RB), dtype=tl.float32)  # dW_proj
     for t in range(tiles):
         img = n0 + t // TPI
@@ -136,46 +139,57 @@ def _gate_backward_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, do_ptr
             do = tl.load(dp, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         x = x.to(tl.float32)
         dq = tl.dot(wt, tl.trans(do), input_precision=PREC)  # [RB, BM]
-        v = x * a + b
-        sg = sigmoid(v, FAST)
-        g = v * sg
-        s1 = sg + g * (1.0 - sg)  # SiLU'(v) = s (1 + v (1 - s))
-        u_hat = x * rstd[:, None] - mr
+        if GIVEN:  # the tile is g (masked pixels and channels loaded as 0)
+            g = x
+        else:
+            v = x * a + b
+            sg = sigmoid(v, FAST)
+            g = v * sg
+            s1 = sg + g * (1.0 - sg)  # SiLU'(v) = s (1 + v (1 - s))
+            u_hat = x * rstd[:, None] - mr
         if MODE == 0:
-            if not EVEN_HW:  # (with the channel mask, and all of them on the loads: the compile of MODE 0
-                # at 14x14 keeps the cheaper layouts; masked before _as_dq: 44-50 against 47-54 us after)
+            if not EVEN_HW and not GIVEN:  # (with the channel mask, and all of them on the loads: the
+                # compile of MODE 0 at 14x14 keeps the cheaper layouts; masked before _as_dq: 44-50 against
+                # 47-54 us after)
                 ok = c_ok[:, None] & row_ok[None, :]
                 g = tl.where(ok, g, 0.0)
                 s1 = tl.where(ok, s1, 0.0)
             g = _as_dq(g, dq)
-            s1 = _as_dq(s1, dq)
-            dqs = dq * s1
+            if not GIVEN:
+                s1 = _as_dq(s1, dq)
+                dqs = dq * s1
             acc_dqg += tl.sum(dq * g, axis=1)
             acc_g += tl.sum(g, axis=1)
-            acc_dqs += tl.sum(dqs, axis=1)
-            acc_s += tl.sum(s1, axis=1)
-            acc_dqsu += tl.sum(dqs * u_hat, axis=1)
-            acc_su += tl.sum(s1 * u_hat, axis=1)
+            if not GIVEN:
+                acc_dqs += tl.sum(dqs, axis=1)
+                acc_s += tl.sum(s1, axis=1)
+                acc_dqsu += tl.sum(dqs * u_hat, axis=1)
+                acc_su += tl.sum(s1 * u_hat, axis=1)
             last = t % TPI == TPI - 1  # the image's sums are complete: write them, start the next
             ok = c_ok & last
             tl.store(a0_ptr + img * R + c, acc_dqg, mask=ok)
             tl.store(a1_ptr + img * R + c, acc_g, mask=ok)
-            tl.store(a2_ptr + img * R + c, acc_dqs, mask=ok)
-            tl.store(a2_ptr + NR + img * R + c, acc_s, mask=ok)
-            tl.store(a2_ptr + 2 * NR + img * R + c, acc_dqsu, mask=ok)
-            tl.store(a2_ptr + 3 * NR + img * R + c, acc_su, mask=ok)
+            if not GIVEN:
+                tl.store(a2_ptr + img * R + c, acc_dqs, mask=ok)
+                tl.store(a2_ptr + NR + img * R + c, acc_s, mask=ok)
+                tl.store(a2_ptr + 2 * NR + img * R + c, acc_dqsu, mask=ok)
+                tl.store(a2_ptr + 3 * NR + img * R + c, acc_su, mask=ok)
             acc_dqg = tl.where(last, 0.0, acc_dqg)
             acc_g = tl.where(last, 0.0, acc_g)
-            acc_dqs = tl.where(last, 0.0, acc_dqs)
-            acc_s = tl.where(last, 0.0, acc_s)
-            acc_dqsu = tl.where(last, 0.0, acc_dqsu)
-            acc_su = tl.where(last, 0.0, acc_su)
+            if not GIVEN:
+                acc_dqs = tl.where(last, 0.0, acc_dqs)
+                acc_s = tl.where(last, 0.0, acc_s)
+                acc_dqsu = tl.where(last, 0.0, acc_dqsu)
+                acc_su = tl.where(last, 0.0, acc_su)
         else:
             gate = tl.load(gate_ptr + img * R + c, mask=c_ok, other=0.0)[:, None]
             dpix = tl.load(dpix_ptr + img * R + c, mask=c_ok, other=0.0)[:, None]
-            s1 = _as_dq(s1, dq)
-            dy = (dq * gate + dpix) * s1
-            dd = (a * (dy - sum_dy - u_hat * sum_dyu)).to(dt)
+            if GIVEN:  # dd stands for dg
+                dd = (dq * gate + dpix).to(dt)
+            else:
+                s1 = _as_dq(s1, dq)
+                dy = (dq * gate + dpix) * s1
+                dd = (a * (dy - sum_dy - u_hat * sum_dyu)).to(dt)
             if EVEN_HW and EVEN_CK:
                 tl.store(a2_ptr + c[:, None] + rows[None, :] * R, dd)
             elif EVEN_HW:
@@ -217,13 +231,15 @@ def _sums_kernel(parts_ptr, gate_ptr, dpix_ptr, sum_ptr, sumu_ptr, N, R, BN: tl.
 # ---------------------------------------------------------------------------------------------- launchers
 
 
-def _check(op: str, d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, n, gate=None, dpix=None, sums=()) -> None:
-    """Shapes, dtypes, devices and contiguity, before any launch (one ValueError line)."""
+def _check(op: str, d, stats, do, w_proj, n, gate=None, dpix=None, sums=()) -> None:
+    """Shapes, dtypes, devices and contiguity, before any launch (one ValueError line). ``stats``: BN_d's
+    (mean_d, rstd_d, gamma_d, beta_d), None when ``d`` is g itself (the stride-2 passes)."""
     def bad(msg: str):
         raise ValueError(f"gate_backward.{op}: {msg}")
 
+    x = "d" if stats is not None else "g"
     if d.dim() != 2 or d.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        bad(f"d must be 2-D (P, R) fp32/fp16/bf16, got {tuple(d.shape)} {d.dtype}")
+        bad(f"{x} must be 2-D (P, R) fp32/fp16/bf16, got {tuple(d.shape)} {d.dtype}")
     p, r = d.shape
     if not isinstance(n, int) or n < 1 or p < 1 or p % n:
         bad(f"{p} pixels are not {n} images of equal size")
@@ -234,18 +250,19 @@ def _check(op: str, d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, n, gate=None
         bad(f"{p} x {max(r, kk)} elements: past the kernels' 32-bit offsets")
     if tuple(w_proj.shape) != (kk, r) or w_proj.dtype != d.dtype:
         bad(f"w_proj must be ({kk}, {r}) {d.dtype}, got {tuple(w_proj.shape)} {w_proj.dtype}")
-    for name, t in (("mean_d", mean_d), ("rstd_d", rstd_d), *(("sums", s) for s in sums)):
+    stats = stats or ()
+    for name, t in (*zip(("mean_d", "rstd_d"), stats[:2]), *(("sums", s) for s in sums)):
         if tuple(t.shape) != (r,) or t.dtype != torch.float32:
             bad(f"{name} must be ({r},) fp32, got {tuple(t.shape)} {t.dtype}")
-    for name, t in (("gamma_d", gamma_d), ("beta_d", beta_d)):
+    for name, t in zip(("gamma_d", "beta_d"), stats[2:]):
         if tuple(t.shape) != (r,) or t.dtype not in (torch.float32, d.dtype):
             bad(f"{name} must be ({r},) fp32 or {d.dtype}, got {tuple(t.shape)} {t.dtype}")
     for name, t in (("gate", gate), ("dpix", dpix)):
         if t is not None and (tuple(t.shape) != (n, r) or t.dtype != torch.float32):
             bad(f"{name} must be ({n}, {r}) fp32, got {tuple(t.shape)} {t.dtype}")
-    ts = [d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, *(t for t in (gate, dpix) if t is not None), *sums]
+    ts = [d, *stats, do, w_proj, *(t for t in (gate, dpix) if t is not None), *sums]
     if any(t.device != d.device for t in ts):
-        bad("all tensors must be on d's device")
+        bad(f"all tensors must be on {x}'s device")
     if not all(t.is_contiguous() for t in ts):
         bad("every tensor must be contiguous (row-major)")
 
@@ -261,10 +278,12 @@ def _geometry(d: torch.Tensor, n: int, mode: int) -> tuple[int, int, int, int, i
     return rb, chunks, triton.cdiv(n, ipg), ipg, triton.cdiv(p // n, BM)
 
 
-def _launch(mode: int, d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpix, a0, a1, a2, a3, n,
-            geo) -> None:
+def _launch(mode: int, d, stats, do, w_proj, gate, dpix, a0, a1, a2, a3, n, geo) -> None:
     """MODE's launch; a0 ... a3: MODE 0 dgate, gsum, the parts, (unused); MODE 1 sum dy, sum dy u_hat, dd,
-    the dW_proj partials."""
+    the dW_proj partials. ``stats`` None: GIVEN, ``d`` is g (a0 as the statistics' unused pointers; MODE 0
+    without the parts, MODE 1 writes dg in a2 and reads no sums)."""
+    given = stats is None
+    mean_d, rstd_d, gamma_d, beta_d = (a0,) * 4 if given else stats
     p, r = d.shape
     kk = do.shape[1]
     hw = p // n
@@ -273,9 +292,9 @@ def _launch(mode: int, d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpi
     bk = max(16, triton.next_power_of_2(kk))
     launch(_gate_backward_kernel, (chunks, groups), d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate,
            dpix, a0, a1, a2, a3, n, r, kk, ipg, 1.0 / p,
-           cost=lambda: _cost(mode, p, r, kk, n, geo, d.element_size()),
+           cost=lambda: _cost(mode, given, p, r, kk, n, geo, d.element_size()),
            HW=hw, MODE=mode, RB=rb, BM=BM, BK=bk, EVEN_HW=hw % BM == 0, EVEN_CK=r % rb == 0 and kk == bk,
-           FAST=silu, PREC=prec, num_warps=WARPS,
+           FAST=silu, PREC=prec, GIVEN=given, num_warps=WARPS,
            num_stages=STAGES_FP32 if d.dtype == torch.float32 else STAGES)
 
 
@@ -284,13 +303,13 @@ def dgate_pool(d: torch.Tensor, mean_d: torch.Tensor, rstd_d: torch.Tensor, gamm
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dgate, gsum, parts), fp32: per image, sum over its pixels of dq g and of g, (N, R) each; parts
     (4, N, R): per image the sums of dq s', s', dq s' u_hat and s' u_hat (s' = SiLU'(v_d))."""
-    _check("dgate_pool", d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, n)
+    _check("dgate_pool", d, (mean_d, rstd_d, gamma_d, beta_d), do, w_proj, n)
     r = d.shape[1]
     dgate = torch.empty((n, r), device=d.device, dtype=torch.float32)
     gsum = torch.empty((n, r), device=d.device, dtype=torch.float32)
     parts = torch.empty((4, n, r), device=d.device, dtype=torch.float32)
-    _launch(0, d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, mean_d, mean_d, dgate, gsum, parts, parts, n,
-            _geometry(d, n, 0))
+    _launch(0, d, (mean_d, rstd_d, gamma_d, beta_d), do, w_proj, mean_d, mean_d, dgate, gsum, parts, parts,
+            n, _geometry(d, n, 0))
     return dgate, gsum, parts
 
 
@@ -325,7 +344,7 @@ def bn_d_backward(d: torch.Tensor, mean_d: torch.Tensor, rstd_d: torch.Tensor, g
                   dpix: torch.Tensor, sum_dy: torch.Tensor, sum_dy_uhat: torch.Tensor, n: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dd (P, R) in d's dtype, dW_proj (K, R) fp32)."""
-    _check("bn_d_backward", d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, n, gate, dpix,
+    _check("bn_d_backward", d, (mean_d, rstd_d, gamma_d, beta_d), do, w_proj, n, gate, dpix,
            (sum_dy, sum_dy_uhat))
     r, kk = d.shape[1], do.shape[1]
     geo = _geometry(d, n, 1)
@@ -333,18 +352,51 @@ def bn_d_backward(d: torch.Tensor, mean_d: torch.Tensor, rstd_d: torch.Tensor, g
     dd = torch.empty_like(d)
     part = torch.empty((groups, kk, r), device=d.device, dtype=torch.float32)
     dw = torch.empty((kk, r), device=d.device, dtype=torch.float32)
-    _launch(1, d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate, dpix, sum_dy, sum_dy_uhat, dd, part, n,
-            geo)
-    reduce_partials(part, dw, groups, kk * r, block=MERGE_BLOCK, sb=MERGE_GROUPS, partials_in_l2=True,
-                    what="dW_proj: the groups' partials summed in a fixed order")
+    _launch(1, d, (mean_d, rstd_d, gamma_d, beta_d), do, w_proj, gate, dpix, sum_dy, sum_dy_uhat, dd, part,
+            n, geo)
+    _merge_dw(part, dw)
     return dd, dw
 
 
-def _cost(mode: int, p: int, r: int, kk: int, n: int, geo, eb: int) -> KernelCost:
-    """d, do, W_proj, the statistics and two (N, R) fp32 tensors (written by MODE 0, gate and dpix read by
-    MODE 1) once from DRAM; do's re-reads by the other chunks' programs (adjacent in the grid), the W_proj
-    slices' by the other groups and gate/dpix rows' per tile from L2; MODE 0 writes the four parts (N, R)
-    too, MODE 1 dd and its dW_proj partials. The dots as issued: BM x BK x RB per tile (the masked pixels
+def _merge_dw(part: torch.Tensor, dw: torch.Tensor) -> None:
+    reduce_partials(part, dw, part.shape[0], dw.numel(), block=MERGE_BLOCK, sb=MERGE_GROUPS,
+                    partials_in_l2=True, what="dW_proj: the groups' partials summed in a fixed order")
+
+
+# ---- stride 2: g (N HO WO, R) given (g = BlurPool(SiLU(v_d)), written by the forward's recompute)
+
+
+def gate_pool(g: torch.Tensor, do: torch.Tensor, w_proj: torch.Tensor, n: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dgate, gsum) (N, R) fp32: per image, the sums over its pixels of dq g and of g (dq = do W_proj)."""
+    _check("gate_pool", g, None, do, w_proj, n)
+    r = g.shape[1]
+    dgate = torch.empty((n, r), device=g.device, dtype=torch.float32)
+    gsum = torch.empty((n, r), device=g.device, dtype=torch.float32)
+    _launch(0, g, None, do, w_proj, dgate, dgate, dgate, gsum, dgate, dgate, n, _geometry(g, n, 0))
+    return dgate, gsum
+
+
+def gate_grad(g: torch.Tensor, do: torch.Tensor, w_proj: torch.Tensor, gate: torch.Tensor, dpix: torch.Tensor,
+              n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dg = dq gate_n + dpix_n (P, R) in g's dtype, rounded once; dW_proj = do^T (g gate) (K, R) fp32)."""
+    _check("gate_grad", g, None, do, w_proj, n, gate, dpix)
+    r, kk = g.shape[1], do.shape[1]
+    geo = _geometry(g, n, 1)
+    dg = torch.empty_like(g)
+    part = torch.empty((geo[2], kk, r), device=g.device, dtype=torch.float32)
+    dw = torch.empty((kk, r), device=g.device, dtype=torch.float32)
+    _launch(1, g, None, do, w_proj, gate, dpix, gate, gate, dg, part, n, geo)
+    _merge_dw(part, dw)
+    return dg, dw
+
+
+def _cost(mode: int, given: bool, p: int, r: int, kk: int, n: int, geo, eb: int) -> KernelCost:
+    """d (g if GIVEN), do, W_proj, BN_d's statistics (not if GIVEN) and two (N, R) fp32 tensors (written by
+    MODE 0, gate and dpix read by MODE 1) once from DRAM; do's re-reads by the other chunks' programs
+    (adjacent in the grid), the W_proj slices' by the other groups and gate/dpix rows' per tile from L2;
+    MODE 0 writes the four parts (N, R) too (not if GIVEN), MODE 1 dd (dg) and its dW_proj partials, and
+    reads sum dy, sum dy u_hat (not if GIVEN). The dots as issued: BM x BK x RB per tile (the masked pixels
     of an image's last tile and K's padding included), MODE 1 a second one of BK x RB x BM. Useful: dq
     once (MODE 0) and dW_proj (MODE 1); MODE 1's dq is recomputed."""
     rb, chunks, groups, ipg, tpi = geo
@@ -352,13 +404,16 @@ def _cost(mode: int, p: int, r: int, kk: int, n: int, geo, eb: int) -> KernelCos
     tiles = n * tpi
     mma = chunks * tiles * BM * bk * rb * (2 if mode == 1 else 1)
     useful = p * kk * r
-    dram = (p * r + p * kk + kk * r) * eb + 4 * r * 4 + 2 * n * r * 4
+    dram = (p * r + p * kk + kk * r) * eb + (0 if given else 4 * r * 4) + 2 * n * r * 4
     l2 = (chunks - 1) * p * kk * eb + (groups - 1) * kk * r * eb
     if mode == 0:
-        dram += 4 * n * r * 4
+        dram += 0 if given else 4 * n * r * 4
     else:
         l2 += 2 * (tiles - n) * r * 4
-        dram += p * r * eb + 2 * r * 4 + groups * kk * r * 4
-    notes = ("SE backward: per image sum dq g, sum g and BN_d's backward sums' parts",
-             "BN_d backward: dd written, dW_proj partials")
-    return KernelCost(useful, mma, dram, (Loop("pixel tiles", ipg * tpi),), l2_bytes=l2, note=notes[mode])
+        dram += p * r * eb + (0 if given else 2 * r * 4) + groups * kk * r * 4
+    notes = (("SE backward: per image sum dq g, sum g and BN_d's backward sums' parts",
+              "BN_d backward: dd written, dW_proj partials"),
+             ("SE backward (stride 2): per image sum dq g, sum g over g given",
+              "dg = dq gate + dpix written, dW_proj partials (stride 2: g given)"))
+    return KernelCost(useful, mma, dram, (Loop("pixel tiles", ipg * tpi),), l2_bytes=l2,
+                      note=notes[given][mode])
