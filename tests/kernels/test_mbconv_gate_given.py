@@ -145,8 +145,9 @@ CASES = sampled([(s, dt) for dt in (torch.float16, torch.bfloat16) for s in SMAL
 def test_small_gate_given_compiles_for_sm90(case):
     """gate_pool and gate_grad at the stride-2 blocks' shapes, batch 128, compile for sm_90 within shared
     memory, with no spill code in their loops (and no stack at all), the dots on wgmma; each pass's grid
-    fills the 132 SMs (at least 128 programs). (Compiled, fp16: gate_pool 16x16 / 8x8 / 14x14 / 7x7
-    REGS_POOL registers, gate_grad REGS_GRAD.)"""
+    fills the 132 SMs (at least 128 programs). (Compiled, fp16: gate_pool 94 / 95 / 94 / 94 registers at
+    16x16 / 8x8 / 14x14 / 7x7, gate_grad 151 / 163 / 156 / 165; bf16 94 / 95 / 92 / 94 and 154 / 164 / 158 /
+    166; shared memory 164 KB and 152.5 KB: the W_proj slice and three do tiles.)"""
     pytest.importorskip("triton")
     from convfirstnet.analysis.compiled import compile_variants, variant_of
     from convfirstnet.analysis.launches import kernel_name
