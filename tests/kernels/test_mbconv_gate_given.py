@@ -159,7 +159,8 @@ def test_small_gate_given_compiles_for_sm90(case):
     names = [kernel_name(lc).rsplit(".", 1)[1] for lc in launches]
     assert names == ["_gate_backward_kernel", "_gate_backward_kernel", "_wgrad_reduce_kernel"]
     assert [lc.meta.get("GIVEN") for lc in launches[:2]] == [True, True]
-    problems = [f"MODE {lc.meta['MODE']}: grid {lc.grid}" for lc in launches[:2] if lc.grid[0] * lc.grid[1] < 128]
+    problems = [f"MODE {lc.meta['MODE']}: grid {lc.grid}" for lc in launches[:2]
+                if lc.grid[0] * lc.grid[1] < 128]
     variants = [variant_of(lc, 90) for lc in launches]
     for v, c in zip(variants, compile_variants(variants)):
         want = "wgmma" if v.name == "_gate_backward_kernel" else "none"
