@@ -12,27 +12,50 @@ ow in {j // 2, j // 2 + 1}: four candidates, those of weight 0 (or past HO, WO) 
 
 Kernels (all tensors 2-D row-major (pixels, channels) views of NHWC maps):
 
-* ``_blur_gate_kernel``: per output pixel the nine taps of d, SiLU(a d + b) of each (SiLU computed 9 times
-  per output, 2.25 times per input pixel: the MUFU work that the static estimate shows), the weighted sum
-  rounded once to d's dtype.
-* ``_blur_bn_d_kernel`` with a ``MODE`` constexpr: the gather of dg, dy = Blur^T(dg) SiLU'(v); MODE 0: per
-  program the partial sums of dy and dy u_hat over its pixels (an elementwise [BM, RB] fp32 accumulator
-  over the tiles, summed over the pixels once at the end), written as row ``group`` of a (groups, 2, R)
-  fp32 buffer and merged over the groups in a fixed order by the weight gradients' reduction
-  (gconv.launcher.reduce_partials, ``out2``: sum dy and sum dy u_hat from one launch); MODE 1: dd =
-  gamma rho (dy - sum dy / P - u_hat sum(dy u_hat) / P) in d's dtype.
+* ``_blur_gate_kernel``: per tile of BM consecutive output pixels (of the flat N HO WO; a tile may straddle
+  rows and images: every pixel finds its own (n, oh, ow)), the nine taps of d, SiLU(a d + b) of each
+  (computed 9 times per output, 2.25 times per input pixel), the weighted sum rounded once to d's dtype.
+* ``_blur_bn_d_kernel`` with a ``MODE`` constexpr, per tile of BM pixels of one image row (ceil(W / BM)
+  tiles per row, BM lowered to a power of two >= W for narrow maps), so that the row i, its two row
+  candidates and their weights are scalars and an even row, which has one, skips the other's two loads:
+  the gather of dg, dy = Blur^T(dg) SiLU'(v). MODE 0: per program the partial sums of dy and dy u_hat over
+  its pixels (elementwise [BM, RB] fp32 accumulators over the tiles, summed over the pixels once at the
+  end), written as row ``group`` of a (groups, 2, R) fp32 buffer and merged over the groups in a fixed
+  order by the weight gradients' reduction (gconv.launcher.reduce_partials, ``out2``: sum dy and sum dy
+  u_hat from one launch; no atomics: two calls give equal bits). MODE 1: dd = gamma rho (dy - sum dy / P
+  - u_hat sum(dy u_hat) / P) in d's dtype.
 
-Grid: program (c, s) = channel chunk c of RB channels (the fast axis) x group s of PER consecutive tiles of
-BM flat pixels (a tile may straddle rows and images: every pixel finds its own (n, i, j)), about
-PROGRAMS_PER_SM programs per SM, each looping over its tiles. Tiles are [BM pixels, RB channels] with the
-channels contiguous (16-byte loads and stores: R a multiple of 8 in 16-bit data keeps the row starts
-aligned; EVEN_C (R a multiple of RB) drops the channel masks).
+Grid: program (c, s) = channel chunk c of RB channels (RB_GATE for g; the fast axis) x group s of PER
+consecutive tiles, about PROGRAMS_PER_SM programs per SM, each looping over its tiles. Tiles are [BM
+pixels, RB channels] with the channels contiguous (16-byte loads and stores: R a multiple of 8 in 16-bit
+data keeps the row starts aligned; EVEN_C (R a multiple of RB) drops the channel masks).
 
 Loads. The stencil taps are plain ``tl.load``: compiled for sm_90 (fp16 and bf16 at Small's shapes) every
-global load of the two kernels is an L1-allocating LDG.E.128 (no LDGSTS / cp.async, no .STRONG L2-only
-load; tests/kernels/test_mbconv_blur_backward.py checks it), so the taps of neighbouring pixels of a tile
-re-read d (forward) or dg (transpose) from L1, and the cost declarations count one tile's window per tile
-as L2 traffic (``l1_unique_bytes_per_program``, as the ConvFirst training's ``blur_cost`` does).
+global load of the two kernels is an L1-allocating LDG (the tiles and taps LDG.E.128, the per-channel
+vectors LDG.E; no LDGSTS / cp.async, no .STRONG L2-only load: tests/kernels/test_mbconv_blur_backward.py
+checks it), so the taps of neighbouring pixels of a tile re-read d (forward) or dg (transpose) from L1,
+and the cost declarations count one tile's window per tile as L2 traffic (``l1_unique_bytes_per_program``,
+as the ConvFirst training's ``blur_cost`` does; the compile test checks that the window fits the L1 that
+the compiled occupancy leaves).
+
+As compiled (sm_90, fp16, Small at 256 x 256, batch 128; the static estimate of ``convfirstnet kernels``'
+machinery, low-high, not a measurement; DRAM floor = the declared DRAM bytes at 3.35 TB/s)
+
+    block, launch                 regs   grid      estimate (us)   bound    DRAM floor (us)
+    stages.3.0 (32x32, R = 384)
+      blur_gate_input               56   6 x 86     38.8 - 47.7    dram     37.6
+      blur_bn_d_sums (MODE 0)      126   3 x 175    47.1 - 49.2    issue    37.7
+        + the merge                 64   3           5.8 -  8.8    latency   -
+      blur_bn_d_backward (MODE 1)   96   3 x 175    68.9 - 84.8    dram     67.6
+    stages.4.0 (16x16, R = 768)
+      blur_gate_input               56   12 x 43    20.0 - 24.6    dram     18.8
+      blur_bn_d_sums (MODE 0)      128   6 x 86     24.1 - 25.1    issue    18.9
+        + the merge                 64   6           3.8 -  5.5    latency   -
+      blur_bn_d_backward (MODE 1)  127   6 x 86     35.1 - 43.1    dram     33.8
+
+No stack in any. MODE 0 is issue-bound: ~26 instructions per element (five loads converted to fp32, the
+gather's FFMAs, sigmoid's FMUL, MUFU.EX2, FADD, MUFU.RCP, SiLU', u_hat, two accumulators); with tiles of
+flat pixels (per-pixel row indices, four row candidates everywhere) it was 30 and 52-55 us at stages.3.0.
 """
 
 from __future__ import annotations
@@ -48,7 +71,7 @@ from ..convfirst_train.kernel import _reflect
 from ..gconv.launcher import reduce_partials
 from .launcher import kernel_settings
 
-BM = 32  # pixels per tile
+BM = 16  # pixels per tile
 RB = 128  # channels per chunk of the BN_d passes (256 bytes of a 16-bit pixel row: 16 lanes x 16 B)
 RB_GATE = 64  # blur_gate_input's: a tile's window of d (5 rows at 32x32) fits L1 (the compile test)
 WARPS = 4
@@ -113,12 +136,13 @@ def _blur_gate_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, g_ptr, R, 
 
 @triton.jit
 def _blur_bn_d_kernel(dg_ptr, d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, s0_ptr, s1_ptr, out_ptr,
-                      R, M, TILES, PER, inv_p, H: tl.constexpr, W: tl.constexpr, MODE: tl.constexpr,
+                      R, TILES, PER, inv_p, H: tl.constexpr, W: tl.constexpr, MODE: tl.constexpr,
                       RB: tl.constexpr, BM: tl.constexpr, EVEN_C: tl.constexpr, FAST: tl.constexpr):
     """Program (c, s): channels c RB ... (c + 1) RB - 1 of the input pixels of tiles s PER ... (s + 1) PER - 1
-    (M = N H W pixels, TILES tiles of BM). dy = Blur^T(dg) SiLU'(a d + b). MODE 0: out = the partials
-    (groups, 2, R), row s: sum dy, sum dy u_hat over the program's pixels (s0, s1 unused). MODE 1: s0, s1 =
-    sum dy, sum dy u_hat (R,); out = dd (M, R). A masked pixel or channel gathers dg = 0, so dy = 0."""
+    (TILES = N H ceil(W / BM) segments of BM pixels of an image row, masked past W). dy = Blur^T(dg)
+    SiLU'(a d + b). MODE 0: out = the partials (groups, 2, R), row s: sum dy, sum dy u_hat over the
+    program's pixels (s0, s1 unused). MODE 1: s0, s1 = sum dy, sum dy u_hat (R,); out = dd (N H W, R). A
+    masked pixel or channel gathers dg = 0, so dy = 0."""
     HO: tl.constexpr = (H + 1) // 2
     WO: tl.constexpr = (W + 1) // 2
     c = tl.program_id(0) * RB + tl.arange(0, RB)
@@ -138,27 +162,27 @@ def _blur_bn_d_kernel(dg_ptr, d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, s0
     else:
         sum_dy = (tl.load(s0_ptr + c, mask=c_ok, other=0.0) * inv_p)[None, :]
         sum_dyu = (tl.load(s1_ptr + c, mask=c_ok, other=0.0) * inv_p)[None, :]
+    TPR: tl.constexpr = (W + BM - 1) // BM  # tiles per image row
     t0 = s * PER
     for t in range(t0, tl.minimum(t0 + PER, TILES)):
-        rows = t * BM + tl.arange(0, BM)
-        rok = rows < M
-        n = rows // (H * W)
-        q = rows % (H * W)
-        i = q // W
-        j = q % W
-        m = rok[:, None]
+        g = t // TPR  # the image row n H + i: i, its two row candidates and their weights are scalars
+        i = g % H
+        j = (t % TPR) * BM + tl.arange(0, BM)
+        rows = g * W + j
+        m = (j < W)[:, None]
         if not EVEN_C:
             m = m & c_ok[None, :]
         wr0, wr1 = _transpose_weights(i, H)
         wc0, wc1 = _transpose_weights(j, W)
-        src = dg_ptr + ((n * HO + i // 2) * WO + j // 2)[:, None] * R + c[None, :]
-        # Blur^T(dg): the four candidates (oh, ow) = (i // 2 + eh, j // 2 + ew); weight 0 masks the load
-        gy = wr0[:, None] * wc0[:, None] * tl.load(src, mask=m, other=0.0).to(tl.float32)
+        src = dg_ptr + ((g // H * HO + i // 2) * WO + j // 2)[:, None] * R + c[None, :]
+        # Blur^T(dg): the candidates (oh, ow) = (i // 2 + eh, j // 2 + ew), weight 0 masking the load; an
+        # even row has no second row candidate (half of them: a branch per tile)
+        gy = (wr0 * wc0)[:, None] * tl.load(src, mask=m, other=0.0).to(tl.float32)
         gy += (wr0 * wc1)[:, None] * tl.load(src + R, mask=m & (wc1 > 0.0)[:, None], other=0.0).to(tl.float32)
-        gy += (wr1 * wc0)[:, None] * tl.load(src + WO * R, mask=m & (wr1 > 0.0)[:, None],
-                                             other=0.0).to(tl.float32)
-        gy += (wr1 * wc1)[:, None] * tl.load(src + (WO + 1) * R, mask=m & (wr1 * wc1 > 0.0)[:, None],
-                                             other=0.0).to(tl.float32)
+        if wr1 > 0.0:
+            gy += (wr1 * wc0)[:, None] * tl.load(src + WO * R, mask=m, other=0.0).to(tl.float32)
+            gy += (wr1 * wc1)[:, None] * tl.load(src + (WO + 1) * R, mask=m & (wc1 > 0.0)[:, None],
+                                                 other=0.0).to(tl.float32)
         x = tl.load(d_ptr + rows[:, None] * R + c[None, :], mask=m, other=0.0).to(tl.float32)
         v = x * a + b
         sg = sigmoid(v, FAST)
@@ -209,14 +233,20 @@ def _check(op: str, d, mean_d, rstd_d, gamma_d, beta_d, n, h, w, dg=None, sums=(
         bad("every tensor must be contiguous (row-major)")
 
 
-def _geometry(pixels: int, r: int, device: torch.device, rb: int | None = None) -> tuple[int, int, int, int]:
-    """(chunks, tiles, tiles per group, groups) over ``pixels`` flat pixels in chunks of ``rb`` channels (RB
-    by default): about PROGRAMS_PER_SM programs per SM, at least MIN_TILES tiles per program, none empty."""
-    chunks = triton.cdiv(r, rb or RB)
-    tiles = triton.cdiv(pixels, BM)
+def _geometry(tiles: int, r: int, rb: int, bm: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(chunks, tiles, tiles per group, groups, BM) for ``tiles`` tiles of ``bm`` pixels in chunks of ``rb``
+    channels: about PROGRAMS_PER_SM programs per SM, at least MIN_TILES tiles per program, none empty."""
+    chunks = triton.cdiv(r, rb)
     want = max(1, PROGRAMS_PER_SM * device_info(device).sms // chunks)
     per = max(min(MIN_TILES, tiles), triton.cdiv(tiles, want))
-    return chunks, tiles, per, triton.cdiv(tiles, per)
+    return chunks, tiles, per, triton.cdiv(tiles, per), bm
+
+
+def _bn_d_geometry(d: torch.Tensor, n: int, h: int, w: int) -> tuple[int, int, int, int, int]:
+    """The BN_d passes' tiles: segments of an image row of BM pixels (fewer, a power of two >= W, for narrow
+    maps), ceil(W / BM) per row."""
+    bm = min(BM, triton.next_power_of_2(w))
+    return _geometry(n * h * triton.cdiv(w, bm), d.shape[1], RB, bm, d.device)
 
 
 def blur_gate_input(d: torch.Tensor, mean_d: torch.Tensor, rstd_d: torch.Tensor, gamma_d: torch.Tensor,
@@ -227,8 +257,8 @@ def blur_gate_input(d: torch.Tensor, mean_d: torch.Tensor, rstd_d: torch.Tensor,
     ho, wo = (h + 1) // 2, (w + 1) // 2
     mo = n * ho * wo
     g = torch.empty((mo, r), device=d.device, dtype=d.dtype)
-    geo = _geometry(mo, r, d.device, RB_GATE)
-    chunks, tiles, per, groups = geo
+    geo = _geometry(triton.cdiv(mo, BM), r, RB_GATE, BM, d.device)
+    chunks, tiles, per, groups, _ = geo
     launch(_blur_gate_kernel, (chunks, groups), d, mean_d, rstd_d, gamma_d, beta_d, g, r, mo, tiles, per,
            cost=lambda: _cost(-1, n, h, w, r, geo, d.element_size(), gamma_d.element_size()),
            H=h, W=w, RB=RB_GATE, BM=BM, EVEN_C=r % RB_GATE == 0, FAST=kernel_settings(d)[0], num_warps=WARPS)
@@ -237,11 +267,11 @@ def blur_gate_input(d: torch.Tensor, mean_d: torch.Tensor, rstd_d: torch.Tensor,
 
 def _bn_d(mode: int, dg, d, mean_d, rstd_d, gamma_d, beta_d, s0, s1, out, n, h, w, geo) -> None:
     p, r = d.shape
-    chunks, tiles, per, groups = geo
-    launch(_blur_bn_d_kernel, (chunks, groups), dg, d, mean_d, rstd_d, gamma_d, beta_d, s0, s1, out, r, p,
-           tiles, per, 1.0 / p,
+    chunks, tiles, per, groups, bm = geo
+    launch(_blur_bn_d_kernel, (chunks, groups), dg, d, mean_d, rstd_d, gamma_d, beta_d, s0, s1, out, r, tiles,
+           per, 1.0 / p,
            cost=lambda: _cost(mode, n, h, w, r, geo, d.element_size(), gamma_d.element_size()),
-           H=h, W=w, MODE=mode, RB=RB, BM=BM, EVEN_C=r % RB == 0, FAST=kernel_settings(d)[0], num_warps=WARPS)
+           H=h, W=w, MODE=mode, RB=RB, BM=bm, EVEN_C=r % RB == 0, FAST=kernel_settings(d)[0], num_warps=WARPS)
 
 
 def blur_bn_d_sums(dg: torch.Tensor, d: torch.Tensor, mean_d: torch.Tensor, rstd_d: torch.Tensor,
@@ -249,8 +279,8 @@ def blur_bn_d_sums(dg: torch.Tensor, d: torch.Tensor, mean_d: torch.Tensor, rstd
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum dy, sum dy u_hat) (R,) fp32 over the N H W pixels of d, dy = Blur^T(dg) SiLU'(v_d)."""
     _check("blur_bn_d_sums", d, mean_d, rstd_d, gamma_d, beta_d, n, h, w, dg)
-    p, r = d.shape
-    geo = _geometry(p, r, d.device)
+    r = d.shape[1]
+    geo = _bn_d_geometry(d, n, h, w)
     groups = geo[3]
     part = torch.empty((groups, 2, r), device=d.device, dtype=torch.float32)
     sum_dy = torch.empty((r,), device=d.device, dtype=torch.float32)
@@ -267,10 +297,9 @@ def blur_bn_d_backward(dg: torch.Tensor, d: torch.Tensor, mean_d: torch.Tensor, 
                        sum_dy_uhat: torch.Tensor, n: int, h: int, w: int) -> torch.Tensor:
     """dd (N H W, R) in d's dtype: BN_d's backward of dy = Blur^T(dg) SiLU'(v_d)."""
     _check("blur_bn_d_backward", d, mean_d, rstd_d, gamma_d, beta_d, n, h, w, dg, (sum_dy, sum_dy_uhat))
-    p, r = d.shape
     dd = torch.empty_like(d)
     _bn_d(1, dg, d, mean_d, rstd_d, gamma_d, beta_d, sum_dy, sum_dy_uhat, dd, n, h, w,
-          _geometry(p, r, d.device))
+          _bn_d_geometry(d, n, h, w))
     return dd
 
 
@@ -278,14 +307,14 @@ def _cost(mode: int, n: int, h: int, w: int, r: int, geo, eb: int, wb: int) -> K
     """mode -1: blur_gate_input; 0, 1: the MODEs of _blur_bn_d_kernel. DRAM: d and dg / g once, the
     statistics, MODE 0's partials (groups, 2, R) fp32, MODE 1's sums and dd. L1 (module docstring: every
     load an L1-allocating LDG): per tile, L2 serves the window under its taps once. A tile of BM flat
-    pixels spans at most ceil(BM / width) + 1 rows of its map (met when it starts mid-row; ceil(BM / width)
-    when BM is a multiple of the width, or the width of BM: the tiles start on rows); forward: the output
-    tile's taps read 2 rows + 1 of d per output row and min(W, 2 min(BM, WO) + 1) columns; the
-    transpose: as the ConvFirst training's blur_cost, its d tile and the dg pixels under its four
-    candidates, ((rows + 1) // 2 + 1) x min(WO, ceil(min(BM, W) / 2) + 1) (upper bounds). Useful MACs: the
+    output pixels spans at most ceil(BM / WO) + 1 output rows (met when it starts mid-row; ceil(BM / WO)
+    when BM is a multiple of WO or WO of BM: the tiles start on rows), whose taps read 2 rows + 1 of d per
+    output row and min(W, 2 min(BM, WO) + 1) columns; the transpose's tile (a segment of an image row),
+    its d tile and the dg pixels under its candidates, two rows (one for an even row) of at most
+    min(WO, BM / 2 + 1). Useful MACs: the
     transpose's 9 per output element (count_macs' BlurPool) in MODE 0; the forward's (g recomputed) and
     MODE 1's transpose are recomputes."""
-    _, _, per, groups = geo
+    _, _, per, groups, bm = geo
     ho, wo = (h + 1) // 2, (w + 1) // 2
     p, mo = n * h * w, n * ho * wo
     vec = 2 * r * 4 + 2 * r * wb
@@ -295,8 +324,7 @@ def _cost(mode: int, n: int, h: int, w: int, r: int, geo, eb: int, wb: int) -> K
         window = min(h, 2 * orows + 1) * min(w, 2 * min(BM, wo) + 1)
         note = "stride-2 MBConv backward: g = BlurPool(SiLU(v_d)) recomputed from d"
     else:
-        rows = triton.cdiv(BM, w) + 1
-        window = BM + ((rows + 1) // 2 + 1) * min(wo, triton.cdiv(min(BM, w), 2) + 1)
+        window = bm + 2 * min(wo, bm // 2 + 1)
         if mode == 0:
             dram += groups * 2 * r * 4
             note = "stride-2 BN_d backward sums: dy = Blur^T(dg) SiLU'(v_d), partials per group"

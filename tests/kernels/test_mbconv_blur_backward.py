@@ -1,13 +1,14 @@
 """The stride-2 passes of the fused MBConv training backward through BlurPool
 (kernels/mbconv/blur_backward.py: blur_gate_input, blur_bn_d_sums, blur_bn_d_backward) against their
 specification (backward_reference.py) computed in fp64 on the same inputs, in the interpreter at the
-model's widths on small maps, with small steps (``small_tiles``: 8-pixel tiles, 128-channel chunks (g's
+model's widths on small maps, with small steps (``small_tiles``: 4-pixel tiles, 128-channel chunks (g's
 64), two tiles per program, two groups per merge step) so that every loop runs more than once: the tiles
-of a program (2; a group of 1 where the tiles are odd), the groups (2-3 for g, 5-8 for the BN_d passes),
-their merge (3-4 steps of two), the channel chunks (3 or 6 at R = 384 / 768, g's 6 or 12; R = 160 and
-g's R = 96: a 32-channel tail). Maps: 8x8 -> 4x4 and 6x6 -> 3x3 (even; 3x3 a ragged last tile), 7x5 ->
-4x3 and 5x7 -> 3x4 (odd: H and W reflected onto H - 2, W - 2), 3x2 -> 2x1 (a pixel that both edges'
-reflections reach: i = 1 = H - 2).
+of a program (2; 1 in a last group where the tiles are odd), the groups (3-5 for g, 12-16 for the BN_d
+passes; 1 and 5 at 3x2), their merge (3-8 steps of two), the tiles of an image row in the BN_d passes (2,
+the second masked at W = 5, 6, 7), the channel chunks (3 or 6 at R = 384 / 768, g's 6 or 12; R = 160
+and g's R = 96: a 32-channel tail). Maps: 8x8 -> 4x4 and 6x6 -> 3x3 (even), 7x5 -> 4x3 and 5x7 -> 3x4
+(odd: H and W reflected onto H - 2, W - 2), 3x2 -> 2x1 (a pixel that both edges' reflections reach:
+i = 1 = H - 2).
 
 Tolerances (relative to each tensor's maximum). fp32: both sides sum the same products in another order
 (and exp2 against torch's sigmoid): observed <= 3.7e-7, compared within 1e-5. 16-bit data: d and dg are
@@ -44,7 +45,7 @@ def small_tiles(monkeypatch, one_thread):
     two threads on two busy cores, 0.01 s with one)"""
     from convfirstnet.kernels.mbconv import blur_backward
 
-    monkeypatch.setattr(blur_backward, "BM", 8)
+    monkeypatch.setattr(blur_backward, "BM", 4)
     monkeypatch.setattr(blur_backward, "RB", 128)
     monkeypatch.setattr(blur_backward, "RB_GATE", 64)
     monkeypatch.setattr(blur_backward, "MIN_TILES", 2)
@@ -208,8 +209,8 @@ def test_small_blur_backward_compiles_for_sm90(dtype):
     LDG (the 16-byte LDG.E.128 among them; no LDGSTS / cp.async, no .STRONG L2-only load), stores
     16-byte, and the declared L1 working set fits in the L1 that the compiled shared memory leaves at the
     compiled occupancy (the report's rule for counting the taps' re-reads as L1 hits). (Compiled, fp16
-    and bf16 alike: _blur_gate_kernel 92-94 registers, _blur_bn_d_kernel MODE 0 168, MODE 1 133-134, the
-    merge 64; 1 KB shared memory.)"""
+    and bf16 alike: _blur_gate_kernel 56 registers, _blur_bn_d_kernel MODE 0 124-128, MODE 1 96-127, the
+    merge 64; at most 2 KB of shared memory.)"""
     pytest.importorskip("triton")
     from convfirstnet.analysis.compiled import compile_variants, variant_of
     from convfirstnet.analysis.hardware import hardware
