@@ -179,9 +179,12 @@ def test_bad_input_raises_before_any_launch(triton_backend):
 # ------------------------------------------------------------------------------------------------ sm_90
 
 
-def record_small(dtype=torch.float16) -> list:
-    """The launches of the three passes at fused Small's stride-2 blocks on meta tensors (batch 128, 256 x
-    256 input): stages.3.0 (d 32x32, R = 384) and stages.4.0 (d 16x16, R = 768)."""
+SMALL_256 = ((32, 384), (16, 768))  # (side of d, R) of stages.3.0 and stages.4.0 at a 256 x 256 input
+SMALL_224 = ((28, 384), (14, 768))  # at 224 x 224, the training size (row tiles of 16 + 12 pixels)
+
+
+def record_small(dtype=torch.float16, blocks=SMALL_256) -> list:
+    """The launches of the three passes at fused Small's stride-2 blocks on meta tensors, batch 128."""
     from convfirstnet.kernels._cost import recording
     from convfirstnet.kernels.mbconv.blur_backward import blur_bn_d_backward, blur_bn_d_sums, blur_gate_input
 
@@ -189,7 +192,7 @@ def record_small(dtype=torch.float16) -> list:
         return torch.empty(*shape, device="meta", dtype=dtype)
 
     launches = []
-    for side, r in ((32, 384), (16, 768)):
+    for side, r in blocks:
         n = 128
         d, dg = t(n * side * side, r, dtype=dtype), t(n * side * side // 4, r, dtype=dtype)
         v = [t(r) for _ in range(4)]
@@ -204,7 +207,7 @@ def record_small(dtype=torch.float16) -> list:
 @pytest.mark.compile
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_small_blur_backward_compiles_for_sm90(dtype):
-    """Every launch at Small's two stride-2 blocks compiles for sm_90 with no stack (no spills, no local
+    """Every launch at Small's two stride-2 blocks (256 x 256 input; fp16 also at 224 x 224) compiles for sm_90 with no stack (no spills, no local
     memory), each pass's grid fills the 132 SMs; the stencil kernels' global loads are all L1-allocating
     LDG (the 16-byte LDG.E.128 among them; no LDGSTS / cp.async, no .STRONG L2-only load), stores
     16-byte, and the declared L1 working set fits in the L1 that the compiled shared memory leaves at the
@@ -218,10 +221,11 @@ def test_small_blur_backward_compiles_for_sm90(dtype):
     from convfirstnet.analysis.targets import target
 
     tgt, hw = target(90), hardware(90)
-    launches = record_small(dtype)
+    blocks = SMALL_256 + (SMALL_224 if dtype == torch.float16 else ())
+    launches = record_small(dtype, blocks)
     names = [kernel_name(lc).rsplit(".", 1)[1] for lc in launches]
     assert names == ["_blur_gate_kernel", "_blur_bn_d_kernel", "_wgrad_reduce_kernel",
-                     "_blur_bn_d_kernel"] * 2
+                     "_blur_bn_d_kernel"] * len(blocks)
     variants, first, problems = {}, {}, []
     for lc in launches:
         if lc.kernel is not launches[2].kernel and lc.grid[0] * lc.grid[1] < 132:
