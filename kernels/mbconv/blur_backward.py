@@ -306,14 +306,13 @@ def blur_bn_d_backward(dg: torch.Tensor, d: torch.Tensor, mean_d: torch.Tensor, 
 def _cost(mode: int, n: int, h: int, w: int, r: int, geo, eb: int, wb: int) -> KernelCost:
     """mode -1: blur_gate_input; 0, 1: the MODEs of _blur_bn_d_kernel. DRAM: d and dg / g once, the
     statistics, MODE 0's partials (groups, 2, R) fp32, MODE 1's sums and dd. L1 (module docstring: every
-    load an L1-allocating LDG): per tile, L2 serves the window under its taps once. A tile of BM flat
-    output pixels spans at most ceil(BM / WO) + 1 output rows (met when it starts mid-row; ceil(BM / WO)
-    when BM is a multiple of WO or WO of BM: the tiles start on rows), whose taps read 2 rows + 1 of d per
-    output row and min(W, 2 min(BM, WO) + 1) columns; the transpose's tile (a segment of an image row),
-    its d tile and the dg pixels under its candidates, two rows (one for an even row) of at most
-    min(WO, BM / 2 + 1). Useful MACs: the
-    transpose's 9 per output element (count_macs' BlurPool) in MODE 0; the forward's (g recomputed) and
-    MODE 1's transpose are recomputes."""
+    load an L1-allocating LDG): per tile, L2 serves the window under its taps once. g's tile of BM flat
+    output pixels spans at most k = ceil(BM / WO) + 1 output rows (met when it starts mid-row; k =
+    ceil(BM / WO) when BM is a multiple of WO or WO of BM: the tiles start on rows), whose taps read 2 k + 1
+    rows of d and min(W, 2 min(BM, WO) + 1) columns; the transpose's tile (a segment of an image row) reads
+    its d tile and the dg pixels under its candidates, two rows (one for an even row) of at most min(WO,
+    BM / 2 + 1). Useful MACs: the transpose's 9 per output element (count_macs' BlurPool) in MODE 0; the
+    forward's (g recomputed) and MODE 1's transpose are recomputes."""
     _, _, per, groups, bm = geo
     ho, wo = (h + 1) // 2, (w + 1) // 2
     p, mo = n * h * w, n * ho * wo
