@@ -1,4 +1,4 @@
-"""The backward of ``mbconv_recompute_train`` for stride-1 blocks, pass by pass over the block's narrow
+"""The backward of ``mbconv_recompute_train``, pass by pass over the block's narrow
 input (kernels/mbconv/backward_reference.py states each pass): no wide activation is kept from the
 forward; the forward saves x, its projection output o (narrow) and the three BatchNorms' batch mean and
 rstd. The wide tensors of the backward (h, d, dd, dh, de) each live from one launch to the next.
@@ -14,6 +14,11 @@ rstd. The wide tensors of the backward (h, d, dd, dh, de) each live from one lau
     BN_e sums          one pass over dh (z = x W_exp^T recomputed)
     de, dW_exp         one pass over dh, de written
     dx                 de W_exp + dout (the residual)
+
+Stride 2 (g = BlurPool(SiLU(v_d)), no residual): h, d, dd, dh and de at the input's resolution, g, dg and
+do at half of it. After d, one pass recomputes g from d (``blur_gate_input``); the SE sums and dW_proj run
+on g (``gate_pool``, ``gate_grad``, which writes dg); BN_d's sums and dd come from two passes over d that
+recompute dy = Blur^T(dg) SiLU'(v_d) (``blur_bn_d_sums``, ``blur_bn_d_backward``); the rest as above.
 
 Every reduction runs in a fixed order (no atomics): two identical steps give equal gradients.
 """
@@ -35,13 +40,15 @@ T = torch.Tensor
 def _passes(triton: bool) -> dict:
     """The implementation of each pass: the Triton launches, or their PyTorch twins."""
     names = ("bn_p_backward", "dgate_pool", "se_backward", "bn_d_sums", "bn_d_backward", "expand_hidden",
-             "bn_e_sums", "bn_e_backward", "expand_dgrad")
+             "bn_e_sums", "bn_e_backward", "expand_dgrad", "blur_gate_input", "gate_pool", "gate_grad",
+             "blur_bn_d_sums", "blur_bn_d_backward")
     if not triton:
         return {k: getattr(ref, k + "_reference") for k in names}
-    from .kernels.mbconv import expand_backward, gate_backward, narrow, se_backward
+    from .kernels.mbconv import blur_backward, expand_backward, gate_backward, narrow, se_backward
 
     mods = (narrow, gate_backward, se_backward, gate_backward, gate_backward, expand_backward,
-            expand_backward, expand_backward, expand_backward)
+            expand_backward, expand_backward, expand_backward, blur_backward, gate_backward, gate_backward,
+            blur_backward, blur_backward)
     return {k: getattr(m, k) for k, m in zip(names, mods)}
 
 
@@ -56,11 +63,10 @@ def _nchw(t: T, n: int, h: int, w: int) -> T:
     return t.view(n, h, w, t.shape[1]).permute(0, 3, 1, 2)
 
 
-def selected(x: T, w_exp: T, w_proj: T) -> bool:
-    """Whether a stride-1 block's backward takes the fused passes: where its forward takes the fused
-    kernels (mbconv_fused_forward.selected) and its wide tensors take 32-bit offsets, decided before any
-    launch."""
-    if not mbconv_fused_forward.selected(x, w_exp, w_proj, 1):
+def selected(x: T, w_exp: T, w_proj: T, stride: int) -> bool:
+    """Whether a block's backward takes the fused passes: where its forward takes the fused kernels
+    (mbconv_fused_forward.selected) and its wide tensors take 32-bit offsets, decided before any launch."""
+    if stride not in (1, 2) or not mbconv_fused_forward.selected(x, w_exp, w_proj, stride):
         return False
     n, c, h, w = x.shape
     return n * h * w * max(w_exp.shape[0], c) < 2**31
@@ -68,18 +74,18 @@ def selected(x: T, w_exp: T, w_proj: T) -> bool:
 
 def backward(grad_out: T, x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d: T, w_se1: T,
              b_se1: T, w_se2: T, b_se2: T, w_proj: T, gamma_p: T, beta_p: T, o: T, stats: T, drop_scale: T,
-             triton: bool) -> tuple[T, ...]:
-    """The gradients of x and of the 13 weights (the op's input order), for a stride-1 block; ``stats``:
+             stride: int, triton: bool) -> tuple[T, ...]:
+    """The gradients of x and of the 13 weights (the op's input order) of a block of ``stride``; ``stats``:
     the forward's batch statistics (mbconv_fused_forward.stats_rows). Autocast is off inside (as in the
     forward): every dtype here is chosen."""
     dev = x.device.type
     with torch.autocast(dev, enabled=False) if dev in ("cpu", "cuda") else contextlib.nullcontext():
         return _backward(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2,
-                         b_se2, w_proj, gamma_p, beta_p, o, stats, drop_scale, triton)
+                         b_se2, w_proj, gamma_p, beta_p, o, stats, drop_scale, stride, triton)
 
 
 def _backward(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj,
-              gamma_p, beta_p, o, stats, drop_scale, triton):
+              gamma_p, beta_p, o, stats, drop_scale, stride, triton):
     p = _passes(triton)
     dt = x.dtype
     n, c, hh, ww = x.shape
@@ -91,18 +97,33 @@ def _backward(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1,
     dout = _rows(grad_out.to(dt).contiguous(memory_format=cl))
     wexp = w_exp.reshape(r, c).to(dt)
     wproj = w_proj.reshape(k, r).to(dt)
+    if stride == 2:  # no drop-path (no residual)
+        drop_scale = torch.ones((n,), device=x.device, dtype=torch.float32)
     do, dgamma_p, dbeta_p = p["bn_p_backward"](dout, _rows(o.contiguous(memory_format=cl)), mean_p, rstd_p,
                                                gamma_p, drop_scale, n)
     h = p["expand_hidden"](x2, wexp, mean_e, rstd_e, gamma_e, beta_e)
     h4 = _nchw(h, n, hh, ww)
     d = _rows(torch.ops.convfirstnet.gconv3x3(h4, w_dw, 1, True)) if triton else _rows(
         F.conv2d(h4, w_dw.to(dt), None, 1, 1, 1, r // 8).contiguous(memory_format=cl))
-    # the SE and BN_d: one pass over d for the per-image sums, the SE backward on (N, R) vectors (fp32)
-    dgate, gsum, parts = p["dgate_pool"](d, mean_d, rstd_d, gamma_d, beta_d, do, wproj, n)
-    gate, dpix, dw_se1, db_se1, dw_se2, db_se2 = p["se_backward"](gsum, dgate, w_se1, b_se1, w_se2, b_se2, hw)
-    sum_dy, sum_dyu = p["bn_d_sums"](parts, gate, dpix)
-    dd, dw_proj = p["bn_d_backward"](d, mean_d, rstd_d, gamma_d, beta_d, do, wproj, gate, dpix, sum_dy,
-                                     sum_dyu, n)
+    bn_d = (mean_d, rstd_d, gamma_d, beta_d)
+    if stride == 1:
+        # the SE and BN_d: one pass over d for the per-image sums, the SE backward on (N, R) vectors (fp32)
+        dgate, gsum, parts = p["dgate_pool"](d, *bn_d, do, wproj, n)
+        gate, dpix, dw_se1, db_se1, dw_se2, db_se2 = p["se_backward"](gsum, dgate, w_se1, b_se1, w_se2, b_se2,
+                                                                      hw)
+        sum_dy, sum_dyu = p["bn_d_sums"](parts, gate, dpix)
+        dd, dw_proj = p["bn_d_backward"](d, *bn_d, do, wproj, gate, dpix, sum_dy, sum_dyu, n)
+    else:
+        # the SE on g = BlurPool(SiLU(v_d)) (half resolution), BN_d's backward through BlurPool's transpose
+        g = p["blur_gate_input"](d, *bn_d, n, hh, ww)
+        dgate, gsum = p["gate_pool"](g, do, wproj, n)
+        gate, dpix, dw_se1, db_se1, dw_se2, db_se2 = p["se_backward"](gsum, dgate, w_se1, b_se1, w_se2, b_se2,
+                                                                      g.shape[0] // n)
+        dg, dw_proj = p["gate_grad"](g, do, wproj, gate, dpix, n)
+        del g
+        sum_dy, sum_dyu = p["blur_bn_d_sums"](dg, d, *bn_d, n, hh, ww)
+        dd = p["blur_bn_d_backward"](dg, d, *bn_d, sum_dy, sum_dyu, n, hh, ww)
+        del dg
     del d
     dd4 = _nchw(dd, n, hh, ww)
     if triton:
@@ -117,7 +138,7 @@ def _backward(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1,
     sum_dv, sum_dve = p["bn_e_sums"](x2, wexp, mean_e, rstd_e, gamma_e, beta_e, dh)
     de, dw_exp = p["bn_e_backward"](x2, wexp, mean_e, rstd_e, gamma_e, beta_e, dh, sum_dv, sum_dve)
     del dh
-    dx = p["expand_dgrad"](de, wexp, dout)
+    dx = p["expand_dgrad"](de, wexp, dout if stride == 1 else None)
     grads = (_nchw(dx, n, hh, ww), dw_exp.reshape(w_exp.shape), sum_dve, sum_dv, dw_dw, sum_dyu, sum_dy,
              dw_se1.reshape(w_se1.shape), db_se1, dw_se2.reshape(w_se2.shape), db_se2,
              dw_proj.reshape(w_proj.shape), dgamma_p, dbeta_p)

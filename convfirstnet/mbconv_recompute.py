@@ -148,10 +148,10 @@ def _backward_fake(*args):
 
 def _backward_impl(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2,
                    w_proj, gamma_p, beta_p, o, stats, drop_scale, stride, eps, fused):
-    if fused and stride == 1 and mbconv_fused_backward.selected(x, w_exp, w_proj):  # the fused passes
+    if fused and mbconv_fused_backward.selected(x, w_exp, w_proj, stride):  # the fused passes
         return mbconv_fused_backward.backward(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d,
                                               w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p, beta_p, o, stats,
-                                              drop_scale, triton=True)
+                                              drop_scale, stride, triton=True)
     dt = x.dtype
     v = _layers(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,
                 beta_p, drop_scale, stride, eps)

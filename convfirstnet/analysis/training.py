@@ -24,11 +24,12 @@ Per block of the training-form model (``stem``, ``stages.i.j``, ``head``, ``clas
   merge, the two fold launches, the moments variant of the hidden kernel, the hidden kernel, the
   projection without residual, BN_p's statistics, merge and normalise + drop-path + residual
   (kernels/mbconv/narrow.py); estimated like the fused blocks') and one launch gap per other aten op.
-  The backward of those of stride 1 runs the fused passes over the narrow input
-  (convfirstnet/mbconv_fused_backward.py) and is counted the same way (``record_mbconv_backward``: BN_p's
-  backward, h and the conv's output recomputed, the SE and BN_d passes, the conv's dgrad and wgrad, the
-  BN_e passes, dx, and one launch gap per other aten op: the weights' casts); the others' stays the
-  layer-wise bound's backward kernels plus the recompute;
+  The backward runs the fused passes over the narrow input (convfirstnet/mbconv_fused_backward.py) and
+  is counted the same way (``record_mbconv_backward``: BN_p's backward, h and the conv's output
+  recomputed, the SE and BN_d passes (stride 2: g = BlurPool(SiLU(v_d)) recomputed, BN_d's backward
+  through BlurPool's transpose), the conv's dgrad and wgrad, the BN_e passes, dx, and one launch gap per
+  other aten op: the weights' casts); where it is not selected, the layer-wise bound's backward kernels
+  plus the recompute;
 * layer-wise training bound: every layer as its own kernels, each at max(tensor, DRAM, L2) time of
   its MACs and bytes plus one launch gap in a CUDA graph (``estimate.layerwise_time``, the waterline's
   rule with the report's constants). Kernels and bytes (activations in the report's dtype, every input
@@ -368,22 +369,25 @@ def record_mbconv_forward(block: nn.Module, in_shape: tuple, batch: int, dtype: 
 
 def record_mbconv_backward(block: nn.Module, in_shape: tuple, batch: int, dtype: torch.dtype, tgt
                            ) -> tuple[list, int] | None:
-    """The Triton launches of a stride-1 MBConv block's backward through the fused passes
+    """The Triton launches of an MBConv block's backward through the fused passes
     (mbconv_fused_backward.py) on meta tensors, with the forward's saved o and statistics, and the number
     of its other aten ops (the weights' casts); None where it is not selected."""
     from convfirstnet import mbconv_fused_backward
 
     meta, x, weights = _mbconv_on_meta(block, in_shape, batch, dtype)
     r, k = weights[0].shape[0], weights[10].shape[0]
-    o = torch.empty_like(x)
+    n, _, h, w = x.shape
+    o = torch.empty((n, k, -(-h // meta.stride), -(-w // meta.stride)), device="meta", dtype=x.dtype)
+    o = o.contiguous(memory_format=torch.channels_last)
+    grad = torch.empty_like(o)
     stats = torch.empty(4 * r + 2 * k, device="meta")
     drop = torch.ones(batch, device="meta")
     counter = _CountLaunches()
     with recording(sms=tgt.sms, l2_bytes=tgt.l2_bytes) as rec:
-        if meta.stride != 1 or not mbconv_fused_backward.selected(x, weights[0], weights[10]):
+        if not mbconv_fused_backward.selected(x, weights[0], weights[10], meta.stride):
             return None
         with counter:
-            mbconv_fused_backward.backward(torch.empty_like(x), x, *weights, o, stats, drop, triton=True)
+            mbconv_fused_backward.backward(grad, x, *weights, o, stats, drop, meta.stride, triton=True)
     return rec.launches, counter.count
 
 
@@ -417,7 +421,7 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
                 owner += [path] * len(recorded[0])
                 fused_forward[path] = recorded[1]
                 recorded = record_mbconv_backward(m, shapes[path][0], batch, torch_dtype, tgt)
-                if recorded is not None:  # and the backward through the fused passes (stride 1)
+                if recorded is not None:  # and the backward through the fused passes
                     launches += recorded[0]
                     owner += [path + " backward"] * len(recorded[0])
                     fused_backward[path] = recorded[1]
@@ -449,7 +453,7 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
             mma = sorted(kinds - {"none"})
         elif path in fused_forward:
             # forward: the fused launches and a launch gap per other aten op; backward: the fused passes'
-            # launches (stride 1) and a launch gap per other aten op, else the layer-wise bound's backward
+            # launches and a launch gap per other aten op where they run, else the layer-wise bound's backward
             # kernels and the recompute, as below
             mine = [e for e, o in zip(est.launches, owner) if o == path]
             own_glue = fused_forward[path]
@@ -569,7 +573,7 @@ def to_markdown(rep: dict) -> str:
         "convfirstnet/analysis/training.py). MBConv blocks (only narrow tensors stored: the input, the "
         "projection before BN_p, the BatchNorms' statistics): the forward as the fused MBConv kernels' "
         "launches where they run (BatchNorms folded with the batch statistics), else layer-wise; the "
-        "backward of stride-1 blocks as the launches of the fused passes over the narrow input "
+        "backward as the launches of the fused passes over the narrow input "
         "(convfirstnet/mbconv_fused_backward.py) where they run, else the layer-wise bound's backward "
         "kernels plus the forward kernels recomputed; other blocks without a fused training op at their "
         "layer-wise bound. Estimates, not measurements.",
@@ -621,9 +625,11 @@ def to_markdown(rep: dict) -> str:
                 f"{fsum('layerwise_forward_ms', 'high'):.3f} ms for their layer-wise forward.")
         fb = [b for b in rc if b.get("fused_backward")]
         lines[-1] += (
-            f" The backward of {len(fb)} of them (stride 1) runs the fused passes over the narrow input "
-            "(BN_p backward, h and the conv's output recomputed, the SE and BN_d passes, the conv's dgrad "
-            "and wgrad, the BN_e passes, dx); the others' backward is the recompute with layer-wise kernels.")
+            f" The backward of {len(fb)} of them runs the fused passes over the narrow input "
+            "(BN_p backward, h and the conv's output recomputed, the SE and BN_d passes (stride 2: through "
+            "BlurPool's transpose), the conv's dgrad and wgrad, the BN_e passes, dx)"
+            + ("; the others' backward is the recompute with layer-wise kernels." if len(fb) < len(rc)
+               else "."))
     tg = rep["targets"]
     r = t["step_over_layerwise"]["high"]
     lines += [

@@ -47,11 +47,12 @@ machinery, low-high, not a measurement; DRAM floor = the declared DRAM bytes at 
       blur_bn_d_sums (MODE 0)      126   3 x 175    47.1 - 49.2    issue    37.7
         + the merge                 64   3           5.8 -  8.8    latency   -
       blur_bn_d_backward (MODE 1)   96   3 x 175    68.9 - 84.8    dram     67.6
-    stages.4.0 (16x16, R = 768)
-      blur_gate_input               56   12 x 43    20.0 - 24.6    dram     18.8
-      blur_bn_d_sums (MODE 0)      128   6 x 86     24.1 - 25.1    issue    18.9
-        + the merge                 64   6           3.8 -  5.5    latency   -
-      blur_bn_d_backward (MODE 1)  127   6 x 86     35.1 - 43.1    dram     33.8
+    stages.4.0 (16x16, R = 1024)
+      blur_gate_input                    16 x 32    26.3 - 32.3    dram     25.0
+      blur_bn_d_sums (MODE 0)            8 x 64     31.4 - 32.8    issue    25.2
+        + the merge                      8           3.6 -  5.3    latency   -
+      blur_bn_d_backward (MODE 1)        8 x 64     46.3 - 57.0    dram     45.1
+    (at R = 768, 16x16: 20.0-24.6, 24.1-25.1 and 35.1-43.1 us with 56, 128 and 127 registers)
 
 No stack in any. MODE 0 is issue-bound: ~26 instructions per element (five loads converted to fp32, the
 gather's FFMAs, sigmoid's FMUL, MUFU.EX2, FADD, MUFU.RCP, SiLU', u_hat, two accumulators); with tiles of

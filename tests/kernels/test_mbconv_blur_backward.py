@@ -179,8 +179,8 @@ def test_bad_input_raises_before_any_launch(triton_backend):
 # ------------------------------------------------------------------------------------------------ sm_90
 
 
-SMALL_256 = ((32, 384), (16, 768))  # (side of d, R) of stages.3.0 and stages.4.0 at a 256 x 256 input
-SMALL_224 = ((28, 384), (14, 768))  # at 224 x 224, the training size (row tiles of 16 + 12 pixels)
+SMALL_256 = ((32, 384), (16, 1024))  # (side of d, R) of stages.3.0 and stages.4.0 at a 256 x 256 input
+SMALL_224 = ((28, 384), (14, 1024))  # at 224 x 224, the training size (row tiles of 16 + 12 pixels)
 
 
 def record_small(dtype=torch.float16, blocks=SMALL_256) -> list:
@@ -207,13 +207,13 @@ def record_small(dtype=torch.float16, blocks=SMALL_256) -> list:
 @pytest.mark.compile
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_small_blur_backward_compiles_for_sm90(dtype):
-    """Every launch at Small's two stride-2 blocks (256 x 256 input; fp16 also at 224 x 224) compiles for sm_90 with no stack (no spills, no local
-    memory), each pass's grid fills the 132 SMs; the stencil kernels' global loads are all L1-allocating
-    LDG (the 16-byte LDG.E.128 among them; no LDGSTS / cp.async, no .STRONG L2-only load), stores
-    16-byte, and the declared L1 working set fits in the L1 that the compiled shared memory leaves at the
-    compiled occupancy (the report's rule for counting the taps' re-reads as L1 hits). (Compiled, fp16
-    and bf16 alike: _blur_gate_kernel 56 registers, _blur_bn_d_kernel MODE 0 124-128, MODE 1 96-127, the
-    merge 64; at most 2 KB of shared memory.)"""
+    """Every launch at Small's two stride-2 blocks (256 x 256 input; fp16 also at 224 x 224) compiles for
+    sm_90 with no stack (no spills, no local memory), each pass's grid fills the 132 SMs; the stencil
+    kernels' global loads are all L1-allocating LDG (the 16-byte LDG.E.128 among them; no LDGSTS /
+    cp.async, no .STRONG L2-only load), stores 16-byte, and the declared L1 working set fits in the L1
+    that the compiled shared memory leaves at the compiled occupancy (the report's rule for counting the
+    taps' re-reads as L1 hits). (Compiled, fp16 and bf16 alike: _blur_gate_kernel 56 registers,
+    _blur_bn_d_kernel MODE 0 124-128, MODE 1 96-127, the merge 64; at most 2 KB of shared memory.)"""
     pytest.importorskip("triton")
     from convfirstnet.analysis.compiled import compile_variants, variant_of
     from convfirstnet.analysis.hardware import hardware

@@ -1,4 +1,4 @@
-"""The stride-1 MBConv + SE training backward as passes over the narrow input
+"""The MBConv + SE training backward (stride 1 and 2) as passes over the narrow input
 (convfirstnet/mbconv_fused_backward.py; each pass stated in kernels/mbconv/backward_reference.py and
 tested against its Triton launches in test_mbconv_gate_backward.py, test_mbconv_expand_backward.py and
 test_mbconv_bn_p_backward.py):
@@ -23,9 +23,9 @@ NAMES = ("x", "w_exp", "gamma_e", "beta_e", "w_dw", "gamma_d", "beta_d", "w_se1"
          "w_proj", "gamma_p", "beta_p")
 
 
-def _block(c: int, dtype=torch.float64) -> MBConv:
+def _block(c: int, dtype=torch.float64, k: int | None = None, stride: int = 1) -> MBConv:
     torch.manual_seed(0)
-    m = MBConv(c, c, 1).to(dtype).train()
+    m = MBConv(c, k or c, stride).to(dtype).train()
     for bn in (m.bn_expand, m.bn_dw, m.bn_project):
         bn.weight.data.uniform_(0.5, 1.5)
         bn.bias.data.uniform_(-0.5, 0.5)
@@ -37,9 +37,9 @@ def _layers(m: MBConv, x: torch.Tensor, drop: torch.Tensor):
     e = m.conv_expand(x)
     h = m.act(m.bn_expand(e))
     d = m.conv_dw(h)
-    g = m.act(m.bn_dw(d))
+    g = m.blur(m.act(m.bn_dw(d)))
     o = m.conv_project(m.se(g))
-    out = x + drop[:, None, None, None] * m.bn_project(o)
+    out = x + drop[:, None, None, None] * m.bn_project(o) if m.stride == 1 else m.bn_project(o)
     r, k = e.shape[1], o.shape[1]
     stats = torch.empty(4 * r + 2 * k, dtype=torch.float32 if x.dtype != torch.float64 else x.dtype)
     for rows, t in zip(stats_rows(stats, r, k), (e, d, o)):
@@ -58,7 +58,25 @@ def test_chain_of_reference_passes_is_autograd():
     gout = torch.randn_like(out)
     want = torch.autograd.grad(out, [x, *op_weights(m)], gout)
     weights = [p.detach() for p in op_weights(m)]
-    got = mbconv_fused_backward.backward(gout, x.detach(), *weights, o, stats, drop, triton=False)
+    got = mbconv_fused_backward.backward(gout, x.detach(), *weights, o, stats, drop, 1, triton=False)
+    for name, a, b in zip(NAMES, got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        err = float((a - b).abs().max() / b.abs().max())
+        assert err <= 1e-12, f"{name}: {err:.3g}"
+
+
+@pytest.mark.parametrize("hw", [(6, 6), (7, 5)])
+def test_stride2_chain_of_reference_passes_is_autograd(hw):
+    """Stride 2, fp64, C = 32 -> K = 48 (R = 128), 6x6 -> 3x3 and 7x5 -> 4x3 (BlurPool's reflection on
+    both sides of odd maps): every gradient within 1e-12 of its maximum, as for stride 1."""
+    m = _block(32, k=48, stride=2)
+    x = torch.randn(3, 32, *hw, dtype=torch.float64).contiguous(memory_format=CL).requires_grad_()
+    drop = torch.ones(3, dtype=torch.float64)
+    out, o, stats = _layers(m, x, drop)
+    gout = torch.randn_like(out)
+    want = torch.autograd.grad(out, [x, *op_weights(m)], gout)
+    weights = [p.detach() for p in op_weights(m)]
+    got = mbconv_fused_backward.backward(gout, x.detach(), *weights, o, stats, drop, 2, triton=False)
     for name, a, b in zip(NAMES, got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         err = float((a - b).abs().max() / b.abs().max())
@@ -78,23 +96,25 @@ def _op_grads(block: MBConv, x: torch.Tensor, drop: torch.Tensor, dt: torch.dtyp
     return out, torch.autograd.grad(out, leaves, gout.to(out.dtype))
 
 
-@pytest.mark.parametrize("c", [128, 96])
-def test_op_backward_through_the_fused_passes(interpreter_backend, monkeypatch, c):
+@pytest.mark.parametrize("c, k, stride, side", [(128, 128, 1, 8), (96, 96, 1, 8), (64, 96, 2, 9)])
+def test_op_backward_through_the_fused_passes(interpreter_backend, monkeypatch, c, k, stride, side):
     """The op (fused forward and the fused backward passes in the interpreter, fp32, N = 3, 8x8 maps,
-    one image dropped and two scaled by 1.25; C = 96 has masked channel chunks) against the layer-wise op
-    in fp64 (the layers' autograd): each gradient within 1e-4 of its maximum. fp32 rounding differs
-    between the two forms (the folded weights, the summation orders); the BatchNorm backwards subtract
-    means of the same size as the terms, which amplifies it (observed <= 2e-5)."""
+    one image dropped and two scaled by 1.25; C = 96 has masked channel chunks; stride 2 on 9x9 -> 5x5,
+    BlurPool's reflection on both sides) against the layer-wise op in fp64 (the layers' autograd): each
+    gradient within 1e-4 of its maximum. fp32 rounding differs between the two forms (the folded weights,
+    the summation orders); the BatchNorm backwards subtract means of the same size as the terms, which
+    amplifies it (observed <= 2e-5)."""
     from .test_mbconv_fused_forward import _block as block_of
 
     calls = []
     real = mbconv_fused_backward.backward
     monkeypatch.setattr(mbconv_fused_backward, "backward", lambda *a, **k: calls.append(k) or real(*a, **k))
-    block = block_of(c, c, 1)
+    block = block_of(c, k, stride)
     gen = torch.Generator().manual_seed(4)
-    x = (torch.randn(3, c, 8, 8, generator=gen) + 0.5).contiguous(memory_format=CL)
-    gout = torch.randn(3, c, 8, 8, generator=gen).contiguous(memory_format=CL)
-    drop = torch.tensor([0.0, 1.25, 1.25])
+    x = (torch.randn(3, c, side, side, generator=gen) + 0.5).contiguous(memory_format=CL)
+    so = -(-side // stride)
+    gout = torch.randn(3, k, so, so, generator=gen).contiguous(memory_format=CL)
+    drop = torch.tensor([0.0, 1.25, 1.25]) if stride == 1 else torch.ones(3)
     _, got = _op_grads(block, x, drop, torch.float32, gout)
     assert calls == [{"triton": True}]
     monkeypatch.setenv("CONVFIRSTNET_KERNELS", "reference")
@@ -108,21 +128,23 @@ def test_op_backward_through_the_fused_passes(interpreter_backend, monkeypatch, 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("side", [16, 8])
-def test_small_backward_on_gpu(monkeypatch, dtype, side):
-    """Small's stride-1 MBConv (C = 256), batch 16, fused forward and backward through the compiled kernels
-    against the layer-wise op in fp32 on the same 16-bit input: every gradient within a few units of the
-    dtype's rounding in norm (fp16 2^-11, bf16 2^-8, through four 16-bit round trips of wide tensors)."""
+@pytest.mark.parametrize("c, k, stride, side", [(256, 256, 1, 16), (256, 256, 1, 8), (96, 192, 2, 32),
+                                                (192, 256, 2, 16)])
+def test_small_backward_on_gpu(monkeypatch, dtype, c, k, stride, side):
+    """Small's MBConv blocks (stride 1: C = 256 at 16x16 and 8x8; its two stride-2 blocks), batch 16, fused
+    forward and backward through the compiled kernels against the layer-wise op in fp32 on the same 16-bit
+    input: every gradient within a few units of the dtype's rounding in norm (fp16 2^-11, bf16 2^-8,
+    through four 16-bit round trips of wide tensors)."""
     from .test_mbconv_fused_forward import _block as block_of
 
     monkeypatch.setenv("CONVFIRSTNET_KERNELS", "auto")
     calls = []
     real = mbconv_fused_backward.backward
     monkeypatch.setattr(mbconv_fused_backward, "backward", lambda *a, **k: calls.append(1) or real(*a, **k))
-    block = block_of(256, 256, 1).cuda()
-    x = (torch.randn(16, 256, side, side, device="cuda") + 0.5).to(dtype).contiguous(memory_format=CL)
-    gout = torch.randn(16, 256, side, side, device="cuda").contiguous(memory_format=CL)
-    drop = torch.tensor([0.0] + [1.25] * 15, device="cuda")
+    block = block_of(c, k, stride).cuda()
+    x = (torch.randn(16, c, side, side, device="cuda") + 0.5).to(dtype).contiguous(memory_format=CL)
+    gout = torch.randn(16, k, side // stride, side // stride, device="cuda").contiguous(memory_format=CL)
+    drop = torch.tensor([0.0] + [1.25] * 15, device="cuda") if stride == 1 else torch.ones(16, device="cuda")
     _, got = _op_grads(block, x, drop, dtype, gout)
     assert calls == [1]
     monkeypatch.setenv("CONVFIRSTNET_KERNELS", "reference")
@@ -134,11 +156,13 @@ def test_small_backward_on_gpu(monkeypatch, dtype, side):
 
 
 @pytest.mark.compile
-def test_small_backward_launches_fit_an_a100():
-    """The backward's launches at Small's 16x16 stride-1 shape (batch 128, fp16) compile for sm_80 within
-    its 163 KB of shared memory per block (the tiles are chosen for sm_90, whose limit is 227 KB; the
-    chain is selected on any CUDA GPU). Compiled: at most 160 KB; the BN_d and BN_e passes keep 144-344 B of
-    stack there (slower, not wrong)."""
+@pytest.mark.parametrize("stage, index, shape", [(3, 1, (1, 256, 16, 16)), (3, 0, (1, 96, 32, 32)),
+                                                 (4, 0, (1, 256, 16, 16))], ids=["s1-16x16", "s2-32x32", "s2-16x16"])
+def test_small_backward_launches_fit_an_a100(stage, index, shape):
+    """The backward's launches at Small's 16x16 stride-1 shape and its two stride-2 blocks (batch 128,
+    fp16) compile for sm_80 within its 163 KB of shared memory per block (the tiles are chosen for sm_90,
+    whose limit is 227 KB; the chain is selected on any CUDA GPU). Compiled: at most 160 KB; the BN_d and
+    BN_e passes keep 144-344 B of stack there (slower, not wrong)."""
     pytest.importorskip("triton")
     import convfirstnet
     from convfirstnet.analysis.compiled import compile_variants, variant_of
@@ -147,8 +171,8 @@ def test_small_backward_launches_fit_an_a100():
 
     from .test_mbconv import SHARED_LIMIT
 
-    block = convfirstnet.small().stages[3][1].train()
-    launches, _ = record_mbconv_backward(block, (1, 256, 16, 16), 128, torch.float16, target(80))
+    block = convfirstnet.small().stages[stage][index].train()
+    launches, _ = record_mbconv_backward(block, shape, 128, torch.float16, target(80))
     variants = {}
     for lc in launches:
         v = variant_of(lc, 80)

@@ -23,8 +23,8 @@ import torch
 from ..conftest import sampled
 from .test_mbconv_gate_backward import _rel, small_tiles  # noqa: F401 (a fixture)
 
-# (N, R, K, HO, WO, dtype): the mask variants at Small's stride-2 widths (stages.4.0: R = 768, K = 256;
-# stages.3.0: R = 384, K = 192, K padded to 256) and a tail chunk: no masks (8x8), pixel masks only (7x7),
+# (N, R, K, HO, WO, dtype): the mask variants at stride-2 widths (R = 768 as Tiny's stages.4.0, R = 384 as
+# Small's stages.3.0 with K = 192 padded to 256) and a tail chunk: no masks (8x8), pixel masks only (7x7),
 # channel masks only (K = 192), both (R = 160: 128 + 32 and 64 + 64 + 32 channels, K = 48 on 5x5)
 SHAPES = [(3, 768, 256, 8, 8, torch.float16), (3, 768, 256, 7, 7, torch.float32),
           (3, 384, 192, 8, 8, torch.float32), (3, 160, 48, 5, 5, torch.float16)]
@@ -112,9 +112,9 @@ def test_bad_input_raises_before_any_launch(triton_backend):
 
 # ------------------------------------------------------------------------------------------------ sm_90
 
-# (g's side, R, K): the stride-2 blocks' g at Small's 256-pixel input (stages.3.0 16x16, stages.4.0 8x8)
-# and at the 224-pixel training size (14x14, 7x7: pixel masks); K = 192 pads to 256 (channel masks)
-SMALL = [(16, 384, 192), (8, 768, 256), (14, 384, 192), (7, 768, 256)]
+# (g's side, R, K): the stride-2 blocks' g at Small's 256-pixel input (stages.3.0 16x16, R = 384;
+# stages.4.0 8x8, R = 1024) and at the 224-pixel training size (14x14, 7x7: pixel masks)
+SMALL = [(16, 384, 256), (8, 1024, 256), (14, 384, 256), (7, 1024, 256)]
 
 
 def record_small(side: int, r: int, k: int, n: int = 128, dtype=torch.float16) -> list:
