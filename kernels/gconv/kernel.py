@@ -459,3 +459,60 @@ def _wgrad_reduce_kernel(part_ptr, dw_ptr, dw2_ptr, SHARES, TOTAL, SPLIT, SB: tl
         tl.store(dw2_ptr + (offs - SPLIT), acc.to(dw2_ptr.dtype.element_ty), mask=ok & (offs >= SPLIT))
     else:
         tl.store(dw_ptr + offs, acc.to(dw_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _gconv_backward_kernel(
+    # pointers: dy (N, H, W, C) and x (N, H, W, C) through strides, weight (C, 8, 3, 3), dx (N, H, W, C)
+    # contiguous; fp32 partials (shares, C, 8, 3, 3) contiguous, or (ATOMIC) one zeroed fp32 (C, 8, 3, 3)
+    dy_ptr, x_ptr, w_ptr, dx_ptr, part_ptr,
+    # sizes: C8 = C / 8 groups; TILES tiles of TH x TW pixels in the batch, TILES_PER_SHARE per program
+    H, W, C8, TILES, TILES_PER_SHARE,
+    # strides: dy's and x's pixel strides in units of 8 elements (unit channel stride), w's in elements
+    syn8, syh8, syw8, sxn8, sxh8, sxw8, swo, swi, swh, sww,
+    # meta-parameters
+    G: tl.constexpr, MASK_C: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, PRECISION: tl.constexpr,
+    ATOMIC: tl.constexpr,
+):
+    """Stride-1 dgrad and wgrad from one read of dy: program (share, channel block) runs its share of
+    tiles in tile order; per tile, dx = the flipped conv of dy's window (the forward kernel's FLIP),
+    stored, and the five wgrad accumulators += x's window^T dy's tile (the wgrad kernel's products; dy's
+    tile is the centre of the window just read, an L1 hit). The partials are written once per program,
+    as the wgrad kernel's (its reduction merges them)."""
+    BM: tl.constexpr = TH * TW
+    syn, syh, syw = 8 * syn8, 8 * syh8, 8 * syw8  # 16-byte vectors of 8 channels (see the forward)
+    sxn, sxh, sxw = 8 * sxn8, 8 * sxh8, 8 * sxw8
+    C = 8 * C8
+    share = tl.program_id(0)
+    co0 = tl.program_id(1) * (8 * G)
+    gok = group_ok(co0, C, G, MASK_C)
+    acc0 = tl.zeros((G, 16, 8), tl.float32)
+    acc1 = tl.zeros((G, 16, 8), tl.float32)
+    acc2 = tl.zeros((G, 16, 8), tl.float32)
+    acc3 = tl.zeros((G, 16, 8), tl.float32)
+    acc4 = tl.zeros((G, 16, 8), tl.float32)
+    t_start = share * TILES_PER_SHARE
+    t_end = tl.minimum(t_start + TILES_PER_SHARE, TILES)
+    for t in range(t_start, t_end):
+        n, oh, ow, ok = tile_pixels(t, H, W, TH, TW)
+        pix_dy = dy_ptr + n.to(tl.int64) * syn + oh * syh + ow * syw + co0
+        dx = gconv_tile(pix_dy, oh, ow, ok, gok, H, W, syh, syw, w_ptr, co0, swo, swi, swh, sww, G, BM, True,
+                        PRECISION)
+        store_group_tile(dx_ptr + (n.to(tl.int64) * H * W + oh * W + ow) * C + co0, dx, ok, gok, G)
+        dy = load_group_tile(pix_dy, ok, gok, G)
+        pix_x = x_ptr + n.to(tl.int64) * sxn + oh * sxh + ow * sxw + co0
+        win = tap_window(pix_x, oh, ow, ok, gok, G)
+        acc0 = wgrad_pair_product(acc0, win, H, W, sxh, sxw, dy, 0, PRECISION)
+        acc1 = wgrad_pair_product(acc1, win, H, W, sxh, sxw, dy, 2, PRECISION)
+        acc2 = wgrad_pair_product(acc2, win, H, W, sxh, sxw, dy, 4, PRECISION)
+        acc3 = wgrad_pair_product(acc3, win, H, W, sxh, sxw, dy, 6, PRECISION)
+        acc4 = wgrad_pair_product(acc4, win, H, W, sxh, sxw, dy, 8, PRECISION)
+    if ATOMIC:
+        out = part_ptr
+    else:
+        out = part_ptr + share.to(tl.int64) * C * 72
+    store_wgrad_pair(out, acc0, co0, gok, 0, G, ATOMIC)
+    store_wgrad_pair(out, acc1, co0, gok, 2, G, ATOMIC)
+    store_wgrad_pair(out, acc2, co0, gok, 4, G, ATOMIC)
+    store_wgrad_pair(out, acc3, co0, gok, 6, G, ATOMIC)
+    store_wgrad_pair(out, acc4, co0, gok, 8, G, ATOMIC)

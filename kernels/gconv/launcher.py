@@ -48,7 +48,13 @@ import triton
 
 from .._cost import KernelCost, Loop
 from .._launch import GROUP_WIDTH, launch
-from .kernel import _gconv_dgrad_s2_kernel, _gconv_fwd_kernel, _gconv_wgrad_kernel, _wgrad_reduce_kernel
+from .kernel import (
+    _gconv_backward_kernel,
+    _gconv_dgrad_s2_kernel,
+    _gconv_fwd_kernel,
+    _gconv_wgrad_kernel,
+    _wgrad_reduce_kernel,
+)
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TILE_ELEMS = {2: 512, 4: 256}  # G x BM by element size: a 16 KB [G, BM, 16] tap-pair operand
@@ -304,6 +310,42 @@ def gconv3x3_wgrad_triton(
     return dw
 
 
+def gconv3x3_backward_triton(dy: torch.Tensor, w: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype,
+                             deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both gradients of a stride-1 conv from one read of dy: (dx (N, C, H, W) NHWC in dy's dtype,
+    dw (C, 8, 3, 3) in ``out_dtype``). One launch over wgrad's tiles and shares (dgrad of each tile
+    stored, wgrad partials per share), then wgrad's fixed-order reduction (or, not ``deterministic``,
+    fp32 atomics into a zeroed buffer)."""
+    check_supported("gconv3x3_backward", x)
+    n, c, h, wd = x.shape
+    dx = torch.empty((n, c, h, wd), dtype=dy.dtype, device=dy.device, memory_format=torch.channels_last)
+    if dx.numel() == 0:
+        return dx, torch.zeros((c, GROUP_WIDTH, 3, 3), dtype=out_dtype, device=x.device)
+    x, dy = _nhwc(x), _nhwc(dy)
+    cfg = wgrad_tile_config(n, c, h, wd, x.dtype)
+    tiles = _tiles(n, h, wd, cfg)
+    cblocks = triton.cdiv(c, cfg.channels)
+    interpreter = x.device.type == "cpu"
+    per_share, shares = wgrad_shares(tiles, cblocks, cfg.block_m, interpreter)
+    args = (h, wd, c // GROUP_WIDTH, tiles, per_share, *_vector_strides(dy), *_vector_strides(x), *w.stride())
+    cost = lambda: backward_cost(cfg, n, c, h, wd, x.element_size(), w.element_size(), per_share, shares,
+                                 deterministic)
+    if not deterministic:
+        dw32 = torch.zeros((c, GROUP_WIDTH, 3, 3), dtype=torch.float32, device=x.device)
+        launch(_gconv_backward_kernel, (shares, cblocks), dy, x, w, dx, dw32, *args, ATOMIC=True,
+               **_meta(cfg, c), cost=cost)
+        return dx, dw32.to(out_dtype)
+    partials = torch.empty((shares, c, GROUP_WIDTH, 3, 3), dtype=torch.float32, device=x.device)
+    dw = torch.empty((c, GROUP_WIDTH, 3, 3), dtype=out_dtype, device=x.device)
+    launch(_gconv_backward_kernel, (shares, cblocks), dy, x, w, dx, partials, *args, ATOMIC=False,
+           **_meta(cfg, c), cost=cost)
+    block, sb = (INTERPRETER_REDUCE_BLOCK, INTERPRETER_REDUCE_SB) if interpreter else (REDUCE_BLOCK,
+                                                                                       REDUCE_SB)
+    reduce_partials(partials, dw, shares, c * GROUP_WIDTH * 9, block=block, sb=sb,
+                    what="gconv3x3 backward wgrad")
+    return dx, dw
+
+
 def reduce_partials(partials: torch.Tensor, out: torch.Tensor, shares: int, total: int, *, block: int,
                     sb: int, out2: torch.Tensor | None = None, partials_in_l2: bool = False,
                     what: str = "gconv3x3 wgrad") -> None:
@@ -392,6 +434,26 @@ def wgrad_cost(cfg: TileConfig, n: int, c: int, h: int, w: int, stride: int, eb:
         note=f"gconv3x3 wgrad C={c} G={cfg.g} tile {cfg.tile_h}x{cfg.tile_w}, {shares} shares of "
              f"{per_share} tiles"
              + ("" if deterministic else " (atomics)"),
+    )
+
+
+def backward_cost(cfg: TileConfig, n: int, c: int, h: int, w: int, eb: int, wb: int, per_share: int,
+                  shares: int, deterministic: bool) -> KernelCost:
+    """The fused stride-1 backward: dy and x read once, dx written once, the weights once, the fp32
+    partials written once (atomics: the fp32 dw); per tile the dgrad's five [G, BM, 16] x [G, 16, 8] steps
+    and the wgrad's five [G, 16, BM] x [G, BM, 8] dots. L1: per tile the halo windows of dy and x (dy's
+    tile, read again for the wgrad, lies inside its window), the program's weights."""
+    tiles = _tiles(n, h, w, cfg)
+    cblocks = triton.cdiv(c, cfg.channels)
+    partials = shares if deterministic else 1
+    return KernelCost(
+        useful_macs=2 * useful_macs(n, c, h, w, 1),
+        mma_macs=2 * tiles * cblocks * 5 * cfg.g * cfg.block_m * 16 * 8 * _passes(cfg),
+        dram_bytes=eb * n * c * 3 * h * w + wb * c * GROUP_WIDTH * 9 + 4 * partials * c * GROUP_WIDTH * 9,
+        loops=(Loop("tiles", per_share, (Loop("taps", 5),)),),
+        **_l1_declaration(cfg, 2 * window_pixels(cfg, 1), 0, eb, wb, tiles=per_share),
+        note=f"gconv3x3 backward (dgrad + wgrad) C={c} G={cfg.g} tile {cfg.tile_h}x{cfg.tile_w}, {shares} "
+             f"shares of {per_share} tiles" + ("" if deterministic else " (atomics)"),
     )
 
 

@@ -1,9 +1,11 @@
-"""``torch.ops.convfirstnet.gconv3x3`` (+ ``_dgrad``, ``_wgrad``): checks, then the Triton kernels or the
-reference; autograd through the dgrad and wgrad ops.
+"""``torch.ops.convfirstnet.gconv3x3`` (+ ``_dgrad``, ``_wgrad``, ``_backward``): checks, then the Triton
+kernels or the reference; autograd through the dgrad and wgrad ops.
 
     gconv3x3(x, weight, stride, deterministic=True) -> y              (N, C, H', W') NHWC, x's dtype
     gconv3x3_dgrad(grad_out, weight, height, width, stride) -> dx     (N, C, H, W) NHWC, grad_out's dtype
     gconv3x3_wgrad(grad_out, x, weight_dtype, stride, deterministic=True) -> dw     (C, 8, 3, 3)
+    gconv3x3_backward(grad_out, x, weight, deterministic=True) -> (dx, dw)         stride 1, one read of
+                                                                                   grad_out
 
 x in any memory format (layouts other than channels-last are copied once before the kernels), C a
 multiple of 8, weight (C, 8, 3, 3) in x's dtype, or fp32 with 16-bit x (autocast's master weights:
@@ -24,10 +26,20 @@ from .._launch import (
     define_op,
     use_triton,
 )
-from .reference import gconv3x3_dgrad_reference, gconv3x3_reference, gconv3x3_wgrad_reference
+from .reference import (
+    gconv3x3_backward_reference,
+    gconv3x3_dgrad_reference,
+    gconv3x3_reference,
+    gconv3x3_wgrad_reference,
+)
 
 if HAS_TRITON:
-    from .launcher import gconv3x3_dgrad_triton, gconv3x3_triton, gconv3x3_wgrad_triton
+    from .launcher import (
+        gconv3x3_backward_triton,
+        gconv3x3_dgrad_triton,
+        gconv3x3_triton,
+        gconv3x3_wgrad_triton,
+    )
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -133,6 +145,30 @@ def gconv3x3_wgrad(grad_out: torch.Tensor, x: torch.Tensor, weight_dtype: torch.
     if use_triton(x):
         return gconv3x3_wgrad_triton(grad_out, x, stride, weight_dtype, deterministic)
     return gconv3x3_wgrad_reference(grad_out, x, stride, weight_dtype)
+
+
+@define_op("convfirstnet::gconv3x3_backward")
+def gconv3x3_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                      deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both gradients of a stride-1 ``gconv3x3``: (dL/dx NHWC in grad_out's dtype, dL/dweight (C, 8, 3, 3)
+    in weight's dtype, summed in fp32), equal to ``gconv3x3_dgrad`` and ``gconv3x3_wgrad``; the Triton
+    branch reads grad_out once (one launch for both, then wgrad's reduction)."""
+    c = check_input("gconv3x3_backward", x)
+    check_input("gconv3x3_backward", grad_out, "grad_out")
+    check_weight("gconv3x3_backward", weight, x, c)
+    if tuple(grad_out.shape) != tuple(x.shape):
+        raise ValueError(
+            f"convfirstnet.gconv3x3_backward: grad_out of {tuple(grad_out.shape)} does not match x of "
+            f"{tuple(x.shape)} (stride 1: the same shape)"
+        )
+    if grad_out.dtype != x.dtype or grad_out.device != x.device:
+        raise TypeError(
+            f"convfirstnet.gconv3x3_backward: grad_out ({grad_out.dtype}, {grad_out.device}) and x "
+            f"({x.dtype}, {x.device}) must have the same dtype and device"
+        )
+    if use_triton(x):
+        return gconv3x3_backward_triton(grad_out, weight, x, weight.dtype, deterministic)
+    return gconv3x3_backward_reference(grad_out, x, weight)
 
 
 # ------------------------------------------------------------------------------------------------

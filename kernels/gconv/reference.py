@@ -8,6 +8,7 @@ specification of the Triton kernels.
     y[n, co, oh, ow]  = sum_{k, kh, kw} w[co, k, kh, kw] x[n, 8 (co // 8) + k, s oh + kh - 1, s ow + kw - 1]
     dgrad: dx = dL/dx = conv_transpose(dy, w)           (N, C, H, W)
     wgrad: dw = dL/dw = sum_{n, oh, ow} dy[n, co, oh, ow] x[n, 8 (co // 8) + k, s oh + kh - 1, s ow + kw - 1]
+    backward (stride 1): (dx, dw), both from one dy
 
 Computed in fp32 (fp64 for fp64 input); activations are returned in the input's dtype in NHWC memory,
 the weight gradient in ``out_dtype``. An fp32 weight with 16-bit activations (autocast's master
@@ -46,3 +47,10 @@ def gconv3x3_wgrad_reference(dy: torch.Tensor, x: torch.Tensor, stride: int, out
     dw = torch.nn.grad.conv2d_weight(x.to(dt), (c, GROUP_WIDTH, 3, 3), dy.to(dt), stride=stride, padding=1,
                                      groups=c // GROUP_WIDTH)
     return dw.to(out_dtype)
+
+
+def gconv3x3_backward_reference(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both gradients of a stride-1 conv: (dgrad, wgrad in w's dtype)."""
+    return (gconv3x3_dgrad_reference(dy, w, x.shape[2], x.shape[3], 1),
+            gconv3x3_wgrad_reference(dy, x, 1, w.dtype))
