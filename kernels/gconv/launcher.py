@@ -65,6 +65,9 @@ NUM_WARPS = 4
 NUM_STAGES = 1  # no cp.async: a 16-byte cp.async is always .cg (L2 only), the windows must hit L1
 MIN_SHARE_PIXELS = 1024  # output pixels per wgrad share at least (partials <= ~7 % of the traffic)
 WGRAD_PROGRAMS = 1024  # wgrad shares x channel blocks at most, unless a share would fall below the minimum
+BACKWARD_MAX_BLOCK_M = {8: 64, 4: 64, 2: 128, 1: 128}
+BACKWARD_MIN_SHARE_PIXELS = 256
+BACKWARD_PROGRAMS = 396
 WGRAD_MIN_PROGRAMS = 132  # the SMs of an H100: a wgrad grid of full shares below this takes G = 4 for G = 8
 # Partials reduction: BLOCK dw elements per program, SB shares per step ([SB, BLOCK] = 4096 fp32, 32 per
 # thread): up to 1024 shares take 16 steps of independent loads (a share-by-share loop would be a chain
@@ -130,13 +133,15 @@ def precision_for(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
-def tile_config(c: int, ho: int, wo: int, dtype: torch.dtype, wgrad: bool = False, g: int | None = None
-                ) -> TileConfig:
+def tile_config(c: int, ho: int, wo: int, dtype: torch.dtype, wgrad: bool = False, g: int | None = None,
+                max_block_m: int | None = None) -> TileConfig:
     """Tiles for a C-channel conv over HO x WO positions (output pixels; stride-2 dgrad: 2x2 quads), with
-    ``g`` groups per program (default: groups_per_program)."""
+    ``g`` groups per program (default: groups_per_program) and at most ``max_block_m`` pixels a tile."""
     g = g or groups_per_program(c)
     elems = WGRAD_FP32_ELEMS if wgrad and dtype == torch.float32 else TILE_ELEMS[dtype.itemsize]
     bm = max(16, elems // g)
+    if max_block_m:
+        bm = min(bm, max_block_m)
     tw = min(8 if bm <= 64 else 16, max(8, triton.next_power_of_2(wo)))
     th = min(bm // tw, max(2, triton.next_power_of_2(ho)))
     return TileConfig(g, th, tw, NUM_WARPS, NUM_STAGES, precision_for(dtype))
@@ -175,6 +180,23 @@ def wgrad_tile_config(n: int, c: int, ho: int, wo: int, dtype: torch.dtype) -> T
         return cfg
     half = tile_config(c, ho, wo, dtype, wgrad=True, g=4)
     return half if programs(half)[1] > count else cfg
+
+
+def backward_config(n: int, c: int, h: int, w: int, dtype: torch.dtype, interpreter: bool = False
+                    ) -> tuple[TileConfig, int, int]:
+    """The fused backward's tiles and shares: (config, tiles per share, shares)."""
+    cfg = wgrad_tile_config(n, c, h, w, dtype)
+    if cfg.block_m > BACKWARD_MAX_BLOCK_M[cfg.g]:
+        cfg = tile_config(c, h, w, dtype, wgrad=True, g=cfg.g, max_block_m=BACKWARD_MAX_BLOCK_M[cfg.g])
+    tiles, cblocks = _tiles(n, h, w, cfg), triton.cdiv(c, cfg.channels)
+    per_share, shares = wgrad_shares(tiles, cblocks, cfg.block_m, interpreter)
+    if not (interpreter and INTERPRETER_SHARE_TILES) and shares * cblocks < BACKWARD_PROGRAMS:
+        # shorter shares: as many programs as one wave of BACKWARD_PROGRAMS holds
+        per_share = max(triton.cdiv(BACKWARD_MIN_SHARE_PIXELS, cfg.block_m),
+                        triton.cdiv(tiles, max(1, BACKWARD_PROGRAMS // cblocks)))
+        per_share = min(per_share, tiles)
+        shares = triton.cdiv(tiles, per_share)
+    return cfg, per_share, shares
 
 
 # ------------------------------------------------------------------------------------------------
@@ -322,11 +344,10 @@ def gconv3x3_backward_triton(dy: torch.Tensor, w: torch.Tensor, x: torch.Tensor,
     if dx.numel() == 0:
         return dx, torch.zeros((c, GROUP_WIDTH, 3, 3), dtype=out_dtype, device=x.device)
     x, dy = _nhwc(x), _nhwc(dy)
-    cfg = wgrad_tile_config(n, c, h, wd, x.dtype)
+    interpreter = x.device.type == "cpu"
+    cfg, per_share, shares = backward_config(n, c, h, wd, x.dtype, interpreter)
     tiles = _tiles(n, h, wd, cfg)
     cblocks = triton.cdiv(c, cfg.channels)
-    interpreter = x.device.type == "cpu"
-    per_share, shares = wgrad_shares(tiles, cblocks, cfg.block_m, interpreter)
     args = (h, wd, c // GROUP_WIDTH, tiles, per_share, *_vector_strides(dy), *_vector_strides(x), *w.stride())
     cost = lambda: backward_cost(cfg, n, c, h, wd, x.element_size(), w.element_size(), per_share, shares,
                                  deterministic)
