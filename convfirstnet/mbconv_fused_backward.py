@@ -127,8 +127,8 @@ def _backward(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1,
     del d
     dd4 = _nchw(dd, n, hh, ww)
     if triton:
-        dh = _rows(torch.ops.convfirstnet.gconv3x3_dgrad(dd4, w_dw, hh, ww, 1))
-        dw_dw = torch.ops.convfirstnet.gconv3x3_wgrad(dd4, h4, w_dw.dtype, 1, True)
+        dh4, dw_dw = torch.ops.convfirstnet.gconv3x3_backward(dd4, h4, w_dw, True)  # dd read once
+        dh = _rows(dh4)
     else:
         one = [1, 1]
         dh4, dw_dw, _ = torch.ops.aten.convolution_backward(dd4, h4, w_dw.to(dt), None, one, one, one, False,

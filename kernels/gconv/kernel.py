@@ -20,7 +20,7 @@ per 16 pixels, group and step). A block-diagonal 2-D dot would get wgmma but iss
 at 64 channels: 576 MACs per output element take 1.16 ps of an H100 SXM's 989 TFLOP/s against the
 1.19 ps its 3.35 TB/s need for the element's 4 bytes of fp16 in + out, no margin left.
 
-Reusable pieces (``@triton.jit`` helpers, used by all three kernels; the fused training blocks
+Reusable pieces (``@triton.jit`` helpers, used by all the kernels; the fused training blocks
 build on them): ``tile_pixels`` (a program's image and TH x TW pixel tile), ``group_ok`` (masked
 groups of a partial channel block), ``tap_window`` + ``load_tap_pair`` (the A operand: two shifted
 windows of an NHWC map, zero padding by mask), ``tap_weights`` + ``load_tap_pair_weights`` (the B
@@ -75,6 +75,35 @@ by the shapes (the shares do not depend on the device), so two identical calls g
 gradients (for one compiled kernel: GPU architecture and Triton version). ATOMIC
 (``deterministic=False``): the programs add their partials with fp32 atomics into a zeroed fp32
 buffer instead (one launch, no partials buffer, order-dependent rounding).
+
+Fused stride-1 backward (``_gconv_backward_kernel``), dy read once
+-----------------------------------------------------------------
+Where both gradients of a stride-1 conv are wanted (the MBConv blocks' training backward), one launch
+over wgrad's grid (shares x channel blocks) computes both: per tile of its share, dx = the flipped
+conv of dy's window (``gconv_tile`` with FLIP, as the stride-1 dgrad), stored, then dy's tile (the
+centre of the window just read: L1) and x's window feed the five wgrad accumulators
+(``wgrad_pair_product``). The partials go to wgrad's fixed-order reduction (deterministic) or to
+fp32 atomics. DRAM: dy, x and dx once (6 bytes per element at fp16) against 4 + 4 for the two
+launches, whose dgrad has no share loop but one tile per program. Compiled (fp16 and bf16, sm_90):
+G = 8 with 8 x 8 tiles 168 registers (3 programs per SM), G = 4 8 x 8 128-144, G = 2 8 x 16 with
+2 warps 186; no stack, mma.sync, shared memory <= 18 KB (sm_80: 168-254 registers, no stack; fp32
+up to 255, no stack). Larger tiles do not pay: G = 4 at 8 x 16 took 190 registers (2 per SM,
+latency-bound at 72 channels), G = 2 at 16 x 16 spilled 40 B. At G = 2 the wgrad dot's
+[2, 16, BM] operand has one 16-row MMA tile per group, so 4 warps computed it twice (compiled
+tensor-core MACs 2x the declared): the launcher gives G = 2 two warps. Static estimate (fp16, batch
+128, sm_90, low-high us, with the reduction; ``convfirstnet.analysis`` on the recorded launches)
+against dgrad + wgrad + reduction:
+
+    C, map        two launches    fused       C, map        two launches    fused
+    1024, 16^2    89.6-110.1      68.3-84.0   384, 32^2     132.5-163.0     101.2-124.5
+    1024, 8^2     26.4-32.5       20.5-25.4   768, 16^2     68.2-83.6       51.9-63.7
+    1024, 14^2    71.5-86.9       61.4-66.6   1024, 7^2     23.2-26.7       17.8-21.1
+
+and faster at every stride-1 shape of MODEL_SHAPES (launcher.py; 48 at 28^2: 17.7-20.5 ->
+14.5-17.3, the closest). The fused launch is DRAM-bound at 16^2 and 32^2 (latency 56 of 78 us at
+16^2, high end); at 8^2 and 7^2 wgrad's shares would leave one program per SM (latency-bound,
+slower than the two launches at 7^2 for 512-768 channels), so the launcher takes shorter shares
+there (launcher.backward_config).
 
 Accumulation and precision
 --------------------------

@@ -37,10 +37,21 @@ tiles follow one another: latency-bound, not DRAM-bound. ``wgrad_tile_config`` t
 same issue per output, G_ISSUE): twice the programs, with shares of as many pixels, so no more partials
 (static model, sm_90, high end, partials + reduction: Small's 8 x 8 wgrad 21.2 -> 18.8 us, 7 x 7
 21.2 -> 15.9 us; 512 to 768 channels at 7 x 7 and 8 x 8 ~20 -> ~14.5 us; 64 at 28 x 28 20.0 -> 14.6 us).
+
+Fused backward (``backward_config``)
+------------------------------------
+wgrad's G, tiles and shares, with three changes found on the static estimate (sm_90, fp16, batch 128;
+kernel.py has the figures): at most 64 pixels a tile at G >= 4 and 128 at G = 2 (BACKWARD_MAX_BLOCK_M:
+the larger tiles spilled or fell to 2 programs per SM); 2 warps at G = 2 (4 computed the wgrad dots
+twice); and where wgrad's shares make fewer programs than one wave of BACKWARD_PROGRAMS (3 per SM of an
+H100 at G >= 4, whose variants hold 3-4 per SM; 5 at G = 2), shorter shares, of at least
+BACKWARD_MIN_SHARE_PIXELS pixels, to fill it (Small's 8 x 8 and 7 x 7 maps: 12 shares of 11 tiles
+instead of 8 of 16). Shapes alone decide, as for wgrad, so dw's bits do not depend on the device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -65,9 +76,11 @@ NUM_WARPS = 4
 NUM_STAGES = 1  # no cp.async: a 16-byte cp.async is always .cg (L2 only), the windows must hit L1
 MIN_SHARE_PIXELS = 1024  # output pixels per wgrad share at least (partials <= ~7 % of the traffic)
 WGRAD_PROGRAMS = 1024  # wgrad shares x channel blocks at most, unless a share would fall below the minimum
-BACKWARD_MAX_BLOCK_M = {8: 64, 4: 64, 2: 128, 1: 128}
+# Fused backward (module docstring): pixels a tile at most, pixels a share at least where shares are
+# shortened, and the programs of one wave (H100: 132 SMs x 3 or 5 programs) by G
+BACKWARD_MAX_BLOCK_M = {8: 64, 4: 64, 2: 128}
 BACKWARD_MIN_SHARE_PIXELS = 256
-BACKWARD_PROGRAMS = 396
+BACKWARD_PROGRAMS = {8: 396, 4: 396, 2: 660}
 WGRAD_MIN_PROGRAMS = 132  # the SMs of an H100: a wgrad grid of full shares below this takes G = 4 for G = 8
 # Partials reduction: BLOCK dw elements per program, SB shares per step ([SB, BLOCK] = 4096 fp32, 32 per
 # thread): up to 1024 shares take 16 steps of independent loads (a share-by-share loop would be a chain
@@ -184,16 +197,19 @@ def wgrad_tile_config(n: int, c: int, ho: int, wo: int, dtype: torch.dtype) -> T
 
 def backward_config(n: int, c: int, h: int, w: int, dtype: torch.dtype, interpreter: bool = False
                     ) -> tuple[TileConfig, int, int]:
-    """The fused backward's tiles and shares: (config, tiles per share, shares)."""
+    """The fused backward's tiles and shares: (config, tiles per share, shares) (module docstring)."""
     cfg = wgrad_tile_config(n, c, h, w, dtype)
     if cfg.block_m > BACKWARD_MAX_BLOCK_M[cfg.g]:
         cfg = tile_config(c, h, w, dtype, wgrad=True, g=cfg.g, max_block_m=BACKWARD_MAX_BLOCK_M[cfg.g])
+    if cfg.g < cfg.num_warps:
+        cfg = dataclasses.replace(cfg, num_warps=cfg.g)
     tiles, cblocks = _tiles(n, h, w, cfg), triton.cdiv(c, cfg.channels)
     per_share, shares = wgrad_shares(tiles, cblocks, cfg.block_m, interpreter)
-    if not (interpreter and INTERPRETER_SHARE_TILES) and shares * cblocks < BACKWARD_PROGRAMS:
-        # shorter shares: as many programs as one wave of BACKWARD_PROGRAMS holds
+    wave = BACKWARD_PROGRAMS[cfg.g]
+    if not (interpreter and INTERPRETER_SHARE_TILES) and shares * cblocks < wave:
+        # shorter shares: as many programs as one wave holds
         per_share = max(triton.cdiv(BACKWARD_MIN_SHARE_PIXELS, cfg.block_m),
-                        triton.cdiv(tiles, max(1, BACKWARD_PROGRAMS // cblocks)))
+                        triton.cdiv(tiles, max(1, wave // cblocks)))
         per_share = min(per_share, tiles)
         shares = triton.cdiv(tiles, per_share)
     return cfg, per_share, shares

@@ -172,9 +172,10 @@ def gconv3x3_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Ten
 
 
 # ------------------------------------------------------------------------------------------------
-# Autograd. The forward's backward runs dgrad and wgrad, each only when asked for. The three maps are
-# bilinear and each other's adjoints, so dgrad and wgrad have backwards made of the same three ops
-# (double backward, and torch.compile of graphs that differentiate them):
+# Autograd. The forward's backward runs dgrad and wgrad, each only when asked for (both at stride 1: the
+# fused gconv3x3_backward, one read of grad_out). The three maps are bilinear and each other's adjoints,
+# so dgrad, wgrad and the fused backward have backwards made of the same three ops (double backward, and
+# torch.compile of graphs that differentiate them):
 #   <g, dgrad(dy, w)> = <gconv(g, w), dy>   ->  d/d dy = gconv(g, w),  d/dw = wgrad(dy, g)
 #   <g, wgrad(dy, x)> = <dy, gconv(x, g)>   ->  d/d dy = gconv(x, g),  d/dx = dgrad(dy, g)
 # ------------------------------------------------------------------------------------------------
@@ -193,6 +194,9 @@ def _setup_forward(ctx, inputs, output) -> None:
 def _backward_forward(ctx, grad_out: torch.Tensor):
     x, weight = ctx.saved_tensors
     dx = dw = None
+    if ctx.stride == 1 and ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+        dx, dw = torch.ops.convfirstnet.gconv3x3_backward(grad_out, x, weight, ctx.deterministic)
+        return dx, dw, None, None
     if ctx.needs_input_grad[0]:
         dx = torch.ops.convfirstnet.gconv3x3_dgrad(grad_out, weight, ctx.hw[0], ctx.hw[1], ctx.stride)
     if ctx.needs_input_grad[1]:
@@ -235,6 +239,27 @@ def _backward_wgrad(ctx, g: torch.Tensor):
     return d_dy, d_x, None, None, None
 
 
+def _setup_backward(ctx, inputs, output) -> None:
+    dy, x, weight, _ = inputs
+    ctx.save_for_backward(dy, x, weight)
+
+
+def _backward_backward(ctx, g_dx: torch.Tensor, g_dw: torch.Tensor):
+    # the sum of the two rules above: (dx, dw) = (dgrad(dy, w), wgrad(dy, x))
+    dy, x, weight = ctx.saved_tensors
+    d_dy = d_x = d_w = None
+    g_dw = g_dw.to(torch.float32 if x.dtype in HALF_DTYPES else x.dtype)
+    if ctx.needs_input_grad[0]:
+        d_dy = torch.ops.convfirstnet.gconv3x3(g_dx, weight, 1) + torch.ops.convfirstnet.gconv3x3(x, g_dw, 1)
+    if ctx.needs_input_grad[1]:
+        d_x = torch.ops.convfirstnet.gconv3x3_dgrad(dy, g_dw, x.shape[2], x.shape[3], 1)
+    if ctx.needs_input_grad[2]:
+        d_w = torch.ops.convfirstnet.gconv3x3_wgrad(dy, g_dx, weight.dtype, 1)
+    return d_dy, d_x, d_w, None
+
+
 torch.library.register_autograd("convfirstnet::gconv3x3", _backward_forward, setup_context=_setup_forward)
 torch.library.register_autograd("convfirstnet::gconv3x3_dgrad", _backward_dgrad, setup_context=_setup_dgrad)
 torch.library.register_autograd("convfirstnet::gconv3x3_wgrad", _backward_wgrad, setup_context=_setup_wgrad)
+torch.library.register_autograd("convfirstnet::gconv3x3_backward", _backward_backward,
+                                setup_context=_setup_backward)

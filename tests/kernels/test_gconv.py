@@ -254,6 +254,109 @@ def test_bf16_refused_in_interpreter(interpreter_backend):
 
 
 # ------------------------------------------------------------------------------------------------
+# The fused stride-1 backward (gconv3x3_backward): dgrad and wgrad from one read of dy
+# ------------------------------------------------------------------------------------------------
+
+
+def check_backward(x, wt, dy, deterministic=True):
+    """gconv3x3_backward against autograd of F.conv2d: dx as dgrad's bound (K = 72), dw as wgrad's
+    (K = N x H x W)."""
+    n, c, h, w = x.shape
+    dx, dw = OPS.gconv3x3_backward(dy, x, wt, deterministic)
+    (_, dx_ref, dw_ref), (_, dx_abs, dw_abs) = reference_grads(x, wt, dy, 1)
+    assert dx.dtype == x.dtype and dw.dtype == wt.dtype and dx.is_contiguous(memory_format=CL)
+    assert_bounded(dx, dx_ref, dx_abs, 72, "backward dx")
+    assert_bounded(dw, dw_ref, dw_abs, n * h * w, "backward dw")
+    return dx, dw
+
+
+# (N, C, H, W, dtype) at the MBConv widths (384, 1024) and odd ones whose last channel block has masked
+# groups (40: G = 2, 3 blocks; 200: G = 4, 7 blocks). Under the interpreter a share is 2 tiles: each case
+# has 2-6 shares of 2 tiles (the tile loop and the reduction's share loop run more than once).
+BACKWARD_SHAPES = [
+    pytest.param(2, 384, 5, 6, torch.float32, id="c384-fp32-2x5x6"),
+    pytest.param(3, 40, 7, 10, torch.float32, id="c40-masked-fp32-3x7x10"),
+    pytest.param(2, 200, 9, 19, torch.float16, id="c200-masked-fp16-2x9x19"),
+    pytest.param(2, 1024, 6, 10, torch.float16, id="c1024-fp16-2x6x10"),
+]
+
+
+@pytest.mark.parametrize("n,c,h,w,dtype", BACKWARD_SHAPES)
+def test_backward_matches_autograd(interpreter_backend, n, c, h, w, dtype):
+    cfg, per_share, shares = L.backward_config(n, c, h, w, dtype, interpreter=True)
+    assert per_share == 2 and shares >= 2, (cfg, per_share, shares)
+    assert (c % cfg.channels != 0) == (c in (40, 200))
+    check_backward(*make_case(n, c, h, w, 1, dtype))
+
+
+def test_backward_is_deterministic_and_atomics_agree(interpreter_backend):
+    """Two identical calls give bitwise-equal dx and dw; the atomic option gives dw to rounding."""
+    x, wt, dy = make_case(2, 64, 9, 11, 1, torch.float32)
+    dx_a, dw_a = OPS.gconv3x3_backward(dy, x, wt)
+    dx_b, dw_b = OPS.gconv3x3_backward(dy, x, wt)
+    assert torch.equal(dx_a, dx_b) and torch.equal(dw_a, dw_b)
+    check_backward(x, wt, dy, deterministic=False)
+
+
+def test_backward_gpu_shares(interpreter_backend, monkeypatch):
+    """The GPU's share rule (launcher.backward_config), lowered so that this map takes the short shares
+    of a grid under one wave: several shares of several tiles and a shorter last one, reduced 64 at a
+    time."""
+    monkeypatch.setattr(L, "INTERPRETER_SHARE_TILES", 0)
+    monkeypatch.setattr(L, "INTERPRETER_REDUCE_SB", L.REDUCE_SB)
+    monkeypatch.setattr(L, "BACKWARD_PROGRAMS", {8: 4, 4: 4, 2: 4})
+    monkeypatch.setattr(L, "BACKWARD_MIN_SHARE_PIXELS", 16)
+    cfg, per_share, shares = L.backward_config(3, 64, 17, 16, torch.float32, interpreter=True)
+    tiles = 3 * math.ceil(17 / cfg.tile_h) * math.ceil(16 / cfg.tile_w)
+    cblocks = 64 // cfg.channels
+    assert shares * cblocks <= 4 and per_share > 1 and tiles % per_share != 0, (cfg, tiles, per_share, shares)
+    check_backward(*make_case(3, 64, 17, 16, 1, torch.float32))
+
+
+def test_backward_grids_at_the_model_shapes():
+    """launcher.backward_config at the MBConv convs of Small (batch 128, fp16): wgrad's G and shares where
+    they fill a wave (16 x 16: 32 shares of 16 tiles x 16 blocks), shorter shares where they do not (8 x 8
+    and 7 x 7: 12 of 11 tiles x 32 blocks of G = 4), at most 64 pixels a tile at G >= 4 and 128 at G = 2
+    (larger tiles spilled or fell to two programs per SM)."""
+    got = {}
+    for c, side in ((1024, 16), (1024, 14), (1024, 8), (1024, 7), (384, 32), (768, 16), (72, 28), (48, 28)):
+        cfg, per_share, shares = L.backward_config(128, c, side, side, torch.float16)
+        got[(c, side)] = (cfg.g, cfg.block_m, per_share, shares)
+    assert got == {(1024, 16): (8, 64, 16, 32), (1024, 14): (8, 64, 16, 32), (1024, 8): (4, 64, 11, 12),
+                   (1024, 7): (4, 64, 11, 12), (384, 32): (8, 64, 16, 128), (768, 16): (8, 64, 16, 32),
+                   (72, 28): (4, 64, 16, 128), (48, 28): (2, 128, 5, 205)}
+
+
+def test_backward_bad_input_refused_before_launch(interpreter_backend, no_launch):
+    x, wt, dy = make_case(1, 16, 5, 5, 1, torch.float32)
+    cases = [
+        (ValueError, "does not match x", lambda: OPS.gconv3x3_backward(dy[:, :, :3], x, wt)),
+        (TypeError, "same dtype", lambda: OPS.gconv3x3_backward(dy.half(), x, wt)),
+        (ValueError, "group width 4", lambda: OPS.gconv3x3_backward(dy, x, torch.randn(16, 4, 3, 3))),
+        (ValueError, "8 output channels", lambda: OPS.gconv3x3_backward(dy, x, torch.randn(8, 8, 3, 3))),
+        (TypeError, "weight dtype", lambda: OPS.gconv3x3_backward(dy, x, wt.half())),
+        (ValueError, "multiple of 8", lambda: OPS.gconv3x3_backward(dy[:, :12], x[:, :12], wt[:12])),
+        (TypeError, "bfloat16 through the Triton interpreter",
+         lambda: OPS.gconv3x3_backward(dy.bfloat16(), x.bfloat16(), wt)),
+    ]
+    for exc, match, call in cases:
+        with pytest.raises(exc, match=match):
+            call()
+
+
+def test_backward_opcheck_and_gradients(reference_backend):
+    """Registration (fake tensors, autograd) and the fused op's own backward, twice differentiated; the
+    stride-1 forward's backward takes it when both gradients are asked for."""
+    x, wt, dy = make_case(2, 16, 7, 9, 1, torch.float32)
+    args = (dy.requires_grad_(), x.requires_grad_(), wt.requires_grad_())
+    torch.library.opcheck(OPS.gconv3x3_backward, args)
+    args = [torch.randn(1, 8, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    args.append(torch.randn(8, 8, 3, 3, dtype=torch.float64, requires_grad=True))
+    assert torch.autograd.gradcheck(lambda *a: OPS.gconv3x3_backward(*a), args, fast_mode=True)
+    assert torch.autograd.gradgradcheck(lambda *a: OPS.gconv3x3_backward(*a), args, fast_mode=True)
+
+
+# ------------------------------------------------------------------------------------------------
 # The drop-in module
 # ------------------------------------------------------------------------------------------------
 
@@ -403,14 +506,16 @@ for stride in (1, 2):
 @pytest.mark.subprocess
 def test_torch_compile_traces_triton_branch():
     """torch.compile(fullgraph=True) of forward + backward through the Triton branch (real JITFunctions,
-    in a subprocess without the interpreter): the forward kernel in the forward graph; dgrad and the two
-    wgrad launches in the backward graph, as user-defined Triton kernels (what Inductor receives on a
-    GPU), with no copies of the inputs (torch's analysis finds that only the outputs are written)."""
+    in a subprocess without the interpreter): the forward kernel in the forward graph; in the backward
+    graph the fused backward and its reduction (stride 1) or dgrad and the two wgrad launches (stride 2),
+    as user-defined Triton kernels (what Inductor receives on a GPU), with no copies of the inputs (torch's
+    analysis finds that only the outputs are written)."""
     pytest.importorskip("triton")
     graphs = trace_graphs(_TRACED_BODY)
     assert len(graphs) == 4, list(graphs)
     for name, targets in graphs.items():
-        launches = 1 if name.startswith("forward") else 3
+        # the backward: the fused dgrad + wgrad and its reduction at stride 1, dgrad, wgrad, reduction at 2
+        launches = {"forward s1": 1, "forward s2": 1, "backward s1": 2, "backward s2": 3}[name]
         assert targets.count("triton_kernel_wrapper_functional") == launches, (name, targets)
         assert not any("clone" in t or "copy" in t for t in targets), (name, targets)
 
@@ -454,8 +559,11 @@ def _record(kind, n, c, h, w, stride, dtype=torch.float16, deterministic=True, s
             OPS.gconv3x3(x, wt, stride)
         elif kind == "dgrad":
             OPS.gconv3x3_dgrad(dy, wt, h, w, stride)
-        else:
+        elif kind == "wgrad":
             OPS.gconv3x3_wgrad(dy, x, dtype, stride, deterministic)
+        else:
+            assert stride == 1
+            OPS.gconv3x3_backward(dy, x, wt, deterministic)
     return rec.launches
 
 
@@ -496,6 +604,29 @@ def test_cost_declarations(kind, stride):
             assert shares * cblocks <= L.WGRAD_PROGRAMS + cblocks
 
 
+def test_backward_cost_declaration():
+    """The fused backward at Small's 16 x 16 and 8 x 8 MBConv convs (1024 channels, batch 128): dy, x and
+    dx once in DRAM (dy once where dgrad and wgrad read it twice), the weights once, the fp32 partials once
+    (then wgrad's reduction); 2 x 72 useful MACs per element, 10/9 of them issued plus masked rows; L1: a
+    tile's two halo windows and the weights."""
+    for side in (16, 8):
+        launches = _record("backward", 128, 1024, side, side, 1)
+        names = [lc.kernel.fn.__name__ for lc in launches]
+        assert names == ["_gconv_backward_kernel", "_wgrad_reduce_kernel"]
+        cost, meta = launches[0].cost, launches[0].meta
+        cfg, per_share, shares = L.backward_config(128, 1024, side, side, torch.float16)
+        assert launches[0].grid == (shares, 1024 // cfg.channels) and launches[0].args[9] == per_share
+        assert (meta["G"], meta["TH"] * meta["TW"]) == (cfg.g, cfg.block_m)
+        elems = 128 * 1024 * side * side
+        assert cost.useful_macs == 2 * 72 * elems
+        assert 10 / 9 <= cost.mma_macs / cost.useful_macs < 10 / 9 * 1.7
+        assert cost.dram_bytes == 3 * 2 * elems + 2 * 1024 * 72 + 4 * shares * 1024 * 72
+        window = 2 * cfg.channels * (cfg.tile_h + 2) * (cfg.tile_w + 2)
+        assert cost.l1_working_set_bytes == 2 * window + 2 * cfg.channels * 72
+        assert cost.l1_unique_bytes_per_program == per_share * 2 * window + 2 * cfg.channels * 72
+        assert launches[1].cost.dram_bytes == 4 * shares * 1024 * 72 + 2 * 1024 * 72
+
+
 def test_wgrad_takes_half_the_channel_block_where_programs_are_few():
     """launcher.wgrad_tile_config: G = 4 for G = 8 where G = 8's full shares make fewer programs than an
     H100 has SMs (Small's 8 x 8 and 7 x 7 stages at batch 128: 8 shares x 16 channel blocks; 64 channels at
@@ -531,7 +662,8 @@ def test_deterministic_shares_do_not_depend_on_the_device():
 # ------------------------------------------------------------------------------------------------
 
 # (kind, N, C, H, W, stride, dtype, arch): Small's widest layer (G = 8), Tiny's 72-channel layer (G = 1),
-# the stride-2 dgrad and the wgrad pair in bf16 / fp32, on both targets, and Small's 8 x 8 wgrad (G = 4).
+# the stride-2 dgrad and the wgrad pair in bf16 / fp32, on both targets, Small's 8 x 8 wgrad (G = 4), and
+# the fused backward at Small's 16 x 16 (G = 8) and 8 x 8 (G = 4) MBConv convs and in fp32 at G = 2.
 COMPILE_SAMPLE = [
     ("forward", 128, 1024, 14, 14, 1, torch.float16, 90),
     ("dgrad", 128, 72, 28, 28, 1, torch.float16, 80),
@@ -539,6 +671,9 @@ COMPILE_SAMPLE = [
     ("wgrad", 128, 32, 112, 112, 1, torch.float16, 90),
     ("wgrad", 128, 96, 28, 28, 2, torch.float32, 80),
     ("wgrad", 128, 1024, 8, 8, 1, torch.float16, 90),
+    ("backward", 128, 1024, 16, 16, 1, torch.float16, 90),
+    ("backward", 128, 1024, 8, 8, 1, torch.bfloat16, 90),
+    ("backward", 128, 48, 28, 28, 1, torch.float32, 80),
 ]
 
 
@@ -568,7 +703,7 @@ def test_sample_compiles_without_spills(compiled_sample):
         assert comp.shared <= SMEM_LIMIT[comp.variant.arch], f"{name}: {comp.shared} B of shared memory"
         insns, loops = comp.listing()
         per_program = launch.cost.mma_macs / math.prod(launch.grid)
-        if "wgrad_kernel" in comp.variant.name:  # a full share (the last one may be shorter)
+        if "wgrad_kernel" in comp.variant.name or "backward_kernel" in comp.variant.name:  # a full share
             tiles, per_share = launch.args[8], launch.args[9]
             per_program = launch.cost.mma_macs / (tiles * launch.grid[1]) * per_share
         # the declared loops are the compiled loops, and the weighted tensor-core instructions issue
