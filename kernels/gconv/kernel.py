@@ -84,26 +84,27 @@ conv of dy's window (``gconv_tile`` with FLIP, as the stride-1 dgrad), stored, t
 centre of the window just read: L1) and x's window feed the five wgrad accumulators
 (``wgrad_pair_product``). The partials go to wgrad's fixed-order reduction (deterministic) or to
 fp32 atomics. DRAM: dy, x and dx once (6 bytes per element at fp16) against 4 + 4 for the two
-launches, whose dgrad has no share loop but one tile per program. Compiled (fp16 and bf16, sm_90):
-G = 8 with 8 x 8 tiles 168 registers (3 programs per SM), G = 4 8 x 8 128-144, G = 2 8 x 16 with
-2 warps 186; no stack, mma.sync, shared memory <= 18 KB (sm_80: 168-254 registers, no stack; fp32
-up to 255, no stack). Larger tiles do not pay: G = 4 at 8 x 16 took 190 registers (2 per SM,
-latency-bound at 72 channels), G = 2 at 16 x 16 spilled 40 B. At G = 2 the wgrad dot's
-[2, 16, BM] operand has one 16-row MMA tile per group, so 4 warps computed it twice (compiled
-tensor-core MACs 2x the declared): the launcher gives G = 2 two warps. Static estimate (fp16, batch
-128, sm_90, low-high us, with the reduction; ``convfirstnet.analysis`` on the recorded launches)
-against dgrad + wgrad + reduction:
+launches, whose dgrad has no share loop but one tile per program. One warp per group of the channel
+block (G warps): at G = 2 four warps computed the wgrad dot ([2, 16, BM], one 16-row MMA tile per
+group) twice (compiled tensor-core MACs 2x the declared), and at G = 8 four warps took 168 registers
+and, with fp32 master weights (autocast), 8 B of stack on sm_90. Compiled (fp16 and bf16, fp16 or
+fp32 weights): sm_90 G = 8 8 x 8 tiles 128 registers (2 programs per SM, 24 KB shared memory), G = 4
+8 x 8 128-144, G = 2 8 x 16 186; sm_80 168-196; fp32 (3xTF32) up to 255; no stack anywhere,
+mma.sync. Larger tiles do not pay: G = 4 at 8 x 16 took 190 registers (2 programs per SM,
+latency-bound at 72 channels), G = 2 at 16 x 16 spilled 40 B. Static estimate (fp16 activations and
+weights, batch 128, sm_90, low-high us, with the reduction; ``convfirstnet.analysis`` on the recorded
+launches) against dgrad + wgrad + reduction:
 
     C, map        two launches    fused       C, map        two launches    fused
     1024, 16^2    89.6-110.1      68.3-84.0   384, 32^2     132.5-163.0     101.2-124.5
     1024, 8^2     26.4-32.5       20.5-25.4   768, 16^2     68.2-83.6       51.9-63.7
-    1024, 14^2    71.5-86.9       61.4-66.6   1024, 7^2     23.2-26.7       17.8-21.1
+    1024, 14^2    71.5-86.9       58.5-66.6   1024, 7^2     23.2-26.7       17.8-21.1
 
-and faster at every stride-1 shape of MODEL_SHAPES (launcher.py; 48 at 28^2: 17.7-20.5 ->
-14.5-17.3, the closest). The fused launch is DRAM-bound at 16^2 and 32^2 (latency 56 of 78 us at
-16^2, high end); at 8^2 and 7^2 wgrad's shares would leave one program per SM (latency-bound,
-slower than the two launches at 7^2 for 512-768 channels), so the launcher takes shorter shares
-there (launcher.backward_config).
+and faster at every stride-1 shape of MODEL_SHAPES (launcher.py; 72 at 28^2: 26.4-30.0 ->
+24.7-26.4, the closest), with fp32 weights too (1024 at 14^2: 72.0-95.8 -> 64.3-67.7). The fused
+launch is DRAM-bound at 16^2 and 32^2; at 8^2 and 7^2 wgrad's shares would leave one program per SM
+(latency-bound, slower than the two launches at 7^2 for 512-768 channels), so the launcher takes
+shorter shares there (launcher.backward_config).
 
 Accumulation and precision
 --------------------------

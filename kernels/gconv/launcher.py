@@ -42,11 +42,12 @@ Fused backward (``backward_config``)
 ------------------------------------
 wgrad's G, tiles and shares, with three changes found on the static estimate (sm_90, fp16, batch 128;
 kernel.py has the figures): at most 64 pixels a tile at G >= 4 and 128 at G = 2 (BACKWARD_MAX_BLOCK_M:
-the larger tiles spilled or fell to 2 programs per SM); 2 warps at G = 2 (4 computed the wgrad dots
-twice); and where wgrad's shares make fewer programs than one wave of BACKWARD_PROGRAMS (3 per SM of an
-H100 at G >= 4, whose variants hold 3-4 per SM; 5 at G = 2), shorter shares, of at least
-BACKWARD_MIN_SHARE_PIXELS pixels, to fill it (Small's 8 x 8 and 7 x 7 maps: 12 shares of 11 tiles
-instead of 8 of 16). Shapes alone decide, as for wgrad, so dw's bits do not depend on the device.
+the larger tiles spilled or fell to 2 programs per SM); one warp per group (G warps: 4 computed the
+wgrad dots twice at G = 2 and spilled with fp32 weights at G = 8); and where wgrad's shares make fewer
+programs than one wave of BACKWARD_PROGRAMS (3 per SM of an H100 at G >= 4, 5 at G = 2), shorter
+shares, of at least BACKWARD_MIN_SHARE_PIXELS pixels, to fill it (Small's 8 x 8 and 7 x 7 maps: 12
+shares of 11 tiles instead of 8 of 16). Shapes alone decide, as for wgrad, so dw's bits do not depend
+on the device.
 """
 
 from __future__ import annotations
@@ -201,8 +202,7 @@ def backward_config(n: int, c: int, h: int, w: int, dtype: torch.dtype, interpre
     cfg = wgrad_tile_config(n, c, h, w, dtype)
     if cfg.block_m > BACKWARD_MAX_BLOCK_M[cfg.g]:
         cfg = tile_config(c, h, w, dtype, wgrad=True, g=cfg.g, max_block_m=BACKWARD_MAX_BLOCK_M[cfg.g])
-    if cfg.g < cfg.num_warps:
-        cfg = dataclasses.replace(cfg, num_warps=cfg.g)
+    cfg = dataclasses.replace(cfg, num_warps=cfg.g)  # one warp per group (module docstring)
     tiles, cblocks = _tiles(n, h, w, cfg), triton.cdiv(c, cfg.channels)
     per_share, shares = wgrad_shares(tiles, cblocks, cfg.block_m, interpreter)
     wave = BACKWARD_PROGRAMS[cfg.g]

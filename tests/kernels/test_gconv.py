@@ -270,23 +270,24 @@ def check_backward(x, wt, dy, deterministic=True):
     return dx, dw
 
 
-# (N, C, H, W, dtype) at the MBConv widths (384, 1024) and odd ones whose last channel block has masked
-# groups (40: G = 2, 3 blocks; 200: G = 4, 7 blocks). Under the interpreter a share is 2 tiles: each case
-# has 2-6 shares of 2 tiles (the tile loop and the reduction's share loop run more than once).
+# (N, C, H, W, dtype, weight dtype) at the MBConv widths (384, 1024; fp32 master weights with fp16 as under
+# autocast) and odd ones whose last channel block has masked groups (40: G = 2, 3 blocks; 200: G = 4, 7
+# blocks). Under the interpreter a share is 2 tiles: each case has 2-6 shares of 2 tiles (the tile loop
+# and the reduction's share loop run more than once).
 BACKWARD_SHAPES = [
-    pytest.param(2, 384, 5, 6, torch.float32, id="c384-fp32-2x5x6"),
-    pytest.param(3, 40, 7, 10, torch.float32, id="c40-masked-fp32-3x7x10"),
-    pytest.param(2, 200, 9, 19, torch.float16, id="c200-masked-fp16-2x9x19"),
-    pytest.param(2, 1024, 6, 10, torch.float16, id="c1024-fp16-2x6x10"),
+    pytest.param(2, 384, 5, 6, torch.float32, None, id="c384-fp32-2x5x6"),
+    pytest.param(3, 40, 7, 10, torch.float32, None, id="c40-masked-fp32-3x7x10"),
+    pytest.param(2, 200, 9, 19, torch.float16, None, id="c200-masked-fp16-2x9x19"),
+    pytest.param(2, 1024, 6, 10, torch.float16, torch.float32, id="c1024-fp16-w32-2x6x10"),
 ]
 
 
-@pytest.mark.parametrize("n,c,h,w,dtype", BACKWARD_SHAPES)
-def test_backward_matches_autograd(interpreter_backend, n, c, h, w, dtype):
+@pytest.mark.parametrize("n,c,h,w,dtype,w_dtype", BACKWARD_SHAPES)
+def test_backward_matches_autograd(interpreter_backend, n, c, h, w, dtype, w_dtype):
     cfg, per_share, shares = L.backward_config(n, c, h, w, dtype, interpreter=True)
     assert per_share == 2 and shares >= 2, (cfg, per_share, shares)
     assert (c % cfg.channels != 0) == (c in (40, 200))
-    check_backward(*make_case(n, c, h, w, 1, dtype))
+    check_backward(*make_case(n, c, h, w, 1, dtype, w_dtype=w_dtype))
 
 
 def test_backward_is_deterministic_and_atomics_agree(interpreter_backend):
@@ -561,9 +562,9 @@ def _record(kind, n, c, h, w, stride, dtype=torch.float16, deterministic=True, s
             OPS.gconv3x3_dgrad(dy, wt, h, w, stride)
         elif kind == "wgrad":
             OPS.gconv3x3_wgrad(dy, x, dtype, stride, deterministic)
-        else:
+        else:  # with fp32 master weights, as the MBConv blocks' training backward under autocast
             assert stride == 1
-            OPS.gconv3x3_backward(dy, x, wt, deterministic)
+            OPS.gconv3x3_backward(dy, x, wt.float(), deterministic)
     return rec.launches
 
 
@@ -606,7 +607,7 @@ def test_cost_declarations(kind, stride):
 
 def test_backward_cost_declaration():
     """The fused backward at Small's 16 x 16 and 8 x 8 MBConv convs (1024 channels, batch 128): dy, x and
-    dx once in DRAM (dy once where dgrad and wgrad read it twice), the weights once, the fp32 partials once
+    dx once in DRAM (dy once where dgrad and wgrad read it twice), the (fp32) weights once, the partials once
     (then wgrad's reduction); 2 x 72 useful MACs per element, 10/9 of them issued plus masked rows; L1: a
     tile's two halo windows and the weights."""
     for side in (16, 8):
@@ -620,11 +621,11 @@ def test_backward_cost_declaration():
         elems = 128 * 1024 * side * side
         assert cost.useful_macs == 2 * 72 * elems
         assert 10 / 9 <= cost.mma_macs / cost.useful_macs < 10 / 9 * 1.7
-        assert cost.dram_bytes == 3 * 2 * elems + 2 * 1024 * 72 + 4 * shares * 1024 * 72
+        assert cost.dram_bytes == 3 * 2 * elems + 4 * 1024 * 72 + 4 * shares * 1024 * 72  # fp32 weights
         window = 2 * cfg.channels * (cfg.tile_h + 2) * (cfg.tile_w + 2)
-        assert cost.l1_working_set_bytes == 2 * window + 2 * cfg.channels * 72
-        assert cost.l1_unique_bytes_per_program == per_share * 2 * window + 2 * cfg.channels * 72
-        assert launches[1].cost.dram_bytes == 4 * shares * 1024 * 72 + 2 * 1024 * 72
+        assert cost.l1_working_set_bytes == 2 * window + 4 * cfg.channels * 72
+        assert cost.l1_unique_bytes_per_program == per_share * 2 * window + 4 * cfg.channels * 72
+        assert launches[1].cost.dram_bytes == 4 * shares * 1024 * 72 + 4 * 1024 * 72  # dw in fp32
 
 
 def test_wgrad_takes_half_the_channel_block_where_programs_are_few():
@@ -663,7 +664,8 @@ def test_deterministic_shares_do_not_depend_on_the_device():
 
 # (kind, N, C, H, W, stride, dtype, arch): Small's widest layer (G = 8), Tiny's 72-channel layer (G = 1),
 # the stride-2 dgrad and the wgrad pair in bf16 / fp32, on both targets, Small's 8 x 8 wgrad (G = 4), and
-# the fused backward at Small's 16 x 16 (G = 8) and 8 x 8 (G = 4) MBConv convs and in fp32 at G = 2.
+# the fused backward (fp32 master weights) at Small's 16 x 16 (G = 8) and 8 x 8 (G = 4) MBConv convs and
+# in fp32 at G = 2.
 COMPILE_SAMPLE = [
     ("forward", 128, 1024, 14, 14, 1, torch.float16, 90),
     ("dgrad", 128, 72, 28, 28, 1, torch.float16, 80),
