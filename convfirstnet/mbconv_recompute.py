@@ -26,7 +26,7 @@ fake tensors, the layers below. Autograd saves x, the weights and drop_scale;
 layer (``convolution_backward``, ``native_batch_norm_backward``, ``silu_backward``, ...): the formulas
 autograd of the training form uses.
 
-The group-width-8 conv runs ``torch.ops.convfirstnet.gconv3x3`` (+ ``_dgrad``, ``_wgrad``) when the
+The group-width-8 conv runs ``torch.ops.convfirstnet.gconv3x3`` (+ ``gconv3x3_backward``) when the
 Triton kernels are selected for x (``kernels._launch.use_triton``), ``F.conv2d`` otherwise. Both ops are
 opaque custom ops, so ``torch.compile(fullgraph=True)`` keeps the recompute in the backward instead of
 merging it with the forward (which would store the wide tensors again).
@@ -181,8 +181,7 @@ def _backward_impl(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w
     h = v["h"]
     if use_triton(h):
         dd = dd.contiguous(memory_format=torch.channels_last)
-        dh = torch.ops.convfirstnet.gconv3x3_dgrad(dd, w_dw, h.shape[2], h.shape[3], 1)
-        dw_dw = torch.ops.convfirstnet.gconv3x3_wgrad(dd, h, w_dw.dtype, 1, True)
+        dh, dw_dw = torch.ops.convfirstnet.gconv3x3_backward(dd, h, w_dw, True)  # dd read once
     else:
         dh, dw_dw, _ = aten.convolution_backward(dd, h, w_dw.to(dt), None, [1, 1], [1, 1], [1, 1], False,
                                                  [0, 0], h.shape[1] // GROUP_WIDTH, [True, True, False])

@@ -335,7 +335,7 @@ def _residual_kernel(
 
 
 @triton.jit
-def _reflect(i, n):
+def reflect(i, n):
     """BlurPool's reflect padding of one pixel: -1 -> 1, n -> n - 2."""
     i = tl.where(i < 0, -i, i)
     return tl.where(i >= n, 2 * n - 2 - i, i)
@@ -362,9 +362,9 @@ def _blur_cat_kernel(
     bx = tl.zeros((BM, CP), tl.float32)
     ba = tl.zeros((BM, CP), tl.float32)
     for dh in tl.static_range(3):
-        r = _reflect(2 * oh + dh - 1, H)
+        r = reflect(2 * oh + dh - 1, H)
         for dw in tl.static_range(3):
-            col = _reflect(2 * ow + dw - 1, W)
+            col = reflect(2 * ow + dw - 1, W)
             wgt = (2 - (dh - 1) * (dh - 1)) * (2 - (dw - 1) * (dw - 1)) / 16.0
             off = ((n.to(tl.int64) * H + r) * W + col)[:, None] * C + c[None, :]
             bx += wgt * tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
@@ -581,14 +581,14 @@ def _blur_bwd_kernel(
             oh = i // 2 + eh
             wr = tl.zeros((BM,), tl.float32)
             for dh in tl.static_range(3):
-                hit = _reflect(2 * oh + dh - 1, H) == i
+                hit = reflect(2 * oh + dh - 1, H) == i
                 wr += tl.where(hit, (2 - (dh - 1) * (dh - 1)) / 4.0, 0.0)
             wr = tl.where((oh >= 0) & (oh < HO), wr, 0.0)
             for ew in tl.static_range(2):
                 ow = j // 2 + ew
                 wc = tl.zeros((BM,), tl.float32)
                 for dw in tl.static_range(3):
-                    hit = _reflect(2 * ow + dw - 1, W) == j
+                    hit = reflect(2 * ow + dw - 1, W) == j
                     wc += tl.where(hit, (2 - (dw - 1) * (dw - 1)) / 4.0, 0.0)
                 wc = tl.where((ow >= 0) & (ow < WO), wc, 0.0)
                 wgt = wr * wc

@@ -5,7 +5,7 @@ dy = Blur^T(dg) SiLU'(v_d)). v_d = gamma_d u_hat + beta_d = a d + b, u_hat, SiLU
 from d in fp32 per element; every sum runs in fp32.
 
 BlurPool is timm's BlurPool2d: [1, 2, 1] x [1, 2, 1] / 16, stride 2, reflect padding of one pixel
-(``_reflect`` of the ConvFirst training kernels: -1 -> 1, H -> H - 2), H x W -> HO x WO = ceil(H / 2) x
+(``reflect`` of the ConvFirst training kernels: -1 -> 1, H -> H - 2), H x W -> HO x WO = ceil(H / 2) x
 ceil(W / 2). Its transpose is a gather (no atomics): input pixel (i, j) receives f[dh] f[dw] / 16 dg(oh, ow)
 from every output pixel whose tap (dh, dw) reads it after the reflection, oh in {i // 2, i // 2 + 1} and
 ow in {j // 2, j // 2 + 1}: four candidates, those of weight 0 (or past HO, WO) masked off.
@@ -68,7 +68,7 @@ import triton.language as tl
 from .._activations import sigmoid
 from .._cost import KernelCost, Loop
 from .._launch import device_info, launch
-from ..convfirst_train.kernel import _reflect
+from ..convfirst_train.kernel import reflect
 from ..gconv.launcher import reduce_partials
 from .launcher import kernel_settings
 
@@ -85,7 +85,7 @@ MERGE_BLOCK = 256  # elements of the (2, R) result per merge program
 @triton.jit
 def _transpose_weights(i, H: tl.constexpr):
     """(w0, w1): the weights along an axis of size H with which pixel i gathers from outputs i // 2 and
-    i // 2 + 1, f[dh] / 4 summed over the taps dh that read i after _reflect. Even i: tap 1 of i / 2 (1/2).
+    i // 2 + 1, f[dh] / 4 summed over the taps dh that read i after reflect. Even i: tap 1 of i / 2 (1/2).
     Odd i: tap 2 of i // 2 (1/4; i = 1 also tap 0 of output 0, reflected from -1: 1/2) and tap 0 of
     i // 2 + 1 (1/4; i = H - 2, H odd, also its tap 2, reflected from H: 1/2) where i + 1 < H (else past
     HO). Checked against the reflect gather for H = 2 ... 40 in the tests."""
@@ -125,9 +125,9 @@ def _blur_gate_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, g_ptr, R, 
             m = m & c_ok[None, :]
         acc = tl.zeros((BM, RB), dtype=tl.float32)
         for dh in tl.static_range(3):
-            r = _reflect(2 * oh + dh - 1, H)
+            r = reflect(2 * oh + dh - 1, H)
             for dw in tl.static_range(3):
-                col = _reflect(2 * ow + dw - 1, W)
+                col = reflect(2 * ow + dw - 1, W)
                 wgt = (2 - (dh - 1) * (dh - 1)) * (2 - (dw - 1) * (dw - 1)) / 16.0
                 x = tl.load(d_ptr + ((n * H + r) * W + col)[:, None] * R + c[None, :], mask=m, other=0.0)
                 v = x.to(tl.float32) * a + b

@@ -118,7 +118,7 @@ def test_blur_bn_d_backward(interpreter_backend, small_tiles, shape):
 
 def test_transpose_weights_are_the_reflect_gather(interpreter_backend, monkeypatch):
     """_transpose_weights' closed form against the sums over the taps that read each pixel after the
-    reflection (_reflect's rule: -1 -> 1, H -> H - 2), for every pixel of every size H = 2 ... 40."""
+    reflection (reflect's rule: -1 -> 1, H -> H - 2), for every pixel of every size H = 2 ... 40."""
     import triton
     import triton.language as tl
     from convfirstnet.kernels.mbconv.blur_backward import _transpose_weights
