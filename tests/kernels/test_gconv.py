@@ -98,6 +98,11 @@ def check_all(x, wt, dy, stride, deterministic=True):
     assert_bounded(y, y_ref, y_abs, 72, "forward")
     assert_bounded(dx, dx_ref, dx_abs, 72, "dgrad")
     assert_bounded(dw, dw_ref, dw_abs, max(1, n * dy.shape[2] * dy.shape[3]), "wgrad")
+    if stride == 1 and x.is_cuda:  # the fused backward too (its interpreter tests: test_backward_*)
+        dx2, dw2 = OPS.gconv3x3_backward(dy, x, wt, deterministic)
+        assert dx2.dtype == x.dtype and dw2.dtype == wt.dtype
+        assert_bounded(dx2, dx_ref, dx_abs, 72, "fused backward dx")
+        assert_bounded(dw2, dw_ref, dw_abs, max(1, n * dy.shape[2] * dy.shape[3]), "fused backward dw")
     return y, dx, dw
 
 
@@ -729,7 +734,8 @@ def test_sample_compiles_without_spills(compiled_sample):
             occ = t.occupancy(comp.num_warps, comp.regs, comp.shared)
             l1 = hardware(comp.variant.arch).l1_bytes(occ * (comp.shared + t.smem_reserved_per_block))
             assert 0 < launch.cost.l1_working_set_bytes <= l1 / occ, (
-                f"{name}: L1 working set {launch.cost.l1_working_set_bytes} B, {l1} B of L1 for {occ} programs")
+                f"{name}: L1 working set {launch.cost.l1_working_set_bytes} B, {l1} B of L1 for {occ} "
+                "programs")
 
 
 # ------------------------------------------------------------------------------------------------
