@@ -97,8 +97,9 @@ def mbconv_unnormalised(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tenso
 
 FOLD_ROWS = 16  # output channels per program of the expand fold (a tl.dot M)
 FOLD_K = 32  # Gram rows per step
-FOLD_CHANNELS, FOLD_IMAGES = 32, 32  # the conv fold's tile: channels per program x images per step
-FOLD_WARPS = 4
+FOLD_CHANNELS, FOLD_IMAGES = 8, 128  # the conv fold's tile: channels per program x images per step
+FOLD_WARPS = 4  # the conv fold's
+EXPAND_WARPS = 8  # the expand fold's (two warps a 16-row tile: its W G steps are shorter chains)
 
 
 @triton.jit
@@ -124,10 +125,14 @@ def bn_fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr
 @triton.jit
 def _fold_expand_kernel(w_ptr, mean_ptr, centre_ptr, gram_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, wf_ptr,
                         bf_ptr, st_ptr, R, C, swr, swc, inv_m, f, unbias, eps,
-                        BR: tl.constexpr, CP: tl.constexpr, BK: tl.constexpr):
+                        BR: tl.constexpr, CP: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
     """BN_e of z = W x (W rounded to x's dtype, as the layer's conv rounds it): mean = W mean_x, var =
     W (G / M - d d^T) W^T (diagonal), G the Gram matrix of x centred at ``centre`` (x's mean: d = 0 from
-    narrow.x_moments), d = mean_x - centre; folded into W (rows scaled) and a bias."""
+    narrow.x_moments), d = mean_x - centre; folded into W (rows scaled) and a bias.
+    ``SPLIT`` (16-bit W): W G on the tensor cores as two TF32 products, W G_hi + W G_lo, G_hi = G with its
+    low 13 mantissa bits cleared (exact in TF32), G_lo = G - G_hi (exact in fp32); W in a 16-bit dtype is
+    exact in TF32, so the only rounding beyond fp32 accumulation is G_lo's to TF32 (< 2^-21 of |G|).
+    Otherwise (fp32 W) fp32 FMA (ieee)."""
     dt = wf_ptr.dtype.element_ty
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     r_ok = r < R
@@ -138,13 +143,18 @@ def _fold_expand_kernel(w_ptr, mean_ptr, centre_ptr, gram_ptr, gamma_ptr, beta_p
     mean_x = tl.load(mean_ptr + cc, mask=c_ok, other=0.0)
     d = mean_x - tl.load(centre_ptr + cc, mask=c_ok, other=0.0).to(tl.float32)
     wg = tl.zeros((BR, CP), dtype=tl.float32)
-    for k0 in range(0, C, BK):  # W G in steps of BK Gram rows (fp32 FMA: no TF32 rounding)
+    for k0 in range(0, C, BK):  # W G in steps of BK Gram rows
         kk = k0 + tl.arange(0, BK)
         k_ok = kk < C
         wk = tl.load(w_ptr + r[:, None] * swr + kk[None, :] * swc, mask=r_ok[:, None] & k_ok[None, :],
-                     other=0.0)
+                     other=0.0).to(dt).to(tl.float32)
         g = tl.load(gram_ptr + kk[:, None] * C + cc[None, :], mask=k_ok[:, None] & c_ok[None, :], other=0.0)
-        wg = tl.dot(wk.to(dt).to(tl.float32), g, wg, input_precision="ieee")
+        if SPLIT:
+            g_hi = (g.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+            wg = tl.dot(wk, g_hi, wg, input_precision="tf32")
+            wg = tl.dot(wk, g - g_hi, wg, input_precision="tf32")
+        else:
+            wg = tl.dot(wk, g, wg, input_precision="ieee")
     wd = tl.sum(w * d[None, :], axis=1)
     var = tl.maximum(tl.sum(wg * w, axis=1) * inv_m - wd * wd, 0.0)
     mean = tl.sum(w * mean_x[None, :], axis=1)
@@ -158,25 +168,16 @@ def _fold_expand_kernel(w_ptr, mean_ptr, centre_ptr, gram_ptr, gamma_ptr, beta_p
 def _fold_conv_kernel(parts_ptr, w_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, wf_ptr, bf_ptr, st_ptr, N, R, P,
                       f, unbias, eps, CS: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
     """BN_d from the moment rows ([N][2][CS][R]: sums of u - shift and its square per image and pixel
-    sub-tile, shift = the running mean, read before its update): per image mean_i and M2_i, then the
-    batch mean (of the image means) and M2 = sum M2_i + P (mean_i - mean)^2 (Chan), in tiles of BN
-    images in a fixed order; folded into the grouped conv's weights (R, 72) and a bias."""
+    sub-tile, shift = the running mean, read before its update): per image mean_i and M2_i; per tile of
+    BN images their mean and M2 = sum M2_i + P (mean_i - mean)^2; the tiles merged in order into the
+    batch's (Chan's rule, one pass); folded into the grouped conv's weights (R, 72) and a bias."""
     dt = wf_ptr.dtype.element_ty
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     r_ok = r < R
-    inv_p = 1.0 / P
-    acc = tl.zeros((BR,), dtype=tl.float32)
-    for n0 in range(0, N, BN):
-        nn = n0 + tl.arange(0, BN)
-        ok = (nn < N)[:, None] & r_ok[None, :]
-        rows = parts_ptr + (nn * (2 * CS * R))[:, None] + r[None, :]
-        s1 = tl.zeros((BN, BR), dtype=tl.float32)
-        for j in tl.static_range(CS):
-            s1 += tl.load(rows + j * R, mask=ok, other=0.0)
-        acc += tl.sum(s1, axis=0) * inv_p
-    mean_s = acc / N
+    pf = P.to(tl.float32)
+    mean_s = tl.zeros((BR,), dtype=tl.float32)
     m2 = tl.zeros((BR,), dtype=tl.float32)
-    for n0 in range(0, N, BN):
+    for n0 in range(0, N, BN):  # one pass: each tile's mean and M2, merged into the running pair (Chan)
         nn = n0 + tl.arange(0, BN)
         ok = (nn < N)[:, None] & r_ok[None, :]
         rows = parts_ptr + (nn * (2 * CS * R))[:, None] + r[None, :]
@@ -185,9 +186,15 @@ def _fold_conv_kernel(parts_ptr, w_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, wf_
         for j in tl.static_range(CS):
             s1 += tl.load(rows + j * R, mask=ok, other=0.0)
             s2 += tl.load(rows + (CS + j) * R, mask=ok, other=0.0)
-        mi = s1 * inv_p
-        dev = mi - mean_s[None, :]
-        m2 += tl.sum(tl.where(ok, s2 - s1 * mi + P * dev * dev, 0.0), axis=0)
+        mi = s1 / pf
+        nb = tl.minimum(N - n0, BN).to(tl.float32)
+        mean_b = tl.sum(mi, axis=0) / nb
+        dev = mi - mean_b[None, :]
+        m2_b = tl.sum(tl.where(ok, s2 - s1 * mi + pf * dev * dev, 0.0), axis=0)
+        na = nb * 0.0 + n0  # images merged so far
+        delta = mean_b - mean_s
+        mean_s += delta * (nb / (na + nb))
+        m2 += m2_b + delta * delta * (pf * na * nb / (na + nb))
     var = tl.maximum(m2 / (N * P), 0.0)
     mean = mean_s + tl.load(rm_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
     scale = bn_fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, st_ptr, R, f,
@@ -225,8 +232,8 @@ def fold_expand(w: torch.Tensor, mean_x: torch.Tensor, centre: torch.Tensor, gra
     eb = torch.empty((), dtype=dtype).element_size()
     launch(_fold_expand_kernel, (triton.cdiv(r, FOLD_ROWS),), w, mean_x, centre, gram.contiguous(), gamma,
            beta, running_mean, running_var, wf, bf, st, r, c, *w.stride(), 1.0 / pixels, f,
-           pixels / (pixels - 1), eps, cost=lambda: _fold_expand_cost(r, c, w.element_size(), eb),
-           BR=FOLD_ROWS, CP=cp, BK=min(FOLD_K, cp), num_warps=FOLD_WARPS)
+           pixels / (pixels - 1), eps, cost=lambda: _fold_expand_cost(r, c, cp, w.element_size(), eb, dtype != torch.float32),
+           BR=FOLD_ROWS, CP=cp, BK=min(FOLD_K, cp), SPLIT=dtype != torch.float32, num_warps=EXPAND_WARPS)
     return wf, bf
 
 
@@ -251,18 +258,20 @@ def fold_conv(parts: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, beta: t
     return wf, bf
 
 
-def _fold_expand_cost(r: int, c: int, wb: int, eb: int) -> KernelCost:
+def _fold_expand_cost(r: int, c: int, cp: int, wb: int, eb: int, split: bool) -> KernelCost:
     """W (read twice: rows and K steps), the Gram matrix once per program (from L2 after the first), the
-    per-channel vectors; the folded W and bias written."""
+    per-channel vectors; the folded W and bias written. Split TF32: two tensor-core products as issued
+    (FOLD_ROWS x CP x CP a program each)."""
     progs = triton.cdiv(r, FOLD_ROWS)
     dram = 2 * r * c * wb + c * c * 4 + 2 * c * 4 + r * c * eb + r * eb + 8 * r * 4
-    return KernelCost(r * c * c + 2 * r * c, 0, dram, (Loop("Gram steps", triton.cdiv(c, FOLD_K)),),
+    mma = 2 * progs * FOLD_ROWS * cp * cp if split else 0
+    return KernelCost(r * c * c + 2 * r * c, mma, dram, (Loop("Gram steps", triton.cdiv(c, FOLD_K)),),
                       l2_bytes=progs * c * c * 4, note="BN_e from x's Gram matrix, folded into W_exp")
 
 
 def _fold_conv_cost(n: int, cs: int, r: int, wb: int, eb: int) -> KernelCost:
-    """The moment rows read twice (two passes over the images), W_conv read, folded W_conv written."""
+    """The moment rows read once, W_conv read, folded W_conv written."""
     steps = triton.cdiv(n, FOLD_IMAGES)
-    dram = 2 * n * 2 * cs * r * 4 + r * 72 * (wb + eb) + r * eb + 8 * r * 4
-    return KernelCost(r * 72 + 4 * n * r, 0, dram, (Loop("images", steps), Loop("images again", steps)),
+    dram = n * 2 * cs * r * 4 + r * 72 * (wb + eb) + r * eb + 8 * r * 4
+    return KernelCost(r * 72 + 4 * n * r, 0, dram, (Loop("images", steps),),
                       note="BN_d from the moment rows (Chan's merge), folded into W_conv")

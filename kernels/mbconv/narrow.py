@@ -39,12 +39,14 @@ from .moments import bn_fold_tail, stats_out
 GRAM_BLOCK = 128  # Gram block side of a program (channels; C <= 256: at most 2 x 2 blocks, 3 computed)
 GRAM_PIXELS = 64  # pixels per step (the dot's K)
 GRAM_WARPS = 8
+GRAM_STAGES = 3
 MERGE_TILE = 16  # Gram tile side per merge program
 MERGE_SPLITS = 32  # splits per step of the Gram merge
 STAT_PIXELS = 64  # pixels per step of the BN_p statistics (all K channels)
 APPLY_PIXELS = 32  # pixels per program of the apply
 MERGE_CHANNELS = 16  # channels per program of BN_p's merge
-STAT_SPLITS = 64  # splits per step of BN_p's merge
+STAT_SPLITS = 64  # splits per step of BN_p's gradient reduction (bn_p_backward)
+BN_MERGE_SPLITS = 128  # splits per step of BN_p's merge (one step at 128 splits)
 MIN_TILES = 2  # the fewest tiles per split
 
 
@@ -57,22 +59,51 @@ def _splits(m: int, tile: int, want: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _pixel_offsets(m, HW, W, sn, sh, sw):
-    """The offset of pixels ``m`` (flat over N, H, W) in an NHWC-strided tensor."""
+def _pixel_offsets(m, HW, W, sn, sh, sw, FLAT: tl.constexpr = False):
+    """The offset of pixels ``m`` (flat over N, H, W) in an NHWC-strided tensor; ``FLAT`` (``_flat``: the
+    pixels at one stride, as in a channels-last tensor) skips the integer divisions."""
+    if FLAT:
+        return m * sw
     n = m // HW
     p = m % HW
     return n * sn + (p // W) * sh + (p % W) * sw
+
+
+def _flat(t: torch.Tensor) -> bool:
+    """Whether pixel m of ``t`` (N, C, H, W) lies at m * stride(3) (``_pixel_offsets``' FLAT)."""
+    n, _, h, w = t.shape
+    sn, _, sh, sw = t.stride()
+    return (h == 1 or sh == w * sw) and (n == 1 or sn == h * w * sw)
 
 
 # ------------------------------------------------------------------------------------------ x moments
 
 
 @triton.jit
+def _centred_tile(x_ptr, m0, end, c, c_ok, shift, HW, W, sn, sc, sh, sw, FLAT: tl.constexpr, BM: tl.constexpr,
+                  MASK_M: tl.constexpr, MASK_C: tl.constexpr):
+    """x - shift over pixels m0 .. m0 + BM (rows from ``end`` on zero: MASK_M) and channels ``c`` (those past
+    C zero: MASK_C), in x's dtype. Without the masks, no select."""
+    m = m0 + tl.arange(0, BM)
+    ptr = x_ptr + _pixel_offsets(m, HW, W, sn, sh, sw, FLAT)[:, None] + c[None, :] * sc
+    if MASK_M:
+        ok = (m < end)[:, None] & c_ok[None, :]
+        d = tl.where(ok, tl.load(ptr, mask=ok, other=0.0) - shift[None, :], 0.0)
+    elif MASK_C:
+        d = tl.load(ptr, mask=c_ok[None, :], other=0.0) - shift[None, :]
+    else:
+        d = tl.load(ptr) - shift[None, :]
+    return d.to(x_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _gram_partials_kernel(x_ptr, part_ptr, mean_ptr, M, C, HW, W, CH, sn, sc, sh, sw,
-                          NB: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
+                          NB: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
+                          FLAT: tl.constexpr, MASK_C: tl.constexpr, TAIL: tl.constexpr):
     """Program (b, s): Gram block b (upper triangle, row-major) over the pixels of split s: writes
     part[s, I, J] = sum (x_I - m_I)(x_J - m_J)^T over the split, m its mean; diagonal blocks write
-    mean[s, I]."""
+    mean[s, I]. The split's whole tiles unmasked (``MASK_C``: C < NB BC), then its short last tile (``TAIL``:
+    M not a multiple of BM, only then compiled)."""
     dt = x_ptr.dtype.element_ty
     b = tl.program_id(0)
     s = tl.program_id(1)
@@ -88,28 +119,37 @@ def _gram_partials_kernel(x_ptr, part_ptr, mean_ptr, M, C, HW, W, CH, sn, sc, sh
     end = tl.minimum(start + CH, M)
     count = (end - start).to(tl.float32)
     # the shift: the split's first tile's mean, rounded to x's dtype (the centred values are exact-ish)
-    m = start + tl.arange(0, BM)
-    m_ok = m < end
-    off = _pixel_offsets(m, HW, W, sn, sh, sw)
+    zero = tl.zeros((BC,), dtype=dt)
     first = tl.minimum(end - start, BM).to(tl.float32)
-    xi = tl.load(x_ptr + off[:, None] + ci[None, :] * sc, mask=m_ok[:, None] & i_ok[None, :], other=0.0)
-    xj = tl.load(x_ptr + off[:, None] + cj[None, :] * sc, mask=m_ok[:, None] & j_ok[None, :], other=0.0)
+    xi = _centred_tile(x_ptr, start, end, ci, i_ok, zero, HW, W, sn, sc, sh, sw, FLAT, BM, True, MASK_C)
+    xj = _centred_tile(x_ptr, start, end, cj, j_ok, zero, HW, W, sn, sc, sh, sw, FLAT, BM, True, MASK_C)
     shift_i = (tl.sum(xi.to(tl.float32), axis=0) / first).to(dt)
     shift_j = (tl.sum(xj.to(tl.float32), axis=0) / first).to(dt)
     acc = tl.zeros((BC, BC), dtype=tl.float32)
-    sum_i = tl.zeros((BC,), dtype=tl.float32)
-    sum_j = tl.zeros((BC,), dtype=tl.float32)
-    for m0 in range(start, end, BM):
-        m = m0 + tl.arange(0, BM)
-        m_ok = m < end
-        off = _pixel_offsets(m, HW, W, sn, sh, sw)
-        xi = tl.load(x_ptr + off[:, None] + ci[None, :] * sc, mask=m_ok[:, None] & i_ok[None, :], other=0.0)
-        xj = tl.load(x_ptr + off[:, None] + cj[None, :] * sc, mask=m_ok[:, None] & j_ok[None, :], other=0.0)
-        di = tl.where(m_ok[:, None], xi - shift_i[None, :], 0.0).to(dt)
-        dj = tl.where(m_ok[:, None], xj - shift_j[None, :], 0.0).to(dt)
-        acc = tl.dot(tl.trans(di), dj, acc, input_precision=PREC)
-        sum_i += tl.sum(di.to(tl.float32), axis=0)
-        sum_j += tl.sum(dj.to(tl.float32), axis=0)
+    # the pixel sums of d on the tensor cores too (d times a one-hot column: exact products, fp32 sums),
+    # reduced across threads once after the loop instead of once a tile
+    col = tl.arange(0, 16)
+    e_i = tl.zeros((BM, 16), dtype=dt) + (col == 0)[None, :].to(dt)
+    e_j = tl.zeros((16, BM), dtype=dt) + (col == 0)[:, None].to(dt)
+    s_i = tl.zeros((BC, 16), dtype=tl.float32)
+    s_j = tl.zeros((16, BC), dtype=tl.float32)
+    whole = start + (end - start) // BM * BM
+    for m0 in range(start, whole, BM):
+        di_t = tl.trans(_centred_tile(x_ptr, m0, end, ci, i_ok, shift_i, HW, W, sn, sc, sh, sw, FLAT, BM, False,
+                                      MASK_C))
+        dj = _centred_tile(x_ptr, m0, end, cj, j_ok, shift_j, HW, W, sn, sc, sh, sw, FLAT, BM, False, MASK_C)
+        acc = tl.dot(di_t, dj, acc, input_precision=PREC)
+        s_i = tl.dot(di_t, e_i, s_i, input_precision=PREC)
+        s_j = tl.dot(e_j, dj, s_j, input_precision=PREC)
+    if TAIL and whole < end:
+        di_t = tl.trans(_centred_tile(x_ptr, whole, end, ci, i_ok, shift_i, HW, W, sn, sc, sh, sw, FLAT, BM, True,
+                                      MASK_C))
+        dj = _centred_tile(x_ptr, whole, end, cj, j_ok, shift_j, HW, W, sn, sc, sh, sw, FLAT, BM, True, MASK_C)
+        acc = tl.dot(di_t, dj, acc, input_precision=PREC)
+        s_i = tl.dot(di_t, e_i, s_i, input_precision=PREC)
+        s_j = tl.dot(e_j, dj, s_j, input_precision=PREC)
+    sum_i = tl.sum(s_i, axis=1)
+    sum_j = tl.sum(s_j, axis=0)
     # centred at the split's mean: sum d d^T - (sum d)(sum d)^T / n (d = x - shift; sum d / n is small)
     acc -= sum_i[:, None] * (sum_j / count)[None, :]
     tl.store(part_ptr + s * C * C + ci[:, None] * C + cj[None, :], acc, mask=i_ok[:, None] & j_ok[None, :])
@@ -184,21 +224,22 @@ def x_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     eb = x.element_size()
     launch(_gram_partials_kernel, (blocks, splits), x, part, smean, m, c, h * w, w, ch, sn, sc, sh, sw,
            cost=lambda: _gram_partials_cost(m, c, bc, nb, splits, ch, eb),
-           NB=nb, BC=bc, BM=GRAM_PIXELS, PREC=prec, num_warps=GRAM_WARPS)
+           NB=nb, BC=bc, BM=GRAM_PIXELS, PREC=prec, FLAT=_flat(x), MASK_C=c % bc != 0, TAIL=m % GRAM_PIXELS != 0,
+           num_warps=GRAM_WARPS, num_stages=GRAM_STAGES)
     bt = min(MERGE_TILE, bc)
     tiles = triton.cdiv(c, bt)
     launch(_gram_merge_kernel, (tiles, tiles), part, smean, gram, mean, m, c, ch, splits,
-           cost=lambda: _gram_merge_cost(c, splits, tiles), BC=bc, BT=bt, BS=MERGE_SPLITS, num_warps=4)
+           cost=lambda: _gram_merge_cost(c, bc, nb, splits, tiles), BC=bc, BT=bt, BS=MERGE_SPLITS, num_warps=4)
     return mean, gram
 
 
 def _gram_partials_cost(m: int, c: int, bc: int, nb: int, splits: int, ch: int, eb: int) -> KernelCost:
     """x read once from DRAM; each further read of a pixel tile by the other blocks' programs of its split
     (adjacent in the grid) from L2; the splits' Gram blocks and means written. The dots as issued:
-    BC x BC x BM per tile, the first tile loaded twice (the shift)."""
+    BC x BC x BM per tile and the pixel sums' two BC x 16 x BM, the first tile loaded twice (the shift)."""
     blocks = nb * (nb + 1) // 2
     tiles = triton.cdiv(m, GRAM_PIXELS)
-    mma = blocks * tiles * bc * bc * GRAM_PIXELS
+    mma = blocks * tiles * (bc + 32) * bc * GRAM_PIXELS
     reads = blocks * (tiles + splits) * GRAM_PIXELS * 2 * bc * eb
     dram = m * c * eb + splits * (blocks * bc * bc + c) * 4
     return KernelCost(m * c * (c + 1) // 2, mma, dram, (Loop("pixel tiles", triton.cdiv(ch, GRAM_PIXELS)),),
@@ -206,13 +247,16 @@ def _gram_partials_cost(m: int, c: int, bc: int, nb: int, splits: int, ch: int, 
                       note="x's centred Gram blocks per pixel split (BN_e's input statistics)")
 
 
-def _gram_merge_cost(c: int, splits: int, tiles: int) -> KernelCost:
-    """The splits' Gram matrices read once (each tile by one program), their means by every program of a
-    row and column (L2); the Gram matrix and mean written."""
-    dram = splits * (c * c + c) * 4 + (c * c + c) * 4
+def _gram_merge_cost(c: int, bc: int, nb: int, splits: int, tiles: int) -> KernelCost:
+    """The splits' stored Gram blocks (the upper triangle) read once from DRAM, the lower triangle's tiles
+    a second time (transposed, by the programs below the diagonal, in the same wave: L2); their means
+    by every program of a row and column (L2); the Gram matrix and mean written."""
+    side = [min(bc, c - i * bc) for i in range(nb)]
+    stored = sum(side[i] * side[j] for i in range(nb) for j in range(i, nb))
+    dram = splits * (stored + c) * 4 + (c * c + c) * 4
     steps = triton.cdiv(splits, MERGE_SPLITS)
     return KernelCost(splits * c * c, 0, dram, (Loop("splits", steps), Loop("splits again", steps)),
-                      l2_bytes=tiles * tiles * splits * 2 * 2 * (c // tiles) * 4,
+                      l2_bytes=tiles * tiles * splits * 2 * 2 * (c // tiles) * 4 + splits * (c * c - stored) * 4,
                       note="Chan's merge of the Gram partials")
 
 
@@ -221,7 +265,7 @@ def _gram_merge_cost(c: int, splits: int, tiles: int) -> KernelCost:
 
 @triton.jit
 def _channel_partials_kernel(o_ptr, part_ptr, M, K, HW, W, CH, sn, sc, sh, sw, BK: tl.constexpr,
-                             BM: tl.constexpr):
+                             BM: tl.constexpr, FLAT: tl.constexpr):
     """Split s: per channel the mean of o over its pixels and the sum of squares about it, as
     part[s, 0] and part[s, 1] (centred at the first tile's mean, in fp32)."""
     s = tl.program_id(0)
@@ -233,14 +277,14 @@ def _channel_partials_kernel(o_ptr, part_ptr, M, K, HW, W, CH, sn, sc, sh, sw, B
     m = start + tl.arange(0, BM)
     m_ok = m < end
     ok = m_ok[:, None] & k_ok[None, :]
-    v = tl.load(o_ptr + _pixel_offsets(m, HW, W, sn, sh, sw)[:, None] + k[None, :] * sc, mask=ok, other=0.0)
+    v = tl.load(o_ptr + _pixel_offsets(m, HW, W, sn, sh, sw, FLAT)[:, None] + k[None, :] * sc, mask=ok, other=0.0)
     shift = tl.sum(v.to(tl.float32), axis=0) / tl.minimum(end - start, BM).to(tl.float32)
     s1 = tl.zeros((BK,), dtype=tl.float32)
     s2 = tl.zeros((BK,), dtype=tl.float32)
     for m0 in range(start, end, BM):
         m = m0 + tl.arange(0, BM)
         ok = (m < end)[:, None] & k_ok[None, :]
-        v = tl.load(o_ptr + _pixel_offsets(m, HW, W, sn, sh, sw)[:, None] + k[None, :] * sc, mask=ok,
+        v = tl.load(o_ptr + _pixel_offsets(m, HW, W, sn, sh, sw, FLAT)[:, None] + k[None, :] * sc, mask=ok,
                     other=0.0)
         d = tl.where(ok, v.to(tl.float32) - shift[None, :], 0.0)
         s1 += tl.sum(d, axis=0)
@@ -259,23 +303,22 @@ def _bn_merge_kernel(part_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, ss_ptr, st_p
     sp = tl.arange(0, BS)
     mf = M.to(tl.float32)
     mean = tl.zeros((BK,), dtype=tl.float32)
-    for s0 in range(0, S, BS):
-        s = s0 + sp
-        s_ok = s < S
-        n_s = tl.where(s_ok, tl.minimum(CH, M - s * CH), 0).to(tl.float32)
-        ok = s_ok[:, None] & k_ok[None, :]
-        ms = tl.load(part_ptr + (s * 2 * K)[:, None] + k[None, :], mask=ok, other=0.0)
-        mean += tl.sum(n_s[:, None] * ms, axis=0)
-    mean = mean / mf
     m2 = tl.zeros((BK,), dtype=tl.float32)
-    for s0 in range(0, S, BS):
+    for s0 in range(0, S, BS):  # one pass: each step's splits merged, then into the running pair (Chan)
         s = s0 + sp
         s_ok = s < S
         ok = s_ok[:, None] & k_ok[None, :]
         n_s = tl.where(s_ok, tl.minimum(CH, M - s * CH), 0).to(tl.float32)
-        d = tl.load(part_ptr + (s * 2 * K)[:, None] + k[None, :], mask=ok, other=0.0) - mean[None, :]
+        ms = tl.load(part_ptr + (s * 2 * K)[:, None] + k[None, :], mask=ok, other=0.0)
         m2s = tl.load(part_ptr + (s * 2 * K + K)[:, None] + k[None, :], mask=ok, other=0.0)
-        m2 += tl.sum(m2s + n_s[:, None] * d * d, axis=0)
+        na = tl.minimum(s0 * CH, M).to(tl.float32)  # pixels merged so far
+        nb = tl.sum(n_s, axis=0)
+        mean_b = tl.sum(n_s[:, None] * ms, axis=0) / nb
+        d = ms - mean_b[None, :]
+        m2_b = tl.sum(m2s + n_s[:, None] * d * d, axis=0)
+        delta = mean_b - mean
+        mean += delta * (nb / (na + nb))
+        m2 += m2_b + delta * delta * (na * nb / (na + nb))
     var = tl.maximum(m2 / mf, 0.0)
     # the bias into ss[1], the running update: as the folds of BN_e and BN_d do it
     scale = bn_fold_tail(k, k_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, ss_ptr + K, st_ptr, K, f,
@@ -325,18 +368,18 @@ def bn_residual(o: torch.Tensor, x: torch.Tensor | None, drop: torch.Tensor, gam
     st = stats_out(stats, k, o.device)
     out = torch.empty_like(o) if keep_o else o
     eb = o.element_size()
-    launch(_channel_partials_kernel, (splits,), o, part, m, k, h * w, w, ch, *_nhwc(o), BK=bk, BM=STAT_PIXELS,
+    launch(_channel_partials_kernel, (splits,), o, part, m, k, h * w, w, ch, *_nhwc(o), BK=bk, BM=STAT_PIXELS, FLAT=_flat(o),
            cost=lambda: KernelCost(0, 0, m * k * eb + splits * 2 * k * 4,
                                    (Loop("pixel tiles", triton.cdiv(ch, STAT_PIXELS)),),
                                    l2_bytes=splits * STAT_PIXELS * k * eb,
                                    note="BN_p statistics per pixel split"),
            num_warps=4)
     bm = min(MERGE_CHANNELS, bk)
-    steps = triton.cdiv(splits, STAT_SPLITS)
+    steps = triton.cdiv(splits, BN_MERGE_SPLITS)
     launch(_bn_merge_kernel, (triton.cdiv(k, bm),), part, gamma, beta, running_mean, running_var, ss, st, m,
-           k, ch, splits, f, eps, BK=bm, BS=STAT_SPLITS,
+           k, ch, splits, f, eps, BK=bm, BS=BN_MERGE_SPLITS,
            cost=lambda: KernelCost(0, 0, splits * 2 * k * 4 + 2 * k * 4 + 8 * k * 4,
-                                   (Loop("splits", steps), Loop("splits again", steps)),
+                                   (Loop("splits", steps),),
                                    note="Chan's merge of BN_p's partials; running update"),
            num_warps=4)
     res = x if x is not None else o
