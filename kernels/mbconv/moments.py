@@ -232,7 +232,8 @@ def fold_expand(w: torch.Tensor, mean_x: torch.Tensor, centre: torch.Tensor, gra
     eb = torch.empty((), dtype=dtype).element_size()
     launch(_fold_expand_kernel, (triton.cdiv(r, FOLD_ROWS),), w, mean_x, centre, gram.contiguous(), gamma,
            beta, running_mean, running_var, wf, bf, st, r, c, *w.stride(), 1.0 / pixels, f,
-           pixels / (pixels - 1), eps, cost=lambda: _fold_expand_cost(r, c, cp, w.element_size(), eb, dtype != torch.float32),
+           pixels / (pixels - 1), eps,
+           cost=lambda: _fold_expand_cost(r, c, cp, w.element_size(), eb, dtype != torch.float32),
            BR=FOLD_ROWS, CP=cp, BK=min(FOLD_K, cp), SPLIT=dtype != torch.float32, num_warps=EXPAND_WARPS)
     return wf, bf
 

@@ -135,16 +135,17 @@ def _gram_partials_kernel(x_ptr, part_ptr, mean_ptr, M, C, HW, W, CH, sn, sc, sh
     s_j = tl.zeros((16, BC), dtype=tl.float32)
     whole = start + (end - start) // BM * BM
     for m0 in range(start, whole, BM):
-        di_t = tl.trans(_centred_tile(x_ptr, m0, end, ci, i_ok, shift_i, HW, W, sn, sc, sh, sw, FLAT, BM, False,
-                                      MASK_C))
+        di_t = tl.trans(_centred_tile(x_ptr, m0, end, ci, i_ok, shift_i, HW, W, sn, sc, sh, sw, FLAT, BM,
+                                      False, MASK_C))
         dj = _centred_tile(x_ptr, m0, end, cj, j_ok, shift_j, HW, W, sn, sc, sh, sw, FLAT, BM, False, MASK_C)
         acc = tl.dot(di_t, dj, acc, input_precision=PREC)
         s_i = tl.dot(di_t, e_i, s_i, input_precision=PREC)
         s_j = tl.dot(e_j, dj, s_j, input_precision=PREC)
     if TAIL and whole < end:
-        di_t = tl.trans(_centred_tile(x_ptr, whole, end, ci, i_ok, shift_i, HW, W, sn, sc, sh, sw, FLAT, BM, True,
-                                      MASK_C))
-        dj = _centred_tile(x_ptr, whole, end, cj, j_ok, shift_j, HW, W, sn, sc, sh, sw, FLAT, BM, True, MASK_C)
+        di_t = tl.trans(_centred_tile(x_ptr, whole, end, ci, i_ok, shift_i, HW, W, sn, sc, sh, sw, FLAT, BM,
+                                      True, MASK_C))
+        dj = _centred_tile(x_ptr, whole, end, cj, j_ok, shift_j, HW, W, sn, sc, sh, sw, FLAT, BM, True,
+                           MASK_C)
         acc = tl.dot(di_t, dj, acc, input_precision=PREC)
         s_i = tl.dot(di_t, e_i, s_i, input_precision=PREC)
         s_j = tl.dot(e_j, dj, s_j, input_precision=PREC)
@@ -224,12 +225,14 @@ def x_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     eb = x.element_size()
     launch(_gram_partials_kernel, (blocks, splits), x, part, smean, m, c, h * w, w, ch, sn, sc, sh, sw,
            cost=lambda: _gram_partials_cost(m, c, bc, nb, splits, ch, eb),
-           NB=nb, BC=bc, BM=GRAM_PIXELS, PREC=prec, FLAT=_flat(x), MASK_C=c % bc != 0, TAIL=m % GRAM_PIXELS != 0,
+           NB=nb, BC=bc, BM=GRAM_PIXELS, PREC=prec, FLAT=_flat(x), MASK_C=c % bc != 0,
+           TAIL=m % GRAM_PIXELS != 0,
            num_warps=GRAM_WARPS, num_stages=GRAM_STAGES)
     bt = min(MERGE_TILE, bc)
     tiles = triton.cdiv(c, bt)
     launch(_gram_merge_kernel, (tiles, tiles), part, smean, gram, mean, m, c, ch, splits,
-           cost=lambda: _gram_merge_cost(c, bc, nb, splits, tiles), BC=bc, BT=bt, BS=MERGE_SPLITS, num_warps=4)
+           cost=lambda: _gram_merge_cost(c, bc, nb, splits, tiles), BC=bc, BT=bt, BS=MERGE_SPLITS,
+           num_warps=4)
     return mean, gram
 
 
@@ -256,7 +259,8 @@ def _gram_merge_cost(c: int, bc: int, nb: int, splits: int, tiles: int) -> Kerne
     dram = splits * (stored + c) * 4 + (c * c + c) * 4
     steps = triton.cdiv(splits, MERGE_SPLITS)
     return KernelCost(splits * c * c, 0, dram, (Loop("splits", steps), Loop("splits again", steps)),
-                      l2_bytes=tiles * tiles * splits * 2 * 2 * (c // tiles) * 4 + splits * (c * c - stored) * 4,
+                      l2_bytes=tiles * tiles * splits * 2 * 2 * (c // tiles) * 4
+                      + splits * (c * c - stored) * 4,
                       note="Chan's merge of the Gram partials")
 
 
@@ -277,7 +281,8 @@ def _channel_partials_kernel(o_ptr, part_ptr, M, K, HW, W, CH, sn, sc, sh, sw, B
     m = start + tl.arange(0, BM)
     m_ok = m < end
     ok = m_ok[:, None] & k_ok[None, :]
-    v = tl.load(o_ptr + _pixel_offsets(m, HW, W, sn, sh, sw, FLAT)[:, None] + k[None, :] * sc, mask=ok, other=0.0)
+    v = tl.load(o_ptr + _pixel_offsets(m, HW, W, sn, sh, sw, FLAT)[:, None] + k[None, :] * sc, mask=ok,
+                other=0.0)
     shift = tl.sum(v.to(tl.float32), axis=0) / tl.minimum(end - start, BM).to(tl.float32)
     s1 = tl.zeros((BK,), dtype=tl.float32)
     s2 = tl.zeros((BK,), dtype=tl.float32)
@@ -368,7 +373,8 @@ def bn_residual(o: torch.Tensor, x: torch.Tensor | None, drop: torch.Tensor, gam
     st = stats_out(stats, k, o.device)
     out = torch.empty_like(o) if keep_o else o
     eb = o.element_size()
-    launch(_channel_partials_kernel, (splits,), o, part, m, k, h * w, w, ch, *_nhwc(o), BK=bk, BM=STAT_PIXELS, FLAT=_flat(o),
+    launch(_channel_partials_kernel, (splits,), o, part, m, k, h * w, w, ch, *_nhwc(o), BK=bk, BM=STAT_PIXELS,
+           FLAT=_flat(o),
            cost=lambda: KernelCost(0, 0, m * k * eb + splits * 2 * k * 4,
                                    (Loop("pixel tiles", triton.cdiv(ch, STAT_PIXELS)),),
                                    l2_bytes=splits * STAT_PIXELS * k * eb,

@@ -105,14 +105,44 @@ def test_moments_and_fold_of_the_conv_output(interpreter_backend, small_fold_ste
     assert _rel(bf, beta.double() - mean_ref * scale) <= tol
 
 
+@pytest.mark.parametrize("dt", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_fold_expand(interpreter_backend, dt):
+    """BN_e's fold from x's mean and centred Gram matrix against fp64 (factor 1: the running mean and
+    variance become the batch mean and unbiased variance of z = W x). C = 128: the Gram steps run 4 times;
+    R = 40: the last program of 16 rows masked. fp16 takes the split product W G_hi + W G_lo (TF32 on a
+    GPU, exact fp32 here): the statistics within 1e-5 (observed 1.5e-7; G_hi alone, G with its low 13 bits
+    cleared, misses by 4e-4); fp32 the ieee dot. The folded weights and bias rounded to x's dtype."""
+    from convfirstnet.kernels.mbconv.moments import fold_expand
+
+    c, r, m = 128, 40, 300
+    gen = torch.Generator().manual_seed(3)
+    x = 0.7 * torch.randn(m, c, generator=gen, dtype=torch.float64) + 2.0
+    x = x + 0.3 * x[:, :1]  # correlated channels
+    w = (torch.randn(r, c, generator=gen) / c**0.5).to(dt)
+    gamma, beta = torch.rand(r, generator=gen) + 0.5, 0.3 * torch.randn(r, generator=gen)
+    mean_x = x.mean(0)
+    gram = (x - mean_x).t() @ (x - mean_x)
+    rm, rv = torch.zeros(r), torch.ones(r)
+    wf, bf = fold_expand(w, mean_x.float(), mean_x.float(), gram.float(), gamma, beta, rm, rv, 1.0, 1e-5, m,
+                         dt)
+    z = x @ w.double().t()
+    var_ref, mean_ref = torch.var_mean(z, 0, unbiased=False)
+    assert _rel(rm, mean_ref) <= 1e-5 and _rel(rv, var_ref * m / (m - 1)) <= 1e-5
+    scale = gamma.double() / (var_ref + 1e-5).sqrt()
+    tol = 1e-5 if dt == torch.float32 else 2**-10
+    assert wf.dtype == bf.dtype == dt
+    assert _rel(wf, w.double() * scale[:, None]) <= tol
+    assert _rel(bf, beta.double() - mean_ref * scale) <= tol
+
+
 # ------------------------------------------------------------------------------------------------ narrow
 
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """The narrow passes' steps at 16 pixels (of 64) and the merges' at 2 splits (of 32, 64 and 128), so that on
-    these maps there are several pixel splits of 2 tiles (the last one short and masked) and every loop
-    runs more than once."""
+    """The narrow passes' steps at 16 pixels (of 64) and the merges' at 2 splits (of 32, 64 and 128), so
+    that on these maps there are several pixel splits of 2 tiles (the last one short and masked) and every
+    loop runs more than once."""
     from convfirstnet.kernels.mbconv import narrow
 
     for name in ("GRAM_PIXELS", "STAT_PIXELS", "APPLY_PIXELS"):
