@@ -18,17 +18,25 @@ calls give equal results.
 Splits: whole pixel tiles (narrow._splits), about as many as fill the GPU's SMs with the chunks (twice as
 many where two programs share an SM).
 
-Tiles (``TILES``, ``DGRAD_TILES``; 8 warps each). At Small's C = 256, R = 1024 in 16-bit, compiled for sm_90:
-the h and sums modes 8 chunks x 16 splits of 64-pixel tiles, W's chunk 64 KB of shared memory (176 KB in all),
-127 and 254 registers; at 16x16 the h mode runs two programs per SM (``PAIRED``: 8 x 32 programs, one pipeline
-stage, 96 KB, at most 128 registers: 127) so that one program's dots run while the other's epilogue does
-(static estimate at the high end 38 -> 35 us, now L2-bound: x re-read by the 8 chunks); the de mode 16 chunks
-x 8 splits of 128-pixel tiles, 255 registers and no stack because its per-channel vectors are folded to four
-(v = z A + B, de = A dv + z D1 + D0; each thread holds 16 channels of each over the loop); expand_dgrad 244
-registers, 128-pixel tiles at 8x8 too (64 programs: see ``DGRAD_TILES``). The sums and de modes stay one
-program per SM: capped at 128 registers they spill in the loop (sums with its per-tile sums reduced in the
-tile: 240 B of stack; de with 64 x 64 tiles: 376 B), and the de mode's dW_exp^T partial [C, RB] needs RB = 64
-to stay in registers at all. fp32 (3xTF32: each operand split in two parts in registers, the whole C = 256 row
+Tiles (``TILES``, ``DGRAD_TILES``; 8 warps each but the sums mode's 16). At Small's C = 256, R = 1024 in
+16-bit, compiled for sm_90: the h and sums modes 8 chunks x 16 splits of 64-pixel tiles, W's chunk 64 KB of
+shared memory (176 KB in all), 127 and 128 registers. The sums mode's four warpgroups each own 32 of the
+chunk's 128 channels: each warp's epilogue is half that of the 8-warp form (254 registers), which takes the
+static estimate at 16x16 from 35.2 / 40.7 to 29.9 / 35.1 us (low / high; DRAM 25.2 / 31.2) and at 8x8 from
+10.6 / 12.3 to 9.4 / 12.4 (L2-bound). At 16x16 the h mode runs two programs per SM (``PAIRED``: 8 x 32
+programs, one pipeline stage, 96 KB, at most 128 registers: 127) so that one program's dots run while the
+other's epilogue does (static estimate at the high end 38 -> 35 us, now L2-bound: x re-read by the 8
+chunks); the de mode 16 chunks x 8 splits of 128-pixel tiles, 255 registers and no stack because its
+per-channel vectors are folded to four (v = z A + B, de = A dv + z D1 + D0; each thread holds 16 channels of
+each over the loop); expand_dgrad 244 registers, 128-pixel tiles at 8x8 too (64 programs: see
+``DGRAD_TILES``). The sums and de modes stay one program per SM: capped at 128 registers with 8 warps they
+spill in the loop (sums with its per-tile sums reduced in the tile: 240 B of stack; de with 64 x 64 tiles:
+376 B), and the de mode's dW_exp^T partial [C, RB] needs RB = 64 to stay in registers at all. The de mode
+does not take 16 warps: its z feeds the dW_exp dot, and for such chained dots Triton puts every warp along
+M, so 16 warps over 128 pixels compute the z dot twice and spill (424 B of stack); 256-pixel tiles leave
+room for one pipeline stage and spill too (384 B). Its two dots wait for their results right after they
+are issued (wgmma wait 0: de reaches the second one through an unbuffered shared-memory copy), so they do
+not overlap its epilogue. fp32 (3xTF32: each operand split in two parts in registers, the whole C = 256 row
 per tile) takes smaller tiles that fit the shared memory and spills (440 to 1568 B of stack): correct, not
 fast; a K loop over C would be its fix.
 """
@@ -48,21 +56,21 @@ from .narrow import _splits
 
 MODE_H, MODE_SUMS, MODE_DE = 0, 1, 2
 # (RB hidden channels, BM pixels, warps, pipeline stages) of the expand kernel by mode and element size.
-# 16-bit: h and sums RB = 128 x BM = 64, 3 stages; de RB = 64 (its dW_exp^T partial [C, RB] fp32 stays in
-# registers) x BM = 128 (the z dot's M is 64 per warpgroup; the dW_exp dot's K), 2 stages (x tiles of
-# 64 KB). fp32 (3xTF32 keeps each operand as two parts): the tiles that fit the shared memory, one stage;
-# they spill (see the module docstring).
-TILES = {(MODE_H, 2): (128, 64, 8, 3), (MODE_SUMS, 2): (128, 64, 8, 3), (MODE_DE, 2): (64, 128, 8, 2),
+# 16-bit: h and sums RB = 128 x BM = 64, 3 stages (sums on 16 warps: module docstring); de RB = 64 (its
+# dW_exp^T partial [C, RB] fp32 stays in registers) x BM = 128 (the z dot's M is 64 per warpgroup; the
+# dW_exp dot's K), 2 stages (x tiles of 64 KB). fp32 (3xTF32 keeps each operand as two parts): the tiles
+# that fit the shared memory, one stage; they spill (see the module docstring).
+TILES = {(MODE_H, 2): (128, 64, 8, 3), (MODE_SUMS, 2): (128, 64, 16, 3), (MODE_DE, 2): (64, 128, 8, 2),
          (MODE_H, 4): (64, 64, 8, 1), (MODE_SUMS, 4): (64, 64, 8, 1), (MODE_DE, 4): (32, 64, 8, 1)}
 # expand_dgrad by element size: (pixel tile, K step, warps). Not halved where it leaves SMs idle (Small at
 # 8x8: 64 programs): each program reads all of W_exp (512 KB) from L2, and at 64-pixel tiles those re-reads
 # (64 MB) would outweigh de (16 MB): static estimate 15.5 us (L2-bound) at 64 against 12.5 at 128 pixels.
 DGRAD_TILES = {2: (128, 32, 8), 4: (64, 32, 8)}
 # Modes whose programs fit two per SM with one pipeline stage (h in 16-bit: 128 registers, 96 KB of shared
-# memory; the sums mode 254 registers and the de mode 255 do not): with twice the splits, each program's
-# serial chain (its epilogues and the waits for its own dots) is half as long while the other program's
-# dots run. Taken where every split keeps >= PAIRED_MIN_TILES tiles (the chunk of W_exp that each program
-# loads stays small next to its x tiles): at 16x16, not at 8x8.
+# memory; the sums mode (16 warps) and the de mode (255 registers) do not): with twice the splits, each
+# program's serial chain (its epilogues and the waits for its own dots) is half as long while the other
+# program's dots run. Taken where every split keeps >= PAIRED_MIN_TILES tiles (the chunk of W_exp that each
+# program loads stays small next to its x tiles): at 16x16, not at 8x8.
 PAIRED = {(MODE_H, 2)}
 PAIRED_MIN_TILES = 8
 REGISTERS = 65536  # per SM (sm_80, sm_90): two programs of 8 warps take at most 128 registers a thread
