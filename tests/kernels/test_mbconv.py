@@ -198,17 +198,20 @@ def test_batch_zero_and_one(interpreter_backend, stride):
     check(x, weights, stride)
 
 
-def test_small_stage4_block(interpreter_backend, monkeypatch):
+@pytest.mark.parametrize("programs", [1, 2])
+def test_small_stage4_block(interpreter_backend, monkeypatch, programs):
     """Fused Small's 16x16 stride-1 block at its widths (C = 256, R = 1024, fp16), configured as on the
     H100: RESIDENT items of one image holding all 16 chunks, four 64-pixel conv tiles per chunk, two
-    projection tiles per image. One program walks both images' items, so the item, chunk, conv tile and R
-    step loops all run more than once. Tolerance: TOL (fp16), as for the other shapes."""
+    projection tiles per image. With one program it walks both images' items, so the item, chunk, conv
+    tile and R step loops all run more than once; with two, each program takes one item (ONE, as at batch
+    128 on the H100: the item loop compiled to one trip). Tolerance: TOL (fp16), as for the other shapes."""
     from convfirstnet.kernels.mbconv import launcher
 
-    monkeypatch.setattr(launcher, "INTERPRETER_PROGRAMS", 1)
+    monkeypatch.setattr(launcher, "INTERPRETER_PROGRAMS", programs)
     geo = launcher.mbconv_config(256, 1024, 256, 16, 16, 1, n=2, device="cpu")
     assert (geo.resident, geo.ib, geo.chunks_per_group, geo.nchunk, geo.cm, geo.tiles, geo.items,
-            geo.programs, geo.tpi, geo.gate) == (True, 1, 16, 16, 64, 4, 2, 1, 2, True)
+            geo.programs, geo.tpi, geo.gate, geo.one_item) == (True, 1, 16, 16, 64, 4, 2, programs, 2, True,
+                                                               programs == 2)
     x, weights = make_block(2, 256, 16, 16, 1, dtype=torch.float16, seed=7)
     check(x, weights, 1)
 
@@ -512,10 +515,11 @@ def test_shipped_variants_compile_without_spills(mbconv_compiled):
     """Every variant compiles for its target and fits in shared memory; on sm_90 the expand and
     projection dots are wgmma (HGMMA) and the grouped conv mma.sync. Fused Small's fp16 variants (at
     256x256, sm_90 and sm_80) have no spill code in their inner loops (chunks, tiles, R steps); the
-    16-warp RESIDENT hidden kernels sit at the 128-register limit and two of them (16x16, both
-    strides) keep 8-24 B of stack, stored and reloaded outside the chunk loop (the static cost report
-    lists them). Other widths and map sizes are not yet held to the register
-    budget: fp32 variants (3xTF32 holds each operand as two parts) spill up to ~1.5 KB."""
+    16-warp RESIDENT hidden kernels sit at the 128-register limit, and the stride-1 ones (ONE: a program
+    per item) have no stack at all. The 16x16 -> 8x8 stride-2 one keeps 8 B, stored and reloaded outside
+    the chunk loop (launcher.MBConvGeometry.one_item; the static cost report lists it). Other widths and
+    map sizes are not yet held to the register budget: fp32 variants (3xTF32 holds each operand as two
+    parts) spill up to ~1.5 KB."""
     assert len({v.meta["STRIDE"] for v, _, _ in mbconv_compiled if "STRIDE" in v.meta}) == 2
     assert {v.meta["RESIDENT"] for v, _, _ in mbconv_compiled if "RESIDENT" in v.meta} == {True, False}
     assert sum(small for _, _, small in mbconv_compiled) >= 8  # hidden + projection, 4 shapes, sm_90
@@ -526,6 +530,8 @@ def test_shipped_variants_compile_without_spills(mbconv_compiled):
             problems.append(f"{where}: {c.shared} B of shared memory")
         if small and _spills_in_loops(c):
             problems.append(f"{where}: {_spills_in_loops(c)} spill instructions in loops ({c.stack} B stack)")
+        if small and c.stack and v.meta.get("STRIDE") == 1:
+            problems.append(f"{where}: {c.stack} B stack")
         if v.arch == 90:
             expected = "wgmma+mma.sync" if v.name == "_mbconv_hidden_kernel" else "wgmma"
             if c.mma_kind != expected:
