@@ -193,7 +193,7 @@ def _mbconv_hidden_kernel(
     EXACT: tl.constexpr, RESIDENT: tl.constexpr, XM: tl.constexpr, HWP: tl.constexpr,
     ZB: tl.constexpr, SILU: tl.constexpr, PREC: tl.constexpr, CS: tl.constexpr, SEB: tl.constexpr,
     NS: tl.constexpr, GATE: tl.constexpr = False, GB: tl.constexpr = 128, NCP: tl.constexpr = 1,
-    MOMENTS: tl.constexpr = False,
+    MOMENTS: tl.constexpr = False, ONE: tl.constexpr = False,
 ):
     G: tl.constexpr = RB // 8
     GS: tl.constexpr = G * CS  # conv batch: each group's pixel tile split in CS sub-tiles
@@ -255,7 +255,15 @@ def _mbconv_hidden_kernel(
     ntile_o = tl.cdiv(OH, THO) * ncol_o
     mo = tl.arange(0, BMO)
     hcol = ((rr // 8) * (PW * 8) + rr % 8)[None, :]  # channel offsets in the h slot
-    for item in range(pid, ITEMS, nprog):
+    # ONE (the launcher: a program per item): the item "loop" has one trip the compiler can see, so
+    # neither its counter nor the program count stay live across the chunk loop
+    if ONE:
+        item_end = pid + 1
+        item_step = 1
+    else:
+        item_end = ITEMS
+        item_step = nprog
+    for item in range(pid, item_end, item_step):
         q = item % NGROUP
         n0 = (item // NGROUP) * IB
         nimg = tl.minimum(IB, N - n0)
@@ -387,7 +395,7 @@ def _mbconv_hidden_kernel(
     if GATE and not MOMENTS:  # every item held all the chunks of its images: their SE gates, once per image,
         # in a loop of their own after the work items
         tl.debug_barrier()  # the SE partials (stored by other threads) are complete
-        for item in range(pid, ITEMS, nprog):
+        for item in range(pid, item_end, item_step):
             n0 = (item // NGROUP) * IB
             _se_gates(z_ptr, b1_ptr, w2_ptr, b2_ptr, gate_ptr, n0, tl.minimum(IB, N - n0), N, NCHUNK, R, S,
                       sw2_r, sw2_s, SP, NCP, GB, SILU)

@@ -230,6 +230,18 @@ class MBConvGeometry:
 
 
     @property
+    def one_item(self) -> bool:
+        """The hidden kernel's ONE: a program per item, so the item loop has one trip the compiler sees and
+        neither its counter nor the program count stay live across the chunk loop. At 16 warps (the
+        128-register limit) that took Small's 16x16 stride-1 variants (batch 128, sm_90) from 8-16 B of
+        stack to none, 0.1-0.4 us faster predicted; the 8x8 ones (no stack either way) 0.2-0.7 us faster
+        (inference 16.90-18.55 -> 16.64-18.31 us). Stride 2 keeps the loop: with ONE its 16x16 -> 8x8
+        variant also lost its 8 B of stack but was predicted 68.6-72.5 -> 71.6-78.4 us (exposed waits
+        22.8 -> 29.1 us at the low end; SEB 32 or CS 8 with it: 71.1-74.8, 73.7-76.9). Its moments
+        variant (no stack either way) takes ONE (moments.py): 53.80-59.78 -> 53.04-58.99 us."""
+        return self.stride == 1 and self.items == self.programs
+
+    @property
     def conv_split(self) -> int:
         """Pixel sub-tiles per conv group: the batched conv dot gets at least one batch entry per warp
         (Triton spreads the warps over the batch first; with fewer entries than warps each warp
@@ -314,6 +326,7 @@ class MBConvGeometry:
                     RESIDENT=self.resident, XM=XM if self.resident else 16,
                     HWP=self.hwp if self.resident else 1,
                     ZB=ZERO_BLOCK, SILU=silu, PREC=prec, CS=self.conv_split, NS=self.mean_rows,
+                    ONE=self.one_item,
                     SEB=self.sp if self.maxnreg else min(self.sp, 4 * self.hidden_warps),  # sm_80: one step
                     **(dict(GATE=True, GB=GATE_ROWS, NCP=triton.next_power_of_2(self.nchunk)) if self.gate else {}),
                     num_warps=self.hidden_warps, num_stages=1, **self.hidden_options)

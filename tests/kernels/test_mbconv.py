@@ -198,17 +198,20 @@ def test_batch_zero_and_one(interpreter_backend, stride):
     check(x, weights, stride)
 
 
-def test_small_stage4_block(interpreter_backend, monkeypatch):
+@pytest.mark.parametrize("programs", [1, 2])
+def test_small_stage4_block(interpreter_backend, monkeypatch, programs):
     """Fused Small's 16x16 stride-1 block at its widths (C = 256, R = 1024, fp16), configured as on the
     H100: RESIDENT items of one image holding all 16 chunks, four 64-pixel conv tiles per chunk, two
-    projection tiles per image. One program walks both images' items, so the item, chunk, conv tile and R
-    step loops all run more than once. Tolerance: TOL (fp16), as for the other shapes."""
+    projection tiles per image. With one program it walks both images' items, so the item, chunk, conv
+    tile and R step loops all run more than once; with two, each program takes one item (ONE, as at batch
+    128 on the H100: the item loop compiled to one trip). Tolerance: TOL (fp16), as for the other shapes."""
     from convfirstnet.kernels.mbconv import launcher
 
-    monkeypatch.setattr(launcher, "INTERPRETER_PROGRAMS", 1)
+    monkeypatch.setattr(launcher, "INTERPRETER_PROGRAMS", programs)
     geo = launcher.mbconv_config(256, 1024, 256, 16, 16, 1, n=2, device="cpu")
     assert (geo.resident, geo.ib, geo.chunks_per_group, geo.nchunk, geo.cm, geo.tiles, geo.items,
-            geo.programs, geo.tpi, geo.gate) == (True, 1, 16, 16, 64, 4, 2, 1, 2, True)
+            geo.programs, geo.tpi, geo.gate, geo.one_item) == (True, 1, 16, 16, 64, 4, 2, programs, 2, True,
+                                                               programs == 2)
     x, weights = make_block(2, 256, 16, 16, 1, dtype=torch.float16, seed=7)
     check(x, weights, 1)
 
@@ -512,10 +515,11 @@ def test_shipped_variants_compile_without_spills(mbconv_compiled):
     """Every variant compiles for its target and fits in shared memory; on sm_90 the expand and
     projection dots are wgmma (HGMMA) and the grouped conv mma.sync. Fused Small's fp16 variants (at
     256x256, sm_90 and sm_80) have no spill code in their inner loops (chunks, tiles, R steps); the
-    16-warp RESIDENT hidden kernels sit at the 128-register limit and two of them (16x16, both
-    strides) keep 8-24 B of stack, stored and reloaded outside the chunk loop (the static cost report
-    lists them). Other widths and map sizes are not yet held to the register
-    budget: fp32 variants (3xTF32 holds each operand as two parts) spill up to ~1.5 KB."""
+    16-warp RESIDENT hidden kernels sit at the 128-register limit and some (16x16; at this batch of 2 the
+    stride-1 one with 32-pixel conv tiles, at batch 128 the stride-2 one) keep 8-16 B of stack, stored and
+    reloaded outside the chunk loop (the static cost report lists them; batch 128's stride-1 variants:
+    test_small_batch128_stride1_without_stack). Other widths and map sizes are not yet held to the
+    register budget: fp32 variants (3xTF32 holds each operand as two parts) spill up to ~1.5 KB."""
     assert len({v.meta["STRIDE"] for v, _, _ in mbconv_compiled if "STRIDE" in v.meta}) == 2
     assert {v.meta["RESIDENT"] for v, _, _ in mbconv_compiled if "RESIDENT" in v.meta} == {True, False}
     assert sum(small for _, _, small in mbconv_compiled) >= 8  # hidden + projection, 4 shapes, sm_90
@@ -531,6 +535,31 @@ def test_shipped_variants_compile_without_spills(mbconv_compiled):
             if c.mma_kind != expected:
                 problems.append(f"{where}: {c.mma_kind}, expected {expected}")
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.compile
+def test_small_batch128_stride1_without_stack():
+    """Fused Small's 16x16 stride-1 blocks at batch 128 on the H100 (the report's configuration): one
+    work item per program (ONE), so the hidden kernel (16 warps, at the 128-register limit, GATE) keeps
+    neither the item loop's counter nor the program count across the chunk loop and compiles for sm_90
+    with no stack. With the item loop kept (ONE off) it held 16 B of stack."""
+    pytest.importorskip("triton")
+    import convfirstnet
+    from convfirstnet.analysis.compiled import compile_variants, variant_of
+    from convfirstnet.analysis.targets import target
+    from convfirstnet.kernels._cost import recording
+
+    block = convfirstnet.fuse(convfirstnet.create_model("small")).stages[3][1].to(device="meta",
+                                                                                   dtype=torch.float16)
+    t = target(90)
+    x = torch.empty(128, 256, 16, 16, device="meta", dtype=torch.float16).contiguous(
+        memory_format=torch.channels_last)
+    with recording(sms=t.sms, l2_bytes=t.l2_bytes, shared_per_block=t.smem_per_block, arch=t.arch) as rec:
+        block(x)
+    variants = [variant_of(lc, 90) for lc in rec.launches if lc.kernel.fn.__name__ == "_mbconv_hidden_kernel"]
+    assert [(v.meta["ONE"], v.meta["GATE"], v.meta["num_warps"]) for v in variants] == [(True, True, 16)]
+    (c,) = compile_variants(variants)
+    assert (c.regs, c.stack) == (128, 0), f"{c.regs} registers, {c.stack} B stack"
 
 
 # The PTX/TTGIR checks compile a few variants themselves (compile_variants keeps only the SASS).

@@ -54,9 +54,10 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 # (N, C, H, W, stride, dtype): fp32 takes the tiled path (16 chunks of 32 channels, an item per image and
 # chunk over 3 programs); fp16 the RESIDENT one (an item of 3 images, 8 chunks of 64, 2 pixel sub-tiles
-# per group); the odd 9x9 stride-2 map masked tiles (2 per image) at C = 96 (padded to 128)
+# per group); the odd 9x9 stride-2 map masked tiles (2 per image) at C = 96 (padded to 128); fp16 stride 2
+# at C = 32 a program per item (ONE: 2 items of 2 images on 2 programs, as at batch 128 on the H100)
 MOMENT_SHAPES = [(3, 128, 8, 8, 1, torch.float32), (3, 128, 8, 8, 1, torch.float16),
-                 (2, 96, 9, 9, 2, torch.float32)]
+                 (2, 96, 9, 9, 2, torch.float32), (3, 32, 8, 8, 2, torch.float16)]
 
 
 @pytest.fixture
