@@ -228,7 +228,6 @@ class MBConvGeometry:
     def items(self) -> int:
         return self.image_blocks * self.groups
 
-
     @property
     def one_item(self) -> bool:
         """The hidden kernel's ONE: a program per item, so the item loop has one trip the compiler sees and
