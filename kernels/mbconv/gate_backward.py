@@ -92,8 +92,9 @@ def _gate_backward_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, do_ptr
     operand from registers (q^T do) ptxas serialised every wgmma of the loop (C7515).
 
     GIVEN: d_ptr is g, mean ... beta unused; MODE 0 without a2 (no parts), MODE 1 writes dg to a2 and reads
-    no a0, a1. MODE 0 still puts g in dq's layout (_as_dq; sm_90, g 16x16, R = 384, K = 192: 94 registers, 13.8-17.6 us estimated, against 146 and 14.3-18.1 without); MODE 1 keeps g in
-    its load's layout, bound for shared memory as the dot's operand (converted: 22.1-29.8 -> 28.7-34.3 us)."""
+    no a0, a1. MODE 0 still puts g in dq's layout (_as_dq; sm_90, g 16x16, R = 384, K = 192: 94
+    registers, 13.8-17.6 us estimated, against 146 and 14.3-18.1 without); MODE 1 keeps g in its load's
+    layout, bound for shared memory as the dot's operand (converted: 22.1-29.8 -> 28.7-34.3 us)."""
     TPI: tl.constexpr = (HW + BM - 1) // BM
     dt = d_ptr.dtype.element_ty
     c = tl.program_id(0) * RB + tl.arange(0, RB)

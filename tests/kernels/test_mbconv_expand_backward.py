@@ -225,8 +225,9 @@ def test_small_expand_backward_compiles_for_sm90():
     within shared memory, no spill code in their loops, the expand and dgrad dots on wgmma, enough programs
     for the 132 SMs (expand_dgrad at 8x8: 64), h two programs per SM at 16x16 (8 x 32 programs, one stage, 128
     registers at most) and one at 8x8; the fp32 variants within shared memory. (Compiled with Triton 3.8,
-    fp16: h 127 registers and 96 KiB of shared memory at 16x16, 127 and 176 KiB at 8x8; sums 128 (16 warps),
-    de 255, all without stack; shared memory 176 (sums) / 208 (de) KiB; expand_dgrad 244 registers, 72 KiB.)"""
+    fp16: h 127 registers and 96 KiB of shared memory at 16x16, 127 and 176 KiB at 8x8; sums 128 (16
+    warps), de 255, all without stack; shared memory 176 (sums) / 208 (de) KiB; expand_dgrad 244
+    registers, 72 KiB.)"""
     pytest.importorskip("triton")
     from convfirstnet.analysis.compiled import compile_variants, variant_of
 

@@ -156,8 +156,9 @@ def test_small_backward_on_gpu(monkeypatch, dtype, c, k, stride, side):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("stage, index, shape", [(3, 1, (1, 256, 16, 16)), (3, 0, (1, 96, 32, 32)),
-                                                 (4, 0, (1, 256, 16, 16))], ids=["s1-16x16", "s2-32x32", "s2-16x16"])
+@pytest.mark.parametrize("stage, index, shape",
+                         [(3, 1, (1, 256, 16, 16)), (3, 0, (1, 96, 32, 32)), (4, 0, (1, 256, 16, 16))],
+                         ids=["s1-16x16", "s2-32x32", "s2-16x16"])
 def test_small_backward_launches_fit_an_a100(stage, index, shape):
     """The backward's launches at Small's 16x16 stride-1 shape and its two stride-2 blocks (batch 128,
     fp16) compile for sm_80 within its 163 KB of shared memory per block (the tiles are chosen for sm_90,

@@ -54,7 +54,7 @@ def _f64(args):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
-def test_gate_pool(interpreter_backend, small_tiles, shape):
+def test_gate_pool(interpreter_backend, small_tiles, shape):  # noqa: F811
     from convfirstnet.kernels.mbconv import backward_reference as ref
     from convfirstnet.kernels.mbconv.gate_backward import gate_pool
 
@@ -68,7 +68,7 @@ def test_gate_pool(interpreter_backend, small_tiles, shape):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
-def test_gate_grad(interpreter_backend, small_tiles, shape):
+def test_gate_grad(interpreter_backend, small_tiles, shape):  # noqa: F811
     from convfirstnet.kernels.mbconv import backward_reference as ref
     from convfirstnet.kernels.mbconv.gate_backward import gate_grad
 
