@@ -315,6 +315,34 @@ def store_wgrad_pair(ptr, acc, co0, gok, T0: tl.constexpr, G: tl.constexpr, ATOM
         tl.store(p, acc, mask=(t < 9) & gok)
 
 
+@triton.jit
+def wgrad_tile_products(acc0, acc1, acc2, acc3, acc4, win, H, W, sh, sw, dy, PRECISION: tl.constexpr):
+    """One tile's products for the five tap-pair accumulators (``wgrad_pair_product`` of taps 0-1, ...,
+    8 and the empty tenth)."""
+    acc0 = wgrad_pair_product(acc0, win, H, W, sh, sw, dy, 0, PRECISION)
+    acc1 = wgrad_pair_product(acc1, win, H, W, sh, sw, dy, 2, PRECISION)
+    acc2 = wgrad_pair_product(acc2, win, H, W, sh, sw, dy, 4, PRECISION)
+    acc3 = wgrad_pair_product(acc3, win, H, W, sh, sw, dy, 6, PRECISION)
+    acc4 = wgrad_pair_product(acc4, win, H, W, sh, sw, dy, 8, PRECISION)
+    return acc0, acc1, acc2, acc3, acc4
+
+
+@triton.jit
+def store_wgrad_partials(part_ptr, share, C, acc0, acc1, acc2, acc3, acc4, co0, gok, G: tl.constexpr,
+                         ATOMIC: tl.constexpr):
+    """The five accumulators into the program's share of the (shares, C, 8, 3, 3) partials, or (ATOMIC)
+    added to the one (C, 8, 3, 3) buffer."""
+    if ATOMIC:
+        out = part_ptr
+    else:
+        out = part_ptr + share.to(tl.int64) * C * 72
+    store_wgrad_pair(out, acc0, co0, gok, 0, G, ATOMIC)
+    store_wgrad_pair(out, acc1, co0, gok, 2, G, ATOMIC)
+    store_wgrad_pair(out, acc2, co0, gok, 4, G, ATOMIC)
+    store_wgrad_pair(out, acc3, co0, gok, 6, G, ATOMIC)
+    store_wgrad_pair(out, acc4, co0, gok, 8, G, ATOMIC)
+
+
 # ------------------------------------------------------------------------------------------------
 # Kernels
 # ------------------------------------------------------------------------------------------------
@@ -451,20 +479,9 @@ def _gconv_wgrad_kernel(
         c = ow * STRIDE
         pix = x_ptr + n.to(tl.int64) * sxn + r * sxh + c * sxw + co0
         win = tap_window(pix, r, c, ok, gok, G)
-        acc0 = wgrad_pair_product(acc0, win, H, W, sxh, sxw, dy, 0, PRECISION)
-        acc1 = wgrad_pair_product(acc1, win, H, W, sxh, sxw, dy, 2, PRECISION)
-        acc2 = wgrad_pair_product(acc2, win, H, W, sxh, sxw, dy, 4, PRECISION)
-        acc3 = wgrad_pair_product(acc3, win, H, W, sxh, sxw, dy, 6, PRECISION)
-        acc4 = wgrad_pair_product(acc4, win, H, W, sxh, sxw, dy, 8, PRECISION)
-    if ATOMIC:
-        out = part_ptr
-    else:
-        out = part_ptr + share.to(tl.int64) * C * 72
-    store_wgrad_pair(out, acc0, co0, gok, 0, G, ATOMIC)
-    store_wgrad_pair(out, acc1, co0, gok, 2, G, ATOMIC)
-    store_wgrad_pair(out, acc2, co0, gok, 4, G, ATOMIC)
-    store_wgrad_pair(out, acc3, co0, gok, 6, G, ATOMIC)
-    store_wgrad_pair(out, acc4, co0, gok, 8, G, ATOMIC)
+        acc0, acc1, acc2, acc3, acc4 = wgrad_tile_products(acc0, acc1, acc2, acc3, acc4, win, H, W, sxh, sxw,
+                                                           dy, PRECISION)
+    store_wgrad_partials(part_ptr, share, C, acc0, acc1, acc2, acc3, acc4, co0, gok, G, ATOMIC)
 
 
 @triton.jit
@@ -532,17 +549,6 @@ def _gconv_backward_kernel(
         dy = load_group_tile(pix_dy, ok, gok, G)
         pix_x = x_ptr + n.to(tl.int64) * sxn + oh * sxh + ow * sxw + co0
         win = tap_window(pix_x, oh, ow, ok, gok, G)
-        acc0 = wgrad_pair_product(acc0, win, H, W, sxh, sxw, dy, 0, PRECISION)
-        acc1 = wgrad_pair_product(acc1, win, H, W, sxh, sxw, dy, 2, PRECISION)
-        acc2 = wgrad_pair_product(acc2, win, H, W, sxh, sxw, dy, 4, PRECISION)
-        acc3 = wgrad_pair_product(acc3, win, H, W, sxh, sxw, dy, 6, PRECISION)
-        acc4 = wgrad_pair_product(acc4, win, H, W, sxh, sxw, dy, 8, PRECISION)
-    if ATOMIC:
-        out = part_ptr
-    else:
-        out = part_ptr + share.to(tl.int64) * C * 72
-    store_wgrad_pair(out, acc0, co0, gok, 0, G, ATOMIC)
-    store_wgrad_pair(out, acc1, co0, gok, 2, G, ATOMIC)
-    store_wgrad_pair(out, acc2, co0, gok, 4, G, ATOMIC)
-    store_wgrad_pair(out, acc3, co0, gok, 6, G, ATOMIC)
-    store_wgrad_pair(out, acc4, co0, gok, 8, G, ATOMIC)
+        acc0, acc1, acc2, acc3, acc4 = wgrad_tile_products(acc0, acc1, acc2, acc3, acc4, win, H, W, sxh, sxw,
+                                                           dy, PRECISION)
+    store_wgrad_partials(part_ptr, share, C, acc0, acc1, acc2, acc3, acc4, co0, gok, G, ATOMIC)

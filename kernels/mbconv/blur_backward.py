@@ -70,6 +70,7 @@ from .._cost import KernelCost, Loop
 from .._launch import device_info, launch
 from ..convfirst_train.kernel import reflect
 from ..gconv.launcher import reduce_partials
+from .gate_backward import bn_d_affine
 from .launcher import kernel_settings
 
 BM = 16  # pixels per tile
@@ -106,12 +107,9 @@ def _blur_gate_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, g_ptr, R, 
     c = tl.program_id(0) * RB + tl.arange(0, RB)
     s = tl.program_id(1)
     c_ok = c < R
-    mean = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
-    rstd = tl.load(rstd_ptr + c, mask=c_ok, other=0.0)
-    gamma = tl.load(gamma_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-    a = (gamma * rstd)[None, :]
-    b = (beta - gamma * rstd * mean)[None, :]
+    _, _, a, b = bn_d_affine(mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, c, c_ok)
+    a = a[None, :]
+    b = b[None, :]
     t0 = s * PER
     for t in range(t0, tl.minimum(t0 + PER, TILES)):
         rows = t * BM + tl.arange(0, BM)
@@ -149,12 +147,9 @@ def _blur_bn_d_kernel(dg_ptr, d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, s0
     c = tl.program_id(0) * RB + tl.arange(0, RB)
     s = tl.program_id(1)
     c_ok = c < R
-    mean = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
-    rstd = tl.load(rstd_ptr + c, mask=c_ok, other=0.0)
-    gamma = tl.load(gamma_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-    a = (gamma * rstd)[None, :]
-    b = (beta - gamma * rstd * mean)[None, :]
+    mean, rstd, a, b = bn_d_affine(mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, c, c_ok)
+    a = a[None, :]
+    b = b[None, :]
     mr = (mean * rstd)[None, :]
     rs = rstd[None, :]
     if MODE == 0:

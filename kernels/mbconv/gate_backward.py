@@ -61,6 +61,17 @@ SUMS_BLOCK = 8  # channels per bn_d_sums program (at Small: 128 programs, two st
 
 
 @triton.jit
+def bn_d_affine(mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, c, c_ok):
+    """(mean, rstd, a, b) of channels c (0 where masked), fp32: BN_d's v = gamma u_hat + beta = d a + b
+    (u_hat = (d - mean) rstd), so a = gamma rstd, b = beta - gamma rstd mean."""
+    mean = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
+    rstd = tl.load(rstd_ptr + c, mask=c_ok, other=0.0)
+    gamma = tl.load(gamma_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+    return mean, rstd, gamma * rstd, beta - gamma * rstd * mean
+
+
+@triton.jit
 def _as_dq(t, dq):
     """t + 0 dq (t for finite dq; NaN where dq is not finite, as every result derived from it would be): t in
     dq's wgmma accumulator layout. Otherwise the compiler keeps what derives from d alone (g, s', u_hat) in
@@ -104,13 +115,9 @@ def _gate_backward_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, do_ptr
     c_ok = c < R
     k_ok = k < K
     if not GIVEN:
-        mean = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
-        rstd = tl.load(rstd_ptr + c, mask=c_ok, other=0.0)
-        gamma = tl.load(gamma_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-        # v = gamma u_hat + beta = d a + b; u_hat = d rstd - mean rstd
-        a = (gamma * rstd)[:, None]
-        b = (beta - gamma * rstd * mean)[:, None]
+        mean, rstd, a, b = bn_d_affine(mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, c, c_ok)
+        a = a[:, None]
+        b = b[:, None]
         mr = (mean * rstd)[:, None]
     wt = tl.load(w_ptr + c[:, None] + k[None, :] * R, mask=c_ok[:, None] & k_ok[None, :], other=0.0)  # W^T
     n0 = s * IPG

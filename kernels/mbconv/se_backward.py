@@ -54,18 +54,22 @@ PREC = "ieee"  # fp32 products on the FMA pipe
 
 
 @triton.jit
+def _chain_tile(N, R, S, BN: tl.constexpr, RC: tl.constexpr, SP: tl.constexpr):
+    """Program (g, c) of the chain's two launches: (c, the group's images n, the chunk's channels r, the
+    S columns j padded to SP, and their masks)."""
+    c = tl.program_id(1)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    r = c * RC + tl.arange(0, RC)
+    j = tl.arange(0, SP)
+    return c, n, r, j, n < N, r < R, j < S
+
+
+@triton.jit
 def _s_partials_kernel(gsum_ptr, w1_ptr, part_ptr, N, R, S, hw, BN: tl.constexpr, RC: tl.constexpr,
                        SP: tl.constexpr,
                        PREC: tl.constexpr):
     """Program (g, c): part[c, n, :] = (gsum[n, chunk] / hw) W_se1[:, chunk]^T for the group's images."""
-    g = tl.program_id(0)
-    c = tl.program_id(1)
-    n = g * BN + tl.arange(0, BN)
-    r = c * RC + tl.arange(0, RC)
-    j = tl.arange(0, SP)
-    n_ok = n < N
-    r_ok = r < R
-    j_ok = j < S
+    c, n, r, j, n_ok, r_ok, j_ok = _chain_tile(N, R, S, BN, RC, SP)
     pool = tl.load(gsum_ptr + n[:, None] * R + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0) / hw
     w1t = tl.load(w1_ptr + j[None, :] * R + r[:, None], mask=r_ok[:, None] & j_ok[None, :],
                   other=0.0).to(tl.float32)
@@ -96,14 +100,7 @@ def _gate_kernel(dgate_ptr, b1_ptr, w2_ptr, b2_ptr, spart_ptr, s_ptr, gate_ptr, 
                  PREC: tl.constexpr):
     """Program (g, c): s of the group's images (chunk 0 writes it), the chunk's gate (written) and
     dspart[c, n, :] = dt_chunk W_se2[chunk, :]."""
-    g = tl.program_id(0)
-    c = tl.program_id(1)
-    n = g * BN + tl.arange(0, BN)
-    r = c * RC + tl.arange(0, RC)
-    j = tl.arange(0, SP)
-    n_ok = n < N
-    r_ok = r < R
-    j_ok = j < S
+    c, n, r, j, n_ok, r_ok, j_ok = _chain_tile(N, R, S, BN, RC, SP)
     nj = n_ok[:, None] & j_ok[None, :]
     nr = n_ok[:, None] & r_ok[None, :]
     s = _partials(spart_ptr, n, j, n_ok, N, SP, CH, CHP)
