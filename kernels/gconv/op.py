@@ -90,6 +90,26 @@ def check_stride(op: str, stride: int) -> None:
         raise ValueError(f"convfirstnet.{op}: stride must be 1 or 2, got {stride}")
 
 
+def check_grad_out(op: str, grad_out: torch.Tensor, x: torch.Tensor, stride: int) -> int:
+    """grad_out of the conv of x at ``stride`` (the output's shape, x's dtype and device); returns C."""
+    c = check_input(op, x)
+    check_input(op, grad_out, "grad_out")
+    check_stride(op, stride)
+    n, _, h, w = x.shape
+    expect = (n, c, (h + stride - 1) // stride, (w + stride - 1) // stride)
+    if tuple(grad_out.shape) != expect:
+        raise ValueError(
+            f"convfirstnet.{op}: grad_out of {tuple(grad_out.shape)} does not match x of {tuple(x.shape)} at "
+            f"stride {stride} (expected {expect})"
+        )
+    if grad_out.dtype != x.dtype or grad_out.device != x.device:
+        raise TypeError(
+            f"convfirstnet.{op}: grad_out ({grad_out.dtype}, {grad_out.device}) and x ({x.dtype}, "
+            f"{x.device}) must have the same dtype and device"
+        )
+    return c
+
+
 @define_op("convfirstnet::gconv3x3")
 def gconv3x3(x: torch.Tensor, weight: torch.Tensor, stride: int, deterministic: bool = True) -> torch.Tensor:
     """Group-width-8 3x3 conv, padding 1, no bias; NHWC out. ``deterministic`` applies to the backward's
@@ -124,21 +144,7 @@ def gconv3x3_dgrad(grad_out: torch.Tensor, weight: torch.Tensor, height: int, wi
 def gconv3x3_wgrad(grad_out: torch.Tensor, x: torch.Tensor, weight_dtype: torch.dtype, stride: int,
                    deterministic: bool = True) -> torch.Tensor:
     """dL/dweight of ``gconv3x3``: (C, 8, 3, 3) in ``weight_dtype``, summed in fp32."""
-    c = check_input("gconv3x3_wgrad", x)
-    check_input("gconv3x3_wgrad", grad_out, "grad_out")
-    check_stride("gconv3x3_wgrad", stride)
-    n, _, h, w = x.shape
-    expect = (n, c, (h + stride - 1) // stride, (w + stride - 1) // stride)
-    if tuple(grad_out.shape) != expect:
-        raise ValueError(
-            f"convfirstnet.gconv3x3_wgrad: grad_out of {tuple(grad_out.shape)} does not match x of "
-            f"{tuple(x.shape)} at stride {stride} (expected {expect})"
-        )
-    if grad_out.dtype != x.dtype or grad_out.device != x.device:
-        raise TypeError(
-            f"convfirstnet.gconv3x3_wgrad: grad_out ({grad_out.dtype}, {grad_out.device}) and x ({x.dtype}, "
-            f"{x.device}) must have the same dtype and device"
-        )
+    check_grad_out("gconv3x3_wgrad", grad_out, x, stride)
     if weight_dtype not in FLOAT_DTYPES + REFERENCE_DTYPES:
         raise TypeError(f"convfirstnet.gconv3x3_wgrad: weight_dtype must be a float dtype, "
                         f"got {weight_dtype}")
@@ -153,19 +159,8 @@ def gconv3x3_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     """Both gradients of a stride-1 ``gconv3x3``: (dL/dx NHWC in grad_out's dtype, dL/dweight (C, 8, 3, 3)
     in weight's dtype, summed in fp32), equal to ``gconv3x3_dgrad`` and ``gconv3x3_wgrad``; the Triton
     branch reads grad_out once (one launch for both, then wgrad's reduction)."""
-    c = check_input("gconv3x3_backward", x)
-    check_input("gconv3x3_backward", grad_out, "grad_out")
+    c = check_grad_out("gconv3x3_backward", grad_out, x, 1)
     check_weight("gconv3x3_backward", weight, x, c)
-    if tuple(grad_out.shape) != tuple(x.shape):
-        raise ValueError(
-            f"convfirstnet.gconv3x3_backward: grad_out of {tuple(grad_out.shape)} does not match x of "
-            f"{tuple(x.shape)} (stride 1: the same shape)"
-        )
-    if grad_out.dtype != x.dtype or grad_out.device != x.device:
-        raise TypeError(
-            f"convfirstnet.gconv3x3_backward: grad_out ({grad_out.dtype}, {grad_out.device}) and x "
-            f"({x.dtype}, {x.device}) must have the same dtype and device"
-        )
     if use_triton(x):
         return gconv3x3_backward_triton(grad_out, weight, x, weight.dtype, deterministic)
     return gconv3x3_backward_reference(grad_out, x, weight)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from .test_mbconv_gate_backward import bn_d_inputs
+
 # (N, H, W, R, dtype, gamma/beta in the data's dtype)
 SHAPES = [(2, 8, 8, 384, torch.float32, False), (2, 6, 6, 768, torch.float16, False),
           (2, 7, 5, 160, torch.float16, True), (3, 5, 7, 96, torch.float32, False),
@@ -58,16 +60,9 @@ def _inputs(shape):
     n, h, w, r, dt, w16 = shape
     p, mo = n * h * w, n * ((h + 1) // 2) * ((w + 1) // 2)
     gen = torch.Generator().manual_seed(7)
-    d = (torch.randn(p, r, generator=gen) * (torch.rand(r, generator=gen) + 0.5)
-         + 2.0 * torch.randn(r, generator=gen)).to(dt)
-    var, mean = torch.var_mean(d.double(), 0, unbiased=False)
-    rstd = (var + 1e-5).rsqrt().float()
-    gamma = torch.rand(r, generator=gen) + 0.5
-    beta = 0.5 * torch.randn(r, generator=gen)
-    if w16:
-        gamma, beta = gamma.to(dt), beta.to(dt)
+    d, mean, rstd, gamma, beta = bn_d_inputs(gen, p, r, dt, w16)
     dg = (0.5 * torch.randn(mo, r, generator=gen)).to(dt)
-    return dg, d, mean.float(), rstd, gamma, beta
+    return dg, d, mean, rstd, gamma, beta
 
 
 def _f64(args):

@@ -48,21 +48,27 @@ def _layers(m: MBConv, x: torch.Tensor, drop: torch.Tensor):
     return out, o.detach().contiguous(memory_format=CL), stats
 
 
+def _check_chain(m: MBConv, x: torch.Tensor, drop: torch.Tensor) -> None:
+    """The chain of the reference passes (fp64) against autograd of the layers: every gradient within 1e-12
+    of its maximum."""
+    out, o, stats = _layers(m, x, drop)
+    gout = torch.randn_like(out)
+    want = torch.autograd.grad(out, [x, *op_weights(m)], gout)
+    weights = [p.detach() for p in op_weights(m)]
+    got = mbconv_fused_backward.backward(gout, x.detach(), *weights, o, stats, drop, m.stride, triton=False)
+    for name, a, b in zip(NAMES, got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        err = float((a - b).abs().max() / b.abs().max())
+        assert err <= 1e-12, f"{name}: {err:.3g}"
+
+
 def test_chain_of_reference_passes_is_autograd():
     """fp64, C = 32 (R = 128), 6x6 maps, drop-path scales 0 and 1.25: every gradient within 1e-12 of
     its maximum (observed ~1e-15: the passes are the same algebra in another order)."""
     m = _block(32)
     x = torch.randn(3, 32, 6, 6, dtype=torch.float64).contiguous(memory_format=CL).requires_grad_()
     drop = torch.tensor([0.0, 1.25, 1.25], dtype=torch.float64)
-    out, o, stats = _layers(m, x, drop)
-    gout = torch.randn_like(out)
-    want = torch.autograd.grad(out, [x, *op_weights(m)], gout)
-    weights = [p.detach() for p in op_weights(m)]
-    got = mbconv_fused_backward.backward(gout, x.detach(), *weights, o, stats, drop, 1, triton=False)
-    for name, a, b in zip(NAMES, got, want):
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        err = float((a - b).abs().max() / b.abs().max())
-        assert err <= 1e-12, f"{name}: {err:.3g}"
+    _check_chain(m, x, drop)
 
 
 @pytest.mark.parametrize("hw", [(6, 6), (7, 5)])
@@ -72,15 +78,7 @@ def test_stride2_chain_of_reference_passes_is_autograd(hw):
     m = _block(32, k=48, stride=2)
     x = torch.randn(3, 32, *hw, dtype=torch.float64).contiguous(memory_format=CL).requires_grad_()
     drop = torch.ones(3, dtype=torch.float64)
-    out, o, stats = _layers(m, x, drop)
-    gout = torch.randn_like(out)
-    want = torch.autograd.grad(out, [x, *op_weights(m)], gout)
-    weights = [p.detach() for p in op_weights(m)]
-    got = mbconv_fused_backward.backward(gout, x.detach(), *weights, o, stats, drop, 2, triton=False)
-    for name, a, b in zip(NAMES, got, want):
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        err = float((a - b).abs().max() / b.abs().max())
-        assert err <= 1e-12, f"{name}: {err:.3g}"
+    _check_chain(m, x, drop)
 
 
 # ------------------------------------------------------------------------------------------------ the op

@@ -59,6 +59,17 @@ def _inputs(shape):
     n, c, h, w, dt, w16 = shape
     r, k, p = 4 * c, c, n * h * w
     gen = torch.Generator().manual_seed(5)
+    d, mean, rstd, gamma, beta = bn_d_inputs(gen, p, r, dt, w16)
+    do = (0.5 * torch.randn(p, k, generator=gen)).to(dt)
+    w_proj = (torch.randn(k, r, generator=gen) / r**0.5).to(dt)
+    gate = torch.rand(n, r, generator=gen)
+    dpix = 0.05 * torch.randn(n, r, generator=gen)
+    return d, mean, rstd, gamma, beta, do, w_proj, gate, dpix, n
+
+
+def bn_d_inputs(gen: torch.Generator, p: int, r: int, dt: torch.dtype, w16: bool):
+    """(d, mean, rstd, gamma, beta): d (P, R) in dt with a per-channel mean of a few spreads, BN_d's batch
+    statistics taken from it (fp32), its weights (fp32, or dt where ``w16``)."""
     d = (torch.randn(p, r, generator=gen) * (torch.rand(r, generator=gen) + 0.5)
          + 2.0 * torch.randn(r, generator=gen)).to(dt)
     var, mean = torch.var_mean(d.double(), 0, unbiased=False)
@@ -67,11 +78,7 @@ def _inputs(shape):
     beta = 0.5 * torch.randn(r, generator=gen)
     if w16:
         gamma, beta = gamma.to(dt), beta.to(dt)
-    do = (0.5 * torch.randn(p, k, generator=gen)).to(dt)
-    w_proj = (torch.randn(k, r, generator=gen) / r**0.5).to(dt)
-    gate = torch.rand(n, r, generator=gen)
-    dpix = 0.05 * torch.randn(n, r, generator=gen)
-    return d, mean.float(), rstd, gamma, beta, do, w_proj, gate, dpix, n
+    return d, mean.float(), rstd, gamma, beta
 
 
 def _f64(args):
