@@ -110,6 +110,10 @@ _RECORDING: contextvars.ContextVar[Recording | None] = contextvars.ContextVar("c
 
 
 def active_recording() -> Recording | None:
+    import torch
+
+    if torch.compiler.is_compiling():  # recording is eager, on meta tensors; dynamo cannot trace a ContextVar
+        return None
     return _RECORDING.get()
 
 

@@ -172,8 +172,12 @@ def device_info(device: torch.device) -> GPUInfo:
     return GPUInfo(DEFAULT_SMS, DEFAULT_L2_BYTES, DEFAULT_SHARED_PER_BLOCK, DEFAULT_ARCH)
 
 
-def launchable(kernel):
-    """``wrap_triton(kernel)``, so torch.compile sees the launch as a user-defined Triton kernel.
+def launchable(kernel, args: Sequence = ()):
+    """``wrap_triton(kernel)`` while torch.compile traces the launch (a tensor in ``args`` is a FakeTensor
+    or FunctionalTensor), so that its graph sees a user-defined Triton kernel; the kernel itself for plain
+    tensors (eager, or a custom op's body): wrap_triton's HOP dispatch is on by default outside a
+    triton_op and costs ~0.2-1 ms of host time per launch, which made a step of the fused training ops
+    host-bound on a GPU.
 
     Under the interpreter (TRITON_INTERPRET=1 when the kernel was decorated) ``@triton.jit`` gives an
     ``InterpretedFunction``, which torch < 2.15 refuses to wrap: it is launched as it is.
@@ -181,7 +185,9 @@ def launchable(kernel):
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
-    return wrap_triton(kernel) if isinstance(kernel, (JITFunction, Autotuner)) else kernel
+    if isinstance(kernel, (JITFunction, Autotuner)) and _traced(args):
+        return wrap_triton(kernel)
+    return kernel
 
 
 def launch(kernel, grid, *args, cost: Callable[[], KernelCost] | None = None, **meta) -> None:
@@ -194,4 +200,13 @@ def launch(kernel, grid, *args, cost: Callable[[], KernelCost] | None = None, **
     if rec is not None:
         rec.add(kernel, grid, args, meta, cost)
         return
-    launchable(kernel)[grid](*args, **meta)
+    launchable(kernel, args)[grid](*args, **meta)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _traced(args: Sequence) -> bool:
+    """A tensor argument of a subclass (FakeTensor, FunctionalTensor): torch.compile is tracing the
+    launch, which must then go through wrap_triton so that the graph sees the kernel."""
+    return any(isinstance(a, torch.Tensor) and type(a) not in _PLAIN for a in args)

@@ -48,6 +48,12 @@ FUSED_CAP_S = 300  # every fused model and distinct block (Triton compiles its v
 RESERVE_S = 30  # kept back for the tables and the records at the end
 WARMUP, ITERS = 10, 50  # as convfirstnet bench on a GPU
 VIEW_ENV = "CONVFIRSTNET_SOURCE_VIEW"
+INDUCTOR = ["inductor-max-autotune"]  # the compiled baseline's bench backend (--inductor)
+
+
+def _label() -> str:
+    """The baseline's short name in tables and messages: max-autotune, or inductor (default mode)."""
+    return INDUCTOR[0].removeprefix("inductor-")
 
 
 # ------------------------------------------------------------------------------------ import path
@@ -333,7 +339,7 @@ def comparison_table(rows: Sequence[dict]) -> str:
     """Markdown: one line per model or distinct block. Each row: model, path(s), count, predicted
     {low, high} or None, fused and inductor results (``status``, ``ms_per_batch``)."""
     head = ("| model | block | count | predicted ms (low-high) | fused ms (CUDA graph) "
-            "| measured / predicted high | max-autotune ms | fused speed-up |")
+            f"| measured / predicted high | {_label()} ms | fused speed-up |")
     lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         pred, fused, ind = r.get("predicted"), r.get("fused"), r.get("inductor")
@@ -351,7 +357,7 @@ def comparison_table(rows: Sequence[dict]) -> str:
 # ----------------------------------------------------------------------------------------- records
 def _backends(row: dict) -> list[tuple[str, dict]]:
     """(record backend name, result) of a table row's timed cases."""
-    pairs = (("fused-cudagraph", row.get("fused")), ("inductor-max-autotune", row.get("inductor")))
+    pairs = (("fused-cudagraph", row.get("fused")), (INDUCTOR[0], row.get("inductor")))
     return [(b, res) for b, res in pairs if res is not None]
 
 
@@ -404,7 +410,7 @@ def make_record(mode: str, results: list[dict], argv: Sequence[str], dev: dict, 
         tag="gpu-check" if mode == "network" else "gpu-check-blocks",
         git=git_info(), device=dev, software=software_info(),
         settings=dict(models=[f"convfirstnet_{m}" for m in extra["models"]], blocks=None,
-                      backends=["fused-cudagraph", "inductor-max-autotune"], batch_sizes=[BATCH],
+                      backends=["fused-cudagraph", INDUCTOR[0]], batch_sizes=[BATCH],
                       resolution=IMG, dtype=DTYPE, warmup=WARMUP, iters=ITERS, channels_last=True,
                       cudnn_benchmark=True, timer="cuda-events"),
         gpu_check=extra, results=results,
@@ -418,6 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-min", type=float, default=BUDGET_MIN, help="wall-clock budget (default 20)")
     p.add_argument("--skip-tests", action="store_true", help="do not run the GPU tests")
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"), help="where the records go")
+    p.add_argument("--inductor", default=INDUCTOR[0], choices=("inductor-max-autotune", "inductor"),
+                   help="the torch.compile baseline: max-autotune with CUDA graphs (default), or the default "
+                   "mode (minutes less compiling, when the lease is short)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     return p
@@ -435,6 +444,7 @@ def parse_models(text: str) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    INDUCTOR[0] = args.inductor
     if args._worker:
         worker_main(json.loads(args._worker))
         return 0
@@ -514,11 +524,11 @@ def run(args, argv, models: list[str], plan: list[str]) -> int:
         del module, train
         torch.cuda.empty_cache()
 
-    print("\n[gpu_check] torch.compile max-autotune (child processes with time limits) ...", flush=True)
+    print(f"\n[gpu_check] {INDUCTOR[0]} (child processes with time limits) ...", flush=True)
     jobs = autotune_jobs(models)
     for i, (m, what, weight) in enumerate(jobs):
         todo = [r for r in rows if r["model"] == m and (r["path"] == "model") == (what == "model")]
-        spec = dict(model=m, backend="inductor-max-autotune", dtype=DTYPE,
+        spec = dict(model=m, backend=INDUCTOR[0], dtype=DTYPE,
                     cases=[dict(path=r["path"], shape=r["shape"]) for r in todo])
         limit = budget.left() * weight / sum(w for _, _, w in jobs[i:])
         got, why = run_worker(spec, limit)
@@ -528,7 +538,7 @@ def run(args, argv, models: list[str], plan: list[str]) -> int:
         done = f"{len(got)} of {len(todo)} timed"
         print(f"  {m} {what}: {done} in at most {limit:.0f} s" + (f" ({why})" if why else ""), flush=True)
         if why:
-            skipped.append(f"max-autotune {m} {what}: {done} ({why})")
+            skipped.append(f"{_label()} {m} {what}: {done} ({why})")
 
     static.join(timeout=max(1.0, budget.left()))
     for m, e in static.errors.items():

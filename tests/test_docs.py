@@ -42,8 +42,10 @@ SCRIPTS = {  # scripts/<name>.py -> the command it runs
     "results_table": "results",
     "train_imagenet": "train",
     "gpu_check": "gpu_check",  # a script with its own parser (scripts/gpu_check.py)
+    "gpu_profile": "gpu_profile",  # likewise
 }
-STANDALONE = {"gpu_check"}  # scripts whose command line is their own, not a convfirstnet subcommand
+# scripts whose command line is their own, not a convfirstnet subcommand
+STANDALONE = {"gpu_check", "gpu_profile"}
 # The commands whose options a page's prose may name; pages not listed may name any command's.
 PAGE_COMMANDS = {
     "docs/eval.md": ("eval",),

@@ -359,7 +359,7 @@ def _gconv_fwd_kernel(
     sxn8, sxh8, sxw8, swo, swi, swh, sww,
     # meta-parameters
     STRIDE: tl.constexpr, FLIP: tl.constexpr, G: tl.constexpr, MASK_C: tl.constexpr, TH: tl.constexpr,
-    TW: tl.constexpr, PRECISION: tl.constexpr, RESIDUAL: tl.constexpr = False,
+    TW: tl.constexpr, PRECISION: tl.constexpr, RESIDUAL: tl.constexpr,
 ):
     """Forward (FLIP = False) and stride-1 dgrad (FLIP = True, x = dy, y = dx). RESIDUAL: y += res, in
     fp32 before the one rounding (a block's dx = dout + dgrad: the sum never makes its own pass)."""
@@ -486,7 +486,7 @@ def _gconv_wgrad_kernel(
 
 @triton.jit
 def _wgrad_reduce_kernel(part_ptr, dw_ptr, dw2_ptr, SHARES, TOTAL, SPLIT, SB: tl.constexpr,
-                         BLOCK: tl.constexpr, TWO: tl.constexpr = False):
+                         BLOCK: tl.constexpr, TWO: tl.constexpr):
     """dw[i] = sum over the shares s of partial[s, i] (fp32), stored in dw's dtype (TWO: elements from
     SPLIT on to dw2[i - SPLIT], two results of their own from one launch). SB shares at a time: one
     [SB, BLOCK] tile of independent loads (many in flight: a loop over single shares would wait for one

@@ -233,11 +233,13 @@ def check_supported(op: str, x: torch.Tensor) -> None:
         )
 
 
-def reads_in_place(x: torch.Tensor) -> bool:
+def reads_in_place(x: torch.Tensor, offset: bool = True) -> bool:
     """True when the kernels read x through its strides: unit channel stride, the other strides and the
-    storage offset multiples of 8 elements (16-byte vectors of 8 channels): channels-last and its crops."""
+    storage offset multiples of 8 elements (16-byte vectors of 8 channels): channels-last and its crops.
+    ``offset=False``: the strides only (the launcher copies a misaligned crop)."""
     s = x.stride()
-    return s[1] == 1 and s[0] % 8 == 0 and s[2] % 8 == 0 and s[3] % 8 == 0 and x.storage_offset() % 8 == 0
+    aligned = x.storage_offset() % 8 == 0 if offset else True
+    return s[1] == 1 and s[0] % 8 == 0 and s[2] % 8 == 0 and s[3] % 8 == 0 and aligned
 
 
 def _nhwc(x: torch.Tensor) -> torch.Tensor:

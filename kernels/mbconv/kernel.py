@@ -192,8 +192,8 @@ def _mbconv_hidden_kernel(
     TW: tl.constexpr, BM: tl.constexpr, EM: tl.constexpr, TWO: tl.constexpr, BMO: tl.constexpr,
     EXACT: tl.constexpr, RESIDENT: tl.constexpr, XM: tl.constexpr, HWP: tl.constexpr,
     ZB: tl.constexpr, SILU: tl.constexpr, PREC: tl.constexpr, CS: tl.constexpr, SEB: tl.constexpr,
-    NS: tl.constexpr, GATE: tl.constexpr = False, GB: tl.constexpr = 128, NCP: tl.constexpr = 1,
-    MOMENTS: tl.constexpr = False, ONE: tl.constexpr = False,
+    NS: tl.constexpr, GATE: tl.constexpr, GB: tl.constexpr, NCP: tl.constexpr,
+    MOMENTS: tl.constexpr, ONE: tl.constexpr,
 ):
     G: tl.constexpr = RB // 8
     GS: tl.constexpr = G * CS  # conv batch: each group's pixel tile split in CS sub-tiles
@@ -510,7 +510,7 @@ def _mbconv_project_kernel(
     gate_ptr, sgate,  # GATE only
     RESIDUAL: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, HALVES: tl.constexpr, BR: tl.constexpr,
     SP: tl.constexpr, NCP: tl.constexpr, IPT: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr,
-    SIGMOID: tl.constexpr, GATE: tl.constexpr = False,
+    SIGMOID: tl.constexpr, GATE: tl.constexpr,
 ):
     dtype = g_ptr.dtype.element_ty
     pid = tl.program_id(0)

@@ -327,7 +327,10 @@ class MBConvGeometry:
                     ZB=ZERO_BLOCK, SILU=silu, PREC=prec, CS=self.conv_split, NS=self.mean_rows,
                     ONE=self.one_item,
                     SEB=self.sp if self.maxnreg else min(self.sp, 4 * self.hidden_warps),  # sm_80: one step
-                    **(dict(GATE=True, GB=GATE_ROWS, NCP=triton.next_power_of_2(self.nchunk)) if self.gate else {}),
+                    # every constexpr passed, none left to a default: torch.compile's wrapper of a user
+                    # kernel drops defaulted arguments from the launch it generates
+                    GATE=self.gate, GB=GATE_ROWS if self.gate else 128,
+                    NCP=triton.next_power_of_2(self.nchunk) if self.gate else 1, MOMENTS=False,
                     num_warps=self.hidden_warps, num_stages=1, **self.hidden_options)
 
     @property
@@ -339,7 +342,7 @@ class MBConvGeometry:
     def project_constexprs(self, silu: int, prec: str) -> dict:
         return dict(RESIDUAL=self.stride == 1, BM=self.p_bm, BH=self.p_bh, HALVES=self.halves, BR=P_BR,
                     SP=self.sp, NCP=triton.next_power_of_2(self.nchunk), IPT=self.ipt, EVEN=self.p_even,
-                    PREC=prec, SIGMOID=silu, **(dict(GATE=True) if self.gate else {}),
+                    PREC=prec, SIGMOID=silu, GATE=self.gate,
                     num_warps=P_WARPS, num_stages=P_STAGES)
 
 

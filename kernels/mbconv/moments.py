@@ -57,7 +57,7 @@ def moment_partials(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tensor, w
            geo.groups, geo.chunks_per_group, geo.items, geo.ib, geo.slot, *x.stride(),
            *w_exp.stride(), *w_conv.stride(), *w_se1.stride(), *(unused,) * 4, 0, 0,  # no SE gates
            cost=lambda: moments_cost(geo),
-           **dict(geo.hidden_constexprs(silu, prec), ONE=geo.items == geo.programs), MOMENTS=True)
+           **dict(geo.hidden_constexprs(silu, prec), ONE=geo.items == geo.programs, MOMENTS=True))
     return parts
 
 

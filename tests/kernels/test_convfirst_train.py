@@ -600,10 +600,14 @@ def _norm_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("c,k,stride,t,side", SMALL_BLOCKS)
 def test_small_blocks_autocast_gpu(monkeypatch, dtype, c, k, stride, t, side):
     """Batch 16 under autocast: the fused Triton block against the same block layer-wise in fp32: output,
-    input and parameter gradients within 16-bit rounding in norm (fp16 2e-2, bf16 6e-2: a few roundings
-    of u = 2^-11 / 2^-8 through the BatchNorm backwards), running statistics within 1e-2."""
+    input and parameter gradients in norm within 16-bit rounding (fp16 2e-2, bf16 6e-2: a few roundings
+    of u = 2^-11 / 2^-8 through the BatchNorm backwards) or within twice the error of the same block
+    layer-wise under the same autocast, where rounding alone is larger: a gradient that sums terms which
+    cancel (BN_dw's gamma) carries more relative error, whichever path computes it. BN_dw's beta gradient
+    is zero in exact arithmetic (BN_expand follows its conv): it is measured against its gamma's (as the
+    CPU tests' _scales). Running statistics within 1e-2."""
     block = make_block(c, t, 0.0, k=k, stride=stride).cuda().train()
-    ref = copy.deepcopy(block)
+    ref, lw = copy.deepcopy(block), copy.deepcopy(block)
     x = torch.randn(16, c, side, side, device="cuda").contiguous(memory_format=CL)
     dout = torch.randn(16, k, -(-side // stride), -(-side // stride), device="cuda")
     monkeypatch.setenv("CONVFIRSTNET_KERNELS", "triton")
@@ -612,16 +616,27 @@ def test_small_blocks_autocast_gpu(monkeypatch, dtype, c, k, stride, t, side):
         out = block(xa)
     out.float().backward(dout)
     monkeypatch.setenv("CONVFIRSTNET_KERNELS", "reference")
+    xc = x.clone().requires_grad_()
+    with torch.autocast("cuda", dtype):
+        out_lw = lw(xc)
+    out_lw.float().backward(dout)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     xb = x.clone().requires_grad_()
     out_ref = ref(xb)
     out_ref.backward(dout)
     tol = 2e-2 if dtype == torch.float16 else 6e-2
-    assert out.dtype == dtype and _norm_error(out, out_ref) <= tol
-    assert _norm_error(xa.grad, xb.grad) <= tol
-    for (name, p), q in zip(block.named_parameters(), ref.parameters()):
-        assert p.grad.dtype == torch.float32 and _norm_error(p.grad, q.grad) <= tol, name
+    got = {"out": out, "x": xa.grad, **{n: p.grad for n, p in block.named_parameters()}}
+    want = {"out": out_ref, "x": xb.grad, **{n: p.grad for n, p in ref.named_parameters()}}
+    layerwise = {"out": out_lw, "x": xc.grad, **{n: p.grad for n, p in lw.named_parameters()}}
+    assert out.dtype == dtype and all(p.grad.dtype == torch.float32 for p in block.parameters())
+    for name, a in got.items():
+        b, scale = want[name], want[name].double().norm()
+        if name == "bn_dw.bias":
+            scale = max(scale, want["bn_dw.weight"].double().norm())
+        err = ((a.double() - b.double()).norm() / scale).item()
+        err_lw = ((layerwise[name].double() - b.double()).norm() / scale).item()
+        assert err <= max(tol, 2 * err_lw), f"{name}: {err:.3g} (layer-wise {err_lw:.3g})"
     for (name, b), r in zip(block.named_buffers(), ref.buffers()):
         if b.is_floating_point():
             assert _norm_error(b, r) <= 1e-2, name

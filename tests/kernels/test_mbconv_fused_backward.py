@@ -132,7 +132,9 @@ def test_small_backward_on_gpu(monkeypatch, dtype, c, k, stride, side):
     """Small's MBConv blocks (stride 1: C = 256 at 16x16 and 8x8; its two stride-2 blocks), batch 16, fused
     forward and backward through the compiled kernels against the layer-wise op in fp32 on the same 16-bit
     input: every gradient within a few units of the dtype's rounding in norm (fp16 2^-11, bf16 2^-8,
-    through four 16-bit round trips of wide tensors)."""
+    through four 16-bit round trips of wide tensors), or within twice the error of the layer-wise op in
+    the same 16-bit dtype where rounding alone is larger (the SE weights' gradients sum over every pixel
+    terms that cancel: w_se1's was 0.026 in fp16 at 16x16 on an H200)."""
     from .test_mbconv_fused_forward import _block as block_of
 
     monkeypatch.setenv("CONVFIRSTNET_KERNELS", "auto")
@@ -147,10 +149,12 @@ def test_small_backward_on_gpu(monkeypatch, dtype, c, k, stride, side):
     assert calls == [1]
     monkeypatch.setenv("CONVFIRSTNET_KERNELS", "reference")
     _, want = _op_grads(block, x.float(), drop, torch.float32, gout)
+    _, layerwise = _op_grads(block, x, drop, dtype, gout)
     tol = 2e-2 if dtype == torch.float16 else 1e-1
-    for name, a, b in zip(NAMES, got, want):
+    for name, a, b, c in zip(NAMES, got, want, layerwise):
         err = ((a.double() - b.double()).norm() / b.double().norm()).item()
-        assert err <= tol, f"{name}: {err:.3g}"
+        err_lw = ((c.double() - b.double()).norm() / b.double().norm()).item()
+        assert err <= max(tol, 2 * err_lw), f"{name}: {err:.3g} (layer-wise {err_lw:.3g})"
 
 
 @pytest.mark.compile

@@ -44,9 +44,9 @@ def count_launches(monkeypatch):
     launched = []
     real = _launch.launchable
 
-    def counting(kernel):
+    def counting(kernel, args=()):
         launched.append(kernel)
-        return real(kernel)
+        return real(kernel, args)
 
     monkeypatch.setattr(_launch, "launchable", counting)
     return launched
