@@ -537,7 +537,7 @@ def _convfirst_s1_kernel(
     tl.static_assert(K0 >= 16 and K0 + K1 >= C, "output parts must cover C")
     tl.static_assert(BLOCK_H >= 16, "tl.dot operands need >= 16 hidden channels")
     BLOCK_M: tl.constexpr = TH * TW
-    sxn = sxn8.to(tl.int64) * 8
+    sxn = tl.cast(sxn8, tl.int64) * 8
     sxh = sxh8 * 8
     sxw = sxw8 * 8
     w1s, w2a, w2b = _resident_weights(w1_ptr, w2_ptr, sw1_r, sw1_c, sw2_k, sw2_r, NPX, 1, PW, PWL, C,
@@ -696,7 +696,7 @@ def _convfirst_s2_kernel(
         bt: tl.constexpr = tl.float16
     else:
         bt: tl.constexpr = tl.float32
-    sxn = sxn8.to(tl.int64) * 8
+    sxn = tl.cast(sxn8, tl.int64) * 8
     sxh = sxh8 * 8
     sxw = sxw8 * 8
     # A of the expand: blur(x) in NPX parts of CP2 channels (W1 columns [0, C)), then blur(y) alike

@@ -67,7 +67,7 @@ def _merge_moments_kernel(
         ok = e < C
         i = e
         j = e
-    n = M.to(tl.float32)
+    n = tl.cast(M, tl.float32)
     rows = tl.arange(0, SB)
     tmi = tl.zeros((BLOCK,), tl.float32)
     tmj = tl.zeros((BLOCK,), tl.float32)
@@ -230,7 +230,7 @@ def _ffn_weights_finalize_kernel(
     tl.store(dgamma_ptr + hh, sdg.to(dgamma_ptr.dtype.element_ty), mask=hok)
     r2 = tl.load(vec2 + hh, mask=hok, other=0.0)
     k2 = tl.load(vec2 + R + hh, mask=hok, other=0.0)
-    mf = M.to(tl.float32)
+    mf = tl.cast(M, tl.float32)
     if TRAINING:
         u2 = sdb * (-1.0 / mf) * k2
         w2 = sdg * (-1.0 / mf) * k2 * r2
@@ -284,7 +284,7 @@ def _running(mean_ptr, var_ptr, rm_ptr, rv_ptr, nbt_ptr, W, rows, momentum, BLOC
     nbt = tl.load(nbt_ptr) + 1
     tl.store(nbt_ptr, nbt)
     f = tl.where(momentum < 0.0, 1.0 / nbt.to(tl.float32), momentum)
-    unbiased = rows.to(tl.float32) / tl.maximum(rows - 1, 1).to(tl.float32)
+    unbiased = tl.cast(rows, tl.float32) / tl.cast(tl.maximum(rows - 1, 1), tl.float32)
     for c0 in range(0, W, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
         ok = c < W

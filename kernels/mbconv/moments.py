@@ -174,7 +174,7 @@ def _fold_conv_kernel(parts_ptr, w_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, wf_
     dt = wf_ptr.dtype.element_ty
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     r_ok = r < R
-    pf = P.to(tl.float32)
+    pf = tl.cast(P, tl.float32)
     mean_s = tl.zeros((BR,), dtype=tl.float32)
     m2 = tl.zeros((BR,), dtype=tl.float32)
     for n0 in range(0, N, BN):  # one pass: each tile's mean and M2, merged into the running pair (Chan)

@@ -189,8 +189,8 @@ def _gram_merge_kernel(part_ptr, mean_ptr, gram_ptr, xmean_ptr, M, C, CH, S, BC:
                                             mask=s_ok[:, None] & i_ok[None, :], other=0.0), axis=0)
         mj += tl.sum(n_s[:, None] * tl.load(mean_ptr + s[:, None] * C + cj[None, :],
                                             mask=s_ok[:, None] & j_ok[None, :], other=0.0), axis=0)
-    mi = mi / M.to(tl.float32)
-    mj = mj / M.to(tl.float32)
+    mi = mi / tl.cast(M, tl.float32)
+    mj = mj / tl.cast(M, tl.float32)
     g = tl.zeros((BT, BT), dtype=tl.float32)
     for s0 in range(0, S, BS):
         s = s0 + sp
@@ -310,7 +310,7 @@ def _bn_merge_kernel(part_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, ss_ptr, st_p
     k = tl.program_id(0) * BK + tl.arange(0, BK)
     k_ok = k < K
     sp = tl.arange(0, BS)
-    mf = M.to(tl.float32)
+    mf = tl.cast(M, tl.float32)
     mean = tl.zeros((BK,), dtype=tl.float32)
     m2 = tl.zeros((BK,), dtype=tl.float32)
     for s0 in range(0, S, BS):  # one pass: each step's splits merged, then into the running pair (Chan)
@@ -442,7 +442,7 @@ def _bn_grad_apply_kernel(dout_ptr, o_ptr, drop_ptr, mean_ptr, rstd_ptr, gamma_p
     k_ok = k < K
     ok = m_ok[:, None] & k_ok[None, :]
     off = m[:, None] * K + k[None, :]
-    mf = M.to(tl.float32)
+    mf = tl.cast(M, tl.float32)
     mean = tl.load(mean_ptr + k, mask=k_ok, other=0.0)
     rstd = tl.load(rstd_ptr + k, mask=k_ok, other=0.0)
     scale = tl.load(gamma_ptr + k, mask=k_ok, other=0.0).to(tl.float32) * rstd

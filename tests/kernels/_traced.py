@@ -106,6 +106,11 @@ def _run(script: str, *argv: str) -> str:
     proc = subprocess.run([sys.executable, "-c", script, *argv], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # torch's analysis of which kernel arguments are written failed for a kernel: it then assumes every
+    # argument is, and AOT autograd copies the results back into the op's inputs: on torch 2.11 that
+    # stopped a compiled training step ("a leaf Variable that requires grad is being used in an in-place
+    # operation") when a kernel called .to() on a scalar argument, which the analysis makes a constant
+    assert "identify_mutated_tensors" not in proc.stderr, proc.stderr[-3000:]
     return proc.stdout.strip().splitlines()[-1]
 
 

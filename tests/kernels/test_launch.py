@@ -50,3 +50,46 @@ def test_launch_routes_through_launchable(monkeypatch):
     x = torch.empty(4)
     _launch.launch(kernel, (2,), x, 5, BLOCK=8)
     assert seen == [("ask", (x, 5)), ("run", (2,), (x, 5), {"BLOCK": 8})]
+
+
+# ---------------------------------------------------------------------- what torch.compile needs of a kernel
+def _jit_functions():
+    """(file, function node, source) of every @triton.jit function under kernels/."""
+    import ast
+    from pathlib import Path
+
+    root = Path(_launch.__file__).resolve().parent
+    for path in sorted(root.rglob("*.py")):
+        src = path.read_text()
+        for node in ast.walk(ast.parse(src)):
+            decorators = node.decorator_list if isinstance(node, ast.FunctionDef) else []
+            if any("jit" in ast.unparse(d) for d in decorators):
+                yield path.relative_to(root.parent), node, src
+
+
+def test_kernels_leave_no_constexpr_to_a_default():
+    """Inductor's wrapper of a user-defined kernel drops defaulted arguments from the launch it generates
+    (on an H200 with torch 2.11: ``launcher() missing ... 'MOMENTS'``): a kernel's constexprs are all
+    passed at the launch. (jit helpers called from kernels may keep defaults.)"""
+    found = [f"{path}:{node.name}" for path, node, _ in _jit_functions()
+             if node.name.endswith("_kernel") and node.args.defaults]
+    assert found == []
+
+
+def test_kernels_call_no_method_on_a_scalar_argument():
+    """A scalar argument becomes a Python constant when Triton specializes it (the value 1) and in torch
+    2.11's analysis of which arguments a kernel writes; ``x.to(...)`` then fails (that analysis gave up,
+    assumed every argument written, and a compiled training step stopped): ``tl.cast(x, ...)`` takes both."""
+    import ast
+    import re
+
+    found = []
+    for path, node, src in _jit_functions():
+        scalars = [a.arg for a in node.args.args if not a.arg.endswith("ptr")
+                   and not (a.annotation is not None and "constexpr" in ast.unparse(a.annotation))]
+        if not node.name.endswith("_kernel"):
+            continue  # helpers receive tensors from their kernels
+        body = ast.get_source_segment(src, node)
+        found += [f"{path}:{node.name}:{a}" for a in scalars
+                  if re.search(rf"(?<![\w.]){a}\.to\(", body)]
+    assert found == []
