@@ -1,15 +1,20 @@
-"""One command for a session with a GPU: ``python scripts/gpu_check.py`` (at most ~20 minutes on one H100).
+"""One command for a session with a GPU: ``python scripts/gpu_check.py`` (about 9 minutes by default).
 
-In one run, in this order, within a wall-clock budget (``--budget-min``, default 20):
+A lent GPU machine runs one command for at most 10 minutes, so the default budget is 9 minutes
+(``--budget-min`` changes it). In one run, in this order:
 
-1. the GPU tests (``pytest -m gpu``), while the static cost report (``convfirstnet kernels``, the same
-   code, sm_90, batch 128, 256x256, fp16) is computed for each size in a second process;
+1. the GPU tests (``pytest -m gpu``, on parallel workers when pytest-xdist is installed: the kernels'
+   compiles dominate), while the static cost report (``convfirstnet kernels``, the same code, sm_90,
+   batch 128, 256x256, fp16) is computed for each size in a second process;
 2. each fused model (CUDA graph) and each of its distinct fused blocks (CUDA graph, the block alone on
    an input of its shape), Small first, then Tiny, Nano, Pico;
-3. each model under ``torch.compile`` of its BatchNorm-folded form (``mode="max-autotune"``: Triton
-   templates and CUDA graphs), in a child process with a time limit, then its distinct blocks the same
-   way while budget remains;
-4. prints predicted (low/high, the static report's CUDA-graph figures for the same shapes) against
+3. a training step of the first model (``convfirstnet bench --train``: the fused training ops against
+   the layer-wise training form, fp16 autocast, batch 128), which writes its own record;
+4. each model under ``torch.compile`` of its BatchNorm-folded form (``--inductor``: the default mode,
+   or ``inductor-max-autotune`` with Triton templates and CUDA graphs when the budget allows minutes of
+   autotuning), in a child process with a time limit, then its distinct blocks the same way while
+   budget remains;
+5. prints predicted (low/high, the static report's CUDA-graph figures for the same shapes) against
    measured, per block and per model, and writes two JSON records under ``benchmarks/results/`` with
    ``convfirstnet bench``'s record machinery: the whole models (mode ``network``, which
    ``scripts/results_table.py`` reads) and the blocks (mode ``model-blocks``).
@@ -41,14 +46,15 @@ from typing import Sequence
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("small", "tiny", "nano", "pico")  # the size the targets are set for first
 BATCH, IMG, DTYPE = 128, 256, "float16"
-BUDGET_MIN = 20.0
-TESTS_CAP_S = 300  # the GPU tests (they compile their kernels; ~2-4 minutes expected)
+BUDGET_MIN = 9.0  # one command on a lent machine: 10 minutes at most
+TESTS_CAP_S = 240  # the GPU tests (they compile their kernels; 127 s on an H200 with 14 workers)
+TRAIN_CAP_S = 150  # the training step, fused and layer-wise (compiles, then 5 + 20 steps each)
 STATIC_CAP_S = 600  # the four static reports, beside the tests (a second process, CPU only)
 FUSED_CAP_S = 300  # every fused model and distinct block (Triton compiles its variants on first use)
 RESERVE_S = 30  # kept back for the tables and the records at the end
 WARMUP, ITERS = 10, 50  # as convfirstnet bench on a GPU
 VIEW_ENV = "CONVFIRSTNET_SOURCE_VIEW"
-INDUCTOR = ["inductor-max-autotune"]  # the compiled baseline's bench backend (--inductor)
+INDUCTOR = ["inductor"]  # the compiled baseline's bench backend (--inductor)
 
 
 def _label() -> str:
@@ -127,11 +133,13 @@ class Budget:
         return max(0.0, min(cap, self.left() / max(1, parts)))
 
 
-def plan_lines(models: Sequence[str], budget_min: float, tests: bool) -> list[str]:
+def plan_lines(models: Sequence[str], budget_min: float, tests: bool, train: bool = True) -> list[str]:
     """What the run does, in order, with the time each step may take."""
     lines = [f"budget: {budget_min:g} min on one GPU ({RESERVE_S} s kept for the tables and records)"]
     if tests:
-        lines.append(f"1. GPU tests: {sys.executable} -m pytest -m gpu -q tests (at most {TESTS_CAP_S} s)")
+        workers = " ".join(parallel_args())
+        lines.append(f"1. GPU tests: {sys.executable} -m pytest -m gpu -q tests {workers} "
+                     f"(at most {TESTS_CAP_S} s)")
     lines.append(
         f"   beside them, on the CPU: convfirstnet kernels --model M --arch sm_90 --batch {BATCH} "
         f"--img-size {IMG} --dtype {DTYPE} for M in {', '.join(models)} (at most {STATIC_CAP_S} s in all)"
@@ -143,14 +151,18 @@ def plan_lines(models: Sequence[str], budget_min: float, tests: bool) -> list[st
     jobs = autotune_jobs(models)
     total = sum(w for _, _, w in jobs)
     order = ", ".join(f"{m} {what} ({w}/{total})" for m, what, w in jobs)
+    lines.append(f"   (at most {FUSED_CAP_S} s; what does not fit is skipped)")
+    if train:
+        lines.append(f"3. a training step of {models[0]}: convfirstnet bench --train {models[0]} "
+                     f"--batch-sizes {BATCH} --train-backends fused,eager (at most {TRAIN_CAP_S} s; its own "
+                     "record)")
+    mode = "mode='max-autotune'" if INDUCTOR[0] == "inductor-max-autotune" else "the default mode"
     lines.append(
-        f"   (at most {FUSED_CAP_S} s; what does not fit is skipped)\n"
-        "3. torch.compile(fold_batchnorm(...), mode='max-autotune') of each model and of its distinct "
-        "blocks, "
+        f"4. torch.compile(fold_batchnorm(...)) in {mode} of each model and of its distinct blocks, "
         "each group in a child process stopped at its share of the time left (a compile that does not finish "
         f"is reported as skipped), in this order with these shares: {order}"
     )
-    lines.append("4. predicted (static report, low/high) against measured per block and model; JSON records "
+    lines.append("5. predicted (static report, low/high) against measured per block and model; JSON records "
                  "(modes network and model-blocks) under benchmarks/results/")
     return lines
 
@@ -295,8 +307,8 @@ class StaticReports(threading.Thread):
 
 
 def run_tests(timeout_s: float) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-           "--import-mode=append", "tests"]
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfE", "--tb=short",
+           "--import-mode=append", "tests", *parallel_args()]
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
@@ -306,7 +318,40 @@ def run_tests(timeout_s: float) -> dict:
                     summary=f"stopped at {timeout_s:.0f} s", tail=tail[-20:])
     lines = proc.stdout.strip().splitlines()
     return dict(status="passed" if proc.returncode == 0 else "failed", returncode=proc.returncode,
-                seconds=round(time.monotonic() - t0), summary=lines[-1] if lines else "", tail=lines[-30:])
+                seconds=round(time.monotonic() - t0), summary=lines[-1] if lines else "", tail=lines[-30:],
+                failures=[ln for ln in lines if ln.startswith(("FAILED", "ERROR"))],
+                errors=[ln for ln in lines if ln.startswith("E ")][:200])
+
+
+def parallel_args() -> list[str]:
+    """pytest-xdist workers when it is installed (each compiles its tests' kernels: the tests' time is
+    mostly compiling), and no pytest-benchmark (it refuses to time under xdist, with a warning per worker)."""
+    import importlib.util
+
+    if importlib.util.find_spec("xdist") is None:
+        return []
+    workers = max(1, min(14, (os.cpu_count() or 2) - 2))
+    return ["-n", str(workers), "-p", "no:benchmark"] if importlib.util.find_spec("pytest_benchmark") else \
+        ["-n", str(workers)]
+
+
+def run_train(model: str, out_dir: str, timeout_s: float) -> dict:
+    """``convfirstnet bench --train`` of ``model`` (fused and layer-wise) in a child process; it writes its
+    own record into ``out_dir``. Returns the status and the lines it printed."""
+    cmd = [sys.executable, "-m", "convfirstnet", "bench", "--train", model, "--batch-sizes", str(BATCH),
+           "--resolution", str(IMG), "--dtype", DTYPE, "--train-backends", "fused,eager", "--warmup", "5",
+           "--iters", "20", "--out-dir", out_dir, "--tag", "gpu-check-train"]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return dict(status="stopped", seconds=round(time.monotonic() - t0), command=" ".join(cmd[1:]),
+                    summary=f"stopped at {timeout_s:.0f} s")
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    timed = [ln for ln in lines if ln.startswith("[bench] train")]
+    return dict(status="ok" if proc.returncode == 0 else "failed", seconds=round(time.monotonic() - t0),
+                command=" ".join(cmd[1:]), summary="; ".join(timed) or (lines[-1] if lines else ""),
+                tail=lines[-10:])
 
 
 # ------------------------------------------------------------------------------------------ tables
@@ -421,12 +466,13 @@ def make_record(mode: str, results: list[dict], argv: Sequence[str], dev: dict, 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python scripts/gpu_check.py", description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(MODELS), help="comma list (default small,tiny,nano,pico)")
-    p.add_argument("--budget-min", type=float, default=BUDGET_MIN, help="wall-clock budget (default 20)")
+    p.add_argument("--budget-min", type=float, default=BUDGET_MIN, help="wall-clock budget (default 9)")
     p.add_argument("--skip-tests", action="store_true", help="do not run the GPU tests")
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"), help="where the records go")
     p.add_argument("--inductor", default=INDUCTOR[0], choices=("inductor-max-autotune", "inductor"),
-                   help="the torch.compile baseline: max-autotune with CUDA graphs (default), or the default "
-                   "mode (minutes less compiling, when the lease is short)")
+                   help="the torch.compile baseline: its default mode (default), or max-autotune with CUDA "
+                   "graphs (minutes of autotuning per model: give it a budget of 20 minutes or more)")
+    p.add_argument("--skip-train", action="store_true", help="do not time the training step")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     return p
@@ -455,7 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     import torch
 
-    lines = plan_lines(models, args.budget_min, not args.skip_tests)
+    lines = plan_lines(models, args.budget_min, not args.skip_tests, not args.skip_train)
     if args.dry_run or not torch.cuda.is_available():
         if not torch.cuda.is_available():
             print("gpu_check: no CUDA device here: nothing is run. On a machine with a GPU this would run:")
@@ -524,6 +570,14 @@ def run(args, argv, models: list[str], plan: list[str]) -> int:
         del module, train
         torch.cuda.empty_cache()
 
+    train = None
+    if not args.skip_train:
+        print(f"\n[gpu_check] training step of {models[0]} (fused, layer-wise) ...", flush=True)
+        train = run_train(models[0], args.out_dir, budget.share(TRAIN_CAP_S))
+        print(f"[gpu_check] train: {train['status']} in {train['seconds']} s: {train['summary']}", flush=True)
+        if train["status"] != "ok":
+            skipped.append(f"training step {models[0]}: {train['status']} ({train['summary']})")
+
     print(f"\n[gpu_check] {INDUCTOR[0]} (child processes with time limits) ...", flush=True)
     jobs = autotune_jobs(models)
     for i, (m, what, weight) in enumerate(jobs):
@@ -555,7 +609,7 @@ def run(args, argv, models: list[str], plan: list[str]) -> int:
     if skipped:
         print("\nSkipped:\n" + "\n".join(f"- {s}" for s in skipped))
     extra = dict(models=models, budget_min=args.budget_min, elapsed_s=round(time.monotonic() - budget.start),
-                 tests=tests, skipped=skipped, plan=plan,
+                 tests=tests, train=train, skipped=skipped, plan=plan,
                  static_reports={m: dict(created=r["created"], versions=r.get("versions"), git=r.get("git"))
                                  for m, r in static.reports.items()})
     paths = [write_record(make_record("network", network_results(rows, macs, params, peak), argv, dev, extra),

@@ -33,8 +33,13 @@ def test_without_a_gpu_it_prints_the_plan_and_exits_0():
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert out.startswith("gpu_check: no CUDA device here: nothing is run.")
-    assert "-m pytest -m gpu" in out and "mode='max-autotune'" in out and "budget: 20 min" in out
+    assert "-m pytest -m gpu" in out and "in the default mode" in out and "budget: 9 min" in out
+    assert "3. a training step of small: convfirstnet bench --train small" in out
     assert "small, tiny, nano, pico" in out and "benchmarks/results/" in out
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--inductor", "inductor-max-autotune", "--budget-min",
+                           "20", "--skip-train"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "mode='max-autotune'" in proc.stdout and "budget: 20 min" in proc.stdout
+    assert "training step" not in proc.stdout
 
 
 def test_bad_model_is_one_line(gc, capsys):
@@ -130,9 +135,9 @@ def test_records_use_the_bench_format(gc, tmp_path):
     assert net["schema"] == bench.SCHEMA and net["command"] == "python scripts/gpu_check.py"
     fused = next(r for r in net["results"] if r["backend"] == "fused-cudagraph")
     assert fused["predicted_ms"]["high"] == 2.0 and fused["img_per_s"] == pytest.approx(128 / 2.5e-3)
-    assert {r["backend"] for r in net["results"]} == {"fused-cudagraph", "inductor-max-autotune"}
+    assert {r["backend"] for r in net["results"]} == {"fused-cudagraph", "inductor"}
     assert [(r["block"], r["backend"], r["status"]) for r in blk["results"]] == [
-        ("stages.1.1", "fused-cudagraph", "ok"), ("stages.1.1", "inductor-max-autotune", "skipped")]
+        ("stages.1.1", "fused-cudagraph", "ok"), ("stages.1.1", "inductor", "skipped")]
     p1, p2 = bench.write_record(net, tmp_path), bench.write_record(blk, tmp_path)
     assert p1.name.endswith("_h100_float16_pico_gpu-check.json") and p2.name.endswith("gpu-check-blocks.json")
     table = results.network_markdown(results.load_records(tmp_path))
@@ -176,7 +181,10 @@ def test_run_orchestration_with_fake_timings(gc, tmp_path, monkeypatch, capsys):
         status="ok", times_ms=dict(median=1.0), ms_per_batch=1.0))
     monkeypatch.setattr(gc, "run_worker", fake_worker)
     monkeypatch.setattr(gc, "device_record", lambda: (dict(name="NVIDIA H100 80GB HBM3", type="cuda"), 989.4))
-    args = argparse.Namespace(budget_min=20.0, skip_tests=False, out_dir=str(tmp_path))
+    trained = []
+    monkeypatch.setattr(gc, "run_train", lambda model, out, t: trained.append((model, out, t)) or dict(
+        status="stopped", seconds=t, summary=f"stopped at {t:.0f} s"))
+    args = argparse.Namespace(budget_min=20.0, skip_tests=False, skip_train=False, out_dir=str(tmp_path))
     assert gc.run(args, [], ["small", "pico"], ["plan"]) == 0
     out = capsys.readouterr().out
     # in order: small whole (8 of 14 weights of the time left), small blocks, pico whole, pico blocks;
@@ -185,10 +193,13 @@ def test_run_orchestration_with_fake_timings(gc, tmp_path, monkeypatch, capsys):
     assert order == [("small", False), ("small", True), ("pico", False), ("pico", True)]
     assert 0 < limits[0][2] <= (20 * 60 - gc.RESERVE_S) * 8 / 14 and limits[-1][2] > limits[0][2]
     assert "| small | model | 1 | " in out and "| small | stages.3.1 ... | 17 |" in out
-    assert "- max-autotune pico blocks: 1 of " in out and "- static report pico: no static report" in out
+    assert "- inductor pico blocks: 1 of " in out and "- static report pico: no static report" in out
+    assert [(m, o) for m, o, _ in trained] == [("small", str(tmp_path))] and 0 < trained[0][2] <= gc.TRAIN_CAP_S
+    assert "- training step small: stopped" in out
     records = sorted(tmp_path.glob("*.json"))
     assert len(records) == 2
     blocks = json.loads(next(p for p in records if "blocks" in p.name).read_text())
     small_rows = [r for r in blocks["results"] if r["model"] == "convfirstnet_small"]
     assert all(r["predicted_ms"] for r in small_rows)  # every distinct block of Small has its prediction
     assert blocks["gpu_check"]["tests"]["summary"] == "3 passed"
+    assert blocks["gpu_check"]["train"]["status"] == "stopped"
