@@ -194,7 +194,8 @@ def test_run_orchestration_with_fake_timings(gc, tmp_path, monkeypatch, capsys):
     assert 0 < limits[0][2] <= (20 * 60 - gc.RESERVE_S) * 8 / 14 and limits[-1][2] > limits[0][2]
     assert "| small | model | 1 | " in out and "| small | stages.3.1 ... | 17 |" in out
     assert "- inductor pico blocks: 1 of " in out and "- static report pico: no static report" in out
-    assert [(m, o) for m, o, _ in trained] == [("small", str(tmp_path))] and 0 < trained[0][2] <= gc.TRAIN_CAP_S
+    assert [(m, o) for m, o, _ in trained] == [("small", str(tmp_path))]
+    assert 0 < trained[0][2] <= gc.TRAIN_CAP_S
     assert "- training step small: stopped" in out
     records = sorted(tmp_path.glob("*.json"))
     assert len(records) == 2
