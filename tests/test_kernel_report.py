@@ -551,7 +551,10 @@ def test_end_to_end_stack(stack_report, tmp_path):
             assert tu["tensor"][end] == pytest.approx(1e6 * q * dense * 2 / R[end])
             assert tu["dram"][end] == pytest.approx(1e6 * e["dram_bytes"] / B[end])
             assert tu["l2"][end] == pytest.approx(1e6 * e["l2_bytes"][end] / L2[end])
-            assert tu["latency"][end] == pytest.approx(1e6 * rounds * lat["stall_cycles"] / clock)
+            sharing = min(e["programs_per_sm"], math.ceil(e["programs"] / t["sms"])) * e["num_warps"] / 4
+            assert e["warps_per_scheduler"] == pytest.approx(sharing)
+            assert tu["latency"][end] == pytest.approx(1e6 * rounds * sharing * lat["stall_cycles"] / clock)
+            assert tu["waits"][end] == pytest.approx(1e6 * rounds * sharing * lat["wait_cycles"][end] / clock)
             assert e["predicted_us"][end] == pytest.approx(
                 max(
                     tu["issue"][end],

@@ -10,8 +10,9 @@ programs per SM, and each machine constant taken at its fast end (the low predic
     DRAM          t_dram   = declared DRAM bytes / DRAM bandwidth
     L2            t_l2     = L2<->SM bytes (from the SASS) / L2 bandwidth
     issue         t_issue  = q * P * w * (SASS instructions per warp) / (4 * S * clock)
-    latency       t_latency = r * (stall cycles of one warp) / clock
-    waits         t_waits   = r * (exposed load and wgmma-group waits of one warp) / clock
+    sharing       s       = min(o, ceil(P / S)) * w / 4    (resident warps per warp scheduler)
+    latency       t_latency = r * s * (stall cycles of one warp) / clock
+    waits         t_waits   = r * s * (exposed load and wgmma-group waits of one warp) / clock
     launch        t_launch  = the gap per launch, in a CUDA graph or from a stream
 
     predicted = max(t_tensor, t_dram, t_l2, t_issue, t_latency + t_waits) + t_launch
@@ -20,8 +21,14 @@ How the terms combine, and why. Tensor cores, DRAM, L2 and instruction issue are
 work at the same time for different warps, so a launch takes at least the largest of them (and can
 take longer when they do not overlap perfectly: the calibration measures by how much). The stall
 cycles and the exposed waits lie on one warp's own critical path, one after the other, so they add;
-no other warp can shorten that path, and an SM slot runs its programs one after another, hence
-``r`` times the per-warp path. The launch gap is time in which the kernel does not run at all: it
+and the warps that share a scheduler do not hide one another's paths: measured on an H200
+(``benchmarks/results/20261126T051713Z_h200_float16_small_gpu-check-blocks.json``), 10 of the 11
+distinct fused blocks of Small took 2.1-5.6x the high end of what one warp's path predicts; the sum
+over the ``s`` warps of a scheduler brackets 8 of them (the other three at 0.87-0.97 of its low end),
+and leaves the public calibration kernels' band as it was (memory-bound there). An SM slot runs its
+programs one after another, hence ``r`` times. The waits are priced at the L2 round trip even for
+loads whose declared working set fits L1: priced at an L1 hit, most of the same blocks sat 1.3-2.0x
+above the low end. The launch gap is time in which the kernel does not run at all: it
 adds. The MACs are those the compiled tensor-core instructions issue (HGMMA/HMMA weighted by the
 declared loop trips); ``mma.sync`` runs at ``f_mma`` of the wgmma rate on sm_90 (hardware).
 
@@ -222,10 +229,12 @@ def estimate_launch(
         base = traffic.load_bypass + l1_loads + traffic.store + traffic.atomic
         l2 = {"low": base * programs, "high": (base + traffic.local) * programs}
 
-    stall = latency.stall_cycles if latency else 0.0
+    # the warps sharing a scheduler add their stall and wait chains (module docstring: measured)
+    sharing = min(occupancy, per_sm) * num_warps / target.issue_per_clock_sm
+    stall = sharing * latency.stall_cycles if latency else 0.0
     waits = {end: 0.0 for end in ENDS}
-    if latency:  # loads that allocate in L1 wait for an L1 hit when their working set stays there
-        waits = latency.wait_cycles_l1_hit if l1_fits else latency.wait_cycles
+    if latency:  # at the L2 round trip, also for L1-resident loads (module docstring: measured)
+        waits = {end: sharing * latency.wait_cycles[end] for end in ENDS}
 
     def tensor(end: str) -> float:
         rate = hw.tensor_tflops.pick(end) * 1e12
