@@ -9,7 +9,9 @@ A lent GPU machine runs one command for at most 10 minutes, so the default budge
 2. each fused model (CUDA graph) and each of its distinct fused blocks (CUDA graph, the block alone on
    an input of its shape), Small first, then Tiny, Nano, Pico;
 3. a training step of the first model (``convfirstnet bench --train``: the fused training ops against
-   the layer-wise training form, fp16 autocast, batch 128), which writes its own record;
+   the layer-wise training form, fp16 autocast, batch 128), which writes its own record, then a
+   profile of the fused step (``scripts/gpu_profile.py``): its wall time against the sum of its
+   kernels' device time, the difference being host time;
 4. each model under ``torch.compile`` of its BatchNorm-folded form (``--inductor``: the default mode,
    or ``inductor-max-autotune`` with Triton templates and CUDA graphs when the budget allows minutes of
    autotuning), in a child process with a time limit, then its distinct blocks the same way while
@@ -49,6 +51,7 @@ BATCH, IMG, DTYPE = 128, 256, "float16"
 BUDGET_MIN = 9.0  # one command on a lent machine: 10 minutes at most
 TESTS_CAP_S = 240  # the GPU tests (they compile their kernels; 127 s on an H200 with 14 workers)
 TRAIN_CAP_S = 150  # the training step, fused and layer-wise (compiles, then 5 + 20 steps each)
+PROFILE_CAP_S = 90  # the fused training step's kernels against its wall time (scripts/gpu_profile.py)
 STATIC_CAP_S = 600  # the four static reports, beside the tests (a second process, CPU only)
 FUSED_CAP_S = 300  # every fused model and distinct block (Triton compiles its variants on first use)
 RESERVE_S = 30  # kept back for the tables and the records at the end
@@ -155,7 +158,8 @@ def plan_lines(models: Sequence[str], budget_min: float, tests: bool, train: boo
     if train:
         lines.append(f"3. a training step of {models[0]}: convfirstnet bench --train {models[0]} "
                      f"--batch-sizes {BATCH} --train-backends fused,eager (at most {TRAIN_CAP_S} s; its own "
-                     "record)")
+                     "record), then scripts/gpu_profile.py --cases train-fused: the step's wall time "
+                     f"against its kernels' (at most {PROFILE_CAP_S} s)")
     mode = "mode='max-autotune'" if INDUCTOR[0] == "inductor-max-autotune" else "the default mode"
     lines.append(
         f"4. torch.compile(fold_batchnorm(...)) in {mode} of each model and of its distinct blocks, "
@@ -352,6 +356,29 @@ def run_train(model: str, out_dir: str, timeout_s: float) -> dict:
     return dict(status="ok" if proc.returncode == 0 else "failed", seconds=round(time.monotonic() - t0),
                 command=" ".join(cmd[1:]), summary="; ".join(timed) or (lines[-1] if lines else ""),
                 tail=lines[-10:])
+
+
+def run_profile(model: str, timeout_s: float) -> dict:
+    """``scripts/gpu_profile.py`` of the fused training step in a child process: its wall time per step
+    against the sum of its kernels' device time (the difference is host time) and the top kernels."""
+    out = Path(tempfile.mkdtemp(prefix="gpu-check-profile-"))
+    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_profile.py"), "--model", model, "--batch", str(BATCH),
+           "--img-size", str(IMG), "--cases", "train-fused", "--steps", "3", "--out", str(out)]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return dict(status="stopped", seconds=round(time.monotonic() - t0),
+                    summary=f"stopped at {timeout_s:.0f} s")
+    found = sorted(out.glob("profile_*.json"))
+    if proc.returncode != 0 or not found:
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        return dict(status="failed", seconds=round(time.monotonic() - t0), summary=lines[-1] if lines else "")
+    r = json.loads(found[0].read_text())
+    return dict(status="ok", seconds=round(time.monotonic() - t0), wall_ms=r["wall_ms"],
+                kernels_ms=r["device_ms"], top=r["kernels"][:12],
+                summary=f"fused training step: wall {r['wall_ms']:.1f} ms, "
+                f"kernels {r['device_ms']:.1f} ms per step")
 
 
 # ------------------------------------------------------------------------------------------ tables
@@ -577,6 +604,8 @@ def run(args, argv, models: list[str], plan: list[str]) -> int:
         print(f"[gpu_check] train: {train['status']} in {train['seconds']} s: {train['summary']}", flush=True)
         if train["status"] != "ok":
             skipped.append(f"training step {models[0]}: {train['status']} ({train['summary']})")
+        train["profile"] = run_profile(models[0], budget.share(PROFILE_CAP_S))
+        print(f"[gpu_check] profile: {train['profile']['status']}: {train['profile']['summary']}", flush=True)
 
     print(f"\n[gpu_check] {INDUCTOR[0]} (child processes with time limits) ...", flush=True)
     jobs = autotune_jobs(models)

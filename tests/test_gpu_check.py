@@ -184,6 +184,8 @@ def test_run_orchestration_with_fake_timings(gc, tmp_path, monkeypatch, capsys):
     trained = []
     monkeypatch.setattr(gc, "run_train", lambda model, out, t: trained.append((model, out, t)) or dict(
         status="stopped", seconds=t, summary=f"stopped at {t:.0f} s"))
+    monkeypatch.setattr(gc, "run_profile", lambda model, t: dict(
+        status="ok", seconds=1, wall_ms=90.0, kernels_ms=87.0, summary="wall 90.0 ms, kernels 87.0 ms"))
     args = argparse.Namespace(budget_min=20.0, skip_tests=False, skip_train=False, out_dir=str(tmp_path))
     assert gc.run(args, [], ["small", "pico"], ["plan"]) == 0
     out = capsys.readouterr().out
@@ -204,3 +206,4 @@ def test_run_orchestration_with_fake_timings(gc, tmp_path, monkeypatch, capsys):
     assert all(r["predicted_ms"] for r in small_rows)  # every distinct block of Small has its prediction
     assert blocks["gpu_check"]["tests"]["summary"] == "3 passed"
     assert blocks["gpu_check"]["train"]["status"] == "stopped"
+    assert blocks["gpu_check"]["train"]["profile"]["kernels_ms"] == 87.0 and "[gpu_check] profile: ok" in out
