@@ -1,0 +1,163 @@
+"""Variants of the MBConv kernels' launch constants at one of Small's blocks, each timed on a GPU beside
+the static model's prediction: ``python scripts/gpu_variants.py [--block stages.3.1]``.
+
+The 16x16 MBConv blocks measured slower than ``torch.compile``'s layer-wise code on an H200 (0.427
+against 0.350 ms), bound, by the static model, on the stall and wait chains of the hidden kernel's 16
+warps. Each variant overrides constants of ``kernels/mbconv/launcher.py`` (warps, hidden channels per
+chunk) for one run; per variant it prints and records:
+- the static prediction of the block (``build_report``, low-high, CUDA graphs), computed on the CPU;
+- on a GPU: the block alone in a CUDA graph (``convfirstnet bench``'s ``run_case``), and its output
+  against the fused op's PyTorch reference on the same input (max |error| / max |reference|; fp16);
+- a variant that does not compile, or does not fit, says why and the run goes on.
+Without a GPU it prints the predictions only. ``--out DIR`` writes one JSON record of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+BATCH, IMG = 128, 256
+VARIANTS = {  # name -> overrides of kernels/mbconv/launcher.py's constants
+    "shipped": {},
+    "hidden 8 warps": {"HIDDEN_WARPS": 8},
+    "RB 32": {"RB": 32},
+    "hidden 8 warps + RB 32": {"HIDDEN_WARPS": 8, "RB": 32},
+    "hidden 4 warps": {"HIDDEN_WARPS": 4},
+}
+
+
+@contextlib.contextmanager
+def overridden(values: dict):
+    """The launcher's module constants set to ``values`` for the duration (restored after)."""
+    from convfirstnet.kernels.mbconv import launcher
+
+    saved = {k: getattr(launcher, k) for k in values}
+    for k, v in values.items():
+        if not hasattr(launcher, k):
+            raise AttributeError(f"kernels/mbconv/launcher.py has no constant {k}")
+        setattr(launcher, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(launcher, k, v)
+
+
+def block_of(path: str):
+    """(Small's block at ``path`` as a one-block Sequential, its input shape at batch 128, 256x256)."""
+    import torch.nn as nn
+
+    from convfirstnet.factory import create_model
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_check import block_inputs
+
+    model = create_model("small")
+    shape = block_inputs(create_model("small"), BATCH, IMG)[path]
+    return nn.Sequential(model.get_submodule(path)), shape
+
+
+def predict(seq, shape) -> dict:
+    from convfirstnet.analysis.report import build_report
+
+    rep = build_report(seq, tuple(shape[1:]), batch=shape[0], arch=90, name="block")
+    return dict(low=rep["predicted_low_ms"], high=rep["predicted_high_ms"],
+                launches=[dict(kernel=e["kernel"].split(".")[-1], warps=e["num_warps"],
+                               us_high=e["predicted_us"]["high"]) for e in rep["launches"]])
+
+
+def measure(seq, shape) -> dict:
+    import torch
+
+    from convfirstnet.commands.bench import _to, run_case
+    from convfirstnet.factory import fuse
+
+    torch.manual_seed(0)
+    x = torch.randn(*shape, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+    fused = _to(fuse(seq), torch.device("cuda"), torch.float16, channels_last=False)
+    saved = os.environ.get("CONVFIRSTNET_KERNELS")
+    try:
+        os.environ["CONVFIRSTNET_KERNELS"] = "auto"
+        with torch.no_grad():
+            out = fused(x).float()
+        os.environ["CONVFIRSTNET_KERNELS"] = "reference"
+        with torch.no_grad():
+            ref = fused(x).float()
+    finally:
+        if saved is None:
+            os.environ.pop("CONVFIRSTNET_KERNELS", None)
+        else:
+            os.environ["CONVFIRSTNET_KERNELS"] = saved
+    err = ((out - ref).abs().max() / ref.abs().max()).item()
+    row = run_case("fused-cudagraph", seq, True, x, 10, 50)
+    return dict(status=row.get("status"), ms=row.get("times_ms", {}).get("median"), max_rel_error=err,
+                reason=row.get("reason"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--block", default="stages.3.1", help="a module path of Small (default stages.3.1)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
+    p.add_argument("--skip-predict", action="store_true",
+                   help="time only (the predictions compile on the CPU: minutes of a short GPU lease)")
+    p.add_argument("--out", default=None, help="folder for the JSON record")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        print(f"gpu_variants: error: unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}",
+              file=sys.stderr)
+        return 1
+    seq, shape = block_of(args.block)
+    gpu = torch.cuda.is_available()
+    rows = []
+    for name in names:
+        t0 = time.perf_counter()
+        row = dict(variant=name, overrides=VARIANTS[name])
+        try:
+            with overridden(VARIANTS[name]):
+                if not args.skip_predict:
+                    row["predicted_ms"] = predict(seq, shape)
+                if gpu:
+                    row["measured"] = measure(seq, shape)
+        except Exception as e:  # a variant that does not compile or fit: say why, go on
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        rows.append(row)
+        pr, me = row.get("predicted_ms"), row.get("measured") or {}
+        text = f"predicted {pr['low']:.3f}-{pr['high']:.3f} ms" if pr else "no prediction"
+        if me.get("ms"):
+            text += f", measured {me['ms']:.3f} ms, max rel error {me['max_rel_error']:.1e}"
+        elif me:
+            text += f", not measured ({me.get('reason')})"
+        print(f"{args.block} {name}: {text}" + (f"; {row['error']}" if "error" in row else ""), flush=True)
+    if args.out:
+        from convfirstnet.analysis.provenance import device_info
+
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        dev = device_info(torch.device("cuda")) if gpu else dict(type="cpu")
+        command = "python scripts/gpu_variants.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        rec = dict(mode="variants", date=stamp, command=command, block=args.block, shape=list(shape),
+                   device=dev, variants=rows,
+                   versions=dict(torch=torch.__version__, triton=__import__("triton").__version__))
+        path = Path(args.out) / f"{stamp}_variants_{args.block}.json"
+        path.write_text(json.dumps(rec, indent=1))
+        print(f"record: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
