@@ -1,6 +1,6 @@
 """One command for a session with a GPU: ``python scripts/gpu_check.py`` (about 9 minutes by default).
 
-A lent GPU machine runs one command for at most 10 minutes, so the default budget is 9 minutes
+Fits a GPU job limited to 10 minutes: the default budget is 9 minutes
 (``--budget-min`` changes it). In one run, in this order:
 
 1. the GPU tests (``pytest -m gpu``, on parallel workers when pytest-xdist is installed: the kernels'
@@ -48,7 +48,7 @@ from typing import Sequence
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("small", "tiny", "nano", "pico")  # the size the targets are set for first
 BATCH, IMG, DTYPE = 128, 256, "float16"
-BUDGET_MIN = 9.0  # one command on a lent machine: 10 minutes at most
+BUDGET_MIN = 9.0  # fits a 10-minute GPU job
 TESTS_CAP_S = 240  # the GPU tests (they compile their kernels; 127 s on an H200 with 14 workers)
 TRAIN_CAP_S = 150  # the training step, fused and layer-wise (compiles, then 5 + 20 steps each)
 PROFILE_CAP_S = 90  # the fused training step's kernels against its wall time (scripts/gpu_profile.py)

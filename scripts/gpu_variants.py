@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block", default="stages.3.1", help="a module path of Small (default stages.3.1)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
     p.add_argument("--skip-predict", action="store_true",
-                   help="time only (the predictions compile on the CPU: minutes of a short GPU lease)")
+                   help="time only (the predictions compile on the CPU: minutes of a short GPU job)")
     p.add_argument("--out", default=None, help="folder for the JSON record")
     return p
 
