@@ -1,6 +1,7 @@
 """Shared pieces of every fused-block op: the backend switch, input checks, op registration.
 
-The backend is chosen per call from ``CONVFIRSTNET_KERNELS`` (read here and nowhere else):
+The backend is chosen per call from ``CONVFIRSTNET_KERNELS`` (read here and nowhere else; set for a
+stretch of code with ``selected_backend``):
 
 * ``auto`` (default): Triton kernels for CUDA tensors, the PyTorch reference otherwise;
 * ``triton``: always the Triton kernels (on CPU tensors this needs ``TRITON_INTERPRET=1``);
@@ -11,6 +12,7 @@ float64 tensors always take the reference (the kernels run fp32, fp16 and bf16 o
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -39,6 +41,23 @@ def backend() -> str:
     if name not in BACKENDS:
         raise ValueError(f"CONVFIRSTNET_KERNELS={name!r}: expected one of {', '.join(BACKENDS)}")
     return name
+
+
+@contextlib.contextmanager
+def selected_backend(name: str):
+    """``CONVFIRSTNET_KERNELS`` set to ``name`` (one of ``BACKENDS``) for the duration, restored (or
+    unset again) afterwards: the switch is read per call, so it holds for every op called inside."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend {name!r}: expected one of {', '.join(BACKENDS)}")
+    saved = os.environ.get("CONVFIRSTNET_KERNELS")
+    os.environ["CONVFIRSTNET_KERNELS"] = name
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CONVFIRSTNET_KERNELS", None)
+        else:
+            os.environ["CONVFIRSTNET_KERNELS"] = saved
 
 
 def interpreter_enabled() -> bool:

@@ -310,19 +310,28 @@ class StaticReports(threading.Thread):
                 self.reports[m] = json.loads(path.read_text())
 
 
-def run_tests(timeout_s: float) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfE", "--tb=short",
-           "--import-mode=append", "tests", *parallel_args()]
+def run_child(cmd: Sequence[str], timeout_s: float) -> tuple[subprocess.CompletedProcess | None, dict]:
+    """``cmd`` in the checkout with a time limit: (the finished process, or None when the limit stopped
+    it; the seconds it took, and for a stopped one its status, summary and the tail of its output)."""
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
     except subprocess.TimeoutExpired as e:
         tail = (e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or "").strip().splitlines()
-        return dict(status="stopped", seconds=round(time.monotonic() - t0),
-                    summary=f"stopped at {timeout_s:.0f} s", tail=tail[-20:])
+        return None, dict(status="stopped", seconds=round(time.monotonic() - t0),
+                          summary=f"stopped at {timeout_s:.0f} s", tail=tail[-20:])
+    return proc, dict(seconds=round(time.monotonic() - t0))
+
+
+def run_tests(timeout_s: float) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfE", "--tb=short",
+           "--import-mode=append", "tests", *parallel_args()]
+    proc, info = run_child(cmd, timeout_s)
+    if proc is None:
+        return info
     lines = proc.stdout.strip().splitlines()
-    return dict(status="passed" if proc.returncode == 0 else "failed", returncode=proc.returncode,
-                seconds=round(time.monotonic() - t0), summary=lines[-1] if lines else "", tail=lines[-30:],
+    return dict(info, status="passed" if proc.returncode == 0 else "failed", returncode=proc.returncode,
+                summary=lines[-1] if lines else "", tail=lines[-30:],
                 failures=[ln for ln in lines if ln.startswith(("FAILED", "ERROR"))],
                 errors=[ln for ln in lines if ln.startswith("E ")][:200])
 
@@ -334,9 +343,8 @@ def parallel_args() -> list[str]:
 
     if importlib.util.find_spec("xdist") is None:
         return []
-    workers = max(1, min(14, (os.cpu_count() or 2) - 2))
-    return ["-n", str(workers), "-p", "no:benchmark"] if importlib.util.find_spec("pytest_benchmark") else \
-        ["-n", str(workers)]
+    args = ["-n", str(max(1, min(14, (os.cpu_count() or 2) - 2)))]
+    return args + (["-p", "no:benchmark"] if importlib.util.find_spec("pytest_benchmark") else [])
 
 
 def run_train(model: str, out_dir: str, timeout_s: float) -> dict:
@@ -345,17 +353,14 @@ def run_train(model: str, out_dir: str, timeout_s: float) -> dict:
     cmd = [sys.executable, "-m", "convfirstnet", "bench", "--train", model, "--batch-sizes", str(BATCH),
            "--resolution", str(IMG), "--dtype", DTYPE, "--train-backends", "fused,eager", "--warmup", "5",
            "--iters", "20", "--out-dir", out_dir, "--tag", "gpu-check-train"]
-    t0 = time.monotonic()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return dict(status="stopped", seconds=round(time.monotonic() - t0), command=" ".join(cmd[1:]),
-                    summary=f"stopped at {timeout_s:.0f} s")
+    proc, info = run_child(cmd, timeout_s)
+    info["command"] = " ".join(cmd[1:])
+    if proc is None:
+        return info
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     timed = [ln for ln in lines if ln.startswith("[bench] train")]
-    return dict(status="ok" if proc.returncode == 0 else "failed", seconds=round(time.monotonic() - t0),
-                command=" ".join(cmd[1:]), summary="; ".join(timed) or (lines[-1] if lines else ""),
-                tail=lines[-10:])
+    return dict(info, status="ok" if proc.returncode == 0 else "failed",
+                summary="; ".join(timed) or (lines[-1] if lines else ""), tail=lines[-10:])
 
 
 def run_profile(model: str, timeout_s: float) -> dict:
@@ -364,18 +369,15 @@ def run_profile(model: str, timeout_s: float) -> dict:
     out = Path(tempfile.mkdtemp(prefix="gpu-check-profile-"))
     cmd = [sys.executable, str(ROOT / "scripts" / "gpu_profile.py"), "--model", model, "--batch", str(BATCH),
            "--img-size", str(IMG), "--cases", "train-fused", "--steps", "3", "--out", str(out)]
-    t0 = time.monotonic()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return dict(status="stopped", seconds=round(time.monotonic() - t0),
-                    summary=f"stopped at {timeout_s:.0f} s")
+    proc, info = run_child(cmd, timeout_s)
+    if proc is None:
+        return info
     found = sorted(out.glob("profile_*.json"))
     if proc.returncode != 0 or not found:
         lines = (proc.stdout + proc.stderr).strip().splitlines()
-        return dict(status="failed", seconds=round(time.monotonic() - t0), summary=lines[-1] if lines else "")
+        return dict(info, status="failed", summary=lines[-1] if lines else "")
     r = json.loads(found[0].read_text())
-    return dict(status="ok", seconds=round(time.monotonic() - t0), wall_ms=r["wall_ms"],
+    return dict(info, status="ok", wall_ms=r["wall_ms"],
                 kernels_ms=r["device_ms"], top=r["kernels"][:12],
                 summary=f"fused training step: wall {r['wall_ms']:.1f} ms, "
                 f"kernels {r['device_ms']:.1f} ms per step")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -39,34 +38,35 @@ def profile_case(case: str, model_name: str, batch: int, img: int, steps: int, d
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from convfirstnet.commands.bench import prepare, prepare_train
+    from convfirstnet.commands.bench import _TRAIN_KERNELS, prepare, prepare_train
     from convfirstnet.factory import create_model
+    from convfirstnet.kernels._launch import selected_backend
 
     dev = torch.device(device)
     dtype = torch.float16 if dev.type == "cuda" else torch.float32
     train_model = create_model(model_name)
     x = torch.randn(batch, 3, img, img, device=dev).contiguous(memory_format=torch.channels_last)
-    if case.startswith("train"):
-        os.environ["CONVFIRSTNET_KERNELS"] = "auto" if case == "train-fused" else "reference"
-        y = torch.randint(0, 1000, (batch,), device=dev)
-        fn, _ = prepare_train("fused" if case == "train-fused" else "eager", train_model, True, x, y, dtype)
-    else:
-        os.environ["CONVFIRSTNET_KERNELS"] = "auto"
-        fn, _ = prepare(case, train_model, True, x.to(dtype))
-    for _ in range(3):
-        fn()
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    sync()
-    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-    activity = ProfilerActivity.CUDA if dev.type == "cuda" else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
+    train = case.removeprefix("train-") if case.startswith("train-") else None  # bench's train backend
+    with selected_backend(_TRAIN_KERNELS[train] if train else "auto"):
+        if train:
+            y = torch.randint(0, 1000, (batch,), device=dev)
+            fn, _ = prepare_train(train, train_model, True, x, y, dtype)
+        else:
+            fn, _ = prepare(case, train_model, True, x.to(dtype))
+        for _ in range(3):
+            fn()
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
         for _ in range(steps):
             fn()
         sync()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+        activity = ProfilerActivity.CUDA if dev.type == "cuda" else ProfilerActivity.CPU
+        with profile(activities=[activity]) as prof:
+            for _ in range(steps):
+                fn()
+            sync()
     rows = kernel_table(prof, steps, cpu=dev.type == "cpu")
     return dict(case=case, model=model_name, batch=batch, img=img, steps=steps, wall_ms=wall_ms,
                 device_ms=sum(r["us"] for r in rows) / 1e3, kernels=rows)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -77,23 +76,15 @@ def measure(seq, shape) -> dict:
 
     from convfirstnet.commands.bench import _to, run_case
     from convfirstnet.factory import fuse
+    from convfirstnet.kernels._launch import selected_backend
 
     torch.manual_seed(0)
     x = torch.randn(*shape, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
     fused = _to(fuse(seq), torch.device("cuda"), torch.float16, channels_last=False)
-    saved = os.environ.get("CONVFIRSTNET_KERNELS")
-    try:
-        os.environ["CONVFIRSTNET_KERNELS"] = "auto"
-        with torch.no_grad():
-            out = fused(x).float()
-        os.environ["CONVFIRSTNET_KERNELS"] = "reference"
-        with torch.no_grad():
-            ref = fused(x).float()
-    finally:
-        if saved is None:
-            os.environ.pop("CONVFIRSTNET_KERNELS", None)
-        else:
-            os.environ["CONVFIRSTNET_KERNELS"] = saved
+    with torch.no_grad(), selected_backend("auto"):
+        out = fused(x).float()
+    with torch.no_grad(), selected_backend("reference"):
+        ref = fused(x).float()
     err = ((out - ref).abs().max() / ref.abs().max()).item()
     row = run_case("fused-cudagraph", seq, True, x, 10, 50)
     return dict(status=row.get("status"), ms=row.get("times_ms", {}).get("median"), max_rel_error=err,

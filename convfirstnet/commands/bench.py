@@ -432,17 +432,16 @@ def prepare_train(backend: str, train_model: nn.Module, is_convfirstnet: bool, x
 def run_train_case(backend: str, train_model: nn.Module, is_convfirstnet: bool, x: torch.Tensor,
                    y: torch.Tensor, dtype: torch.dtype, warmup: int, iters: int) -> dict:
     """Prepare, warm up and time one training backend; a dict with status ok or skipped."""
-    import os
+    from convfirstnet.kernels._launch import selected_backend
 
     device = x.device
-    saved = os.environ.get("CONVFIRSTNET_KERNELS")
-    os.environ["CONVFIRSTNET_KERNELS"] = _TRAIN_KERNELS[backend]
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        fn, notes = prepare_train(backend, train_model, is_convfirstnet, x, y, dtype)
-        times = time_iterations(fn, device, warmup, iters)
+        with selected_backend(_TRAIN_KERNELS[backend]):
+            fn, notes = prepare_train(backend, train_model, is_convfirstnet, x, y, dtype)
+            times = time_iterations(fn, device, warmup, iters)
     except Skip as e:
         return dict(status="skipped", reason=str(e))
     except torch.cuda.OutOfMemoryError as e:
@@ -451,10 +450,6 @@ def run_train_case(backend: str, train_model: nn.Module, is_convfirstnet: bool, 
         print(f"[bench] {backend} (train) failed:\n{traceback.format_exc(limit=4)}", file=sys.stderr)
         return dict(status="skipped", reason=f"failed: {_short_error(e)}")
     finally:
-        if saved is None:
-            os.environ.pop("CONVFIRSTNET_KERNELS", None)
-        else:
-            os.environ["CONVFIRSTNET_KERNELS"] = saved
         gc.collect()
     return _timed_result(times, notes, device)
 

@@ -3,6 +3,8 @@ traces (FakeTensor arguments). wrap_triton's HOP dispatch outside a triton_op co
 time per launch: on a GPU it made a step of the fused training ops (~1,300 launches, most from custom
 ops' bodies) host-bound, 354 ms a step against 87 ms of kernels."""
 
+import os
+
 import pytest
 import torch
 
@@ -93,3 +95,20 @@ def test_kernels_call_no_method_on_a_scalar_argument():
         found += [f"{path}:{node.name}:{a}" for a in scalars
                   if re.search(rf"(?<![\w.]){a}\.to\(", body)]
     assert found == []
+
+
+def test_selected_backend_sets_and_restores(monkeypatch):
+    """The one place that sets CONVFIRSTNET_KERNELS for a stretch of code: set inside, restored after
+    (unset again when it was unset), an unknown name refused."""
+    monkeypatch.delenv("CONVFIRSTNET_KERNELS", raising=False)
+    with _launch.selected_backend("reference"):
+        assert _launch.backend() == "reference"
+    assert "CONVFIRSTNET_KERNELS" not in os.environ
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "triton")
+    with pytest.raises(RuntimeError), _launch.selected_backend("auto"):
+        assert _launch.backend() == "auto"
+        raise RuntimeError("restored on the way out")
+    assert _launch.backend() == "triton"
+    with pytest.raises(ValueError, match="expected one of"):
+        with _launch.selected_backend("cuda"):
+            pass

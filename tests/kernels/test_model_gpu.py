@@ -16,9 +16,6 @@ image; in fp16 every image is such an image (checked, so that the comparison can
 in bf16 those of Nano and Small (margins 0.13 ... 0.22; Pico's and Tiny's are below bf16's error).
 """
 
-import contextlib
-import os
-
 import pytest
 import torch
 
@@ -52,19 +49,10 @@ def count_launches(monkeypatch):
     return launched
 
 
-@contextlib.contextmanager
 def layerwise():
     """The training form layer by layer (cuDNN): with the Triton kernels selected, its ConvFirst blocks
     would otherwise run the fused training ops (convfirstnet.training_kernels)."""
-    saved = os.environ.get("CONVFIRSTNET_KERNELS")
-    os.environ["CONVFIRSTNET_KERNELS"] = "reference"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("CONVFIRSTNET_KERNELS")
-        else:
-            os.environ["CONVFIRSTNET_KERNELS"] = saved
+    return _launch.selected_backend("reference")
 
 
 def compare(name, batch, dtype, memory_format=torch.contiguous_format, seed=0):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 
 from .._cli import CreatedDirs, run_reporting
 from .checkpoints import CHECKPOINT_EXT
@@ -20,15 +19,10 @@ def kernels_backend(kernels: str):
     """The backend switch of the fused ops (CONVFIRSTNET_KERNELS, read per call) for the run: ``triton``
     (the training form's blocks with fused training kernels run them) or ``reference`` (every layer in
     PyTorch), restored afterwards."""
-    saved = os.environ.get("CONVFIRSTNET_KERNELS")
-    os.environ["CONVFIRSTNET_KERNELS"] = "triton" if kernels == "triton" else "reference"
-    try:
+    from convfirstnet.kernels._launch import selected_backend
+
+    with selected_backend("triton" if kernels == "triton" else "reference"):
         yield
-    finally:
-        if saved is None:
-            os.environ.pop("CONVFIRSTNET_KERNELS", None)
-        else:
-            os.environ["CONVFIRSTNET_KERNELS"] = saved
 
 
 def train(args: argparse.Namespace) -> int:
