@@ -115,25 +115,29 @@ residual and the biases are added in fp32; the output is rounded once. fp32 inpu
 input_precision="tf32x3" (3xTF32, ~fp32 accuracy) with smaller tiles; the interpreter computes
 every dot in fp32. bf16 runs only on a GPU (the interpreter's bf16 dot is wrong).
 
-As compiled and costed (sm_90, ConvFirstNet-Small, batch 128, 256 x 256, fp16)
-------------------------------------------------------------------------------
+As compiled, costed and measured (sm_90, ConvFirstNet-Small, batch 128, 256 x 256, fp16)
+-----------------------------------------------------------------------------------------
 ``convfirstnet kernels --model small --arch sm_90`` (Triton 3.8.0), microseconds per block at the
-model's fast / slow constants (CUDA graphs), against the layer-wise bound of the same model; res =
-resident / hidden chunks, /SM = persistent programs per SM; binds = the largest term at the slow end
-(latency = stall cycles plus exposed waits of one warp's path); L2 = L2<->SM bytes over DRAM bytes;
-before = the previous design (one program per tile, cp.async.cg windows, weights re-read by every
-tile). Next largest terms at the slow end: stage 1 issue 83; 32 -> 64 DRAM 74; C = 64 tensor 78;
-64 -> 96 DRAM 34; C = 96 tensor 43.
+model's fast / slow constants (CUDA graphs), against the layer-wise bound of the same model, and the
+H200 (Triton 3.6, CUDA graphs; ``benchmarks/results/20261126T051713Z_h200_float16_small_gpu-check-
+blocks.json``) against Inductor's layer-wise code in the same run (Ind.). /SM = programs per SM;
+binds = the largest terms at the slow end (waits and latency: one warp's exposed waits and stall
+cycles, times the warps sharing a scheduler); L2 = L2<->SM bytes over DRAM bytes.
 
-    C, R, K, s, map        tile  warps res  regs  smem  /SM | predicted layer-wise  binds      L2/DRAM  before
-    32, 96,32,1,128^2 (x2) 8x16    4   3/3   125   29 KB  3  |  81-100    445-548  dram 99     1.21x  203-299
-    32,192,64,2,128^2      8x8     4   3/3   248   58 KB  2  |  74-80     507-625  latency 79  1.28x   83-123
-    64,384,64,1, 64^2 (x4) 8x16    8   6/6   175  130 KB  1  | 107-123    344-425  latency 121 1.21x  119-175
-    64,384,96,2, 64^2      8x16    8   2/6   255  100 KB  1  |  69-85     254-313  latency 84  2.50x   74-89
-    96,576,96,1, 32^2 (x5) 16x16   8  0/18   255   60 KB  1  |  63-76     132-162  latency 75  2.66x   60-81
+    C, R, K, s, map        tile  warps regs smem  /SM | predicted layer-wise binds          L2/DRAM |H200 Ind.
+    32, 96,32,1,128^2 (x2) 8x16    4   125  29 KB  4 | 316-472  445-548  waits 288, lat 183 1.21x | 409 1151
+    32,192,64,2,128^2      8x8     4   248  58 KB  2 | 211-321  507-625  waits 197, lat 123 1.28x | 213 1040
+    64,384,64,1, 64^2 (x4) 8x16    8   175 130 KB  1 | 267-362  344-425  waits 246, lat 114 1.21x | 329  686
+    64,384,96,2, 64^2      8x16    8   255 100 KB  1 | 196-307  254-313  waits 229, lat  76 2.50x | 253  419
+    96,576,96,1, 32^2 (x5) 16x16   8   255  60 KB  1 | 150-207  132-162  waits 146, lat  59 2.66x | 301  329
 
-    stage 1 / 2 / 3: 0.163-0.201 / 0.503-0.571 / 0.381-0.466 ms (before 0.405-0.598 / 0.557-0.821 /
-    0.372-0.493), 0.18 / 0.25 / 0.42 of the layer-wise bound at the slow end; no stack in any of them.
+    stage 1 / 2 / 3: 0.632-0.945 / 1.278-1.768 / 0.944-1.340 ms predicted, 0.86 / 0.76 / 1.19 of the
+    layer-wise bound at the slow end; no stack in any of them. Measured, every block beats Inductor
+    (1.09-4.87x), the C = 96 block by the least. The H200 ran Triton 3.6 code, predicted slower than
+    this compile at C = 96 (276-386 us against 150-207; measured 301): benchmarks/static/README.md.
+
+Design notes below quote the static model of the time each choice was made (before its correction
+against the H200, when it was 2-6x low): they rank the alternatives then weighed.
 
 Stage 1 sits on its DRAM bound. The t = 6 blocks are bound by one warp's path: with one program per
 SM (the resident weights fill shared memory) every warpgroup waits for its own wgmma groups, chunk

@@ -59,9 +59,12 @@ Compiled for sm_90 (C = 256, 8x8, fp16): 8 warps (two wgmma warpgroups of 64 fea
 (``PREFETCH``: each (image, pixel block) step's x tile is loaded into registers one step ahead, before
 the current step's dots, so its L2 latency is not exposed once per image), 128 registers, 96 KB of
 shared memory, two programs per SM, no spills; 418 SASS instructions per warp and step (64 MUFU, 86
-FADD, 50 FMUL, 16 HGMMA). Static estimate at batch 128 (``convfirstnet kernels``): 7.2-10.1 us, L2-bound
+FADD, 50 FMUL, 16 HGMMA). Static estimate at batch 128 when it was designed: 7.2-10.1 us, L2-bound
 at the high end (8.8 us: x once per feature block, 42 MB; W once per program, 17 MB); the 4-warp form
-without the prefetch was 9.9-11.8 us (latency 5.7 + waits 4.8 us). Not timed on a GPU yet. On sm_80
+without the prefetch was 9.9-11.8 us (latency 5.7 + waits 4.8 us). The corrected model (the stall and
+wait chains of the warps sharing a scheduler add) predicts 24-28 us; measured on an H200 (CUDA graph,
+Triton 3.6): 21 us, against 94 us for Inductor's conv + SiLU + pool (``benchmarks/results/``,
+gpu-check-blocks). The comparisons in this header were made with the model before. On sm_80
 (4 warps, no prefetch: there the prefetched tile spilled 624 B) mma.sync takes its A operand from
 registers and the compiler keeps the loop-invariant slice there.
 

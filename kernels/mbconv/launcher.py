@@ -31,41 +31,36 @@ Choices (kernel.py explains the kernels)
   8x8 at batch 128 runs 64 such programs, predicted faster than 128 with K split), split into grid.y
   only when the tiles would leave three quarters of the SMs idle; 8 warps, 3 pipeline stages.
 
-Predicted (``convfirstnet kernels --model small --arch sm_90``: batch 128, fp16, CUDA graphs; high
-end of the band, us; the terms that bind are what the next redesign has to move):
+Predicted and measured
+----------------------
+Static model (``convfirstnet kernels --model small``: batch 128, fp16, CUDA graphs, Triton 3.8; us,
+low-high; binds = the largest terms at the high end) against the H200 (Triton 3.6, CUDA graphs, both
+launches of a block: ``benchmarks/results/20261126T051713Z_h200_float16_small_gpu-check-blocks.json``)
+and Inductor's layer-wise code in the same run:
 
-    block (Small)             launch   regs  smem    terms at the high end                   time
-    s1 16x16, C 256 (x17)     hidden   128  180 KB  latency 32 + waits 27, L2 54, issue 48     60
-                              project  255  160 KB  L2 38 (W_proj per 128 px), DRAM 37 (g)     39
-    s1 8x8, C 256 (x17)       hidden   126  180 KB  latency 10 + waits 7, L2 17, issue 16      19
-                              project  254  176 KB  tensor 11 (64 programs), latency 11         13
-    s2 32x32, C 96 -> 256     hidden   128   92 KB  L2 115 (x re-read per chunk), issue 84    117
-                              project  221  160 KB  latency 11 + waits 9, L2 17                22
-    s2 16x16, C 256           hidden   128  164 KB  issue 70, latency 44 + waits 27, L2 64     73
-                              project  252  176 KB  tensor 11, L2 10                           13
+    block (Small, sm_90)      launch   warps regs  smem  predicted   binds (high end)     measured  Inductor
+    s1 16x16, C 256 (x17)     hidden    16   128  180 KB  384-593    waits 462, lat. 129      427       350
+                              project    8   255  160 KB   44-56     L2 38, DRAM 37
+    s1 8x8, C 256 (x17)       hidden    16   128  180 KB  113-171    waits 131, lat. 40       136       263
+                              project    8   254  176 KB   24-30     latency 21, tensor 11
+    s2 32x32, C 96 -> 256     hidden    16   128   92 KB  581-916    waits 699, lat. 216      638       472
+                              project    8   221  160 KB   42-53     waits 29, latency 23
+    s2 16x16, C 256           hidden    16   128  164 KB  462-705    waits 529, lat. 175      475       337
+                              project    8   252  176 KB   21-27     latency 18, tensor 11
 
-Against the layer-wise bound of the same model: 0.49x (16x16), 0.53x (8x8), 0.63x (32x32 s2),
-0.57x (16x16 s2); stage 4 1.82 ms (0.50x), stage 5 0.62 ms (0.54x). L2 <-> SM bytes are 3.5x
-(16x16) to 12.5x (16x16 s2) the DRAM bytes: the h slot (written once, read from L2 once per chunk)
-and the g round trip are 2.2 of the 3.5 at 16x16, and with maps this small every image's item reads
-the chunk weights (1.2 MB per block) again. The 8x8 projection cannot go below its tensor term on 64
-programs (one per pair of images); splitting its output channels over 128 programs halves that term
-but reads g twice (predicted 12.6 -> 16.5 us, L2-bound).
+Every hidden kernel is bound by one warp's chain of stall cycles and exposed waits, times the four
+warps that share a scheduler in the one 16-warp program per SM; the projections are near their
+L2/DRAM terms. Three of the four blocks run slower than Inductor's layer-wise code (0.71-0.82x): an
+open defect. The model puts 8- and 4-warp hidden programs 1.5-2x faster
+(``benchmarks/results/variants/``); ``scripts/gpu_variants.py`` measures them, and the shipped
+constants change only on that measurement. On an A100 (``--arch sm_80``: mma.sync, 8-warp tiled
+hidden programs, 64-row projection tiles) the same blocks are predicted at 484-653, 166-222, 748-1058
+and 435-602 us (2.0-3.3x the layer-wise bound; not measured).
 
-On an A100 (``--arch sm_80``, same settings; mma.sync, 8-warp hidden programs, 64-row projection tiles):
-
-    block (Small)             launch   regs  smem    terms at the high end                   time
-    s1 16x16, C 256 (x17)     hidden   232  106 KB  latency 111 + waits 5, L2 115             117
-                              project  214  104 KB  L2 94 (W_proj per 64 px)                   96
-    s1 8x8, C 256 (x17)       hidden   212   74 KB  latency 33 + waits 2, L2 28                 37
-                              project  214  104 KB  tensor 29 (128 tiles on 108 SMs)          30
-    s2 32x32, C 96 -> 256     hidden   234   46 KB  L2 210 (x re-read by 24 chunks of 16),    215
-                                                latency 200 + waits 14
-                              project  255   88 KB  latency 42                                 43
-    s2 16x16, C 256           hidden   224   74 KB  latency 125 + waits 6, L2 131            133
-                              project  209  104 KB  tensor 29                                   30
-
-Against the layer-wise bound: 0.65x (16x16), 0.75x (8x8), 0.82x (32x32 s2), 0.68x (16x16 s2).
+Design notes in this file and in kernel.py quote the static model of the time each choice was made
+(before its correction against the H200, when it was 2-6x low on these kernels): they rank the
+alternatives then weighed, and are not today's predictions; the saved reports under
+``benchmarks/static/`` are.
 """
 
 from __future__ import annotations
