@@ -36,6 +36,17 @@ REFERENCE_DTYPES = (torch.float64,)  # runs the PyTorch reference only (gradient
 GROUP_WIDTH = 8  # every grouped 3x3 conv of ConvFirstNet has 8 channels per group (SPEC 1)
 
 
+def cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` for host code: Triton's is a constexpr function whose Python call costs ~1.5 us
+    (Triton 3.6-3.8), and the launchers size a training step's ~1,300 launches with thousands of them."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` for host code (see ``cdiv``): the smallest power of two >= n (0 for 0)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def backend() -> str:
     name = os.environ.get("CONVFIRSTNET_KERNELS", "auto").strip().lower() or "auto"
     if name not in BACKENDS:

@@ -43,10 +43,11 @@ SCRIPTS = {  # scripts/<name>.py -> the command it runs
     "train_imagenet": "train",
     "gpu_check": "gpu_check",  # a script with its own parser (scripts/gpu_check.py)
     "gpu_profile": "gpu_profile",  # likewise
+    "host_time": "host_time",  # likewise
     "gpu_variants": "gpu_variants",  # likewise
 }
 # scripts whose command line is their own, not a convfirstnet subcommand
-STANDALONE = {"gpu_check", "gpu_profile", "gpu_variants"}
+STANDALONE = {"gpu_check", "gpu_profile", "gpu_variants", "host_time"}
 # The commands whose options a page's prose may name; pages not listed may name any command's.
 PAGE_COMMANDS = {
     "docs/eval.md": ("eval",),

@@ -42,10 +42,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import triton
 
 from .._cost import KernelCost, Loop, active_recording
-from .._launch import GROUP_WIDTH, launch
+from .._launch import GROUP_WIDTH, cdiv, launch, next_power_of_2
 from .kernel import _convfirst_s1_kernel, _convfirst_s2_kernel
 
 MAX_CHANNELS = 128  # widest block the on-chip tiles are laid out for (ConvFirstNet uses <= 96)
@@ -108,7 +107,7 @@ def channel_parts(c: int) -> tuple[int, int]:
     p0 = 1 << (c16.bit_length() - 1)
     p1 = c16 - p0
     if p1 & (p1 - 1):  # 112 = 64 + 48: not two powers of two; pad the second part
-        p1 = triton.next_power_of_2(p1)
+        p1 = next_power_of_2(p1)
     return p0, p1
 
 
@@ -168,7 +167,7 @@ def convfirst_config(
             cached = min(cfg.chunks - res, L1_CACHED_BUDGET // (bh * (c + k) * eb))
             cfg = replace(cfg, conv_sub=32, residual_late=True, split_base=True, cached=cached)
         return cfg
-    cp = max(16, triton.next_power_of_2(c))
+    cp = max(16, next_power_of_2(c))
     # (parts, tile h, tile w, warps, programs per SM, shared memory for resident weights)
     if dtype == torch.float16 and cp <= 32:
         # a second output part's resident chunks spilled (K = 48): those stream their weights
@@ -276,7 +275,7 @@ def convfirst_triton(
     x = _vector_strides(x)
     b_conv, b1, b2 = b_conv.contiguous(), b1.contiguous(), b2.contiguous()
     cfg = convfirst_config(c, k, stride, x.dtype, r, device_arch(x.device))
-    tiles = n * triton.cdiv(ho, cfg.tile_h) * triton.cdiv(wo, cfg.tile_w)
+    tiles = n * cdiv(ho, cfg.tile_h) * cdiv(wo, cfg.tile_w)
     grid = (programs_for(cfg, tiles, x.device),)
     # inline asm does not run in the interpreter (CPU tensors); GPU and recorded launches use it
     asm = x.device.type != "cpu" and x.dtype != torch.float32
@@ -297,7 +296,7 @@ def convfirst_triton(
         xs8 = (x.stride(0) // 8, x.stride(2) // 8, x.stride(3) // 8)
         cp2 = cfg.c_parts[1]
         launch(_convfirst_s2_kernel, grid, x, w_conv, b_conv, w1, b1, w2, b2, out, h, w, ho, wo, tiles, r,
-               *xs8, *wstrides, C=c, CP2=cp2, NPX=triton.cdiv(c, cp2), K=k, K0=cfg.k_parts[0],
+               *xs8, *wstrides, C=c, CP2=cp2, NPX=cdiv(c, cp2), K=k, K0=cfg.k_parts[0],
                K1=cfg.k_parts[1], R=r, TH=cfg.tile_h, TW=cfg.tile_w, BLOCK_H=cfg.block_h,
                RESIDENT=cfg.resident, CACHED=cfg.cached, PRECISION=cfg.precision, ASM=asm,
                BLUR_F16=x.dtype == torch.float16,
@@ -331,8 +330,8 @@ def programs_for(cfg: ConvFirstConfig, tiles: int, device: torch.device) -> int:
     SM), as few as give the busiest one no more tiles (each loads its resident weights once)."""
     if not cfg.programs_per_sm:
         return tiles
-    trips = triton.cdiv(tiles, cfg.programs_per_sm * device_sms(device))
-    return triton.cdiv(tiles, trips)
+    trips = cdiv(tiles, cfg.programs_per_sm * device_sms(device))
+    return cdiv(tiles, trips)
 
 
 def _l1_declaration(eb: int, trips: int, halo: int, small: int) -> dict:
@@ -363,8 +362,8 @@ def _cached_elements(cfg: ConvFirstConfig, c1: int) -> int:
 def launch_cost(cfg: ConvFirstConfig, n: int, h: int, w: int, programs: int) -> KernelCost:
     """What one launch of `cfg` on an N x C x H x W input issues (see ``kernels/_cost.py``)."""
     ho, wo = (h, w) if cfg.stride == 1 else ((h + 1) // 2, (w + 1) // 2)
-    tiles = n * triton.cdiv(ho, cfg.tile_h) * triton.cdiv(wo, cfg.tile_w)
-    trips = triton.cdiv(tiles, programs)  # tiles of the busiest program
+    tiles = n * cdiv(ho, cfg.tile_h) * cdiv(wo, cfg.tile_w)
+    trips = cdiv(tiles, programs)  # tiles of the busiest program
     r, bm, bh = cfg.r, cfg.block_m, cfg.block_h
     chunks = cfg.chunks
     kw = sum(cfg.k_parts)
@@ -391,7 +390,7 @@ def launch_cost(cfg: ConvFirstConfig, n: int, h: int, w: int, programs: int) -> 
                  f"resident, {min(cfg.cached, chunks - cfg.resident)} cached, {trips} tiles per program",
         )
     cp2 = cfg.c_parts[1]
-    npx = triton.cdiv(cfg.c, cp2)
+    npx = cdiv(cfg.c, cp2)
     conv = 9 * cp2 * cp2 * npx * bm  # nine block-diagonal [CP2, CP2] tap dots per channel part
     ffn = chunks * bh * (2 * cp2 * npx + kw) * bm
     inner = [Loop("taprow", 3) for _ in range(npx) if cfg.row_loop] + list(_chunk_loops(cfg))

@@ -25,10 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from .._cost import KernelCost, Loop
-from .._launch import launch
+from .._launch import cdiv, launch, next_power_of_2
 from ..gconv.launcher import gconv3x3_dgrad_triton, gconv3x3_triton, gconv3x3_wgrad_triton, reduce_partials
 from .finalize import (
     VEC_C, VEC_K, VEC_R, VEC_ROWS, VEC_T, VEC_U, VEC_W,
@@ -88,7 +87,7 @@ class TrainConfig:
 
 
 def _pow2(c: int) -> int:
-    return max(16, triton.next_power_of_2(c))
+    return max(16, next_power_of_2(c))
 
 
 def channel_parts(c: int) -> tuple[int, int]:
@@ -96,9 +95,9 @@ def channel_parts(c: int) -> tuple[int, int]:
     to _pow2(c) and masked past c, is used): 96 = 64 + 32 instead of 128 with a quarter masked, since
     that pass re-reads y and dp once per hidden chunk (L2 bound). Parts of 32 channels at least: a
     16-channel part's dots were not compiled and estimated (C = 48 stays padded to 64)."""
-    a = triton.next_power_of_2(c) // 2
+    a = next_power_of_2(c) // 2
     b = c - a
-    if c != triton.next_power_of_2(c) and b >= 32 and b & (b - 1) == 0:
+    if c != next_power_of_2(c) and b >= 32 and b & (b - 1) == 0:
         return a, b
     return _pow2(c), 0
 
@@ -113,7 +112,7 @@ def train_config(c_in: int, c_out: int, r: int, dtype: torch.dtype) -> TrainConf
     # 32 hidden channels per chunk, the forward on 4 warps (static estimates of Small's blocks, batch 128,
     # sm_90: BH 64 -> 32 took the input pass at C = 64 from 234 to 174 us (two programs per SM instead
     # of one) and at C = 32 from 217 to 201; the forward on 4 warps at C = 96 from 105 to 63 us)
-    bh = min(32, max(16, triton.next_power_of_2(r)))
+    bh = min(32, max(16, next_power_of_2(r)))
     # weights pass: 128 rows x 32 hidden channels, 8 warps, three pipeline stages for every CP (sm_90,
     # fp16: 150-230 registers, no stack, up to 217 KB of shared memory at CP = 128). Chosen by the
     # static estimate of Small's stride-1 blocks at batch 128: 64 x 32 and 1-2 stages were latency
@@ -134,9 +133,9 @@ def shares_of(tiles: int, block_m: int, interpreter: bool, cap: int = SHARES) ->
     if interpreter:
         per = INTERPRETER_SHARE_TILES
     else:
-        per = max(triton.cdiv(MIN_SHARE_ROWS, block_m), triton.cdiv(tiles, cap))
+        per = max(cdiv(MIN_SHARE_ROWS, block_m), cdiv(tiles, cap))
     per = min(per, max(1, tiles))
-    return per, triton.cdiv(tiles, per)
+    return per, cdiv(tiles, per)
 
 
 def weight_shares(tiles: int, chunks: int, c_in: int, c_out: int, r: int, cfg: TrainConfig, eb: int,
@@ -148,17 +147,17 @@ def weight_shares(tiles: int, chunks: int, c_in: int, c_out: int, r: int, cfg: T
     rows = tiles * cfg.block_m_weights
     budget = int(PARTIAL_SHARE * (c_in + c_out) * eb * rows * chunks / (4 * (c_in + c_out) * r)) if r else 1
     shares = max(1, min(tiles, WEIGHT_PROGRAMS // chunks, budget))
-    per = triton.cdiv(tiles, shares)
-    return per, triton.cdiv(tiles, per)
+    per = cdiv(tiles, shares)
+    return per, cdiv(tiles, per)
 
 
 def tile_shares(tiles: int, interpreter: bool) -> tuple[int, int]:
     """(tiles per share, shares) of the FFN forward and input passes and the BlurPool transpose: at most
     SHARES programs (each writes one row of partial statistics), no minimum share size (these passes
     have work enough per tile)."""
-    per = INTERPRETER_SHARE_TILES if interpreter else triton.cdiv(tiles, SHARES)
+    per = INTERPRETER_SHARE_TILES if interpreter else cdiv(tiles, SHARES)
     per = min(per, max(1, tiles))
-    return per, triton.cdiv(tiles, per)
+    return per, cdiv(tiles, per)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -213,13 +212,13 @@ def merge_moments(mean_part, m2_part, rows: int, rows_per_share: int, c: int, fu
     total = c * c if full else c
     block, sb = fin["merge_block"], fin["sb"]
     affine = vec is not None
-    launch(_merge_moments_kernel, (triton.cdiv(total, block),), mean_part, m2_part, mean,
+    launch(_merge_moments_kernel, (cdiv(total, block),), mean_part, m2_part, mean,
            copy if mean_copy else mean, var, cov if full else mean, gamma if affine else mean,
            beta if affine else mean, vec[VEC_K] if affine else mean, vec[VEC_T] if affine else mean, shares,
            rows, rows_per_share, eps, *m2_strides, C=c, FULL=full, AFFINE=affine, COPY=mean_copy, SB=sb,
            BLOCK=block, num_warps=fin["warps"],
            cost=lambda: finalize_cost("merge moments", 4 * shares * (2 * total + c) + 4 * (total + 3 * c),
-                                      (Loop("shares", triton.cdiv(shares, sb)),) * 2,
+                                      (Loop("shares", cdiv(shares, sb)),) * 2,
                                       f"C={c}, {shares} shares"))
     return mean, var, cov, copy
 
@@ -231,12 +230,12 @@ def linear_moments(mean_in, cov_in, kin, tin, w1, ref, gamma2, beta2, eps: float
     mean2, var2 = _f32(r, like=cov_in), _f32(r, like=cov_in)
     cpi, bj = _pow2(ci), fin["bj"]
     affine = kin is not None
-    launch(_linear_moments_kernel, (triton.cdiv(r, fin["bh"]),), mean_in, cov_in, kin if affine else mean_in,
+    launch(_linear_moments_kernel, (cdiv(r, fin["bh"]),), mean_in, cov_in, kin if affine else mean_in,
            tin if affine else mean_in, w1, ref, gamma2, beta2, mean2, var2, vec2[VEC_K], vec2[VEC_T], r, eps,
            cpi, CI=ci, CPI=cpi, BH=fin["bh"], BJ=bj, AFFINE_IN=affine, num_warps=fin["warps"],
            cost=lambda: finalize_cost("linear moments",
-                                      4 * (ci * ci * triton.cdiv(r, fin["bh"]) + ci * r + 6 * r),
-                                      (Loop("column blocks", triton.cdiv(cpi, bj)),), f"{ci}->{r}"))
+                                      4 * (ci * ci * cdiv(r, fin["bh"]) + ci * r + 6 * r),
+                                      (Loop("column blocks", cdiv(cpi, bj)),), f"{ci}->{r}"))
     return mean2, var2
 
 
@@ -258,13 +257,13 @@ def bn_terms(bns, eps: float, rows: int, training: bool, sums=None):
     else:
         which, part, dgamma, dbeta, shares = -1, like, like, like, 0
     block, sb = fin["terms_block"], fin["sb"]
-    launch(_bn_terms_kernel, (triton.cdiv(width, block), len(bns)), *args, part, dgamma, dbeta, shares, rows,
+    launch(_bn_terms_kernel, (cdiv(width, block), len(bns)), *args, part, dgamma, dbeta, shares, rows,
            eps,
            SUMS1=which == 0, SUMS2=which == 1, SUMS3=which == 2, TRAINING=training, SB=sb, BLOCK=block,
            num_warps=fin["warps"],
            cost=lambda: finalize_cost("BatchNorm terms", 4 * (2 * shares * width + sum(7 * b[4].shape[1]
                                                                                      for b in bns)),
-                                      (Loop("shares", triton.cdiv(shares, sb)),) if sums is not None else (),
+                                      (Loop("shares", cdiv(shares, sb)),) if sums is not None else (),
                                       f"{len(bns)} BatchNorms"
                                       + (f", sums of {shares} shares" if shares else "")))
     return (dgamma, dbeta) if sums is not None else None
@@ -279,7 +278,7 @@ def update_running_triton(stats, running, counts, rows, momenta) -> None:
                  running[2 * i].shape[0], rows[i], -1.0 if momenta[i] is None else float(momenta[i])]
     launch(_bn_running_kernel, (3,), *args, BLOCK=fin["running_block"], num_warps=4,
            cost=lambda: finalize_cost("running statistics", 4 * 4 * sum(r.shape[0] for r in running),
-                                      tuple(Loop(f"channel blocks {i + 1}", triton.cdiv(r.shape[0],
+                                      tuple(Loop(f"channel blocks {i + 1}", cdiv(r.shape[0],
                                                                                       fin["running_block"]))
                                             for i, r in enumerate(running[::2])), "3 BatchNorms"))
 
@@ -294,7 +293,7 @@ def moments_triton(a: torch.Tensor, cfg: TrainConfig):
     (mean (S, C), m2 (S, C, C), rows per share)."""
     n, c, h, w = a.shape
     m = n * h * w
-    tiles = triton.cdiv(m, cfg.block_m)
+    tiles = cdiv(m, cfg.block_m)
     per, shares = shares_of(tiles, cfg.block_m, a.device.type == "cpu")
     mean = _f32(shares, c, like=a)
     m2 = _f32(shares, c, c, like=a)
@@ -310,7 +309,7 @@ def ffn_forward(inp, vec_in, w1, w2, vec2, cfg: TrainConfig):
     r, co = w1.shape[0], w2.shape[0]
     m = n * h * w
     p = _map(n, co, h, w, inp)
-    tiles = triton.cdiv(m, cfg.block_m)
+    tiles = cdiv(m, cfg.block_m)
     per, shares = tile_shares(tiles, inp.device.type == "cpu")
     pmean, pm2 = _f32(shares, co, like=inp), _f32(shares, co, like=inp)
     affine = vec_in is not None
@@ -327,7 +326,7 @@ def out_sums(dout, p, drop, mean3, var3, eps: float, hw: int, cfg: TrainConfig):
     """BN3's backward sums per share (with drop-path when ``drop`` is given): (S, 2, K) partials."""
     n, co, h, w = p.shape
     m = n * h * w
-    tiles = triton.cdiv(m, cfg.block_m)
+    tiles = cdiv(m, cfg.block_m)
     per, shares = shares_of(tiles, cfg.block_m, p.device.type == "cpu")
     part = _f32(shares, 2, co, like=p)
     launch(_out_sums_kernel, (shares,), dout, p, drop if drop is not None else mean3, mean3, var3, part, m,
@@ -351,8 +350,8 @@ def ffn_backward(y, dp, a, w1, w2, vec1, mean1, vec2, mean2, gamma2, mean_in, co
     eb = y.element_size()
     interpreter = y.device.type == "cpu"
     fin = _fin(interpreter)
-    chunks = triton.cdiv(r, cfg.block_h_weights)
-    wtiles = triton.cdiv(m, cfg.block_m_weights)
+    chunks = cdiv(r, cfg.block_h_weights)
+    wtiles = cdiv(m, cfg.block_m_weights)
     per, shares = weight_shares(wtiles, chunks, ci, co, r, cfg, eb, interpreter)
     total = co * r + r * ci + 2 * r
     part = _f32(shares, total, like=y)
@@ -368,17 +367,17 @@ def ffn_backward(y, dp, a, w1, w2, vec1, mean1, vec2, mean2, gamma2, mean_in, co
     dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
     dgamma2, dbeta2 = torch.empty_like(gamma2), torch.empty_like(gamma2)
     cpi = _pow2(ci)
-    launch(_ffn_weights_finalize_kernel, (triton.cdiv(r, fin["bh"]),), red, vec2, mean2, mean_in, cov_in,
+    launch(_ffn_weights_finalize_kernel, (cdiv(r, fin["bh"]),), red, vec2, mean2, mean_in, cov_in,
            vec1[VEC_K] if affine_in else mean_in, vec1[VEC_T] if affine_in else mean_in, w1, y, dw1, dw2,
            dgamma2, dbeta2, r, m, cpi, co, CI=ci, CPI=cpi, CO=co, BH=fin["bh"], BJ=fin["bj"], BO=fin["bj"],
            AFFINE_IN=affine_in,
            TRAINING=training, num_warps=fin["warps"],
-           cost=lambda: finalize_cost("FFN weights", 4 * (2 * total + ci * ci * triton.cdiv(r, fin["bh"])),
-                                      (Loop("output blocks", triton.cdiv(co, fin["bj"])),
-                                       Loop("column blocks", triton.cdiv(cpi, fin["bj"]))),
+           cost=lambda: finalize_cost("FFN weights", 4 * (2 * total + ci * ci * cdiv(r, fin["bh"])),
+                                      (Loop("output blocks", cdiv(co, fin["bj"])),
+                                       Loop("column blocks", cdiv(cpi, fin["bj"]))),
                                       f"{ci}->{r}->{co}"))
     dy = _map(n, ci, h, w, y)
-    tiles = triton.cdiv(m, cfg.block_m)
+    tiles = cdiv(m, cfg.block_m)
     ipr, ishares = tile_shares(tiles, interpreter)
     bn_sums = a is not None
     part1 = _f32(*((ishares, 2, ci) if bn_sums else (1,)), like=y)
@@ -395,7 +394,7 @@ def bn_input_grad(dy, a, vec1, mean1) -> torch.Tensor:
     m = n * h * w
     da = _map(n, c, h, w, a)
     rows = _elementwise_rows(c)
-    launch(_bn_input_grad_kernel, (triton.cdiv(m, rows),), dy, a, da, vec1[VEC_K], vec1[VEC_U], vec1[VEC_W],
+    launch(_bn_input_grad_kernel, (cdiv(m, rows),), dy, a, da, vec1[VEC_K], vec1[VEC_U], vec1[VEC_W],
            mean1, m, C=c, CP=_pow2(c), BM=rows, num_warps=4,
            cost=lambda: elementwise_cost("bn1 input grad", m, c, a.element_size(), 3))
     return da
@@ -450,7 +449,7 @@ def convfirst_s1_train_triton(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, g
         bmean1, bcov1 = _f32(c, like=x).zero_(), _f32(c, c, like=x).zero_()
     out = _map(n, c, h, w, x)
     rows = _elementwise_rows(c)
-    launch(_residual_kernel, (triton.cdiv(m, rows),), x, p, out, drop_scale, vec3[VEC_K], vec3[VEC_T], m,
+    launch(_residual_kernel, (cdiv(m, rows),), x, p, out, drop_scale, vec3[VEC_K], vec3[VEC_T], m,
            h * w, C=c, CP=cfg.cp_out, BM=rows, RESIDUAL=True, num_warps=4,
            cost=lambda: elementwise_cost("residual", m, c, x.element_size(), 3))
     return (out, a, p, m1, v1, m2, v2, m3, v3, bmean1, bcov1)
@@ -474,7 +473,7 @@ def convfirst_s1_train_backward_triton(dout, x, a, p, w_conv, w1, w2, gamma1, be
     # y and dp, once, in the activation dtype
     y, dp = _map(n, c, h, w, a), _map(n, c, h, w, a)
     rows = _elementwise_rows(c)
-    launch(_prep_kernel, (triton.cdiv(m, rows),), a, dout, p, drop_scale, y, dp, vec1[VEC_K], vec1[VEC_T],
+    launch(_prep_kernel, (cdiv(m, rows),), a, dout, p, drop_scale, y, dp, vec1[VEC_K], vec1[VEC_T],
            vec3[VEC_K], vec3[VEC_W], vec3[VEC_C], m, h * w, C=c, CP=cfg.cp_out, BM=rows, WRITE_Y=True,
            DROP=True, num_warps=4, cost=lambda: elementwise_cost("y and dp", m, c, eb, 5))
     dw1, dw2, dgamma2, dbeta2, dy, part1 = ffn_backward(y, dp, a, w1, w2, vec1, mean1, vec2, mean2, gamma2,
@@ -515,7 +514,7 @@ def convfirst_s2_train_triton(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, g
         vec1, vec2, vec3 = _eval_vecs(bns, eps, x)
     u = _map(n, 2 * c, ho, wo, x)
     rows = _elementwise_rows(c)
-    launch(_blur_cat_kernel, (triton.cdiv(mo, rows),), x, a, u, vec1[VEC_K], vec1[VEC_T], mo, h, w, ho, wo,
+    launch(_blur_cat_kernel, (cdiv(mo, rows),), x, a, u, vec1[VEC_K], vec1[VEC_T], mo, h, w, ho, wo,
            C=c, CP=_pow2(c), BM=rows, num_warps=4,
            cost=lambda: blur_cost("blur(cat[x, BN1(a)])", n, c, h, w, x.element_size()))
     if training:
@@ -532,7 +531,7 @@ def convfirst_s2_train_triton(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, g
         mean_u, cov_u = _f32(2 * c, like=x).zero_(), _f32(2 * c, 2 * c, like=x).zero_()
     out = _map(n, k, ho, wo, x)
     rows = _elementwise_rows(k)
-    launch(_residual_kernel, (triton.cdiv(mo, rows),), p, p, out, vec3[VEC_K], vec3[VEC_K], vec3[VEC_T], mo,
+    launch(_residual_kernel, (cdiv(mo, rows),), p, p, out, vec3[VEC_K], vec3[VEC_K], vec3[VEC_T], mo,
            ho * wo, C=k, CP=cfg.cp_out, BM=rows, RESIDUAL=False, num_warps=4,
            cost=lambda: elementwise_cost("BN3", mo, k, x.element_size(), 2))
     return (out, a, u, p, m1, v1, m2, v2, m3, v3, mean_u, cov_u)
@@ -555,7 +554,7 @@ def convfirst_s2_train_backward_triton(dout, x, a, u, p, w_conv, w1, w2, gamma1,
                                 (gamma3, beta3, mean3, var3, vec3)], eps, mo, training, sums=(2, part3))
     dp = _map(n, k, ho, wo, p)
     rows = _elementwise_rows(k)
-    launch(_prep_kernel, (triton.cdiv(mo, rows),), p, dout, p, p, p, dp, vec3[VEC_K], vec3[VEC_K],
+    launch(_prep_kernel, (cdiv(mo, rows),), p, dout, p, p, p, dp, vec3[VEC_K], vec3[VEC_K],
            vec3[VEC_K], vec3[VEC_W], vec3[VEC_C], mo, ho * wo, C=k, CP=cfg.cp_out, BM=rows, WRITE_Y=False,
            DROP=False, num_warps=4, cost=lambda: elementwise_cost("dp", mo, k, p.element_size(), 3))
     dw1, dw2, dgamma2, dbeta2, du, _ = ffn_backward(u, dp, None, w1, w2, vec1, None, vec2, mean2, gamma2,
@@ -563,7 +562,7 @@ def convfirst_s2_train_backward_triton(dout, x, a, u, p, w_conv, w1, w2, gamma1,
     # BlurPool's transpose: x's direct gradient, dy, BN1's sums
     dxd, dy = _map(n, c, h, w, x), _map(n, c, h, w, x)
     rows = _elementwise_rows(c)
-    tiles = triton.cdiv(m, rows)
+    tiles = cdiv(m, rows)
     per, shares = tile_shares(tiles, x.device.type == "cpu")
     part1 = _f32(shares, 2, c, like=x)
     launch(_blur_bwd_kernel, (shares,), du, a, dxd, dy, mean1, vec1[VEC_R], part1, m, h, w, ho, wo, tiles,
@@ -590,7 +589,7 @@ def _passes(cfg: TrainConfig) -> int:
 
 
 def moments_cost(cfg: TrainConfig, m: int, c: int, eb: int, shares: int, per: int) -> KernelCost:
-    tiles = triton.cdiv(m, cfg.block_m)
+    tiles = cdiv(m, cfg.block_m)
     cp = _pow2(c)
     return KernelCost(useful_macs=0, mma_macs=tiles * cfg.block_m * cp * cp * _passes(cfg),
                       dram_bytes=eb * m * c + 4 * shares * (c + c * c), loops=(Loop("tiles", per),),
@@ -599,8 +598,8 @@ def moments_cost(cfg: TrainConfig, m: int, c: int, eb: int, shares: int, per: in
 
 def ffn_fwd_cost(cfg: TrainConfig, m: int, ci: int, co: int, r: int, eb: int, shares: int, per: int
                  ) -> KernelCost:
-    tiles = triton.cdiv(m, cfg.block_m)
-    chunks = triton.cdiv(r, cfg.block_h)
+    tiles = cdiv(m, cfg.block_m)
+    chunks = cdiv(r, cfg.block_h)
     return KernelCost(
         useful_macs=m * (ci + co) * r,
         mma_macs=tiles * chunks * cfg.block_m * (sum(cfg.parts_in) + sum(cfg.parts_out)) * cfg.block_h
@@ -631,7 +630,7 @@ def blur_cost(what: str, n: int, c: int, h: int, w: int, eb: int, backward: bool
     decl = {}
     if l1 is not None:
         bm, tiles = l1
-        du_px = ((triton.cdiv(bm, w) + 2) // 2 + 1) * min(wo, triton.cdiv(min(bm, w), 2) + 1)
+        du_px = ((cdiv(bm, w) + 2) // 2 + 1) * min(wo, cdiv(min(bm, w), 2) + 1)
         tile = eb * (bm * c + du_px * 2 * c)
         decl = dict(l1_unique_bytes_per_program=tiles * tile, l1_working_set_bytes=tile)
     return KernelCost(useful_macs=9 * n * ho * wo * 2 * c, mma_macs=0,
@@ -646,7 +645,7 @@ def sums_cost(cfg: TrainConfig, m: int, c: int, eb: int, shares: int, per: int) 
 
 def ffn_bwd_weights_cost(cfg: TrainConfig, m: int, ci: int, co: int, r: int, eb: int, shares: int, per: int,
                          chunks: int) -> KernelCost:
-    tiles = triton.cdiv(m, cfg.block_m_weights)
+    tiles = cdiv(m, cfg.block_m_weights)
     # per tile and chunk: z and dh (recomputed), dW2 and dzn^T y
     return KernelCost(
         useful_macs=m * (ci + co) * r,
@@ -663,8 +662,8 @@ def ffn_bwd_weights_cost(cfg: TrainConfig, m: int, ci: int, co: int, r: int, eb:
 
 def ffn_bwd_input_cost(cfg: TrainConfig, m: int, ci: int, co: int, r: int, eb: int, bn_sums: bool,
                        shares: int, per: int) -> KernelCost:
-    tiles = triton.cdiv(m, cfg.block_m)
-    chunks = triton.cdiv(r, cfg.block_h)
+    tiles = cdiv(m, cfg.block_m)
+    chunks = cdiv(r, cfg.block_h)
     return KernelCost(
         useful_macs=m * (ci + co) * r,
         mma_macs=tiles * chunks * cfg.block_m * cfg.block_h * (2 * cfg.cp_in + cfg.cp_out) * _passes(cfg),

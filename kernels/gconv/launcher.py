@@ -56,10 +56,9 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from .._cost import KernelCost, Loop
-from .._launch import GROUP_WIDTH, launch
+from .._launch import GROUP_WIDTH, cdiv, launch, next_power_of_2
 from .kernel import (
     _gconv_backward_kernel,
     _gconv_dgrad_s2_kernel,
@@ -139,7 +138,7 @@ def groups_per_program(c: int) -> int:
     padding of C / 8 groups up to a multiple of G (masked groups): 16 -> 2, 24 -> 4 (one masked group),
     48 -> 2, 72 -> 4 (three masked), 96 -> 4, 288 -> 4, multiples of 64 -> 8."""
     groups = c // GROUP_WIDTH
-    return min(G_ISSUE, key=lambda g: (G_ISSUE[g] * triton.cdiv(groups, g) * g / groups, -g))
+    return min(G_ISSUE, key=lambda g: (G_ISSUE[g] * cdiv(groups, g) * g / groups, -g))
 
 
 def precision_for(dtype: torch.dtype) -> str:
@@ -156,13 +155,13 @@ def tile_config(c: int, ho: int, wo: int, dtype: torch.dtype, wgrad: bool = Fals
     bm = max(16, elems // g)
     if max_block_m:
         bm = min(bm, max_block_m)
-    tw = min(8 if bm <= 64 else 16, max(8, triton.next_power_of_2(wo)))
-    th = min(bm // tw, max(2, triton.next_power_of_2(ho)))
+    tw = min(8 if bm <= 64 else 16, max(8, next_power_of_2(wo)))
+    th = min(bm // tw, max(2, next_power_of_2(ho)))
     return TileConfig(g, th, tw, NUM_WARPS, NUM_STAGES, precision_for(dtype))
 
 
 def _tiles(n: int, ho: int, wo: int, cfg: TileConfig) -> int:
-    return n * triton.cdiv(ho, cfg.tile_h) * triton.cdiv(wo, cfg.tile_w)
+    return n * cdiv(ho, cfg.tile_h) * cdiv(wo, cfg.tile_w)
 
 
 def wgrad_shares(tiles: int, cblocks: int, block_m: int, interpreter: bool = False) -> tuple[int, int]:
@@ -170,10 +169,10 @@ def wgrad_shares(tiles: int, cblocks: int, block_m: int, interpreter: bool = Fal
     if interpreter and INTERPRETER_SHARE_TILES:
         per_share = INTERPRETER_SHARE_TILES
     else:
-        per_share = max(triton.cdiv(MIN_SHARE_PIXELS, block_m),
-                        triton.cdiv(tiles * cblocks, WGRAD_PROGRAMS))
+        per_share = max(cdiv(MIN_SHARE_PIXELS, block_m),
+                        cdiv(tiles * cblocks, WGRAD_PROGRAMS))
     per_share = min(per_share, max(1, tiles))
-    return per_share, triton.cdiv(tiles, per_share)
+    return per_share, cdiv(tiles, per_share)
 
 
 def wgrad_tile_config(n: int, c: int, ho: int, wo: int, dtype: torch.dtype) -> TileConfig:
@@ -183,7 +182,7 @@ def wgrad_tile_config(n: int, c: int, ho: int, wo: int, dtype: torch.dtype) -> T
     cfg = tile_config(c, ho, wo, dtype, wgrad=True)
 
     def programs(cfg: TileConfig) -> tuple[int, int]:
-        cblocks = triton.cdiv(c, cfg.channels)
+        cblocks = cdiv(c, cfg.channels)
         per_share, shares = wgrad_shares(_tiles(n, ho, wo, cfg), cblocks, cfg.block_m)
         return per_share * cfg.block_m, shares * cblocks
 
@@ -203,15 +202,15 @@ def backward_config(n: int, c: int, h: int, w: int, dtype: torch.dtype, interpre
     if cfg.block_m > BACKWARD_MAX_BLOCK_M[cfg.g]:
         cfg = tile_config(c, h, w, dtype, wgrad=True, g=cfg.g, max_block_m=BACKWARD_MAX_BLOCK_M[cfg.g])
     cfg = dataclasses.replace(cfg, num_warps=cfg.g)  # one warp per group (module docstring)
-    tiles, cblocks = _tiles(n, h, w, cfg), triton.cdiv(c, cfg.channels)
+    tiles, cblocks = _tiles(n, h, w, cfg), cdiv(c, cfg.channels)
     per_share, shares = wgrad_shares(tiles, cblocks, cfg.block_m, interpreter)
     wave = BACKWARD_PROGRAMS[cfg.g]
     if not (interpreter and INTERPRETER_SHARE_TILES) and shares * cblocks < wave:
         # shorter shares: as many programs as one wave holds
-        per_share = max(triton.cdiv(BACKWARD_MIN_SHARE_PIXELS, cfg.block_m),
-                        triton.cdiv(tiles, max(1, wave // cblocks)))
+        per_share = max(cdiv(BACKWARD_MIN_SHARE_PIXELS, cfg.block_m),
+                        cdiv(tiles, max(1, wave // cblocks)))
         per_share = min(per_share, tiles)
-        shares = triton.cdiv(tiles, per_share)
+        shares = cdiv(tiles, per_share)
     return cfg, per_share, shares
 
 
@@ -276,7 +275,7 @@ def gconv3x3_triton(x: torch.Tensor, w: torch.Tensor, stride: int) -> torch.Tens
         return y
     x = _nhwc(x)
     cfg = tile_config(c, ho, wo, x.dtype)
-    grid = (_tiles(n, ho, wo, cfg), triton.cdiv(c, cfg.channels))
+    grid = (_tiles(n, ho, wo, cfg), cdiv(c, cfg.channels))
     launch(_gconv_fwd_kernel, grid, x, w, y, None, h, wd, ho, wo, c // GROUP_WIDTH, *_vector_strides(x),
            *w.stride(), STRIDE=stride, FLIP=False, RESIDUAL=False, **_meta(cfg, c),
            cost=lambda: conv_cost("forward", cfg, n, c, h, wd, stride, x.element_size(), w.element_size()))
@@ -302,7 +301,7 @@ def gconv3x3_dgrad_triton(dy: torch.Tensor, w: torch.Tensor, h: int, wd: int, st
     # stride 1: tiles of dx pixels; stride 2: tiles of positions (a, b), each the 2x2 input pixels
     # (2a + py, 2b + px), i.e. tiles over the H' x W' map
     cfg = tile_config(c, ho, wo, dy.dtype)
-    grid = (_tiles(n, ho, wo, cfg), triton.cdiv(c, cfg.channels))
+    grid = (_tiles(n, ho, wo, cfg), cdiv(c, cfg.channels))
     eb, wb = dy.element_size(), w.element_size()
     cost = lambda: conv_cost(f"dgrad s{stride}", cfg, n, c, h, wd, stride, eb, wb)
     if stride == 1:
@@ -329,7 +328,7 @@ def gconv3x3_wgrad_triton(
     x, dy = _nhwc(x), _nhwc(dy)
     cfg = wgrad_tile_config(n, c, ho, wo, x.dtype)
     tiles = _tiles(n, ho, wo, cfg)
-    cblocks = triton.cdiv(c, cfg.channels)
+    cblocks = cdiv(c, cfg.channels)
     interpreter = x.device.type == "cpu"
     per_share, shares = wgrad_shares(tiles, cblocks, cfg.block_m, interpreter)
     total = c * GROUP_WIDTH * 9
@@ -365,7 +364,7 @@ def gconv3x3_backward_triton(dy: torch.Tensor, w: torch.Tensor, x: torch.Tensor,
     interpreter = x.device.type == "cpu"
     cfg, per_share, shares = backward_config(n, c, h, wd, x.dtype, interpreter)
     tiles = _tiles(n, h, wd, cfg)
-    cblocks = triton.cdiv(c, cfg.channels)
+    cblocks = cdiv(c, cfg.channels)
     args = (h, wd, c // GROUP_WIDTH, tiles, per_share, *_vector_strides(dy), *_vector_strides(x), *w.stride())
     cost = lambda: backward_cost(cfg, n, c, h, wd, x.element_size(), w.element_size(), per_share, shares,
                                  deterministic)
@@ -395,7 +394,7 @@ def reduce_partials(partials: torch.Tensor, out: torch.Tensor, shares: int, tota
     op's outputs must be, from one launch). ``partials_in_l2``: the partials were written by the launch
     just before and fit L2, so their read is L2 traffic (else DRAM)."""
     split = out.numel() if out2 is not None else total
-    launch(_wgrad_reduce_kernel, (triton.cdiv(total, block),), partials, out, out if out2 is None else out2,
+    launch(_wgrad_reduce_kernel, (cdiv(total, block),), partials, out, out if out2 is None else out2,
            shares, total, split, SB=sb, BLOCK=block, TWO=out2 is not None, num_warps=NUM_WARPS,
            cost=lambda: reduce_cost(shares, total, sb, out.element_size(), partials_in_l2, what))
 
@@ -442,7 +441,7 @@ def conv_cost(kind: str, cfg: TileConfig, n: int, c: int, h: int, w: int, stride
     """Forward or dgrad: x (dy) read once, y (dx) written once (and a residual map read once), the weights
     once; five [G, BM, 16] x [G, 16, 8] steps per program (per tile of positions for stride-2 dgrad)."""
     ho, wo = _out_hw(h, w, stride)
-    programs = _tiles(n, ho, wo, cfg) * triton.cdiv(c, cfg.channels)
+    programs = _tiles(n, ho, wo, cfg) * cdiv(c, cfg.channels)
     loops = () if kind == "dgrad s2" else (Loop("taps", 5),)
     # the stride-1 dgrad is the forward's kernel at stride 1 over dy; the stride-2 dgrad gathers dy windows
     window = window_pixels(cfg, 1 if kind.startswith("dgrad s1") else stride, positions=kind == "dgrad s2")
@@ -462,7 +461,7 @@ def wgrad_cost(cfg: TileConfig, n: int, c: int, h: int, w: int, stride: int, eb:
     dw written once); five [G, 16, BM] x [G, BM, 8] dots per tile."""
     ho, wo = _out_hw(h, w, stride)
     tiles = _tiles(n, ho, wo, cfg)
-    cblocks = triton.cdiv(c, cfg.channels)
+    cblocks = cdiv(c, cfg.channels)
     partials = shares if deterministic else 1
     return KernelCost(
         useful_macs=useful_macs(n, c, h, w, stride),
@@ -483,7 +482,7 @@ def backward_cost(cfg: TileConfig, n: int, c: int, h: int, w: int, eb: int, wb: 
     and the wgrad's five [G, 16, BM] x [G, BM, 8] dots. L1: per tile the halo windows of dy and x (dy's
     tile, read again for the wgrad, lies inside its window), the program's weights."""
     tiles = _tiles(n, h, w, cfg)
-    cblocks = triton.cdiv(c, cfg.channels)
+    cblocks = cdiv(c, cfg.channels)
     partials = shares if deterministic else 1
     return KernelCost(
         useful_macs=2 * useful_macs(n, c, h, w, 1),
@@ -501,7 +500,7 @@ def reduce_cost(shares: int, total: int, sb: int, out_bytes: int, partials_in_l2
     """The partials read once (from L2 where ``partials_in_l2``: their footprint declared), the result
     written once; no MACs."""
     parts = 4 * shares * total
-    loops = (Loop("share blocks", triton.cdiv(shares, sb)),)
+    loops = (Loop("share blocks", cdiv(shares, sb)),)
     note = f"{what}: reduction of {shares} partials, {sb} at a time"
     if partials_in_l2:
         return KernelCost(0, 0, out_bytes * total, loops, l2_bytes=parts, l2_footprint_bytes=parts, note=note)

@@ -6,10 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from .._cost import KernelCost, Loop
-from .._launch import device_info, launch
+from .._launch import cdiv, device_info, launch, next_power_of_2
 from .kernel import _head_kernel
 
 FP32_PRECISION = "tf32x3"  # dot precision for fp32 operands (the interpreter computes exact fp32)
@@ -44,23 +43,23 @@ class HeadConfig:
 
     def pixel_constexprs(self, hw: int) -> dict:
         """Pixel blocks per image, and whether they cover the image exactly (no pixel mask)."""
-        return dict(PB=triton.cdiv(hw, self.block_p), FULL_P=hw % self.block_p == 0)
+        return dict(PB=cdiv(hw, self.block_p), FULL_P=hw % self.block_p == 0)
 
     @property
     def k_issued(self) -> int:
         """Channels the dots multiply per pixel and feature (K padding included)."""
-        return self.k1 + self.k2 if self.w_resident else self.block_k * triton.cdiv(self.c, self.block_k)
+        return self.k1 + self.k2 if self.w_resident else self.block_k * cdiv(self.c, self.block_k)
 
 
 def split_k(c: int) -> tuple[int, int]:
     """C as two power-of-two parts: (min(128, largest power of two <= C), the rest rounded up), each >= 16."""
     k1 = max(16, min(128, 1 << (max(1, c).bit_length() - 1)))
     rest = c - k1
-    return k1, (max(16, triton.next_power_of_2(rest)) if rest > 0 else 0)
+    return k1, (max(16, next_power_of_2(rest)) if rest > 0 else 0)
 
 
 def head_config(c: int, hw: int, dtype: torch.dtype, arch: int = 90) -> HeadConfig:
-    block_p = min(64, max(16, triton.next_power_of_2(max(1, hw))))
+    block_p = min(64, max(16, next_power_of_2(max(1, hw))))
     if dtype != torch.float32 and c <= MAX_RESIDENT_C:
         k1, k2 = split_k(c)
         return HeadConfig(c, True, k1, k2, 0, 128, block_p, num_warps=RESIDENT_WARPS_SM90 if arch >= 90 else 4,
@@ -96,17 +95,17 @@ def pixel_stride(x: torch.Tensor) -> int | None:
 def head_cost(
     n: int, c: int, f: int, hw: int, cfg: HeadConfig, groups: int, elem: int, fp32: bool
 ) -> KernelCost:
-    f_blocks = triton.cdiv(f, cfg.block_f)
-    p_blocks = triton.cdiv(hw, cfg.block_p)
+    f_blocks = cdiv(f, cfg.block_f)
+    p_blocks = cdiv(hw, cfg.block_p)
     passes = 3 if fp32 else 1  # tf32x3: three tensor-core products per dot
-    inner = () if cfg.w_resident else (Loop("channel steps", triton.cdiv(c, cfg.block_k)),)
+    inner = () if cfg.w_resident else (Loop("channel steps", cdiv(c, cfg.block_k)),)
     w_reads = f_blocks * groups if cfg.w_resident else n * f_blocks * p_blocks  # [BLOCK_F, C] slices
     return KernelCost(
         useful_macs=n * hw * c * f,
         mma_macs=passes * n * f_blocks * p_blocks * cfg.block_f * cfg.block_p * cfg.k_issued,
         dram_bytes=elem * (n * c * hw + f * c + f + n * f),
-        loops=((Loop("(image, pixel block) steps", triton.cdiv(n, groups) * p_blocks - 1),) if cfg.prefetch
-               else (Loop("images", triton.cdiv(n, groups), (Loop("pixel blocks", p_blocks, inner),)),)),
+        loops=((Loop("(image, pixel block) steps", cdiv(n, groups) * p_blocks - 1),) if cfg.prefetch
+               else (Loop("images", cdiv(n, groups), (Loop("pixel blocks", p_blocks, inner),)),)),
         note=f"{f_blocks} feature blocks x {groups} image groups; "
         + (f"weight slice [{cfg.block_f}, {c}] on chip per program" if cfg.w_resident
            else f"K steps of {cfg.block_k}")
@@ -126,7 +125,7 @@ def head_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tens
         x = x.contiguous(memory_format=torch.channels_last)
     hw = h * wd
     cfg = head_config(c, hw, x.dtype, device_info(x.device).arch)
-    f_blocks = triton.cdiv(f, cfg.block_f)
+    f_blocks = cdiv(f, cfg.block_f)
     groups = image_groups(n, f_blocks, sm_count(x.device))
     fp32 = x.dtype == torch.float32
     launch(

@@ -67,7 +67,7 @@ import triton.language as tl
 
 from .._activations import sigmoid
 from .._cost import KernelCost, Loop
-from .._launch import device_info, launch
+from .._launch import cdiv, device_info, launch, next_power_of_2
 from ..convfirst_train.kernel import reflect
 from ..gconv.launcher import reduce_partials
 from .gate_backward import bn_d_affine
@@ -232,17 +232,17 @@ def _check(op: str, d, mean_d, rstd_d, gamma_d, beta_d, n, h, w, dg=None, sums=(
 def _geometry(tiles: int, r: int, rb: int, bm: int, device: torch.device) -> tuple[int, int, int, int, int]:
     """(chunks, tiles, tiles per group, groups, BM) for ``tiles`` tiles of ``bm`` pixels in chunks of ``rb``
     channels: about PROGRAMS_PER_SM programs per SM, at least MIN_TILES tiles per program, none empty."""
-    chunks = triton.cdiv(r, rb)
+    chunks = cdiv(r, rb)
     want = max(1, PROGRAMS_PER_SM * device_info(device).sms // chunks)
-    per = max(min(MIN_TILES, tiles), triton.cdiv(tiles, want))
-    return chunks, tiles, per, triton.cdiv(tiles, per), bm
+    per = max(min(MIN_TILES, tiles), cdiv(tiles, want))
+    return chunks, tiles, per, cdiv(tiles, per), bm
 
 
 def _bn_d_geometry(d: torch.Tensor, n: int, h: int, w: int) -> tuple[int, int, int, int, int]:
     """The BN_d passes' tiles: segments of an image row of BM pixels (fewer, a power of two >= W, for narrow
     maps), ceil(W / BM) per row."""
-    bm = min(BM, triton.next_power_of_2(w))
-    return _geometry(n * h * triton.cdiv(w, bm), d.shape[1], RB, bm, d.device)
+    bm = min(BM, next_power_of_2(w))
+    return _geometry(n * h * cdiv(w, bm), d.shape[1], RB, bm, d.device)
 
 
 def blur_gate_input(d: torch.Tensor, mean_d: torch.Tensor, rstd_d: torch.Tensor, gamma_d: torch.Tensor,
@@ -253,7 +253,7 @@ def blur_gate_input(d: torch.Tensor, mean_d: torch.Tensor, rstd_d: torch.Tensor,
     ho, wo = (h + 1) // 2, (w + 1) // 2
     mo = n * ho * wo
     g = torch.empty((mo, r), device=d.device, dtype=d.dtype)
-    geo = _geometry(triton.cdiv(mo, BM), r, RB_GATE, BM, d.device)
+    geo = _geometry(cdiv(mo, BM), r, RB_GATE, BM, d.device)
     chunks, tiles, per, groups, _ = geo
     launch(_blur_gate_kernel, (chunks, groups), d, mean_d, rstd_d, gamma_d, beta_d, g, r, mo, tiles, per,
            cost=lambda: _cost(-1, n, h, w, r, geo, d.element_size(), gamma_d.element_size()),
@@ -315,7 +315,7 @@ def _cost(mode: int, n: int, h: int, w: int, r: int, geo, eb: int, wb: int) -> K
     vec = 2 * r * 4 + 2 * r * wb
     dram = (p + mo) * r * eb + vec
     if mode < 0:
-        orows = triton.cdiv(BM, wo) + (0 if BM % wo == 0 or wo % BM == 0 else 1)
+        orows = cdiv(BM, wo) + (0 if BM % wo == 0 or wo % BM == 0 else 1)
         window = min(h, 2 * orows + 1) * min(w, 2 * min(BM, wo) + 1)
         note = "stride-2 MBConv backward: g = BlurPool(SiLU(v_d)) recomputed from d"
     else:

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from .._activations import sigmoid, silu
 from .._cost import KernelCost, Loop
-from .._launch import FLOAT_DTYPES, device_info, launch
+from .._launch import FLOAT_DTYPES, cdiv, device_info, launch, next_power_of_2
 from ..gconv.launcher import reduce_partials
 from .launcher import MAX_C, kernel_settings
 from .narrow import _splits
@@ -222,8 +222,8 @@ def _expand_launch(mode: int, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, sdv
     p, c = x.shape
     r = w_exp.shape[0]
     fast, prec = kernel_settings(x)
-    nchunk = triton.cdiv(r, rb)
-    cp = max(16, triton.next_power_of_2(c))
+    nchunk = cdiv(r, rb)
+    cp = max(16, next_power_of_2(c))
     dh_arg = dh if dh is not None else x
     launch(_expand_kernel, (nchunk, splits), x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh_arg, sdv, sdve,
            out, part, p, c, r, ch, 1.0 / p,
@@ -239,8 +239,8 @@ def _expand_cost(mode: int, p: int, c: int, r: int, rb: int, cp: int, bm: int, s
     grid); W_exp and the per-channel vectors once; dh read once and h or de written once; the partials
     written. The dots as issued: BM x RB x CP per tile (z), plus RB x CP x BM (dW_exp) in mode 2. MACs
     of the block's math: the recompute of z counts nothing (the forward counted it), dW_exp P R C."""
-    nchunk = triton.cdiv(r, rb)
-    tiles = splits * triton.cdiv(ch, bm)  # tiles as issued (the last split's short tail masked)
+    nchunk = cdiv(r, rb)
+    tiles = splits * cdiv(ch, bm)  # tiles as issued (the last split's short tail masked)
     z = nchunk * tiles * bm * rb * cp
     vectors = r * (2 * 4 + 2 * gb)
     dram = p * c * eb + r * c * eb + vectors
@@ -254,7 +254,7 @@ def _expand_cost(mode: int, p: int, c: int, r: int, rb: int, cp: int, bm: int, s
         dram += 2 * p * r * eb + 2 * r * 4 + splits * r * c * 4
         note = "de = BN_e backward (z recomputed), dW_exp partials per pixel split"
     return KernelCost(p * r * c if mode == MODE_DE else 0, z * (2 if mode == MODE_DE else 1), dram,
-                      (Loop("pixel tiles", triton.cdiv(ch, bm)),),
+                      (Loop("pixel tiles", cdiv(ch, bm)),),
                       l2_bytes=(nchunk - 1) * p * c * eb, note=note)
 
 
@@ -273,8 +273,8 @@ def _size(x: torch.Tensor) -> int:
 def _expand_splits(mode: int, x: torch.Tensor, r: int) -> tuple[int, int, bool]:
     """(splits, pixels per split, whether two programs share an SM: ``PAIRED``)."""
     rb, bm = TILES[mode, _size(x)][:2]
-    per_sm = max(1, device_info(x.device).sms // triton.cdiv(r, rb))
-    paired = (mode, _size(x)) in PAIRED and triton.cdiv(x.shape[0], bm) >= 2 * per_sm * PAIRED_MIN_TILES
+    per_sm = max(1, device_info(x.device).sms // cdiv(r, rb))
+    paired = (mode, _size(x)) in PAIRED and cdiv(x.shape[0], bm) >= 2 * per_sm * PAIRED_MIN_TILES
     return (*_splits(x.shape[0], bm, 2 * per_sm if paired else per_sm), paired)
 
 
@@ -339,14 +339,14 @@ def expand_dgrad(de: torch.Tensor, w_exp: torch.Tensor, residual: torch.Tensor |
     _check_sizes(op, p, c, r)
     dx = torch.empty((p, c), device=de.device, dtype=de.dtype)
     _, prec = kernel_settings(de)
-    cp = max(16, triton.next_power_of_2(c))
+    cp = max(16, next_power_of_2(c))
     bm, rs, warps = DGRAD_TILES[_size(de)]
-    tiles = triton.cdiv(p, bm)
+    tiles = cdiv(p, bm)
     eb = de.element_size()
     launch(_dgrad_kernel, (tiles,), de, w_exp, residual if residual is not None else dx, dx, p, c, r,
-           cost=lambda: KernelCost(p * r * c, tiles * bm * cp * triton.cdiv(r, rs) * rs,
+           cost=lambda: KernelCost(p * r * c, tiles * bm * cp * cdiv(r, rs) * rs,
                                    p * r * eb + r * c * eb + p * c * eb * (2 if residual is not None else 1),
-                                   (Loop("hidden steps", triton.cdiv(r, rs)),),
+                                   (Loop("hidden steps", cdiv(r, rs)),),
                                    l2_bytes=(tiles - 1) * r * c * eb,
                                    note="dx = de W_exp (+ residual)"),
            RESIDUAL=residual is not None, BM=bm, CP=cp, RS=rs, PREC=prec, num_warps=warps)

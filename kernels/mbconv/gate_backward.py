@@ -41,7 +41,7 @@ import triton.language as tl
 
 from .._activations import sigmoid
 from .._cost import KernelCost, Loop
-from .._launch import device_info, launch
+from .._launch import cdiv, device_info, launch, next_power_of_2
 from ..gconv.launcher import reduce_partials
 from .launcher import kernel_settings
 
@@ -290,10 +290,10 @@ def _geometry(d: torch.Tensor, n: int, mode: int) -> tuple[int, int, int, int, i
     program per SM (each program loads its W_proj slice once), at least MIN_IMAGES images per group."""
     p, r = d.shape
     rb = (RB_FP32 if d.dtype == torch.float32 else RB)[mode]
-    chunks = triton.cdiv(r, rb)
+    chunks = cdiv(r, rb)
     want = max(1, device_info(d.device).sms // chunks)
-    ipg = max(min(MIN_IMAGES, n), triton.cdiv(n, want))
-    return rb, chunks, triton.cdiv(n, ipg), ipg, triton.cdiv(p // n, BM)
+    ipg = max(min(MIN_IMAGES, n), cdiv(n, want))
+    return rb, chunks, cdiv(n, ipg), ipg, cdiv(p // n, BM)
 
 
 def _launch(mode: int, d, stats, do, w_proj, gate, dpix, a0, a1, a2, a3, n, geo) -> None:
@@ -307,7 +307,7 @@ def _launch(mode: int, d, stats, do, w_proj, gate, dpix, a0, a1, a2, a3, n, geo)
     hw = p // n
     rb, chunks, groups, ipg, _ = geo
     silu, prec = kernel_settings(d)
-    bk = max(16, triton.next_power_of_2(kk))
+    bk = max(16, next_power_of_2(kk))
     launch(_gate_backward_kernel, (chunks, groups), d, mean_d, rstd_d, gamma_d, beta_d, do, w_proj, gate,
            dpix, a0, a1, a2, a3, n, r, kk, ipg, 1.0 / p,
            cost=lambda: _cost(mode, given, p, r, kk, n, geo, d.element_size()),
@@ -349,8 +349,8 @@ def bn_d_sums(parts: torch.Tensor, gate: torch.Tensor, dpix: torch.Tensor
         bad("every tensor must be contiguous (row-major)")
     sum_dy = torch.empty((r,), device=parts.device, dtype=torch.float32)
     sum_dyu = torch.empty((r,), device=parts.device, dtype=torch.float32)
-    launch(_sums_kernel, (triton.cdiv(r, SUMS_BLOCK),), parts, gate, dpix, sum_dy, sum_dyu, n, r,
-           cost=lambda: KernelCost(0, 0, 2 * r * 4, (Loop("images", triton.cdiv(n, SUMS_IMAGES)),),
+    launch(_sums_kernel, (cdiv(r, SUMS_BLOCK),), parts, gate, dpix, sum_dy, sum_dyu, n, r,
+           cost=lambda: KernelCost(0, 0, 2 * r * 4, (Loop("images", cdiv(n, SUMS_IMAGES)),),
                                    l2_bytes=6 * n * r * 4, l2_footprint_bytes=6 * n * r * 4,
                                    note="BN_d sums: the per-image parts, gate and dpix over the images"),
            BN=SUMS_IMAGES, BR=SUMS_BLOCK, num_warps=4)
@@ -418,7 +418,7 @@ def _cost(mode: int, given: bool, p: int, r: int, kk: int, n: int, geo, eb: int)
     of an image's last tile and K's padding included), MODE 1 a second one of BK x RB x BM. Useful: dq
     once (MODE 0) and dW_proj (MODE 1); MODE 1's dq is recomputed."""
     rb, chunks, groups, ipg, tpi = geo
-    bk = max(16, triton.next_power_of_2(kk))
+    bk = max(16, next_power_of_2(kk))
     tiles = n * tpi
     mma = chunks * tiles * BM * bk * rb * (2 if mode == 1 else 1)
     useful = p * kk * r

@@ -68,10 +68,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from .._cost import KernelCost, Loop
-from .._launch import GROUP_WIDTH, GPUInfo, device_info, launch
+from .._launch import GROUP_WIDTH, cdiv, device_info, GPUInfo, launch, next_power_of_2
 from .kernel import _mbconv_hidden_kernel, _mbconv_project_kernel
 
 FP32_PRECISION = "tf32x3"  # dot precision for fp32 operands; fp16/bf16 operands ignore it
@@ -209,15 +208,15 @@ class MBConvGeometry:
 
     @property
     def nchunk(self) -> int:
-        return triton.cdiv(self.r, self.rb)
+        return cdiv(self.r, self.rb)
 
     @property
     def groups(self) -> int:
-        return triton.cdiv(self.nchunk, self.chunks_per_group)
+        return cdiv(self.nchunk, self.chunks_per_group)
 
     @property
     def image_blocks(self) -> int:
-        return triton.cdiv(self.n, self.ib)
+        return cdiv(self.n, self.ib)
 
     @property
     def items(self) -> int:
@@ -244,11 +243,11 @@ class MBConvGeometry:
 
     @property
     def tiles(self) -> int:
-        return triton.cdiv(self.h, self.cm // self.tw) * triton.cdiv(self.w, self.tw)
+        return cdiv(self.h, self.cm // self.tw) * cdiv(self.w, self.tw)
 
     @property
     def tiles_o(self) -> int:
-        return triton.cdiv(self.oh, BMO // self.two) * triton.cdiv(self.ow, self.two)
+        return cdiv(self.oh, BMO // self.two) * cdiv(self.ow, self.two)
 
     @property
     def slot_images(self) -> int:
@@ -297,11 +296,11 @@ class MBConvGeometry:
 
     @property
     def p_tiles(self) -> int:
-        return triton.cdiv(self.n, self.ipt) * self.tpi
+        return cdiv(self.n, self.ipt) * self.tpi
 
     @property
     def p_grid(self) -> tuple[int, int]:
-        return self.p_tiles, triton.cdiv(self.k, self.p_bn)
+        return self.p_tiles, cdiv(self.k, self.p_bn)
 
     @property
     def p_even(self) -> bool:
@@ -311,7 +310,7 @@ class MBConvGeometry:
 
     @property
     def tiles_e(self) -> int:
-        return triton.cdiv(self.h, self.em // self.tw) * triton.cdiv(self.w, self.tw)
+        return cdiv(self.h, self.em // self.tw) * cdiv(self.w, self.tw)
 
     def hidden_constexprs(self, silu: int, prec: str) -> dict:
         return dict(STRIDE=self.stride, RB=self.rb, CP=self.cp, SP=self.sp, MASK_C=self.c != self.cp,
@@ -325,7 +324,7 @@ class MBConvGeometry:
                     # every constexpr passed, none left to a default: torch.compile's wrapper of a user
                     # kernel drops defaulted arguments from the launch it generates
                     GATE=self.gate, GB=GATE_ROWS if self.gate else 128,
-                    NCP=triton.next_power_of_2(self.nchunk) if self.gate else 1, MOMENTS=False,
+                    NCP=next_power_of_2(self.nchunk) if self.gate else 1, MOMENTS=False,
                     num_warps=self.hidden_warps, num_stages=1, **self.hidden_options)
 
     @property
@@ -336,7 +335,7 @@ class MBConvGeometry:
 
     def project_constexprs(self, silu: int, prec: str) -> dict:
         return dict(RESIDUAL=self.stride == 1, BM=self.p_bm, BH=self.p_bh, HALVES=self.halves, BR=P_BR,
-                    SP=self.sp, NCP=triton.next_power_of_2(self.nchunk), IPT=self.ipt, EVEN=self.p_even,
+                    SP=self.sp, NCP=next_power_of_2(self.nchunk), IPT=self.ipt, EVEN=self.p_even,
                     PREC=prec, SIGMOID=silu, GATE=self.gate,
                     num_warps=P_WARPS, num_stages=P_STAGES)
 
@@ -351,10 +350,10 @@ def chunk_groups(image_blocks: int, nchunk: int, programs: int) -> int:
     ITEM_COST)."""
     best, best_t = nchunk, None
     for groups in range(1, nchunk + 1):
-        cg = triton.cdiv(nchunk, groups)
-        if triton.cdiv(nchunk, cg) != groups:
+        cg = cdiv(nchunk, groups)
+        if cdiv(nchunk, cg) != groups:
             continue
-        t = triton.cdiv(image_blocks * groups, programs) * (cg * CHUNK_COST + ITEM_COST)
+        t = cdiv(image_blocks * groups, programs) * (cg * CHUNK_COST + ITEM_COST)
         if best_t is None or t < best_t:
             best, best_t = cg, t
     return best
@@ -375,7 +374,7 @@ def sm80_tiling(rb: int, cp: int, elem: int, hw: int, shared_per_block: int,
     L1 left beside the program's shared memory (HIDDEN_WARPS_TILED_SM80); None if none fits."""
     while rb >= 16:
         for em in EM_SM80:
-            if em > max(BM, triton.next_power_of_2(hw)):
+            if em > max(BM, next_power_of_2(hw)):
                 continue
             shared = (em + rb) * cp * elem + TILED_SMEM_EXTRA_SM80
             if shared <= shared_per_block and slot_bytes(1, rb) + rb * 4 <= l1_left_sm80(shared):
@@ -399,15 +398,15 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
     are contiguous (stride(H) == W * stride(W)), which the exact path's linear pixel addresses need;
     ``device``: the GPU whose SM count and L2 size set the programs (meta: the recording's target)."""
     s = max(1, c // 4) if s is None else s
-    elem = torch.tensor([], dtype=dtype).element_size()
+    elem = dtype.itemsize
     fp32 = dtype == torch.float32
     oh, ow = (h, w) if stride == 1 else ((h + 1) // 2, (w + 1) // 2)
-    cp = max(16, triton.next_power_of_2(c))
-    tw = min(BM, max(8, triton.next_power_of_2(w)))
-    two = min(BMO, max(8, triton.next_power_of_2(ow))) if stride == 2 else 8
+    cp = max(16, next_power_of_2(c))
+    tw = min(BM, max(8, next_power_of_2(w)))
+    two = min(BMO, max(8, next_power_of_2(ow))) if stride == 2 else 8
     gpu = target_info(torch.device(device))
     sms, l2 = gpu.sms, gpu.l2_bytes
-    hwp = triton.next_power_of_2(h * w)
+    hwp = next_power_of_2(h * w)
     # RESIDENT needs the x tile and a chunk's W_exp in shared memory (sm_80: 163 KB per program, too
     # little at C = 256; fp32: 3xTF32 keeps each operand as two parts, 299 KB at C = 128)
     resident = hwp <= XM and not fp32 and (XM + RB) * cp * elem + RESIDENT_SMEM_EXTRA <= gpu.shared_per_block
@@ -432,12 +431,12 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
         rb, em = tiling
         warps = HIDDEN_WARPS_TILED_SM80
         ib = max(1, XM // hwp)
-    ib = min(ib, triton.next_power_of_2(max(n, 1)))
+    ib = min(ib, next_power_of_2(max(n, 1)))
     if resident:
         while ib > 1 and slot_bytes(ib, rb) > limit:  # small maps: fewer images per slot
             ib //= 2
-    nchunk = triton.cdiv(r, rb)
-    blocks = triton.cdiv(max(n, 1), ib)
+    nchunk = cdiv(r, rb)
+    blocks = cdiv(max(n, 1), ib)
     cg = chunk_groups(blocks, nchunk, sms) if resident else 1
     # EXACT: the conv (and tiled expand, and blur) tiles cover the map exactly, with dense pixel rows
     cm = conv_rows(rb)
@@ -458,24 +457,24 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
     per_sm = 2 if warps == 4 and 2 * slot_bytes(ib, rb) <= SLOT_L1_PAIR else 1
     if per_sm * sms * slot_bytes(ib, rb) > L2_SHARE * l2:
         per_sm = 1
-    programs = max(1, min(blocks * triton.cdiv(nchunk, cg), per_sm * sms))
+    programs = max(1, min(blocks * cdiv(nchunk, cg), per_sm * sms))
     # projection
     ohw = oh * ow
     p_bm = P_BM_SMALL if fp32 or gpu.arch < 90 else P_BM
     ipt = 2 if ohw <= p_bm // 2 else 1
-    tpi = triton.cdiv(ohw, p_bm) if ipt == 1 else 1
-    bn = min(P_BH_FP32 if fp32 else 2 * P_BH, max(16, triton.next_power_of_2(k)))
-    if 4 * triton.cdiv(max(n, 1), ipt) * tpi <= sms:  # very few tiles: output channels in grid.y too
+    tpi = cdiv(ohw, p_bm) if ipt == 1 else 1
+    bn = min(P_BH_FP32 if fp32 else 2 * P_BH, max(16, next_power_of_2(k)))
+    if 4 * cdiv(max(n, 1), ipt) * tpi <= sms:  # very few tiles: output channels in grid.y too
         bn = min(bn, P_BH)
     halves = 2 if bn > P_BH else 1
     g_in_l2 = n * ohw * r * elem + programs * (slot_bytes(ib, rb) + rb * 4) <= L2_SHARE * l2
     # GATE_ROWS; unmasked widths only (C and S powers of two): at Nano's C = 160, S = 40 the hidden
     # kernel spilled 216 B
     gate = (resident and stride == 1 and hwp > 64 and cg >= nchunk and c == cp
-            and s == max(16, triton.next_power_of_2(s)))
+            and s == max(16, next_power_of_2(s)))
     return MBConvGeometry(
         n=n, c=c, r=r, s=s, k=k, h=h, w=w, stride=stride, oh=oh, ow=ow, elem=elem, fp32=fp32, rb=rb, cp=cp,
-        sp=max(16, triton.next_power_of_2(s)), tw=tw, two=two, exact=exact, resident=resident,
+        sp=max(16, next_power_of_2(s)), tw=tw, two=two, exact=exact, resident=resident,
         hwp=hwp, ib=ib, chunks_per_group=cg, programs=programs, p_bm=p_bm, p_bh=bn // halves, halves=halves,
         ipt=ipt, tpi=tpi, g_in_l2=g_in_l2,
         hidden_warps=warps, cm=cm, em=em,
@@ -499,8 +498,8 @@ def check_supported(x: torch.Tensor, c: int, r: int, k: int) -> None:
             f"convfirstnet.mbconv: the Triton kernel supports up to {MAX_C} input channels, got {c}; "
             "use CONVFIRSTNET_KERNELS=reference for wider blocks"
         )
-    tiles = triton.cdiv(x.shape[2] * x.shape[3], P_BM) if x.dim() == 4 else 1
-    if x.shape[0] * tiles > MAX_GRID_X or triton.cdiv(k, 2 * P_BH) > MAX_GRID_YZ:
+    tiles = cdiv(x.shape[2] * x.shape[3], P_BM) if x.dim() == 4 else 1
+    if x.shape[0] * tiles > MAX_GRID_X or cdiv(k, 2 * P_BH) > MAX_GRID_YZ:
         raise ValueError(f"convfirstnet.mbconv: batch {x.shape[0]} x {tiles} tiles exceeds the grid limit")
 
 
@@ -606,13 +605,13 @@ def hidden_cost(geo: MBConvGeometry) -> KernelCost:
     per_image += (Loop("conv tiles", geo.tiles),)
     if geo.stride == 2:
         per_image += (Loop("blur tiles", geo.tiles_o),)
-    rounds = triton.cdiv(geo.items, geo.programs)
-    loops = (Loop("zero scratch", triton.cdiv(geo.slot_images * geo.border, ZERO_BLOCK)),
+    rounds = cdiv(geo.items, geo.programs)
+    loops = (Loop("zero scratch", cdiv(geo.slot_images * geo.border, ZERO_BLOCK)),
              Loop("work items", rounds, (Loop("chunks", geo.chunks_per_group,
                                               (Loop("images", geo.ib, per_image),)),)))
     if geo.gate:
         loops += (Loop("gate items", rounds), Loop("gate images", rounds * geo.ib,
-                                                   (Loop("gate steps", triton.cdiv(r, GATE_ROWS)),)))
+                                                   (Loop("gate steps", cdiv(r, GATE_ROWS)),)))
     # L1-allocating loads, per item: x (RESIDENT: once; else once per chunk), each chunk's weights
     # and its slot once (the nine taps re-read it from L1), the means
     cg, ib = geo.chunks_per_group, geo.ib
@@ -632,7 +631,7 @@ def project_cost(geo: MBConvGeometry, *, residual: bool = True) -> KernelCost:
     """What the projection does (``residual``: it reads the residual tile, at stride 1)."""
     n, r, k, s, eb = geo.n, geo.r, geo.k, geo.s, geo.elem
     res = residual and geo.stride == 1
-    steps = triton.cdiv(r, P_BR)
+    steps = cdiv(r, P_BR)
     tiles, kb = geo.p_grid
     dram = (k * r + k + n * geo.ohw * k * (2 if res else 1)) * eb + (0 if geo.g_in_l2 else geo.g_bytes)
     # the SE: the gates the hidden kernel wrote (GATE), or W_se2, the biases and the SE partials

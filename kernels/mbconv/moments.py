@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .._cost import KernelCost, Loop
-from .._launch import launch
+from .._launch import cdiv, launch, next_power_of_2
 from .kernel import _mbconv_hidden_kernel
 from .launcher import (BMO, MBConvGeometry, geometry_of, hidden_buffers, hidden_cost, kernel_settings,
                        mbconv_triton)
@@ -228,9 +228,9 @@ def fold_expand(w: torch.Tensor, mean_x: torch.Tensor, centre: torch.Tensor, gra
     wf = torch.empty((r, c), device=w.device, dtype=dtype)
     bf = torch.empty((r,), device=w.device, dtype=dtype)
     st = stats_out(stats, r, w.device)
-    cp = max(16, triton.next_power_of_2(c))
-    eb = torch.empty((), dtype=dtype).element_size()
-    launch(_fold_expand_kernel, (triton.cdiv(r, FOLD_ROWS),), w, mean_x, centre, gram.contiguous(), gamma,
+    cp = max(16, next_power_of_2(c))
+    eb = dtype.itemsize
+    launch(_fold_expand_kernel, (cdiv(r, FOLD_ROWS),), w, mean_x, centre, gram.contiguous(), gamma,
            beta, running_mean, running_var, wf, bf, st, r, c, *w.stride(), 1.0 / pixels, f,
            pixels / (pixels - 1), eps,
            cost=lambda: _fold_expand_cost(r, c, cp, w.element_size(), eb, dtype != torch.float32),
@@ -251,8 +251,8 @@ def fold_conv(parts: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, beta: t
     bf = torch.empty((r,), device=w.device, dtype=dtype)
     count = n * pixels
     st = stats_out(stats, r, w.device)
-    eb = torch.empty((), dtype=dtype).element_size()
-    launch(_fold_conv_kernel, (triton.cdiv(r, FOLD_CHANNELS),), parts, w, gamma, beta, running_mean,
+    eb = dtype.itemsize
+    launch(_fold_conv_kernel, (cdiv(r, FOLD_CHANNELS),), parts, w, gamma, beta, running_mean,
            running_var, wf, bf, st, n, r, pixels, f, count / (count - 1), eps,
            cost=lambda: _fold_conv_cost(n, cs, r, w.element_size(), eb),
            CS=cs, BR=FOLD_CHANNELS, BN=FOLD_IMAGES, num_warps=FOLD_WARPS)
@@ -263,16 +263,16 @@ def _fold_expand_cost(r: int, c: int, cp: int, wb: int, eb: int, split: bool) ->
     """W (read twice: rows and K steps), the Gram matrix once per program (from L2 after the first), the
     per-channel vectors; the folded W and bias written. Split TF32: two tensor-core products as issued
     (FOLD_ROWS x CP x CP a program each)."""
-    progs = triton.cdiv(r, FOLD_ROWS)
+    progs = cdiv(r, FOLD_ROWS)
     dram = 2 * r * c * wb + c * c * 4 + 2 * c * 4 + r * c * eb + r * eb + 8 * r * 4
     mma = 2 * progs * FOLD_ROWS * cp * cp if split else 0
-    return KernelCost(r * c * c + 2 * r * c, mma, dram, (Loop("Gram steps", triton.cdiv(c, FOLD_K)),),
+    return KernelCost(r * c * c + 2 * r * c, mma, dram, (Loop("Gram steps", cdiv(c, FOLD_K)),),
                       l2_bytes=progs * c * c * 4, note="BN_e from x's Gram matrix, folded into W_exp")
 
 
 def _fold_conv_cost(n: int, cs: int, r: int, wb: int, eb: int) -> KernelCost:
     """The moment rows read once, W_conv read, folded W_conv written."""
-    steps = triton.cdiv(n, FOLD_IMAGES)
+    steps = cdiv(n, FOLD_IMAGES)
     dram = n * 2 * cs * r * 4 + r * 72 * (wb + eb) + r * eb + 8 * r * 4
     return KernelCost(r * 72 + 4 * n * r, 0, dram, (Loop("images", steps),),
                       note="BN_d from the moment rows (Chan's merge), folded into W_conv")

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .._cost import KernelCost, Loop
-from .._launch import device_info, launch
+from .._launch import cdiv, device_info, launch, next_power_of_2
 from ..gconv.launcher import reduce_partials
 from .moments import bn_fold_tail, stats_out
 
@@ -57,9 +57,9 @@ MIN_TILES = 2  # the fewest tiles per split
 def _splits(m: int, tile: int, want: int) -> tuple[int, int]:
     """(number of splits, pixels per split): whole tiles, >= MIN_TILES of them per split unless there are
     fewer, about ``want`` splits, none empty."""
-    tiles = triton.cdiv(m, tile)
-    per = max(min(MIN_TILES, tiles), triton.cdiv(tiles, max(1, want)))
-    return triton.cdiv(tiles, per), per * tile
+    tiles = cdiv(m, tile)
+    per = max(min(MIN_TILES, tiles), cdiv(tiles, max(1, want)))
+    return cdiv(tiles, per), per * tile
 
 
 @triton.jit
@@ -216,8 +216,8 @@ def x_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m = n * h * w
     if m < 2:
         raise ValueError("x_moments: BatchNorm in training needs more than one value per channel")
-    bc = min(GRAM_BLOCK, max(16, triton.next_power_of_2(c)))
-    nb = triton.cdiv(c, bc)
+    bc = min(GRAM_BLOCK, max(16, next_power_of_2(c)))
+    nb = cdiv(c, bc)
     blocks = nb * (nb + 1) // 2
     splits, ch = _splits(m, GRAM_PIXELS, device_info(x.device).sms // blocks)
     part = torch.empty((splits, c, c), device=x.device, dtype=torch.float32)
@@ -233,7 +233,7 @@ def x_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
            TAIL=m % GRAM_PIXELS != 0,
            num_warps=GRAM_WARPS, num_stages=GRAM_STAGES)
     bt = min(MERGE_TILE, bc)
-    tiles = triton.cdiv(c, bt)
+    tiles = cdiv(c, bt)
     launch(_gram_merge_kernel, (tiles, tiles), part, smean, gram, mean, m, c, ch, splits,
            cost=lambda: _gram_merge_cost(c, bc, nb, splits, tiles), BC=bc, BT=bt, BS=MERGE_SPLITS,
            num_warps=4)
@@ -245,11 +245,11 @@ def _gram_partials_cost(m: int, c: int, bc: int, nb: int, splits: int, ch: int, 
     (adjacent in the grid) from L2; the splits' Gram blocks and means written. The dots as issued:
     BC x BC x BM per tile and the pixel sums' two BC x 16 x BM, the first tile loaded twice (the shift)."""
     blocks = nb * (nb + 1) // 2
-    tiles = triton.cdiv(m, GRAM_PIXELS)
+    tiles = cdiv(m, GRAM_PIXELS)
     mma = blocks * tiles * (bc + 32) * bc * GRAM_PIXELS
     reads = blocks * (tiles + splits) * GRAM_PIXELS * 2 * bc * eb
     dram = m * c * eb + splits * (blocks * bc * bc + c) * 4
-    return KernelCost(m * c * (c + 1) // 2, mma, dram, (Loop("pixel tiles", triton.cdiv(ch, GRAM_PIXELS)),),
+    return KernelCost(m * c * (c + 1) // 2, mma, dram, (Loop("pixel tiles", cdiv(ch, GRAM_PIXELS)),),
                       l2_bytes=max(0, reads - m * c * eb),
                       note="x's centred Gram blocks per pixel split (BN_e's input statistics)")
 
@@ -261,7 +261,7 @@ def _gram_merge_cost(c: int, bc: int, nb: int, splits: int, tiles: int) -> Kerne
     side = [min(bc, c - i * bc) for i in range(nb)]
     stored = sum(side[i] * side[j] for i in range(nb) for j in range(i, nb))
     dram = splits * (stored + c) * 4 + (c * c + c) * 4
-    steps = triton.cdiv(splits, MERGE_SPLITS)
+    steps = cdiv(splits, MERGE_SPLITS)
     return KernelCost(splits * c * c, 0, dram, (Loop("splits", steps), Loop("splits again", steps)),
                       l2_bytes=tiles * tiles * splits * 2 * 2 * (c // tiles) * 4
                       + splits * (c * c - stored) * 4,
@@ -370,7 +370,7 @@ def bn_residual(o: torch.Tensor, x: torch.Tensor | None, drop: torch.Tensor, gam
     m = n * h * w
     if m < 2:
         raise ValueError("bn_residual: BatchNorm in training needs more than one value per channel")
-    bk = max(16, triton.next_power_of_2(k))
+    bk = max(16, next_power_of_2(k))
     splits, ch = _splits(m, STAT_PIXELS, device_info(o.device).sms)
     part = torch.empty((splits, 2, k), device=o.device, dtype=torch.float32)
     ss = torch.empty((2, k), device=o.device, dtype=torch.float32)
@@ -380,20 +380,20 @@ def bn_residual(o: torch.Tensor, x: torch.Tensor | None, drop: torch.Tensor, gam
     launch(_channel_partials_kernel, (splits,), o, part, m, k, h * w, w, ch, *_nhwc(o), BK=bk, BM=STAT_PIXELS,
            FLAT=_flat(o),
            cost=lambda: KernelCost(0, 0, m * k * eb + splits * 2 * k * 4,
-                                   (Loop("pixel tiles", triton.cdiv(ch, STAT_PIXELS)),),
+                                   (Loop("pixel tiles", cdiv(ch, STAT_PIXELS)),),
                                    l2_bytes=splits * STAT_PIXELS * k * eb,
                                    note="BN_p statistics per pixel split"),
            num_warps=4)
     bm = min(MERGE_CHANNELS, bk)
-    steps = triton.cdiv(splits, BN_MERGE_SPLITS)
-    launch(_bn_merge_kernel, (triton.cdiv(k, bm),), part, gamma, beta, running_mean, running_var, ss, st, m,
+    steps = cdiv(splits, BN_MERGE_SPLITS)
+    launch(_bn_merge_kernel, (cdiv(k, bm),), part, gamma, beta, running_mean, running_var, ss, st, m,
            k, ch, splits, f, eps, BK=bm, BS=BN_MERGE_SPLITS,
            cost=lambda: KernelCost(0, 0, splits * 2 * k * 4 + 2 * k * 4 + 8 * k * 4,
                                    (Loop("splits", steps),),
                                    note="Chan's merge of BN_p's partials; running update"),
            num_warps=4)
     res = x if x is not None else o
-    launch(_bn_apply_kernel, (triton.cdiv(m, APPLY_PIXELS),), o, out, res, drop, ss, m, k, h * w, w,
+    launch(_bn_apply_kernel, (cdiv(m, APPLY_PIXELS),), o, out, res, drop, ss, m, k, h * w, w,
            *_nhwc(o), *_nhwc(res), RESIDUAL=x is not None, BK=bk, BM=APPLY_PIXELS,
            cost=lambda: KernelCost(0, 0, m * k * eb * (3 if x is not None else 2) + 2 * k * 4 + n * 4,
                                    note="BN_p normalise (+ drop-path and residual)"),
@@ -491,7 +491,7 @@ def bn_p_backward(dout: torch.Tensor, o: torch.Tensor, mean_p: torch.Tensor, rst
     _check_bn_p_backward(dout, o, mean_p, rstd_p, gamma_p, drop, n)
     m, k = dout.shape
     hw = m // n
-    bk = max(16, triton.next_power_of_2(k))
+    bk = max(16, next_power_of_2(k))
     splits, ch = _splits(m, STAT_PIXELS, device_info(dout.device).sms)
     part = torch.empty((splits, 2, k), device=dout.device, dtype=torch.float32)
     dgamma = torch.empty((k,), device=dout.device, dtype=torch.float32)
@@ -502,13 +502,13 @@ def bn_p_backward(dout: torch.Tensor, o: torch.Tensor, mean_p: torch.Tensor, rst
     launch(_bn_grad_partials_kernel, (splits,), dout, o, drop, mean_p, rstd_p, part, m, k, hw, ch, BK=bk,
            BM=STAT_PIXELS,
            cost=lambda: KernelCost(0, 0, 2 * m * k * eb + vec + splits * 2 * k * 4,
-                                   (Loop("pixel tiles", triton.cdiv(ch, STAT_PIXELS)),),
+                                   (Loop("pixel tiles", cdiv(ch, STAT_PIXELS)),),
                                    note="BN_p backward: sum dob, sum dob o_hat per pixel split"),
            num_warps=4)
     # a split's partials are (sum dob, sum dob o_hat) = (dbeta, dgamma): K columns to each
     reduce_partials(part, dbeta, splits, 2 * k, block=2 * min(MERGE_CHANNELS, bk), sb=STAT_SPLITS,
                     out2=dgamma, what="BN_p backward: fixed-order merge of the partials (dbeta, dgamma)")
-    launch(_bn_grad_apply_kernel, (triton.cdiv(m, APPLY_PIXELS),), dout, o, drop, mean_p, rstd_p, gamma_p,
+    launch(_bn_grad_apply_kernel, (cdiv(m, APPLY_PIXELS),), dout, o, drop, mean_p, rstd_p, gamma_p,
            dgamma, dbeta, do, m, k, hw, BK=bk, BM=APPLY_PIXELS,
            cost=lambda: KernelCost(0, 0, 3 * m * k * eb + vec + k * gamma_p.element_size() + 2 * k * 4,
                                    note="BN_p backward: do from dob, o_hat, dgamma, dbeta"),

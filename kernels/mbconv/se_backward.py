@@ -41,7 +41,7 @@ import triton.language as tl
 
 from .._activations import sigmoid
 from .._cost import KernelCost, Loop
-from .._launch import launch
+from .._launch import cdiv, launch, next_power_of_2
 
 BN = 16  # images per tile (the dots' M; 16 is their least)
 RC = 128  # channels per chunk of the chain (one s and one ds partial per chunk)
@@ -208,7 +208,7 @@ def _check(gsum, dgate, w_se1, b_se1, w_se2, b_se2, hw) -> tuple[int, int, int]:
                              f"{b.dtype}")
     if isinstance(hw, bool) or not isinstance(hw, int) or hw < 1:
         raise ValueError(f"se_backward: hw must be a positive int (pixels per image), got {hw!r}")
-    if n < 1 or s < 1 or n * max(r, s) * triton.cdiv(r, RC) >= 2**31:
+    if n < 1 or s < 1 or n * max(r, s) * cdiv(r, RC) >= 2**31:
         raise ValueError(f"se_backward: N = {n}, R = {r}, S = {s} out of range")
     if any(t.device != gsum.device for t in (dgate, w_se1, b_se1, w_se2, b_se2)):
         raise ValueError("se_backward: all tensors must be on gsum's device")
@@ -224,10 +224,10 @@ def se_backward(gsum: torch.Tensor, dgate: torch.Tensor, w_se1: torch.Tensor, b_
     n, r, s = _check(gsum, dgate, w_se1, b_se1, w_se2, b_se2, hw)
     dev = gsum.device
     f32 = dict(device=dev, dtype=torch.float32)
-    sp = max(16, triton.next_power_of_2(s))
-    groups, chunks = triton.cdiv(n, BN), triton.cdiv(r, RC)
-    sch = triton.cdiv(s, SC)
-    pix_tiles, w_tiles = groups * chunks, sch * triton.cdiv(r, RW)
+    sp = max(16, next_power_of_2(s))
+    groups, chunks = cdiv(n, BN), cdiv(r, RC)
+    sch = cdiv(s, SC)
+    pix_tiles, w_tiles = groups * chunks, sch * cdiv(r, RW)
     spart = torch.empty((chunks, n, sp), **f32)  # rows padded to SP (aligned; the padding holds zeros)
     dspart = torch.empty((chunks, n, sp), **f32)
     s_val = torch.empty((n, sp), **f32)
@@ -245,7 +245,7 @@ def se_backward(gsum: torch.Tensor, dgate: torch.Tensor, w_se1: torch.Tensor, b_
                                    l2_bytes=(groups - 1) * r * s * web,
                                    note="SE backward: s's partials over channel chunks"),
            BN=BN, RC=RC, SP=sp, PREC=PREC, num_warps=WARPS)
-    chp = triton.next_power_of_2(chunks)
+    chp = next_power_of_2(chunks)
     launch(_gate_kernel, (groups, chunks), dgate, b_se1, w_se2, b_se2, spart, s_val, gate, dspart, n, r, s,
            cost=lambda: KernelCost(2 * n * r * s, 0, 2 * vec + r * s * web + (r + s) * 4 + n * sp * 4 + part,
                                    (),
@@ -266,10 +266,10 @@ def _grad_cost(n: int, r: int, s: int, sp: int, web: int, chunks: int, groups: i
     L2: the partials and s by every dpix tile of a group (all S) and every weight tile of a channel range
     (SC columns), gate by each column of weight tiles; dpix and the weight gradients written."""
     vec, part, sv = n * r * 4, chunks * n * sp * 4, n * sp * 4
-    rtiles = triton.cdiv(r, RW)
+    rtiles = cdiv(r, RW)
     dram = 2 * vec + r * s * web + vec + 2 * r * s * 4 + (r + s) * 4
     l2 = (chunks + rtiles) * (part + sv) + sch * vec + (sch - 1) * 2 * vec + (groups - 1) * r * s * web
     return KernelCost(3 * n * r * s, 0, dram,
-                      (Loop("image steps", triton.cdiv(n, NW)),),
+                      (Loop("image steps", cdiv(n, NW)),),
                       l2_bytes=l2, l2_footprint_bytes=3 * vec + part + sv,
                       note="SE backward: dpix, dW_se1, dW_se2 and the biases' gradients")

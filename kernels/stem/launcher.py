@@ -6,10 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from .._cost import KernelCost, Loop
-from .._launch import launch
+from .._launch import cdiv, launch, next_power_of_2
 from .kernel import _stem_kernel
 
 FP32_PRECISION = "tf32x3"  # dot precision for fp32 operands (the interpreter computes exact fp32)
@@ -38,14 +37,14 @@ class StemConfig:
 
     @property
     def k_pad(self) -> int:
-        return 32 * triton.cdiv(9 * self.c_in, 32)
+        return 32 * cdiv(9 * self.c_in, 32)
 
 
 def stem_config(c_in: int, c_out: int, ho: int, wo: int) -> StemConfig:
     block_m = 128
-    bw = min(block_m, triton.next_power_of_2(max(1, wo)))
-    steps = max(1, min(ROW_STEPS, triton.cdiv(ho, block_m // bw)))
-    return StemConfig(c_in, c_out, max(16, triton.next_power_of_2(c_out)), bw, steps, block_m)
+    bw = min(block_m, next_power_of_2(max(1, wo)))
+    steps = max(1, min(ROW_STEPS, cdiv(ho, block_m // bw)))
+    return StemConfig(c_in, c_out, max(16, next_power_of_2(c_out)), bw, steps, block_m)
 
 
 
@@ -59,8 +58,8 @@ def check_supported(c_in: int, c_out: int) -> None:
 
 def stem_grid(n: int, ho: int, wo: int, cfg: StemConfig) -> tuple[int, int, int]:
     """(programs, tiles_h, tiles_w) of a launch: tiles_h x tiles_w tiles per image, cfg.steps per program."""
-    tiles_h, tiles_w = triton.cdiv(ho, cfg.rows), triton.cdiv(wo, cfg.bw)
-    return n * triton.cdiv(tiles_h, cfg.steps) * tiles_w, tiles_h, tiles_w
+    tiles_h, tiles_w = cdiv(ho, cfg.rows), cdiv(wo, cfg.bw)
+    return n * cdiv(tiles_h, cfg.steps) * tiles_w, tiles_h, tiles_w
 
 
 def check_launchable(x: torch.Tensor, c_out: int) -> None:
