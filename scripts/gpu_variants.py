@@ -4,7 +4,7 @@ the static model's prediction: ``python scripts/gpu_variants.py [--block stages.
 The 16x16 MBConv blocks measured slower than ``torch.compile``'s layer-wise code on an H200 (0.427
 against 0.350 ms), bound, by the static model, on the stall and wait chains of the hidden kernel's 16
 warps. Each variant overrides constants of ``kernels/mbconv/launcher.py`` (warps, hidden channels per
-chunk) for one run; per variant it prints and records:
+chunk, resident x tile or tiled items) for one run; per variant it prints and records:
 - the static prediction of the block (``build_report``, low-high, CUDA graphs), computed on the CPU;
 - on a GPU: the block alone in a CUDA graph (``convfirstnet bench``'s ``run_case``), and its output
   against the fused op's PyTorch reference on the same input (max |error| / max |reference|; fp16);
@@ -28,6 +28,10 @@ VARIANTS = {  # name -> overrides of kernels/mbconv/launcher.py's constants
     "RB 32": {"RB": 32},
     "hidden 8 warps + RB 32": {"HIDDEN_WARPS": 8, "RB": 32},
     "hidden 4 warps": {"HIDDEN_WARPS": 4},
+    # items of one image and one chunk, x streamed per chunk instead of resident (XM below every map)
+    "tiled 16 warps": {"XM": 16},
+    "tiled 8 warps": {"XM": 16, "HIDDEN_WARPS_TILED": 8},
+    "tiled 4 warps": {"XM": 16, "HIDDEN_WARPS_TILED": 4},
 }
 
 

@@ -51,7 +51,7 @@ and Inductor's layer-wise code in the same run:
 Every hidden kernel is bound by one warp's chain of stall cycles and exposed waits, times the four
 warps that share a scheduler in the one 16-warp program per SM; the projections are near their
 L2/DRAM terms. Three of the four blocks run slower than Inductor's layer-wise code (0.71-0.82x): an
-open defect. The model puts 8- and 4-warp hidden programs 1.5-2x faster
+open defect. The model puts 8- and 4-warp hidden programs 1.5-2x faster, resident or tiled
 (``benchmarks/results/variants/``); ``scripts/gpu_variants.py`` measures them, and the shipped
 constants change only on that measurement. On an A100 (``--arch sm_80``: mma.sync, 8-warp tiled
 hidden programs, 64-row projection tiles) the same blocks are predicted at 484-653, 166-222, 748-1058
