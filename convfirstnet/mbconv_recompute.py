@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from . import mbconv_fused_backward, mbconv_fused_forward
+from .kernels._autograd import function_around
 from .kernels._blurpool import blur_filter
 from .kernels._launch import GROUP_WIDTH, use_triton
 
@@ -222,6 +223,12 @@ def _autograd(ctx, grad_out, *unused):
 torch.library.register_autograd("convfirstnet::mbconv_recompute_train", _autograd, setup_context=_setup)
 
 
+# what the blocks call (kernels/_autograd.function_around: the op's autograd without its host cost); the
+# counts list's gradients come back as one None
+_Recompute = function_around("MBConvRecomputeTrain", torch.ops.convfirstnet.mbconv_recompute_train, _setup,
+                             lambda ctx, *grads: (*_autograd(ctx, *grads)[:-1], None))
+
+
 # The small ops of a step besides the layers' kernels, each a multi-tensor launch: the num_batches_tracked
 # increments, the copies of the running statistics in the op and the copies back (the static training
 # report charges each a launch gap)
@@ -246,7 +253,7 @@ def recompute_forward(block, x: torch.Tensor, dtype: torch.dtype, drop: torch.Te
     bns = (block.bn_expand, block.bn_dw, block.bn_project)
     with torch.no_grad():
         torch._foreach_add_([bn.num_batches_tracked for bn in bns], 1)
-    res = torch.ops.convfirstnet.mbconv_recompute_train(
+    res = _Recompute.apply(
         x.to(dtype), *op_weights(block), *(t for bn in bns for t in (bn.running_mean, bn.running_var)), drop,
         block.stride, [-1.0 if bn.momentum is None else float(bn.momentum) for bn in bns], bns[0].eps,
         [bn.num_batches_tracked for bn in bns])

@@ -36,6 +36,7 @@ import warnings
 
 from .kernels._cost import active_recording
 from .kernels._launch import GROUP_WIDTH, HAS_TRITON, backend
+from .kernels.convfirst_train.op import S1Train, S2Train
 from .mbconv_recompute import recompute_forward
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the fused training kernels run
@@ -210,10 +211,10 @@ def fused_forward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
           bn2.running_mean, bn2.running_var, bn3.running_mean, bn3.running_var)
     if block.stride == 1:
         drop = _drop_scale(block, dtype, x)
-        res = torch.ops.convfirstnet.convfirst_s1_train(x, *w, *bn, drop, training, eps)
+        res = S1Train.apply(x, *w, *bn, drop, training, eps)
         out, stats, rows = res[0], res[3:9], x.shape[0] * x.shape[2] * x.shape[3]
     else:
-        res = torch.ops.convfirstnet.convfirst_s2_train(x, *w, *bn, training, eps)
+        res = S2Train.apply(x, *w, *bn, training, eps)
         out, stats = res[0], res[4:10]
         rows = x.shape[0] * ((x.shape[2] + 1) // 2) * ((x.shape[3] + 1) // 2)
     if training:

@@ -57,3 +57,21 @@ def register_reference_autograd(qualname: str, reference: Callable[..., torch.Te
         return tuple(out)
 
     torch.library.register_autograd(qualname, backward, setup_context=setup_context)
+
+
+def function_around(name: str, op: Callable, setup_context: Callable, backward: Callable) -> type:
+    """An autograd.Function that runs ``op`` with the autograd ``register_autograd`` gave it
+    (``setup_context(ctx, inputs, output)``, ``backward(ctx, *grads)``; a Tensor[] input's gradients
+    must come back as one None). The model's blocks call this rather than the op: inside ``forward``
+    grad mode is off, so the op skips its own autograd layer, whose schema-default filling is
+    quadratic in the argument count in torch 2.11-2.14 (pytorch/pytorch pull request 195110): ~0.1-0.3 ms
+    of host time per call of the 19- to 25-argument training ops (``scripts/host_time.py``). The op
+    keeps its registration for direct callers."""
+
+    def forward(ctx, *args):
+        out = op(*args)
+        setup_context(ctx, args, out)
+        return out
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                     "backward": staticmethod(backward)})

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from .._autograd import function_around
 from .._batchnorm import update_running
 from .._launch import GROUP_WIDTH, HAS_TRITON, check_activation, define_op, triton_op, use_triton
 from .reference import (
@@ -288,3 +289,9 @@ def _backward_s2(ctx, grad_out, *unused):
 
 
 torch.library.register_autograd("convfirstnet::convfirst_s2_train", _backward_s2, setup_context=_setup_s2)
+
+# what the blocks call (training_kernels.fused_forward): the ops with the autograd above, without its host
+# cost (_autograd.function_around)
+S1Train = function_around("ConvFirstS1Train", torch.ops.convfirstnet.convfirst_s1_train, _setup, _backward)
+S2Train = function_around("ConvFirstS2Train", torch.ops.convfirstnet.convfirst_s2_train, _setup_s2,
+                          _backward_s2)
