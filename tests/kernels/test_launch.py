@@ -97,6 +97,35 @@ def test_kernels_call_no_method_on_a_scalar_argument():
     assert found == []
 
 
+def test_host_code_sizes_launches_with_plain_integers():
+    """Outside ``@triton.jit`` code the kernels' modules call ``kernels._launch.cdiv`` / ``next_power_of_2``:
+    Triton's are constexpr functions whose Python call costs ~1.5 us (Triton 3.6-3.8), and the launchers of
+    a training step call them thousands of times (scripts/host_time.py: part of 79 -> 57 ms of host time)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(_launch.__file__).resolve().parent
+    jit_lines = {(path, n) for path, node, _ in _jit_functions()
+                 for n in range(node.lineno, node.end_lineno + 1)}
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id == "triton" and node.attr in ("cdiv", "next_power_of_2")
+                    and (path.relative_to(root.parent), node.lineno) not in jit_lines):
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    assert found == []
+
+
+def test_plain_integer_helpers_equal_tritons():
+    import triton
+
+    for n in range(0, 2050):
+        assert _launch.next_power_of_2(n) == triton.next_power_of_2(n)
+        for d in (1, 2, 3, 8, 64, 1000):
+            assert _launch.cdiv(n, d) == triton.cdiv(n, d)
+
+
 def test_selected_backend_sets_and_restores(monkeypatch):
     """The one place that sets CONVFIRSTNET_KERNELS for a stretch of code: set inside, restored after
     (unset again when it was unset), an unknown name refused."""
