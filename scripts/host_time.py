@@ -5,7 +5,9 @@ autograd around them, and one Triton launch call per kernel. When that exceeds t
 the step is host-bound (the first GPU run measured a fused training step at 371 ms of wall time against
 87 ms of kernels). This script measures the CPU side without a GPU: it runs the Triton path on CPU
 tensors (the interpreter's backend selected) with every kernel launch replaced by a counter, so what is
-timed is the host code alone, at the configurations the launchers pick. Small maps keep the remaining
+timed is the host code alone, at the configurations the launchers pick (the cost report's
+``kernels._cost.recording`` also skips launches, but builds each launch's cost declaration and meta
+copies of its arguments: host work a real step does not do). Small maps keep the remaining
 CPU work (the aten ops that would be GPU launches: weight casts, concatenations, the optimizer) small;
 it is still counted, so the figure is an upper bound of that part. Not counted: Triton's own launch call
 per kernel (its argument binding and the driver call), which only a GPU can time.
@@ -112,6 +114,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton path on CPU tensors (its launches skipped)
     import torch
+
     torch.set_num_threads(args.threads)
     results = []
     for case in args.cases.split(","):

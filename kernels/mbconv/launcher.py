@@ -70,7 +70,7 @@ from dataclasses import dataclass
 import torch
 
 from .._cost import KernelCost, Loop
-from .._launch import GROUP_WIDTH, cdiv, device_info, GPUInfo, launch, next_power_of_2
+from .._launch import GROUP_WIDTH, GPUInfo, cdiv, device_info, launch, next_power_of_2
 from .kernel import _mbconv_hidden_kernel, _mbconv_project_kernel
 
 FP32_PRECISION = "tf32x3"  # dot precision for fp32 operands; fp16/bf16 operands ignore it
