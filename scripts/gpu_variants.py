@@ -3,8 +3,10 @@ the static model's prediction: ``python scripts/gpu_variants.py [--block stages.
 
 The 16x16 MBConv blocks measured slower than ``torch.compile``'s layer-wise code on an H200 (0.427
 against 0.350 ms), bound, by the static model, on the stall and wait chains of the hidden kernel's 16
-warps. Each variant overrides constants of ``kernels/mbconv/launcher.py`` (warps, hidden channels per
-chunk, resident x tile or tiled items) for one run; per variant it prints and records:
+warps (measured before the conv loaded its tap pairs one dot ahead; "pairs not ahead" is that order, so
+one run measures the change). Each variant overrides constants of ``kernels/mbconv/launcher.py`` (warps,
+hidden channels per chunk, resident x tile or tiled items, the conv's load order) for one run; per
+variant it prints and records:
 - the static prediction of the block (``build_report``, low-high, CUDA graphs), computed on the CPU;
 - on a GPU: the block alone in a CUDA graph (``convfirstnet bench``'s ``run_case``), and its output
   against the fused op's PyTorch reference on the same input (max |error| / max |reference|; fp16);
@@ -24,6 +26,7 @@ from pathlib import Path
 BATCH, IMG = 128, 256
 VARIANTS = {  # name -> overrides of kernels/mbconv/launcher.py's constants
     "shipped": {},
+    "pairs not ahead": {"PAIRS_AHEAD": False},  # the conv's tap pairs loaded just before their dots
     "hidden 8 warps": {"HIDDEN_WARPS": 8},
     "RB 32": {"RB": 32},
     "hidden 8 warps + RB 32": {"HIDDEN_WARPS": 8, "RB": 32},

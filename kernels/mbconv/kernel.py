@@ -20,7 +20,8 @@ written once in the input dtype (``gbuf``, (N, H'W', R)) and read back once. Two
    slot in tiles of BM pixels (nine taps as five two-tap K = 16 steps of a batched [G CS, BM / CS, 16]
    x [G CS, 16, 8] ``tl.dot``: mma.sync, 10/9 of the useful conv MACs; each of the G groups' tiles is
    split in CS pixel sub-tiles so that every warp gets a batch entry of its own: with fewer entries
-   than warps, Triton had each warp repeat another's mma.sync) + bias + SiLU; stride 1: ``g`` to
+   than warps, Triton had each warp repeat another's mma.sync; AHEAD: each step's tap pair loaded from
+   the slot one dot ahead, two loads in flight while a dot runs) + bias + SiLU; stride 1: ``g`` to
    ``gbuf`` and the pool in registers; stride 2: ``g`` to a second slot, barrier, BlurPool from it
    (``_blur``: reflect padding folded into the indices), the blurred ``g`` to ``gbuf``. Per (image,
    chunk) the first SE layer's share ``zpart[n, chunk] = W_se1[:, chunk] @ mean[n, chunk]``
@@ -193,7 +194,7 @@ def _mbconv_hidden_kernel(
     EXACT: tl.constexpr, RESIDENT: tl.constexpr, XM: tl.constexpr, HWP: tl.constexpr,
     ZB: tl.constexpr, SILU: tl.constexpr, PREC: tl.constexpr, CS: tl.constexpr, SEB: tl.constexpr,
     NS: tl.constexpr, GATE: tl.constexpr, GB: tl.constexpr, NCP: tl.constexpr,
-    MOMENTS: tl.constexpr, ONE: tl.constexpr,
+    MOMENTS: tl.constexpr, ONE: tl.constexpr, AHEAD: tl.constexpr,
 ):
     G: tl.constexpr = RB // 8
     GS: tl.constexpr = G * CS  # conv batch: each group's pixel tile split in CS sub-tiles
@@ -333,11 +334,23 @@ def _mbconv_hidden_kernel(
                 for t in tl.range(0, ntile, num_stages=1):
                     y, xx_, yc, xc, ok = _tile(t, ncol, H, W, m, TW, TH, EXACT)
                     qp = (yc + 1) * ROWE + (xc + 1) * 8
-                    acc = tl.dot(_conv_pair_h(hi, qp, PW, 0, G, CS), w0, input_precision=PREC)
-                    acc = tl.dot(_conv_pair_h(hi, qp, PW, 1, G, CS), w1, acc, input_precision=PREC)
-                    acc = tl.dot(_conv_pair_h(hi, qp, PW, 2, G, CS), w2, acc, input_precision=PREC)
-                    acc = tl.dot(_conv_pair_h(hi, qp, PW, 3, G, CS), w3, acc, input_precision=PREC)
-                    acc = tl.dot(_conv_pair_h(hi, qp, PW, 4, G, CS), w4, acc, input_precision=PREC)
+                    if AHEAD:  # each tap pair loaded one dot ahead of its use (the launcher's choice)
+                        a0 = _conv_pair_h(hi, qp, PW, 0, G, CS)
+                        a1 = _conv_pair_h(hi, qp, PW, 1, G, CS)
+                        acc = tl.dot(a0, w0, input_precision=PREC)
+                        a2 = _conv_pair_h(hi, qp, PW, 2, G, CS)
+                        acc = tl.dot(a1, w1, acc, input_precision=PREC)
+                        a3 = _conv_pair_h(hi, qp, PW, 3, G, CS)
+                        acc = tl.dot(a2, w2, acc, input_precision=PREC)
+                        a4 = _conv_pair_h(hi, qp, PW, 4, G, CS)
+                        acc = tl.dot(a3, w3, acc, input_precision=PREC)
+                        acc = tl.dot(a4, w4, acc, input_precision=PREC)
+                    else:
+                        acc = tl.dot(_conv_pair_h(hi, qp, PW, 0, G, CS), w0, input_precision=PREC)
+                        acc = tl.dot(_conv_pair_h(hi, qp, PW, 1, G, CS), w1, acc, input_precision=PREC)
+                        acc = tl.dot(_conv_pair_h(hi, qp, PW, 2, G, CS), w2, acc, input_precision=PREC)
+                        acc = tl.dot(_conv_pair_h(hi, qp, PW, 3, G, CS), w3, acc, input_precision=PREC)
+                        acc = tl.dot(_conv_pair_h(hi, qp, PW, 4, G, CS), w4, acc, input_precision=PREC)
                     v = _silu(acc, hb_c, SILU)
                     if MOMENTS:  # u = the conv output minus a shift (b_conv = the shift): sums of u and u^2
                         u = acc - 2.0 * hb_c

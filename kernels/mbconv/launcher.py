@@ -36,26 +36,31 @@ Predicted and measured
 Static model (``convfirstnet kernels --model small``: batch 128, fp16, CUDA graphs, Triton 3.8; us,
 low-high; binds = the largest terms at the high end) against the H200 (Triton 3.6, CUDA graphs, both
 launches of a block: ``benchmarks/results/20261126T051713Z_h200_float16_small_gpu-check-blocks.json``)
-and Inductor's layer-wise code in the same run:
+and Inductor's layer-wise code in the same run. That run predates the conv's tap pairs loaded one dot
+ahead (``pairs_ahead``); "before" is the hidden kernel's prediction for the code it measured:
 
-    block (Small, sm_90)      launch   warps regs  smem  predicted   binds (high end)     measured  Inductor
-    s1 16x16, C 256 (x17)     hidden    16   128  180 KB  384-593    waits 462, lat. 129      427       350
-                              project    8   255  160 KB   44-56     L2 38, DRAM 37
-    s1 8x8, C 256 (x17)       hidden    16   128  180 KB  113-171    waits 131, lat. 40       136       263
-                              project    8   254  176 KB   24-30     latency 21, tensor 11
-    s2 32x32, C 96 -> 256     hidden    16   128   92 KB  581-916    waits 699, lat. 216      638       472
-                              project    8   221  160 KB   42-53     waits 29, latency 23
-    s2 16x16, C 256           hidden    16   128  164 KB  462-705    waits 529, lat. 175      475       337
-                              project    8   252  176 KB   21-27     latency 18, tensor 11
+    block (Small, sm_90)   launch  warps regs  smem  predicted (before)  binds (high end)    measured Inductor
+    s1 16x16, C 256 (x17)  hidden   16   128  180 KB  311-453 (384-593)  waits 323, lat. 128    427      350
+                           project   8   255  160 KB   44-56             L2 38, DRAM 37
+    s1 8x8, C 256 (x17)    hidden   16   128  180 KB   94-137 (113-171)  waits 95, lat. 40      136      263
+                           project   8   254  176 KB   24-30             latency 21, tensor 11
+    s2 32x32, C 96 -> 256  hidden   16   126   92 KB  477-712 (581-916)  waits 490, lat. 220    638      472
+                           project   8   221  160 KB   42-53             waits 29, latency 23
+    s2 16x16, C 256        hidden   16   128  180 KB  392-569 (462-705)  waits 391, lat. 176    475      337
+                           project   8   252  176 KB   21-27             latency 18, tensor 11
 
 Every hidden kernel is bound by one warp's chain of stall cycles and exposed waits, times the four
 warps that share a scheduler in the one 16-warp program per SM; the projections are near their
-L2/DRAM terms. Three of the four blocks run slower than Inductor's layer-wise code (0.71-0.82x): an
-open defect. The model puts 8- and 4-warp hidden programs 1.5-2x faster, resident or tiled
-(``benchmarks/results/variants/``); ``scripts/gpu_variants.py`` measures them, and the shipped
-constants change only on that measurement. On an A100 (``--arch sm_80``: mma.sync, 8-warp tiled
-hidden programs, 64-row projection tiles) the same blocks are predicted at 484-653, 166-222, 748-1058
-and 435-602 us (2.0-3.3x the layer-wise bound; not measured).
+L2/DRAM terms. The measured blocks sat at 0.97-1.03 of the low end of the "before" prediction: three
+of the four ran slower than Inductor's layer-wise code (0.71-0.82x): an open defect. With the pairs
+ahead the 16x16 stride-1 block is predicted at Inductor's time (355 us at the low end) and the
+stride-2 blocks still slower (519 and 413 us against 472 and 337); not yet measured. The model puts
+8- and 4-warp hidden programs 1.4-1.7x faster still, resident or tiled
+(``benchmarks/results/variants/``); ``scripts/gpu_variants.py`` measures them (and the order before
+the pairs ahead), and the warp count changes only on that measurement: it is the dimension the model's
+correction was not checked on. On an A100 (``--arch sm_80``: mma.sync, 8-warp tiled hidden programs,
+64-row projection tiles) the same blocks are predicted at 450-572, 157-201, 696-936 and 398-520 us
+(not measured).
 
 Design notes in this file and in kernel.py quote the static model of the time each choice was made
 (before its correction against the H200, when it was 2-6x low on these kernels): they rank the
@@ -106,6 +111,7 @@ SLOT_L1_PAIR = 56 * 1024
 # 4 warps, EM = 64, two programs per SM where both slots stay in L1.
 HIDDEN_WARPS = 16
 HIDDEN_WARPS_TILED = 16
+PAIRS_AHEAD = True  # the conv's tap pairs loaded one dot ahead (MBConvGeometry.pairs_ahead)
 HIDDEN_WARPS_SM80 = 8  # RESIDENT programs below sm_90 (C <= 128 there: the x tile fits)
 # Tiled 16-bit programs below sm_90: 8 warps (with 4-warp programs, one per SM, the hidden kernel of a
 # 16x16 stride-1 block was predicted at 221 us on an A100, latency 207 + waits 13; at 8 warps 118,
@@ -235,6 +241,19 @@ class MBConvGeometry:
         return self.stride == 1 and self.items == self.programs
 
     @property
+    def pairs_ahead(self) -> bool:
+        """The hidden kernel's AHEAD: the conv loads each tap pair from the slot one dot ahead of its use, so
+        two loads are in flight while a dot runs instead of each pair waiting out a whole load latency
+        before its dot. Small at batch 128, sm_90, predicted per block (us, low-high; Triton 3.8):
+        16x16 stride 1 428-648 -> 355-509, 8x8 136-202 -> 118-167, 32x32 stride 2 623-970 -> 519-765,
+        16x16 stride 2 483-732 -> 413-596 (exposed waits on the slot loads -30 %, bar.sync executed per
+        warp 911 -> 655 at 16x16). Two pairs ahead held a third layout-conversion buffer (200 KB of
+        shared memory, too little L1 left for the slot); loading the next tile's first pairs across the
+        tile loop was predicted slower (361-523 at 16x16). Off for RESIDENT stride-2 items that hold part
+        of the chunks (small batches): the extra live pair spilled 64 B inside the chunk loop there."""
+        return PAIRS_AHEAD and not (self.stride == 2 and self.resident and self.groups > 1)
+
+    @property
     def conv_split(self) -> int:
         """Pixel sub-tiles per conv group: the batched conv dot gets at least one batch entry per warp
         (Triton spreads the warps over the batch first; with fewer entries than warps each warp
@@ -319,7 +338,7 @@ class MBConvGeometry:
                     RESIDENT=self.resident, XM=XM if self.resident else 16,
                     HWP=self.hwp if self.resident else 1,
                     ZB=ZERO_BLOCK, SILU=silu, PREC=prec, CS=self.conv_split, NS=self.mean_rows,
-                    ONE=self.one_item,
+                    ONE=self.one_item, AHEAD=self.pairs_ahead,
                     SEB=self.sp if self.maxnreg else min(self.sp, 4 * self.hidden_warps),  # sm_80: one step
                     # every constexpr passed, none left to a default: torch.compile's wrapper of a user
                     # kernel drops defaulted arguments from the launch it generates
