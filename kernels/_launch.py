@@ -13,6 +13,7 @@ float64 tensors always take the reference (the kernels run fp32, fp16 and bf16 o
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -95,7 +96,25 @@ def use_triton(x: torch.Tensor) -> bool:
             f"CONVFIRSTNET_KERNELS=triton with a {x.device.type} tensor needs the Triton interpreter: "
             "set TRITON_INTERPRET=1 before importing convfirstnet"
         )
+    if x.device.type != "cuda" and (problem := interpreter_problem()):
+        raise RuntimeError(f"CONVFIRSTNET_KERNELS=triton with a {x.device.type} tensor: {problem}")
     return True
+
+
+@functools.cache
+def interpreter_problem() -> str | None:
+    """Why this Triton's interpreter cannot run the kernels, or None. Up to Triton 3.6 the interpreter
+    turns a runtime loop bound into a Python int with ``int()`` of a one-element array, which NumPy 2.4
+    refuses ("only 0-dimensional arrays can be converted to Python scalars"; triton-lang/triton issue
+    9171, fixed in Triton 3.7): every kernel with a runtime loop fails there."""
+    import numpy
+    import triton
+    from torch.torch_version import TorchVersion
+
+    if TorchVersion(triton.__version__) < (3, 7) and TorchVersion(numpy.__version__) >= (2, 4):
+        return (f"the interpreter of Triton {triton.__version__} fails with NumPy {numpy.__version__} "
+                "(int() of a one-element array in its loops); install 'numpy<2.4' or Triton >= 3.7")
+    return None
 
 
 def check_activation(op: str, x: torch.Tensor, channels: int, *, name: str = "x") -> None:

@@ -141,3 +141,29 @@ def test_selected_backend_sets_and_restores(monkeypatch):
     with pytest.raises(ValueError, match="expected one of"):
         with _launch.selected_backend("cuda"):
             pass
+
+
+def test_interpreter_refuses_triton_3_6_with_numpy_2_4(monkeypatch):
+    """Triton <= 3.6's interpreter fails every runtime loop under NumPy >= 2.4 (an int() of a one-element
+    array): a Triton call on a CPU tensor says so before any launch, and newer pairs pass."""
+    import numpy
+    import triton
+
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = torch.zeros(1, 8, 4, 4)
+    cases = [("3.6.0", "2.4.6", True), ("3.6.0", "2.3.5", False), ("3.7.0", "2.4.6", False),
+             ("3.8.0", "2.4.6", False)]
+    try:
+        for tv, nv, refused in cases:
+            monkeypatch.setattr(triton, "__version__", tv)
+            monkeypatch.setattr(numpy, "__version__", nv)
+            _launch.interpreter_problem.cache_clear()
+            if refused:
+                match = r"Triton 3\.6\.0 fails with NumPy 2\.4\.6.*numpy<2\.4"
+                with pytest.raises(RuntimeError, match=match):
+                    _launch.use_triton(x)
+            else:
+                assert _launch.use_triton(x)
+    finally:
+        _launch.interpreter_problem.cache_clear()
