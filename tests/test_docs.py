@@ -12,16 +12,16 @@ Relative links must point to files that exist.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
 import shlex
-import sys
 from functools import cache
 from pathlib import Path
 
 import pytest
 
 from convfirstnet.commands import cli
+
+from ._scripts import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [
@@ -95,10 +95,7 @@ def options(command: str) -> frozenset[str] | None:
 
             calibration.main(["--help"])
         elif command in STANDALONE:
-            name = f"_docs_{command}"
-            spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{command}.py")
-            module = sys.modules[name] = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
+            module = load_script(command, f"_docs_{command}")
             return frozenset(module.build_parser()._option_string_actions)
         else:
             cli.main([command, "--help"])

@@ -2,7 +2,6 @@
 an uninstalled checkout, the blocks it would time, and the formatting of its tables and records (fed
 with made-up timings: these tests check the formatting, they claim no result)."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,17 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from ._scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 
 
 @pytest.fixture(scope="module")
 def gc():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    yield mod
+    yield load_script("gpu_check", "gpu_check")
     del sys.modules["gpu_check"]
 
 

@@ -1,22 +1,16 @@
 """scripts/host_time.py: the Triton path's host code runs with every launch counted, none run."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("triton")
 
 from convfirstnet.kernels import _launch
 
-ROOT = Path(__file__).resolve().parents[1]
+from ._scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("_host_time", ROOT / "scripts" / "host_time.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("host_time")
 
 
 @pytest.mark.parametrize("case, launches", [("infer", 52), ("train", None)])
