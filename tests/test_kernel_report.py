@@ -192,6 +192,15 @@ def test_ambiguous_loop_matching_is_decided_by_the_tensor_core_work():
     assert w.per_warp == 4 and w.tensor_macs == per_hmma and w.unrolled_away == ["taps"]
     w = cc.weigh(insns, loops, declared, num_warps=4, mma_macs_per_program=9 * per_hmma)
     assert w.per_warp == 20 and w.tensor_macs == 9 * per_hmma and w.unrolled_away == []
+    # work divided unevenly (10 chunks in groups of 3, 3, 3, 1): the declaration's MACs are the programs'
+    # average, the loop's trips the busiest program's, so no matching is exact; the nearest is taken
+    declared = (Loop("taps", 9), Loop("chunks", 3))
+    w = cc.weigh(insns, loops, declared, num_warps=4, mma_macs_per_program=2.5 * per_hmma)
+    assert w.per_warp == 2 + 3 * 2 and w.unrolled_away == ["taps"]
+    w = cc.weigh(insns, loops, declared, num_warps=4, mma_macs_per_program=6 * per_hmma)
+    assert w.per_warp == 2 + 9 * 2 and w.unrolled_away == ["chunks"]
+    with pytest.raises(ValueError, match="in 2 ways that weigh it differently"):  # equally near: a tie
+        cc.weigh(insns, loops, declared, num_warps=4, mma_macs_per_program=27 ** 0.5 * per_hmma)
     # HGMMA: once per warpgroup of four warps
     counts = {"HGMMA.64x128x16.F32": 3, "HMMA.1688.F32.TF32": 2, "FFMA": 7}
     assert cc.tensor_macs_per_program(counts, 8) == 3 * 64 * 128 * 16 * 2 + 2 * 16 * 8 * 8 * 8
