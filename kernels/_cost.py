@@ -42,11 +42,14 @@ from typing import Any, Callable, Iterator
 
 @dataclass(frozen=True)
 class Loop:
-    """A runtime loop of one program: iterations per entry, and the loops nested in its body."""
+    """A runtime loop of one program: iterations per entry, and the loops nested in its body. ``fixed``:
+    its bound is a value the compiler cannot see, so the loop is in the compiled code even at one trip
+    (the cost report never takes it as unrolled away)."""
 
     name: str
     trips: int
     body: tuple["Loop", ...] = ()
+    fixed: bool = False
 
 
 @dataclass(frozen=True)

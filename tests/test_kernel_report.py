@@ -201,6 +201,10 @@ def test_ambiguous_loop_matching_is_decided_by_the_tensor_core_work():
     assert w.per_warp == 2 + 9 * 2 and w.unrolled_away == ["chunks"]
     with pytest.raises(ValueError, match="in 2 ways that weigh it differently"):  # equally near: a tie
         cc.weigh(insns, loops, declared, num_warps=4, mma_macs_per_program=27 ** 0.5 * per_hmma)
+    # a loop whose bound the compiler cannot see (fixed) is compiled even at one trip: never elided
+    w = cc.weigh(insns, loops, (Loop("taps", 9, fixed=True), Loop("chunks", 3)), num_warps=4,
+                 mma_macs_per_program=2.5 * per_hmma)
+    assert w.per_warp == 2 + 9 * 2 and w.unrolled_away == ["chunks"]  # not the nearer chunk reading
     # HGMMA: once per warpgroup of four warps
     counts = {"HGMMA.64x128x16.F32": 3, "HMMA.1688.F32.TF32": 2, "FFMA": 7}
     assert cc.tensor_macs_per_program(counts, 8) == 3 * 64 * 128 * 16 * 2 + 2 * 16 * 8 * 8 * 8

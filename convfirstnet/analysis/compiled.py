@@ -268,7 +268,8 @@ def match_candidates(
 
     * A declared loop may be missing from the SASS: one trip (a bound the binder specialised to 1), or
       a constant trip count the compiler unrolled completely; its body, repeated ``trips`` times,
-      takes its place (straight-line code counts once per enclosing trip, as it should).
+      takes its place (straight-line code counts once per enclosing trip, as it should). Not a
+      ``fixed`` one: its bound is a runtime value, so it is compiled as a loop whatever its trips.
     * A declared innermost loop may match two sibling innermost SASS loops when the first is a main
       loop that ptxas unrolled k times (:func:`unroll_factor`, needs ``insns``) and the second is its
       remainder loop.
@@ -288,7 +289,7 @@ def match_candidates(
                 if k is not None and unroll_factor(insns, sass[1]) is None:
                     for tail, pen_tail in rec(sass[2:], rest):
                         found.append(([LoopMatch(first, (sass[0], sass[1]), k)] + tail, pen_tail))
-        if first.trips >= 1 and len(first.body) * first.trips <= 64:  # elided: unrolled by the compiler
+        if not first.fixed and first.trips >= 1 and len(first.body) * first.trips <= 64:  # unrolled away
             for m, pen in rec(sass, list(first.body) * first.trips + rest):
                 found.append((m, pen + (first.trips > 1)))
         if len(found) > MAX_CANDIDATES:

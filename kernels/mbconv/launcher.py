@@ -600,8 +600,10 @@ def hidden_buffers(geo: MBConvGeometry, x: torch.Tensor) -> tuple[torch.Tensor, 
     return scratch, gscratch, mslot
 
 
-def hidden_cost(geo: MBConvGeometry) -> KernelCost:
-    """What the hidden kernel does (kernels/_cost.py gives the counting rules)."""
+def hidden_cost(geo: MBConvGeometry, one: bool | None = None) -> KernelCost:
+    """What the hidden kernel does (kernels/_cost.py gives the counting rules); ``one``: the launch's ONE
+    (default the geometry's ``one_item``)."""
+    one = geo.one_item if one is None else one
     n, c, r, s, rb, eb = geo.n, geo.c, geo.r, geo.s, geo.rb, geo.elem
     hw, ohw, nchunk, g8 = geo.hw, geo.ohw, geo.nchunk, geo.rb // 8
     # the SE MLP's first layer (and with GATE its second)
@@ -620,17 +622,21 @@ def hidden_cost(geo: MBConvGeometry) -> KernelCost:
     if geo.stride == 2:
         scr += n * hw * rb + n * geo.tiles_o * 9 * BMO * rb
     l2 = (geo.programs * geo.slot_images * geo.border + nchunk * scr) * eb + nchunk * n * rb * 8
-    per_image = () if geo.resident else (Loop("expand tiles", geo.tiles_e),)
-    per_image += (Loop("conv tiles", geo.tiles),)
+    # every bound is a runtime value (fixed: compiled as a loop even at one trip) but the work items'
+    # with ONE, which the compiler sees as one trip
+    per_image = () if geo.resident else (Loop("expand tiles", geo.tiles_e, fixed=True),)
+    per_image += (Loop("conv tiles", geo.tiles, fixed=True),)
     if geo.stride == 2:
-        per_image += (Loop("blur tiles", geo.tiles_o),)
+        per_image += (Loop("blur tiles", geo.tiles_o, fixed=True),)
     rounds = cdiv(geo.items, geo.programs)
-    loops = (Loop("zero scratch", cdiv(geo.slot_images * geo.border, ZERO_BLOCK)),
+    loops = (Loop("zero scratch", cdiv(geo.slot_images * geo.border, ZERO_BLOCK), fixed=True),
              Loop("work items", rounds, (Loop("chunks", geo.chunks_per_group,
-                                              (Loop("images", geo.ib, per_image),)),)))
+                                              (Loop("images", geo.ib, per_image, fixed=True),), fixed=True),),
+                  fixed=not one))
     if geo.gate:
-        loops += (Loop("gate items", rounds), Loop("gate images", rounds * geo.ib,
-                                                   (Loop("gate steps", cdiv(r, GATE_ROWS)),)))
+        loops += (Loop("gate items", rounds, fixed=not one),
+                  Loop("gate images", rounds * geo.ib, (Loop("gate steps", cdiv(r, GATE_ROWS), fixed=True),),
+                       fixed=True))
     # L1-allocating loads, per item: x (RESIDENT: once; else once per chunk), each chunk's weights
     # and its slot once (the nine taps re-read it from L1), the means
     cg, ib = geo.chunks_per_group, geo.ib

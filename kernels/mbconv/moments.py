@@ -65,7 +65,7 @@ def moments_cost(geo: MBConvGeometry) -> KernelCost:
     """The hidden kernel's declaration (launcher.hidden_cost) less what the moments mode skips: the g
     store (stride 1: to DRAM; stride 2: its slot round trip and the blur), the pool and the SE partial
     (its MACs, W_se1 and the partials' writes); plus the moment rows (fp32) written."""
-    full = hidden_cost(geo)
+    full = hidden_cost(geo, one=geo.items == geo.programs)  # the ONE this launch passes
     n, r, eb, hw, ohw = geo.n, geo.r, geo.elem, geo.hw, geo.ohw
     useful = full.useful_macs - n * ((ohw * r * 9 if geo.stride == 2 else 0) + r * geo.s)
     rows = n * 2 * geo.conv_split * r * 4
