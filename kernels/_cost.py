@@ -19,6 +19,8 @@ Counting rules (one launch, whole grid):
 * ``loops``: the runtime loops of one program, outermost first and in program order, with their
   trip counts; the report matches them against the loops it finds in the compiled SASS (backward
   branches) and weights each instruction by the trips of the loops around it.
+  Mark a loop ``fixed`` when the compiler cannot see its bound, so that a one-trip loop is not read as
+  unrolled away.
 * ``l2_bytes``: traffic to per-program scratch that is re-read by the same program shortly after it
   is written (it stays in L1/L2), and reads of an intermediate the previous launch wrote just before
   (its write is counted in that launch's ``dram_bytes``); ``scratch_bytes_per_program`` and
