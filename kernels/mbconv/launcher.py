@@ -564,7 +564,7 @@ def mbconv_triton(
            scratch, gscratch, mslot, n, h, w, geo.oh, geo.ow, c, r, s, geo.nchunk, geo.groups,
            geo.chunks_per_group, geo.items, geo.ib, geo.slot, *x.stride(), *w_exp.stride(), *w_conv.stride(), *w_se1.stride(),
            b_se1, w_se2, b_se2, gates, *w_se2.stride(),
-           cost=lambda: hidden_cost(geo), **geo.hidden_constexprs(silu, prec))
+           cost=lambda: hidden_cost(geo, geo.one_item), **geo.hidden_constexprs(silu, prec))
     launch(_mbconv_project_kernel, geo.p_grid, gbuf, zpart, b_se1, w_se2, b_se2, w_proj, b_proj, x, out,
            n, geo.ohw, geo.ow, r, k, s, geo.nchunk, geo.tpi, *x.stride(), *out.stride(), *w_se2.stride(),
            *w_proj.stride(), gates, r, cost=lambda: project_cost(geo, residual=residual),
@@ -600,10 +600,8 @@ def hidden_buffers(geo: MBConvGeometry, x: torch.Tensor) -> tuple[torch.Tensor, 
     return scratch, gscratch, mslot
 
 
-def hidden_cost(geo: MBConvGeometry, one: bool | None = None) -> KernelCost:
-    """What the hidden kernel does (kernels/_cost.py gives the counting rules); ``one``: the launch's ONE
-    (default the geometry's ``one_item``)."""
-    one = geo.one_item if one is None else one
+def hidden_cost(geo: MBConvGeometry, one: bool) -> KernelCost:
+    """What the hidden kernel does (kernels/_cost.py gives the counting rules); ``one``: the launch's ONE."""
     n, c, r, s, rb, eb = geo.n, geo.c, geo.r, geo.s, geo.rb, geo.elem
     hw, ohw, nchunk, g8 = geo.hw, geo.ohw, geo.nchunk, geo.rb // 8
     # the SE MLP's first layer (and with GATE its second)

@@ -52,20 +52,22 @@ def moment_partials(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tensor, w
     scratch, gscratch, mslot = hidden_buffers(geo, x)
     silu, prec = kernel_settings(x)
     unused = torch.empty((1,), device=x.device, dtype=x.dtype)  # g_ptr: no g is written
+    one = geo.items == geo.programs  # a program per item (ONE), stride 2 included
     launch(_mbconv_hidden_kernel, (geo.programs,), x, w_exp, b_exp.contiguous(), w_conv, shift, w_se1,
            unused, parts, scratch, gscratch, mslot, n, h, w, geo.oh, geo.ow, c, r, w_se1.shape[0], geo.nchunk,
            geo.groups, geo.chunks_per_group, geo.items, geo.ib, geo.slot, *x.stride(),
            *w_exp.stride(), *w_conv.stride(), *w_se1.stride(), *(unused,) * 4, 0, 0,  # no SE gates
-           cost=lambda: moments_cost(geo),
-           **dict(geo.hidden_constexprs(silu, prec), ONE=geo.items == geo.programs, MOMENTS=True))
+           cost=lambda: moments_cost(geo, one),
+           **dict(geo.hidden_constexprs(silu, prec), ONE=one, MOMENTS=True))
     return parts
 
 
-def moments_cost(geo: MBConvGeometry) -> KernelCost:
+def moments_cost(geo: MBConvGeometry, one: bool) -> KernelCost:
     """The hidden kernel's declaration (launcher.hidden_cost) less what the moments mode skips: the g
     store (stride 1: to DRAM; stride 2: its slot round trip and the blur), the pool and the SE partial
-    (its MACs, W_se1 and the partials' writes); plus the moment rows (fp32) written."""
-    full = hidden_cost(geo, one=geo.items == geo.programs)  # the ONE this launch passes
+    (its MACs, W_se1 and the partials' writes); plus the moment rows (fp32) written. ``one``: the
+    launch's ONE."""
+    full = hidden_cost(geo, one)
     n, r, eb, hw, ohw = geo.n, geo.r, geo.elem, geo.hw, geo.ohw
     useful = full.useful_macs - n * ((ohw * r * 9 if geo.stride == 2 else 0) + r * geo.s)
     rows = n * 2 * geo.conv_split * r * 4
