@@ -80,6 +80,10 @@ class Launch:
     meta: dict  # constexprs and launch options (num_warps, num_stages)
     cost: KernelCost | None
     block: str | None  # label of the block being recorded (set by the caller of ``recording``)
+    # argument positions that held one tensor object (the recorded args are copies of their own):
+    # torch.compile keeps only one parameter's writes of such a tensor
+    # (tests/kernels/test_compiled_launches.py)
+    shared: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -95,8 +99,14 @@ class Recording:
 
     def add(self, kernel: Any, grid: tuple, args: tuple, meta: dict, cost: Callable[[], KernelCost] | None):
         grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))
+        positions: dict[int, list[int]] = {}
+        for i, a in enumerate(args):
+            if hasattr(a, "untyped_storage"):  # a tensor
+                positions.setdefault(id(a), []).append(i)
+        shared = tuple(tuple(p) for p in positions.values() if len(p) > 1)
         args = tuple(_metadata_only(a) for a in args)
-        self.launches.append(Launch(kernel, grid, args, dict(meta), cost() if cost else None, self.block))
+        self.launches.append(Launch(kernel, grid, args, dict(meta), cost() if cost else None, self.block,
+                                    shared))
 
 
 def _metadata_only(a: Any) -> Any:

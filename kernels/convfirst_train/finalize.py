@@ -36,6 +36,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .._scalars import fp32
+
 VEC_R, VEC_K, VEC_T, VEC_U, VEC_W, VEC_C = range(6)
 VEC_ROWS = 6
 
@@ -58,6 +60,7 @@ def _merge_moments_kernel(
 ):
     """Program: BLOCK elements (i, j) of the covariance (FULL) or BLOCK channels i = j; two passes over
     the shares (the total mean, then the spread of the share means about it)."""
+    eps = fp32(eps)  # torch.compile passes floats as fp64 (_scalars.py)
     e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     if FULL:
         ok = e < C * C
@@ -117,6 +120,7 @@ def _linear_moments_kernel(
     CI: tl.constexpr, CPI: tl.constexpr, BH: tl.constexpr, BJ: tl.constexpr, AFFINE_IN: tl.constexpr,
 ):
     """Program: BH output channels of z = W v: mean W mean_v, variance diag(W Cov(v) W^T), k, t."""
+    eps = fp32(eps)  # torch.compile passes floats as fp64 (_scalars.py)
     hh = tl.program_id(0) * BH + tl.arange(0, BH)
     hok = hh < R
     ci = tl.arange(0, CPI)
@@ -195,6 +199,7 @@ def _bn_terms_kernel(
 ):
     """Grid (channel blocks, BatchNorms): r, k, t of each; u, w, c (and dbeta, dgamma) of the one with
     SUMS (module docstring)."""
+    eps = fp32(eps)  # torch.compile passes floats as fp64 (_scalars.py)
     blk = tl.program_id(0)
     which = tl.program_id(1)
     if which == 0:
@@ -306,6 +311,7 @@ def _bn_running_kernel(
     BLOCK: tl.constexpr,
 ):
     """Program b: BatchNorm b's running statistics and num_batches_tracked, in place (module docstring)."""
+    mom1, mom2, mom3 = fp32(mom1), fp32(mom2), fp32(mom3)  # fp64 under torch.compile
     which = tl.program_id(0)
     if which == 0:
         _running(mean1, var1, rm1, rv1, nbt1, W1, rows1, mom1, BLOCK)

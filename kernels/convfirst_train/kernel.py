@@ -106,6 +106,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .._scalars import fp32
+
 
 @triton.jit
 def _rows_of(t, M, BM: tl.constexpr):
@@ -387,6 +389,7 @@ def _out_sums_kernel(
     C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr, DROP: tl.constexpr,
 ):
     """BN3's sums per share (dq = d_n dout with drop-path (DROP), else dout; p_hat with BN3's statistics)."""
+    eps = fp32(eps)  # torch.compile passes floats as fp64 (_scalars.py)
     share = tl.program_id(0)
     c = tl.arange(0, CP)
     m3 = _vec(m3_ptr, c, C)

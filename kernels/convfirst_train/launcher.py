@@ -244,10 +244,14 @@ def bn_terms(bns, eps: float, rows: int, training: bool, sums=None):
     (index into bns, (S, 2, W) partials): that one's backward terms and (dgamma, dbeta)."""
     like = bns[0][4]
     fin = _fin(like.device.type == "cpu")
-    padded = list(bns) + [bns[0]] * (3 - len(bns))
+    # Unused slots get placeholders of their own (never read: one program row per BatchNorm given; the
+    # first one's width, so the compiled variant stays the same): a tensor passed for two parameters that
+    # the kernel writes keeps only one's writes under torch.compile (each is cloned, the last clone wins)
     args = []
-    for gamma, beta, mean, var, vec in padded:
+    for gamma, beta, mean, var, vec in bns:
         args += [gamma, beta, mean, var, vec, vec.shape[1]]
+    for _ in range(3 - len(bns)):
+        args += [like.new_empty(0) for _ in range(5)] + [like.shape[1]]
     width = max(b[4].shape[1] for b in bns)
     if sums is not None:
         which, part = sums
@@ -255,7 +259,7 @@ def bn_terms(bns, eps: float, rows: int, training: bool, sums=None):
         dgamma, dbeta = torch.empty_like(g), torch.empty_like(g)
         shares = part.shape[0]
     else:
-        which, part, dgamma, dbeta, shares = -1, like, like, like, 0
+        which, part, dgamma, dbeta, shares = -1, like.new_empty(0), like.new_empty(0), like.new_empty(0), 0
     block, sb = fin["terms_block"], fin["sb"]
     launch(_bn_terms_kernel, (cdiv(width, block), len(bns)), *args, part, dgamma, dbeta, shares, rows,
            eps,

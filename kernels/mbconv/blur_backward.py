@@ -68,6 +68,7 @@ import triton.language as tl
 from .._activations import sigmoid
 from .._cost import KernelCost, Loop
 from .._launch import cdiv, device_info, launch, next_power_of_2
+from .._scalars import fp32
 from ..convfirst_train.kernel import reflect
 from ..gconv.launcher import reduce_partials
 from .gate_backward import bn_d_affine
@@ -142,6 +143,7 @@ def _blur_bn_d_kernel(dg_ptr, d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, s0
     SiLU'(a d + b). MODE 0: out = the partials (groups, 2, R), row s: sum dy, sum dy u_hat over the
     program's pixels (s0, s1 unused). MODE 1: s0, s1 = sum dy, sum dy u_hat (R,); out = dd (N H W, R). A
     masked pixel or channel gathers dg = 0, so dy = 0."""
+    inv_p = fp32(inv_p)  # torch.compile passes floats as fp64 (_scalars.py)
     HO: tl.constexpr = (H + 1) // 2
     WO: tl.constexpr = (W + 1) // 2
     c = tl.program_id(0) * RB + tl.arange(0, RB)

@@ -50,6 +50,7 @@ import triton.language as tl
 from .._activations import sigmoid, silu
 from .._cost import KernelCost, Loop
 from .._launch import FLOAT_DTYPES, cdiv, device_info, launch, next_power_of_2
+from .._scalars import fp32
 from ..gconv.launcher import reduce_partials
 from .launcher import MAX_C, kernel_settings
 from .narrow import _splits
@@ -86,6 +87,7 @@ def _expand_kernel(x_ptr, w_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, dh_ptr
     """Program (j, s): hidden channels j RB ... j RB + RB - 1 over the pixels of split s.
     MODE 0: h -> out. MODE 1: part[s, 0, r] = sum dv, part[s, 1, r] = sum dv e_hat. MODE 2: de -> out,
     part[s] = de^T x [R, C] for the chunk's rows (``sdv``, ``sdve``: sum dv and sum dv e_hat)."""
+    inv_p = fp32(inv_p)  # torch.compile passes floats as fp64 (_scalars.py)
     dt = x_ptr.dtype.element_ty
     j = tl.program_id(0)
     s = tl.program_id(1)

@@ -42,6 +42,7 @@ import triton.language as tl
 from .._activations import sigmoid
 from .._cost import KernelCost, Loop
 from .._launch import cdiv, device_info, launch, next_power_of_2
+from .._scalars import fp32
 from ..gconv.launcher import reduce_partials
 from .launcher import kernel_settings
 
@@ -106,6 +107,7 @@ def _gate_backward_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, do_ptr
     no a0, a1. MODE 0 still puts g in dq's layout (_as_dq; sm_90, g 16x16, R = 384, K = 192: 94
     registers, 13.8-17.6 us estimated, against 146 and 14.3-18.1 without); MODE 1 keeps g in its load's
     layout, bound for shared memory as the dot's operand (converted: 22.1-29.8 -> 28.7-34.3 us)."""
+    inv_p = fp32(inv_p)  # torch.compile passes floats as fp64 (_scalars.py)
     TPI: tl.constexpr = (HW + BM - 1) // BM
     dt = d_ptr.dtype.element_ty
     c = tl.program_id(0) * RB + tl.arange(0, RB)

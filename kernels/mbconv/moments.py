@@ -31,6 +31,7 @@ import triton.language as tl
 
 from .._cost import KernelCost, Loop
 from .._launch import cdiv, launch, next_power_of_2
+from .._scalars import fp32
 from .kernel import _mbconv_hidden_kernel
 from .launcher import (BMO, MBConvGeometry, geometry_of, hidden_buffers, hidden_cost, kernel_settings,
                        mbconv_triton)
@@ -135,6 +136,7 @@ def _fold_expand_kernel(w_ptr, mean_ptr, centre_ptr, gram_ptr, gamma_ptr, beta_p
     low 13 mantissa bits cleared (exact in TF32), G_lo = G - G_hi (exact in fp32); W in a 16-bit dtype is
     exact in TF32, so the only rounding beyond fp32 accumulation is G_lo's to TF32 (< 2^-21 of |G|).
     Otherwise (fp32 W) fp32 FMA (ieee)."""
+    inv_m, f, unbias, eps = fp32(inv_m), fp32(f), fp32(unbias), fp32(eps)  # fp64 under torch.compile
     dt = wf_ptr.dtype.element_ty
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     r_ok = r < R
@@ -173,6 +175,7 @@ def _fold_conv_kernel(parts_ptr, w_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, wf_
     sub-tile, shift = the running mean, read before its update): per image mean_i and M2_i; per tile of
     BN images their mean and M2 = sum M2_i + P (mean_i - mean)^2; the tiles merged in order into the
     batch's (Chan's rule, one pass); folded into the grouped conv's weights (R, 72) and a bias."""
+    f, unbias, eps = fp32(f), fp32(unbias), fp32(eps)  # fp64 under torch.compile
     dt = wf_ptr.dtype.element_ty
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     r_ok = r < R

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from .._cost import KernelCost, Loop
 from .._launch import cdiv, device_info, launch, next_power_of_2
+from .._scalars import fp32
 from ..gconv.launcher import reduce_partials
 from .moments import bn_fold_tail, stats_out
 
@@ -307,6 +308,7 @@ def _bn_merge_kernel(part_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, ss_ptr, st_p
                      BK: tl.constexpr, BS: tl.constexpr):
     """BN_p's batch statistics from the splits' (Chan's rule; BS splits per step, summed in a fixed
     order): ss[0] = scale, ss[1] = bias; the running statistics updated (unbiased variance)."""
+    f, eps = fp32(f), fp32(eps)  # fp64 under torch.compile
     k = tl.program_id(0) * BK + tl.arange(0, BK)
     k_ok = k < K
     sp = tl.arange(0, BS)

@@ -42,6 +42,7 @@ import triton.language as tl
 from .._activations import sigmoid
 from .._cost import KernelCost, Loop
 from .._launch import cdiv, launch, next_power_of_2
+from .._scalars import fp32
 
 BN = 16  # images per tile (the dots' M; 16 is their least)
 RC = 128  # channels per chunk of the chain (one s and one ds partial per chunk)
@@ -69,6 +70,7 @@ def _s_partials_kernel(gsum_ptr, w1_ptr, part_ptr, N, R, S, hw, BN: tl.constexpr
                        SP: tl.constexpr,
                        PREC: tl.constexpr):
     """Program (g, c): part[c, n, :] = (gsum[n, chunk] / hw) W_se1[:, chunk]^T for the group's images."""
+    hw = fp32(hw)  # torch.compile passes floats as fp64 (_scalars.py)
     c, n, r, j, n_ok, r_ok, j_ok = _chain_tile(N, R, S, BN, RC, SP)
     pool = tl.load(gsum_ptr + n[:, None] * R + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0) / hw
     w1t = tl.load(w1_ptr + j[None, :] * R + r[:, None], mask=r_ok[:, None] & j_ok[None, :],
@@ -128,6 +130,7 @@ def _grad_kernel(gsum_ptr, dgate_ptr, w1_ptr, s_ptr, gate_ptr, dspart_ptr, dpix_
     """Program t: dpix tile t (group t // CH, chunk t % CH) if t < PIX_TILES, and weight tile t
     (S columns (t % SCH) SC ..., channels (t // SCH) RW ...) if t < W_TILES; a tile past its count runs
     masked (no stores)."""
+    hw = fp32(hw)  # torch.compile passes floats as fp64 (_scalars.py)
     t = tl.program_id(0)
     # dpix tile: ds of the group's images (partials in chunk order, masked by s > 0), times W_se1's chunk
     n = (t // CH) * BN + tl.arange(0, BN)

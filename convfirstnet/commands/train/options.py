@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="triton: the ConvFirst blocks run fused training kernels (Triton forward and backward, the "
         "wide activation recomputed), the MBConv + SE blocks their layers with only the block input stored "
         "(the wide activations recomputed in the backward), the stem and head their layers; torch: every "
-        "layer in PyTorch (default: triton on CUDA, torch on CPU). The checkpoints are the same either way",
+        "layer in PyTorch (default: torch; triton measured slower on an H200, docs/train.md). The "
+        "checkpoints are the same either way",
     )
     g.add_argument(
         "-j",
