@@ -378,7 +378,7 @@ def run_profile(model: str, timeout_s: float) -> dict:
         return dict(info, status="failed", summary=lines[-1] if lines else "")
     r = json.loads(found[0].read_text())
     return dict(info, status="ok", wall_ms=r["wall_ms"],
-                kernels_ms=r["device_ms"], top=r["kernels"][:12],
+                kernels_ms=r["device_ms"], top=r["kernels"][:12], host=r.get("host"),
                 summary=f"fused training step: wall {r['wall_ms']:.1f} ms, "
                 f"kernels {r['device_ms']:.1f} ms per step")
 

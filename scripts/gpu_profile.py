@@ -7,7 +7,10 @@ by device time; with ``--out DIR`` it also writes one JSON per case (kernel name
 - ``train-fused`` and ``train-eager``: one training step (fp16 autocast, SGD), the Triton training
   ops and the layer-wise training form.
 The device time per step is the sum over kernels; the difference to the wall time per step is host time
-(launch gaps, synchronisations) that a CUDA graph or fewer launches would remove.
+(launch gaps, synchronisations) that a CUDA graph or fewer launches would remove. Where that host time
+goes: the same steps under cProfile (``host``: the functions by own time per step, and their own time
+summed by package: convfirstnet, triton, torch, the rest), which adds its own overhead per Python call,
+so its shares, not its totals, are the finding.
 """
 
 from __future__ import annotations
@@ -32,6 +35,36 @@ def kernel_table(prof, steps: int, cpu: bool = False) -> list[dict]:
         rows.append(dict(kernel=e.key, launches=e.count / steps, us=us / steps))
     rows.sort(key=lambda r: -r["us"])
     return rows
+
+
+def _package(filename: str) -> str:
+    for name in ("convfirstnet", "triton", "torch"):
+        if f"/{name}/" in filename:
+            return name
+    return "kernels" if "/kernels/" in filename else "other"
+
+
+def host_profile(fn, steps: int, top: int = 25) -> dict:
+    """cProfile of ``steps`` calls of ``fn``: own time per step by function (the ``top``) and by package."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        fn()
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows, by_package = [], {}
+    for (filename, line, name), (_, calls, tottime, cumtime, _) in st.stats.items():
+        pkg = _package(filename)
+        by_package[pkg] = by_package.get(pkg, 0.0) + tottime * 1e3 / steps
+        rows.append(dict(function=f"{Path(filename).name}:{line} {name}", package=pkg, calls=calls / steps,
+                         own_ms=tottime * 1e3 / steps, cum_ms=cumtime * 1e3 / steps))
+    rows.sort(key=lambda r: -r["own_ms"])
+    return dict(total_ms=sum(by_package.values()), by_package=dict(sorted(by_package.items(),
+                                                                          key=lambda kv: -kv[1])),
+                top=rows[:top])
 
 
 def profile_case(case: str, model_name: str, batch: int, img: int, steps: int, device: str = "cuda") -> dict:
@@ -62,6 +95,8 @@ def profile_case(case: str, model_name: str, batch: int, img: int, steps: int, d
             fn()
         sync()
         wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+        host = host_profile(fn, steps)
+        sync()
         activity = ProfilerActivity.CUDA if dev.type == "cuda" else ProfilerActivity.CPU
         with profile(activities=[activity]) as prof:
             for _ in range(steps):
@@ -69,7 +104,7 @@ def profile_case(case: str, model_name: str, batch: int, img: int, steps: int, d
             sync()
     rows = kernel_table(prof, steps, cpu=dev.type == "cpu")
     return dict(case=case, model=model_name, batch=batch, img=img, steps=steps, wall_ms=wall_ms,
-                device_ms=sum(r["us"] for r in rows) / 1e3, kernels=rows)
+                device_ms=sum(r["us"] for r in rows) / 1e3, kernels=rows, host=host)
 
 
 def print_case(r: dict, top: int) -> None:
@@ -79,6 +114,13 @@ def print_case(r: dict, top: int) -> None:
     print("| us/step | launches/step | kernel |")
     for k in r["kernels"][:top]:
         print(f"| {k['us']:.1f} | {k['launches']:.0f} | {k['kernel'][:150]} |")
+    host = r.get("host")
+    if host:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in host["by_package"].items())
+        print(f"\nhost (cProfile, ms/step of own time, with its overhead): {host['total_ms']:.1f}: {parts}")
+        print("| own ms/step | calls/step | function |")
+        for h in host["top"][:15]:
+            print(f"| {h['own_ms']:.2f} | {h['calls']:.0f} | {h['function'][:120]} |")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -239,6 +239,11 @@ def linear_moments(mean_in, cov_in, kin, tin, w1, ref, gamma2, beta2, eps: float
     return mean2, var2
 
 
+def _placeholder(like: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of its own for a pointer parameter that the launch leaves unused."""
+    return torch.empty(0, dtype=like.dtype, device=like.device)
+
+
 def bn_terms(bns, eps: float, rows: int, training: bool, sums=None):
     """(r, k, t) of each BatchNorm (gamma, beta, mean, var, vec) of ``bns`` into its vec; with ``sums``
     (index into bns, (S, 2, W) partials): that one's backward terms and (dgamma, dbeta)."""
@@ -251,7 +256,7 @@ def bn_terms(bns, eps: float, rows: int, training: bool, sums=None):
     for gamma, beta, mean, var, vec in bns:
         args += [gamma, beta, mean, var, vec, vec.shape[1]]
     for _ in range(3 - len(bns)):
-        args += [like.new_empty(0) for _ in range(5)] + [like.shape[1]]
+        args += [_placeholder(like) for _ in range(5)] + [like.shape[1]]
     width = max(b[4].shape[1] for b in bns)
     if sums is not None:
         which, part = sums
@@ -259,7 +264,7 @@ def bn_terms(bns, eps: float, rows: int, training: bool, sums=None):
         dgamma, dbeta = torch.empty_like(g), torch.empty_like(g)
         shares = part.shape[0]
     else:
-        which, part, dgamma, dbeta, shares = -1, like.new_empty(0), like.new_empty(0), like.new_empty(0), 0
+        which, part, dgamma, dbeta, shares = -1, _placeholder(like), _placeholder(like), _placeholder(like), 0
     block, sb = fin["terms_block"], fin["sb"]
     launch(_bn_terms_kernel, (cdiv(width, block), len(bns)), *args, part, dgamma, dbeta, shares, rows,
            eps,

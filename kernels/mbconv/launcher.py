@@ -12,8 +12,9 @@ Choices (kernel.py explains the kernels)
   stay in L1 (``SLOT_L1_*``: 16x16 and 32x32 stride 2 take 32), 32 for fp32 (3xTF32 holds each
   operand twice; at 64 the C = 256 expand needed more shared memory than sm_90 has).
 * RESIDENT items (H W <= 256, 16-bit data): XM = 256 rows of x (IB = 256 / HWP images, fewer while
-  their h slots would not stay in L1), one 16-warp program per SM (x takes 128 KB of shared memory at
-  C = 256); chunk groups: as few as keep every SM busy (``chunk_groups``: 16x16 one group, 8x8 four).
+  their h slots would not stay in L1), one 8-warp program per SM on sm_90 (x takes 128 KB of shared
+  memory at C = 256; 8 warps measured faster than 16 and 4, ``HIDDEN_WARPS``); chunk groups: as few
+  as keep every SM busy (``chunk_groups``: 16x16 one group, 8x8 four).
   Other maps (and fp32, and sm_80): items of one image and one chunk, one 16-warp program per SM on
   sm_90. Below sm_90 (16-bit data): one 8-warp program per SM, with the largest chunk and expand tile
   whose slot stays in the L1 the program's shared memory leaves (``sm80_tiling``: 16x16 stride 1 RB 64,
@@ -35,32 +36,31 @@ Predicted and measured
 ----------------------
 Static model (``convfirstnet kernels --model small``: batch 128, fp16, CUDA graphs, Triton 3.8; us,
 low-high; binds = the largest terms at the high end) against the H200 (Triton 3.6, CUDA graphs, both
-launches of a block: ``benchmarks/results/20261126T051713Z_h200_float16_small_gpu-check-blocks.json``)
-and Inductor's layer-wise code in the same run. That run predates the conv's tap pairs loaded one dot
-ahead (``pairs_ahead``); "before" is the hidden kernel's prediction for the code it measured:
+launches of a block, ``scripts/gpu_variants.py``: ``benchmarks/results/variants/20261126T1257*``; the
+16-warp figures from ``benchmarks/results/20261126T123856Z_h200_float16_small_gpu-check-blocks.json``)
+and Inductor's layer-wise code (``..._051713Z_..._gpu-check-blocks.json``):
 
-    block (Small, sm_90)   launch  warps regs  smem  predicted (before)  binds (high end)    measured Inductor
-    s1 16x16, C 256 (x17)  hidden   16   128  180 KB  311-453 (384-593)  waits 323, lat. 128    427      350
-                           project   8   255  160 KB   44-56             L2 38, DRAM 37
-    s1 8x8, C 256 (x17)    hidden   16   128  180 KB   94-137 (113-171)  waits 95, lat. 40      136      263
-                           project   8   254  176 KB   24-30             latency 21, tensor 11
-    s2 32x32, C 96 -> 256  hidden   16   126   92 KB  477-712 (581-916)  waits 490, lat. 220    638      472
-                           project   8   221  160 KB   42-53             waits 29, latency 23
-    s2 16x16, C 256        hidden   16   128  180 KB  392-569 (462-705)  waits 391, lat. 176    475      337
-                           project   8   252  176 KB   21-27             latency 18, tensor 11
+    block (Small, sm_90)   launch  warps regs  smem  predicted  binds (high end)   measured (16 w) Inductor
+    s1 16x16, C 256 (x17)  hidden    8   180  170 KB 206-299    waits 200, lat. 98    403 (426)   350
+                           project   8   255  160 KB  44-56     DRAM 37, L2 38
+    s1 8x8, C 256 (x17)    hidden    8   188  170 KB  67-97     waits 65, lat. 31     128 (136)   263
+                           project   8   254  176 KB  24-30     latency 21, tensor 11
+    s2 32x32, C 96 -> 256  hidden   16   126   92 KB 477-712    waits 490, lat. 220   636 (635)   472
+                           project   8   221  160 KB  42-53     waits 29, latency 23
+    s2 16x16, C 256        hidden    8   255  170 KB 235-333    waits 204, lat. 128   436 (479)   337
+                           project   8   252  176 KB  21-27     latency 18, tensor 11
 
-Every hidden kernel is bound by one warp's chain of stall cycles and exposed waits, times the four
-warps that share a scheduler in the one 16-warp program per SM; the projections are near their
-L2/DRAM terms. The measured blocks sat at 0.97-1.03 of the low end of the "before" prediction: three
-of the four ran slower than Inductor's layer-wise code (0.71-0.82x): an open defect. With the pairs
-ahead the 16x16 stride-1 block is predicted at Inductor's time (355 us at the low end) and the
-stride-2 blocks still slower (519 and 413 us against 472 and 337); not yet measured. The model puts
-8- and 4-warp hidden programs 1.4-1.7x faster still, resident or tiled
-(``benchmarks/results/variants/``); ``scripts/gpu_variants.py`` measures them (and the order before
-the pairs ahead), and the warp count changes only on that measurement: it is the dimension the model's
-correction was not checked on. On an A100 (``--arch sm_80``: mma.sync, 8-warp tiled hidden programs,
-64-row projection tiles) the same blocks are predicted at 450-572, 157-201, 696-936 and 398-520 us
-(not measured).
+The 8-warp hidden programs are what the GPU measured fastest: fused Small 14.76 ms with 16 warps,
+14.21 with 8 (``..._variants_model.json``); at 16x16, 4 warps 467 us, 8 warps with RB = 32 458, tiled
+8 warps 433. Loading the conv's tap pairs one dot ahead (``pairs_ahead``), predicted 428 -> 355 us at
+16x16 (low ends), measured 429 -> 427: nothing. The model's band holds the 16-warp blocks but not
+these: the GPU measured the 8-warp blocks at 1.01-1.21x its high end (16x16 hidden + projection
+250-354 against 403), and the model had ranked the tap-pair order and the warp count by gains of 17 %
+and 30 % where the GPU gave 0 % and 5 %: its wait term (one warp's exposed waits times the warps
+sharing a scheduler) is not what these programs pay. Three of the four blocks stay slower than
+Inductor's layer-wise code (0.74-0.87x): an open defect. On an A100 (``--arch sm_80``: mma.sync,
+8-warp tiled hidden programs, 64-row projection tiles) the same blocks are predicted at 450-572,
+157-201, 696-936 and 398-520 us (not measured).
 
 Design notes in this file and in kernel.py quote the static model of the time each choice was made
 (before its correction against the H200, when it was 2-6x low on these kernels): they rank the
@@ -101,15 +101,16 @@ SLOT_L1_TILED = 160 * 1024
 # Two 4-warp tiled programs of ~60 KB of shared memory each on an A100 (192 KB of L1 + shared memory
 # per SM, carve-out 132 KB) leave 60 KB of L1 for both slots.
 SLOT_L1_PAIR = 56 * 1024
-# Hidden kernel programs, one per SM, of 16 warps on sm_90 with 16-bit data: a warp's stall-cycle chain
-# is half what 8 warps leave it (at the 128-register limit; the conv batch split CS and the one-load
-# SE partial keep the loops free of spills; 16x16 stride 1 takes 32-pixel conv tiles where an item holds
-# part of the chunks, see mbconv_config). RESIDENT
-# 16x16 stride 1: 119 -> 116 us per block predicted at the high end against 8 warps, 8x8 40 -> 33,
-# 16x16 stride 2 107 -> 85. Tiled: expand tiles of EM = 256 pixels (a 64-row wgmma per warpgroup;
-# 64-pixel tiles at 8 or 16 warps compiled to mma.sync). fp32 and sm_80 (16 warps spilled there):
-# 4 warps, EM = 64, two programs per SM where both slots stay in L1.
-HIDDEN_WARPS = 16
+# Hidden kernel programs, one per SM, on sm_90 with 16-bit data: 8 warps RESIDENT, measured on an H200
+# (Triton 3.6, Small batch 128, benchmarks/results/variants/20261126T1257*): fused Small 14.76 -> 14.21 ms
+# against 16 warps, the 16x16 blocks 0.426 -> 0.403 ms, 8x8 0.136 -> 0.128, 16x16 stride 2 0.479 -> 0.436
+# (32x32 stride 2 is tiled: unchanged); 4 warps 0.467 and 8 warps with RB = 32 0.458 at 16x16. The
+# static model had ranked 16 warps first before its correction and 8 first after it (by ~30 %, where
+# the GPU gave 5 %). At 8 warps ptxas uses 180-255 registers, no spills in the loops. Tiled: expand
+# tiles of EM = 256 pixels (a 64-row wgmma per warpgroup; 64-pixel tiles at 8 or 16 warps compiled to
+# mma.sync), 16 warps (8 measured 0.433 against 0.427 ms at 16x16). fp32 and sm_80 (16 warps spilled
+# there): 4 warps, EM = 64, two programs per SM where both slots stay in L1.
+HIDDEN_WARPS = 8
 HIDDEN_WARPS_TILED = 16
 PAIRS_AHEAD = True  # the conv's tap pairs loaded one dot ahead (MBConvGeometry.pairs_ahead)
 HIDDEN_WARPS_SM80 = 8  # RESIDENT programs below sm_90 (C <= 128 there: the x tile fits)
@@ -247,7 +248,8 @@ class MBConvGeometry:
         before its dot. Small at batch 128, sm_90, predicted per block (us, low-high; Triton 3.8):
         16x16 stride 1 428-648 -> 355-509, 8x8 136-202 -> 118-167, 32x32 stride 2 623-970 -> 519-765,
         16x16 stride 2 483-732 -> 413-596 (exposed waits on the slot loads -30 %, bar.sync executed per
-        warp 911 -> 655 at 16x16). Two pairs ahead held a third layout-conversion buffer (200 KB of
+        warp 911 -> 655 at 16x16); measured on an H200 at 16 warps: 429 -> 427 us at 16x16, 136 -> 135
+        at 8x8, i.e. nothing (kept: no cost either). Two pairs ahead held a third layout-conversion buffer (200 KB of
         shared memory, too little L1 left for the slot); loading the next tile's first pairs across the
         tile loop was predicted slower (361-523 at 16x16). Off for RESIDENT stride-2 items that hold part
         of the chunks (small batches): the extra live pair spilled 64 B inside the chunk loop there."""

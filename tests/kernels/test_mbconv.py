@@ -246,6 +246,7 @@ def test_mean_slots_do_not_overlap(interpreter_backend, monkeypatch):
         return real_launch(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(launcher, "launch", spy)
+    monkeypatch.setattr(launcher, "HIDDEN_WARPS", 16)  # 16 warps split the 8x8 conv batch in two sub-tiles
     x, weights = make_block(3, 128, 8, 8, 1, dtype=torch.float16, seed=7)
     check(x, weights, 1)
     (ms,) = slots
@@ -515,9 +516,8 @@ def test_shipped_variants_compile_without_spills(mbconv_compiled):
     """Every variant compiles for its target and fits in shared memory; on sm_90 the expand and
     projection dots are wgmma (HGMMA) and the grouped conv mma.sync. Fused Small's fp16 variants (at
     256x256, sm_90 and sm_80) have no spill code in their inner loops (chunks, tiles, R steps); the
-    16-warp RESIDENT hidden kernels sit at the 128-register limit and some (16x16; at this batch of 2 the
-    stride-1 one with 32-pixel conv tiles, at batch 128 the stride-2 one) keep 8-16 B of stack, stored and
-    reloaded outside the chunk loop (the static cost report lists them; batch 128's stride-1 variants:
+    RESIDENT hidden kernels (8 warps, up to 255 registers) may keep 8-16 B of stack (at batch 128 the
+    16x16 stride-2 one: 8 B), stored and reloaded outside the chunk loop (the static cost report lists them; batch 128's stride-1 variants:
     test_small_batch128_stride1_without_stack). Other widths and map sizes are not yet held to the
     register budget: fp32 variants (3xTF32 holds each operand as two parts) spill up to ~1.5 KB."""
     assert len({v.meta["STRIDE"] for v, _, _ in mbconv_compiled if "STRIDE" in v.meta}) == 2
@@ -540,9 +540,10 @@ def test_shipped_variants_compile_without_spills(mbconv_compiled):
 @pytest.mark.compile
 def test_small_batch128_stride1_without_stack():
     """Fused Small's 16x16 stride-1 blocks at batch 128 on the H100 (the report's configuration): one
-    work item per program (ONE), so the hidden kernel (16 warps, at the 128-register limit, GATE) keeps
-    neither the item loop's counter nor the program count across the chunk loop and compiles for sm_90
-    with no stack. With the item loop kept (ONE off) it held 16 B of stack."""
+    work item per program (ONE), so the hidden kernel (8 warps, GATE) keeps neither the item loop's
+    counter nor the program count across the chunk loop and compiles for sm_90 with no stack (Triton 3.8:
+    180 registers). At 16 warps, at the 128-register limit, with the item loop kept (ONE off) it held
+    16 B of stack."""
     pytest.importorskip("triton")
     import convfirstnet
     from convfirstnet.analysis.compiled import compile_variants, variant_of
@@ -557,9 +558,9 @@ def test_small_batch128_stride1_without_stack():
     with recording(sms=t.sms, l2_bytes=t.l2_bytes, shared_per_block=t.smem_per_block, arch=t.arch) as rec:
         block(x)
     variants = [variant_of(lc, 90) for lc in rec.launches if lc.kernel.fn.__name__ == "_mbconv_hidden_kernel"]
-    assert [(v.meta["ONE"], v.meta["GATE"], v.meta["num_warps"]) for v in variants] == [(True, True, 16)]
+    assert [(v.meta["ONE"], v.meta["GATE"], v.meta["num_warps"]) for v in variants] == [(True, True, 8)]
     (c,) = compile_variants(variants)
-    assert (c.regs, c.stack) == (128, 0), f"{c.regs} registers, {c.stack} B stack"
+    assert c.stack == 0 and c.regs <= 255, f"{c.regs} registers, {c.stack} B stack"
 
 
 # The PTX/TTGIR checks compile a few variants themselves (compile_variants keeps only the SASS).
