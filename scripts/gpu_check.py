@@ -9,7 +9,8 @@ Fits a GPU job limited to 10 minutes: the default budget is 9 minutes
 2. each fused model (CUDA graph) and each of its distinct fused blocks (CUDA graph, the block alone on
    an input of its shape), Small first, then Tiny, Nano, Pico;
 3. a training step of the first model (``convfirstnet bench --train``: the fused training ops against
-   the layer-wise training form, fp16 autocast, batch 128), which writes its own record, then a
+   the layer-wise training form, fp16 autocast, batch 128, each also with the whole step in a CUDA
+   graph), which writes its own record, then a
    profile of the fused step (``scripts/gpu_profile.py``): its wall time against the sum of its
    kernels' device time, the difference being host time;
 4. each model under ``torch.compile`` of its BatchNorm-folded form (``--inductor``: the default mode,
@@ -51,6 +52,8 @@ BATCH, IMG, DTYPE = 128, 256, "float16"
 BUDGET_MIN = 9.0  # fits a 10-minute GPU job
 TESTS_CAP_S = 240  # the GPU tests (they compile their kernels; 127 s on an H200 with 14 workers)
 TRAIN_CAP_S = 150  # the training step, fused and layer-wise (compiles, then 5 + 20 steps each)
+# the training step as it runs, and with the whole step in a CUDA graph (the host's time taken out)
+TRAIN_BACKENDS = "fused,eager,fused-cudagraph,eager-cudagraph"
 PROFILE_CAP_S = 90  # the fused training step's kernels against its wall time (scripts/gpu_profile.py)
 STATIC_CAP_S = 600  # the four static reports, beside the tests (a second process, CPU only)
 FUSED_CAP_S = 300  # every fused model and distinct block (Triton compiles its variants on first use)
@@ -157,8 +160,8 @@ def plan_lines(models: Sequence[str], budget_min: float, tests: bool, train: boo
     lines.append(f"   (at most {FUSED_CAP_S} s; what does not fit is skipped)")
     if train:
         lines.append(f"3. a training step of {models[0]}: convfirstnet bench --train {models[0]} "
-                     f"--batch-sizes {BATCH} --train-backends fused,eager (at most {TRAIN_CAP_S} s; its own "
-                     "record), then scripts/gpu_profile.py --cases train-fused: the step's wall time "
+                     f"--batch-sizes {BATCH} --train-backends {TRAIN_BACKENDS} (at most {TRAIN_CAP_S} s; "
+                     "its own record), then scripts/gpu_profile.py --cases train-fused: the step's wall time "
                      f"against its kernels' (at most {PROFILE_CAP_S} s)")
     mode = "mode='max-autotune'" if INDUCTOR[0] == "inductor-max-autotune" else "the default mode"
     lines.append(
@@ -351,7 +354,7 @@ def run_train(model: str, out_dir: str, timeout_s: float) -> dict:
     """``convfirstnet bench --train`` of ``model`` (fused and layer-wise) in a child process; it writes its
     own record into ``out_dir``. Returns the status and the lines it printed."""
     cmd = [sys.executable, "-m", "convfirstnet", "bench", "--train", model, "--batch-sizes", str(BATCH),
-           "--resolution", str(IMG), "--dtype", DTYPE, "--train-backends", "fused,eager", "--warmup", "5",
+           "--resolution", str(IMG), "--dtype", DTYPE, "--train-backends", TRAIN_BACKENDS, "--warmup", "5",
            "--iters", "20", "--out-dir", out_dir, "--tag", "gpu-check-train"]
     proc, info = run_child(cmd, timeout_s)
     info["command"] = " ".join(cmd[1:])

@@ -432,6 +432,19 @@ def test_gpu_backends_smoke(tmp_path, monkeypatch):
         assert r["peak_mem_mb"] > 0
 
 
+def test_cpu_train_cudagraph_backends_are_skipped_with_the_reason(tmp_path):
+    """The CUDA-graph training backends on CPU: skipped, saying why, and the run goes on."""
+    argv = ["pico", "--train", "--resolution", "32", "--batch-sizes", "2", "--iters", "1", "--warmup", "0",
+            "--device", "cpu", "--train-backends", "fused-cudagraph,eager-cudagraph,eager",
+            "--out-dir", str(tmp_path)]
+    assert benchmark.main(argv) == 0
+    _, rec = _only_record(tmp_path)
+    by = {r["backend"]: r for r in rec["results"]}
+    assert by["eager"]["status"] == "ok"
+    for name in ("fused-cudagraph", "eager-cudagraph"):
+        assert by[name]["status"] == "skipped" and "CUDA graphs need a CUDA device" in by[name]["reason"]
+
+
 def test_cpu_train_run_writes_record(tmp_path, capsys):
     """--train: one training step per iteration, fused and eager side by side, a record of mode train; on
     CPU the fused training ops are not selected and the record says so."""
@@ -457,12 +470,13 @@ def test_gpu_train_backends_smoke(tmp_path, monkeypatch):
     monkeypatch.setenv("CONVFIRSTNET_KERNELS", "auto")
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
     argv = ["pico", "--train", "--batch-sizes", "8", "--iters", "3", "--warmup", "1", "--train-backends",
-            "fused,eager", "--out-dir", str(tmp_path)]
+            "fused,eager,fused-cudagraph,eager-cudagraph", "--out-dir", str(tmp_path)]
     assert benchmark.main(argv) == 0
     _, rec = _only_record(tmp_path)
     by = {r["backend"]: r for r in rec["results"]}
     assert all(r["status"] == "ok" for r in by.values()), rec["results"]
     assert by["fused"]["kernels"] == "triton" and all(r["peak_mem_mb"] > 0 for r in by.values())
+    assert by["fused-cudagraph"]["kernels"] == "triton"  # the whole fused step captured and replayed
 
 
 def test_documented_results_match_committed_records():
