@@ -6,7 +6,7 @@ default since torch 2.10). Used as it comes, such an argument makes the arithmet
 BatchNorm's ``1 / sqrt(var + eps)``, a gradient's ``* inv_p`` over a whole tile), and a loop-carried
 fp32 accumulator that meets it stops the compile ("re-assigned to fp64 in loop"). Each kernel that
 takes a float converts it once, first thing (one ``cvt.rn.f32.f64`` under torch.compile, nothing
-otherwise); tests/kernels/test_float_arguments.py compiles every such kernel with fp64 floats for
+otherwise); tests/kernels/test_compiled_launches.py compiles every such kernel with fp64 floats for
 sm_90 and requires no other fp64 instruction in its PTX.
 """
 

@@ -1,4 +1,5 @@
-"""Shared test helpers: models with non-trivial BatchNorm statistics."""
+"""Shared test helpers: models with non-trivial BatchNorm statistics, and a compiled training step against
+eager."""
 
 import torch
 import torch.nn as nn
@@ -28,3 +29,25 @@ def trained_like(name: str, seed: int = 0, **kwargs) -> nn.Module:
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm()).item()
+
+
+def compiled_step_errors(net: nn.Module, x: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """One training step of ``net`` (the mean square of its output, fp16 autocast on CUDA) under
+    torch.compile(fullgraph=True) against the same step of an eager copy: (loss, eager loss, per
+    parameter ||grad - eager grad|| / ||eager grad||)."""
+    import copy
+
+    torch._dynamo.reset()
+    ref = copy.deepcopy(net)
+    step = torch.compile(lambda m, x: m(x).float().square().mean(), fullgraph=True)
+    with torch.autocast("cuda", torch.float16):
+        loss = step(net, x)
+        loss_ref = ref(x).float().square().mean()
+    loss.backward()
+    loss_ref.backward()
+    errors = {}
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        got, want = p.grad.double(), q.grad.double()
+        errors[name] = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+    return loss, loss_ref, errors

@@ -344,18 +344,7 @@ def prepare(
         if backend == "fused":
             return (lambda: model(x)), notes
         t0 = time.perf_counter()
-        # Compile and warm every kernel outside the capture (autotuning or a first launch during
-        # capture breaks it), on a side stream as torch.cuda.graphs recommends.
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                model(x)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = model(x)
+        graph, static_out = _capture(lambda: model(x), device)
         notes["capture_s"] = round(time.perf_counter() - t0, 3)
         notes["_keep"] = (graph, static_out, model)  # keep graph memory alive while timing
         return graph.replay, notes
@@ -429,42 +418,49 @@ def prepare_train(backend: str, train_model: nn.Module, is_convfirstnet: bool, x
         opt.step()
         return loss
 
+    keep: tuple = ()
     if graphed:
-        step = _graphed_step(step, device)
-        notes["cudagraph"] = "whole step captured"
+        t0 = time.perf_counter()
+        try:
+            graph, loss = _capture(step, device)
+        except Exception as e:  # a host sync or an unsupported op inside the step
+            raise Skip(f"the step cannot be captured in a CUDA graph: {type(e).__name__}: "
+                       f"{str(e)[:200]}") from e
+        notes["capture_s"] = round(time.perf_counter() - t0, 3)
+        keep = (graph, loss)
+
+        def replay() -> object:  # the captured step; each replay refreshes the captured loss
+            graph.replay()
+            return loss
+
+        step = replay
+
     if backend in ("inductor", "fused-inductor"):
         t0 = time.perf_counter()
         step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         notes["compile_s"] = round(time.perf_counter() - t0, 3)
-    notes["_keep"] = (model, opt)
+    notes["_keep"] = (model, opt, *keep)
     return step, notes
 
 
-def _graphed_step(step: Callable[[], object], device: torch.device) -> Callable[[], object]:
-    """``step`` captured in a CUDA graph (PyTorch's whole-network capture: warm-up on a side stream so
-    that lazy state is built outside the capture, then one captured step); the returned callable replays
-    it and returns the captured loss tensor, refreshed by each replay."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
+def _capture(fn: Callable[[], object], device: torch.device) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``fn()`` captured in a CUDA graph, and the output of the captured call (refreshed by each replay).
+    Three calls on a side stream first, as torch.cuda.graphs recommends: every kernel is compiled and
+    warmed, and lazy state (an optimizer's buffers) built, outside the capture (autotuning or a first
+    launch during capture breaks it)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
         for _ in range(3):
-            step()
-    torch.cuda.current_stream(device).wait_stream(side)
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            loss = step()
-    except Exception as e:  # a host sync or an unsupported op inside the step
-        raise Skip(f"the step cannot be captured in a CUDA graph: {type(e).__name__}: {str(e)[:200]}") from e
-
-    def replay() -> object:
-        graph.replay()
-        return loss
-
-    replay.graph = graph  # kept alive with the step
-    return replay
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
 
 
 def run_train_case(backend: str, train_model: nn.Module, is_convfirstnet: bool, x: torch.Tensor,

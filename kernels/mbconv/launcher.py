@@ -249,10 +249,11 @@ class MBConvGeometry:
         16x16 stride 1 428-648 -> 355-509, 8x8 136-202 -> 118-167, 32x32 stride 2 623-970 -> 519-765,
         16x16 stride 2 483-732 -> 413-596 (exposed waits on the slot loads -30 %, bar.sync executed per
         warp 911 -> 655 at 16x16); measured on an H200 at 16 warps: 429 -> 427 us at 16x16, 136 -> 135
-        at 8x8, i.e. nothing (kept: no cost either). Two pairs ahead held a third layout-conversion buffer (200 KB of
-        shared memory, too little L1 left for the slot); loading the next tile's first pairs across the
-        tile loop was predicted slower (361-523 at 16x16). Off for RESIDENT stride-2 items that hold part
-        of the chunks (small batches): the extra live pair spilled 64 B inside the chunk loop there."""
+        at 8x8, i.e. nothing (kept: no cost either). Two pairs ahead held a third layout-conversion
+        buffer (200 KB of shared memory, too little L1 left for the slot); loading the next tile's first
+        pairs across the tile loop was predicted slower (361-523 at 16x16). Off for RESIDENT stride-2
+        items that hold part of the chunks (small batches): the extra live pair spilled 64 B inside the
+        chunk loop there."""
         return PAIRS_AHEAD and not (self.stride == 2 and self.resident and self.groups > 1)
 
     @property

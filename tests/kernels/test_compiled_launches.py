@@ -24,6 +24,8 @@ import re
 import pytest
 import torch
 
+from .._scripts import load_script
+
 pytest.importorskip("triton")
 
 FLOAT_TYPES = ("fp16", "bf16", "fp32", "fp64")
@@ -35,17 +37,12 @@ F64_ARITHMETIC = re.compile(r"^\s*(?!cvt\.|setp\.)[a-z][\w.]*\.f64\b", re.M)
 @pytest.fixture(scope="module")
 def launches():
     """Every recorded launch of the training steps and the inference forward (see the module doc)."""
-    import sys
-    from pathlib import Path
-
     from convfirstnet.analysis import training
     from convfirstnet.analysis.report import record_launches
     from convfirstnet.analysis.targets import target
     from convfirstnet.factory import create_model, fuse
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    from gpu_check import block_inputs
-
+    block_inputs = load_script("gpu_check").block_inputs
     tgt = target(90)
     batch, img = 8, 64
     shapes = block_inputs(create_model("small"), batch, img)

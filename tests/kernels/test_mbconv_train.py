@@ -23,7 +23,7 @@ import torch
 from convfirstnet import training_kernels
 from convfirstnet.blocks import MBConv
 
-from .._models import randomize_bn
+from .._models import compiled_step_errors, randomize_bn
 
 CL = torch.channels_last
 TOL = 1e-6
@@ -246,17 +246,9 @@ def test_compiled_small_mbconv_step_gpu(monkeypatch):
     either way (the ops are opaque to the compiler), so loss and gradients agree to a few fp16 roundings
     in norm; a lost write (an output the compiled graph drops or clones away) shows as an O(1) error."""
     monkeypatch.setenv("CONVFIRSTNET_KERNELS", "auto")
-    torch._dynamo.reset()
     block = make_block(256, 256, 1, 0.0).cuda()
-    ref = copy.deepcopy(block)
     x = torch.randn(8, 256, 16, 16, device="cuda").contiguous(memory_format=CL)
-    step = torch.compile(lambda m, x: m(x).float().square().mean(), fullgraph=True)
-    with torch.autocast("cuda", torch.float16):
-        loss = step(block, x)
-        loss_ref = ref(x).float().square().mean()
-    loss.backward()
-    loss_ref.backward()
+    loss, loss_ref, errors = compiled_step_errors(block, x)
     torch.testing.assert_close(loss, loss_ref, rtol=1e-3, atol=1e-5)
-    for (name, p), q in zip(block.named_parameters(), ref.parameters()):
-        err = ((p.grad.double() - q.grad.double()).norm() / q.grad.double().norm().clamp_min(1e-30)).item()
+    for name, err in errors.items():
         assert err <= 1e-2, (name, err)
