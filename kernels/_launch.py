@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import _carveout
 from ._cost import KernelCost, active_recording
 
 try:  # triton is a Linux-only dependency; without it every op runs its reference.
@@ -249,7 +250,9 @@ def launch(kernel, grid, *args, cost: Callable[[], KernelCost] | None = None, **
     if rec is not None:
         rec.add(kernel, grid, args, meta, cost)
         return
-    launchable(kernel, args)[grid](*args, **meta)
+    compiled = launchable(kernel, args)[grid](*args, **meta)
+    if _carveout.POLICY != "triton":  # opt-in L1 / shared split (kernels/_carveout.py), once per kernel
+        _carveout.apply(compiled, next(a.device for a in args if isinstance(a, torch.Tensor)))
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

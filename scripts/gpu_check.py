@@ -7,7 +7,8 @@ Fits a GPU job limited to 10 minutes: the default budget is 9 minutes
    compiles dominate), while the static cost report (``convfirstnet kernels``, the same code, sm_90,
    batch 128, 256x256, fp16) is computed for each size in a second process;
 2. each fused model (CUDA graph) and each of its distinct fused blocks (CUDA graph, the block alone on
-   an input of its shape), Small first, then Tiny, Nano, Pico;
+   an input of its shape), Small first, then Tiny, Nano, Pico; then each model again with the L1 /
+   shared split of every kernel set to fit its programs (``kernels/_carveout.py``, not yet the default);
 3. a training step of the first model (``convfirstnet bench --train``: the fused training ops against
    the layer-wise training form, fp16 autocast, batch 128, each also with the whole step in a CUDA
    graph), which writes its own record, then a
@@ -152,7 +153,8 @@ def plan_lines(models: Sequence[str], budget_min: float, tests: bool, train: boo
     )
     lines.append(
         f"2. per model ({', '.join(models)}), batch {BATCH}, {IMG}x{IMG}, {DTYPE}: the fused model and each "
-        f"distinct fused block in a CUDA graph, {WARMUP} warm-up and {ITERS} timed iterations (CUDA events)"
+        f"distinct fused block in a CUDA graph, {WARMUP} warm-up and {ITERS} timed iterations (CUDA events); "
+        "then each model with every kernel's L1 / shared split fitted to its programs (kernels/_carveout.py)"
     )
     jobs = autotune_jobs(models)
     total = sum(w for _, _, w in jobs)
@@ -241,6 +243,31 @@ def _as_block(model, path: str):
     import torch.nn as nn
 
     return nn.Sequential(model.get_submodule(path))  # fuse() and fold_batchnorm() rewrite children
+
+
+def time_l1_fit(model_rows: list[dict], until: float, dtype) -> dict:
+    """Each whole model again, with every kernel's L1 / shared split set to the smallest carve-out that
+    holds its programs (``kernels/_carveout.py``, policy ``fit``; Triton leaves 28 KB of L1 to any kernel
+    over 48 KB of shared memory): {model: row}, after the shipped timings (the attribute, once set on a
+    compiled kernel, stays for the process)."""
+    import torch
+
+    from convfirstnet.factory import create_model
+    from convfirstnet.kernels import _carveout
+
+    out = {}
+    saved, _carveout.POLICY = _carveout.POLICY, "fit"
+    try:
+        for r in model_rows:
+            if time.monotonic() > until:
+                out[r["model"]] = dict(status="skipped", reason="budget")
+                continue
+            out[r["model"]] = time_case("fused-cudagraph", create_model(r["model"]), r["shape"], dtype)
+            print(f"  {r['model']} model, L1 carve-out fit: {_ms(out[r['model']])} ms", flush=True)
+            torch.cuda.empty_cache()
+    finally:
+        _carveout.POLICY = saved
+    return out
 
 
 # -------------------------------------------------------------------------------- child processes
@@ -601,6 +628,7 @@ def run(args, argv, models: list[str], plan: list[str]) -> int:
         print(f"  {r['model']} {r['path']}: {_ms(r['fused'])} ms", flush=True)
         del module, train
         torch.cuda.empty_cache()
+    carveout = time_l1_fit([r for r in rows if r["path"] == "model"], fused_until, dtype)
 
     train = None
     if not args.skip_train:
@@ -643,7 +671,7 @@ def run(args, argv, models: list[str], plan: list[str]) -> int:
     if skipped:
         print("\nSkipped:\n" + "\n".join(f"- {s}" for s in skipped))
     extra = dict(models=models, budget_min=args.budget_min, elapsed_s=round(time.monotonic() - budget.start),
-                 tests=tests, train=train, skipped=skipped, plan=plan,
+                 tests=tests, train=train, skipped=skipped, plan=plan, l1_carveout_fit=carveout,
                  static_reports={m: dict(created=r["created"], versions=r.get("versions"), git=r.get("git"))
                                  for m, r in static.reports.items()})
     paths = [write_record(make_record("network", network_results(rows, macs, params, peak), argv, dev, extra),

@@ -53,7 +53,8 @@ KEEP = (
     "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",
     "smsp__issue_active.avg.pct_of_peak_sustained_active", "smsp__inst_executed.sum",
     "smsp__average_warp_latency_per_inst_issued.ratio", "launch__registers_per_thread",
-    "launch__shared_mem_per_block", "launch__grid_size", "launch__block_size",
+    "launch__shared_mem_per_block", "launch__shared_mem_config_size", "launch__func_cache_config",
+    "launch__grid_size", "launch__block_size",
     "launch__waves_per_multiprocessor", "launch__occupancy_limit_registers",
     "launch__occupancy_limit_shared_mem",
 )
@@ -278,7 +279,7 @@ def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rep = out / "ncu_forward"
-    env = dict(os.environ)
+    env = dict(os.environ, CONVFIRSTNET_L1_CARVEOUT=args.l1_carveout)
     cmd = [args.ncu, "--profile-from-start", "off", "--set", "full", "--clock-control", "none",
            "--target-processes", "all", "--export", str(rep), "--force-overwrite",
            sys.executable, str(Path(__file__).resolve()), "--_child", "--model", args.model,
@@ -314,7 +315,7 @@ def run(args) -> int:
         software=dict(torch=torch.__version__, triton=triton.__version__,
                       ncu=version.splitlines()[-1] if version else ""),
         settings=dict(model=args.model, batch=args.batch, img=args.img, dtype=args.dtype, set="full",
-                      clock_control="none"), profile_s=round(prof_s, 1))
+                      clock_control="none", l1_carveout=args.l1_carveout), profile_s=round(prof_s, 1))
     (out / "ncu_summary.json").write_text(dumps(summary))
     for block, b in sorted(summary["per_block"].items(), key=lambda kv: -kv[1]["us"]):
         print(f"  {block:20s} {b['launches']:4d} launches {b['us']:10.1f} us", flush=True)
@@ -335,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ncu", default=shutil.which("ncu") or "ncu")
     p.add_argument("--timeout", type=float, default=400, help="seconds for the profiled run")
     p.add_argument("--keep-report", action="store_true", help="keep the .ncu-rep file")
+    p.add_argument("--l1-carveout", default="triton", choices=("triton", "fit"),
+                   help="the kernels' L1 / shared split (kernels/_carveout.py; default: Triton's)")
     p.add_argument("--compare", metavar="SUMMARY", help="no profiling: compare a recorded ncu_summary.json "
                    "with the static report given by --report (runs without a GPU)")
     p.add_argument("--report", metavar="JSON", help="with --compare: a `convfirstnet kernels --json` report")

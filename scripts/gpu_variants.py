@@ -5,7 +5,8 @@ The 16x16 MBConv blocks measured slower than ``torch.compile``'s layer-wise code
 against 0.350 ms with 16-warp hidden programs; loading the conv's tap pairs one dot ahead changed
 nothing measurable, 0.427 against 0.429 "pairs not ahead"; 8 warps, now shipped, 0.403). ``--block
 model`` times the whole of Small. Each variant overrides constants of ``kernels/mbconv/launcher.py`` (warps,
-hidden channels per chunk, resident x tile or tiled items, the conv's load order) for one run; per
+hidden channels per chunk, resident x tile or tiled items, the conv's load order) or of another kernels
+module (``"_carveout.POLICY"``: the L1 / shared split of every kernel) for one run; per
 variant it prints and records:
 - the static prediction of the block (``build_report``, low-high, CUDA graphs), computed on the CPU;
 - on a GPU: the block alone in a CUDA graph (``convfirstnet bench``'s ``run_case``), and its output
@@ -35,24 +36,32 @@ VARIANTS = {  # name -> overrides of kernels/mbconv/launcher.py's constants
     "tiled 16 warps": {"XM": 16},
     "tiled 8 warps": {"XM": 16, "HIDDEN_WARPS_TILED": 8},
     "tiled 4 warps": {"XM": 16, "HIDDEN_WARPS_TILED": 4},
+    # every kernel's L1 / shared split set to the smallest carve-out that holds its programs (Triton's
+    # loader leaves 28 KB of L1 to any kernel over 48 KB of shared memory: kernels/_carveout.py)
+    "L1 carveout fit": {"_carveout.POLICY": "fit"},
 }
 
 
 @contextlib.contextmanager
 def overridden(values: dict):
     """The launcher's module constants set to ``values`` for the duration (restored after)."""
-    from convfirstnet.kernels.mbconv import launcher
+    import importlib
 
-    saved = {k: getattr(launcher, k) for k in values}
+    def target(key: str):  # "NAME": kernels/mbconv/launcher.py; "module.NAME": kernels/<module>.py
+        module, _, name = key.rpartition(".")
+        mod = importlib.import_module(f"convfirstnet.kernels.{module or 'mbconv.launcher'}")
+        if not hasattr(mod, name):
+            raise AttributeError(f"{mod.__name__} has no constant {name}")
+        return mod, name
+
+    saved = {k: getattr(*target(k)) for k in values}
     for k, v in values.items():
-        if not hasattr(launcher, k):
-            raise AttributeError(f"kernels/mbconv/launcher.py has no constant {k}")
-        setattr(launcher, k, v)
+        setattr(*target(k), v)
     try:
         yield
     finally:
         for k, v in saved.items():
-            setattr(launcher, k, v)
+            setattr(*target(k), v)
 
 
 def block_of(path: str):

@@ -42,6 +42,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from convfirstnet.kernels._cost import Launch, Loop
 
+from .shared import shared_stores
+
 # ------------------------------------------------------------------------------------------ variants
 
 
@@ -519,6 +521,8 @@ class Compiled:
     sass: str
     compile_s: float
     ptx: str = ""  # the PTX (convfirstnet.analysis.ordering reads the barrier ordering from it)
+    # register -> shared copies of the TTGIR and their bank conflicts (convfirstnet.analysis.shared)
+    shared_stores: list = field(default_factory=list)
 
     @property
     def mma_kind(self) -> str:
@@ -565,7 +569,8 @@ def compile_one(variant: Variant) -> dict:
     return dict(regs=res.get("REG", 0), stack=res.get("STACK", 0), local=res.get("LOCAL", 0),
                 shared=max(int(k.metadata.shared), res.get("SHARED", 0)), num_warps=int(k.metadata.num_warps),
                 ptx_wgmma=len(re.findall(r"\bwgmma\.mma_async", ptx)),
-                ptx_mma_sync=len(re.findall(r"\bmma\.sync", ptx)), sass=sass, compile_s=seconds, ptx=ptx)
+                ptx_mma_sync=len(re.findall(r"\bmma\.sync", ptx)), sass=sass, compile_s=seconds, ptx=ptx,
+                shared_stores=[st.to_json() for st in shared_stores(k.asm.get("ttgir", ""))])
 
 
 def _variant_from_json(v: dict) -> Variant:

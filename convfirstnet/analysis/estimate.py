@@ -36,8 +36,13 @@ L2<->SM bytes come from the compiled code (``sass.traffic``): every global load,
 weighted by loop trips, times 32 lanes and the vector width, per program, times the programs. Loads
 that bypass L1 (``cp.async.cg``) and stores count in full. L1-allocating loads count as the program's
 declared unique bytes (``KernelCost.l1_unique_bytes_per_program``) when those fit in the L1 that the
-resident programs' shared memory leaves (``hardware.Hardware.l1_bytes``), and in full otherwise;
-then their waits take the L1 hit latency instead of the L2 one.
+resident programs' shared memory leaves at the smallest carve-out that holds it
+(``hardware.Hardware.l1_bytes``: the L1 the launchers were designed for), and in full otherwise. What
+the driver configures is reported beside it (``l1_configured_bytes``, ``kernels/_carveout.py``): Triton's
+loader leaves 28 KB of L1 to every kernel above 48 KB of shared memory (measured), less than most
+declared working sets. Measured on an H200 against this accounting (docs/cost-model.md): the ConvFirst
+kernels of stages.1-2, which keep weight chunks in L1, moved 1.6-2.4x the L2 bytes; the MBConv hidden
+kernels 0.7-0.9x (their taps re-read rows of a tile that a few KB hold, not the whole slot).
 Spill traffic (local memory) counts at the high end only (at the low end it hits L1).
 
 Blocks, stages and the comparison figures come from the waterline model
@@ -56,6 +61,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
+from convfirstnet.kernels import _carveout
 from convfirstnet.kernels._cost import KernelCost
 
 from .hardware import ENDS, Hardware, hardware
@@ -113,10 +119,13 @@ class LaunchEstimate:
     scratch_in_l2: bool
     l2_bytes: dict[str, float]  # L2<->SM bytes, whole grid, per end
     traffic: Traffic | None  # per program
-    l1_fits: bool | None  # declared L1-resident bytes fit (None: nothing declared)
+    l1_fits: bool | None  # declared L1-resident bytes fit the designed L1 (None: nothing declared)
     latency: LatencyFloor | None  # per warp
     terms: dict[str, dict[str, float]]  # seconds, term -> end -> value
     launch_gap: dict[str, dict[str, float]]  # seconds, "graph"/"stream" -> end -> value
+    # L1 per SM that the driver configures under the package's carve-out policy (kernels/_carveout.py;
+    # measured: Triton's loader leaves 28 KB to every kernel above 48 KB of shared memory)
+    l1_configured_bytes: int | None = None
 
     @property
     def warps_per_scheduler(self) -> float:
@@ -169,6 +178,7 @@ class LaunchEstimate:
             l2_over_dram=self.l2_bytes["high"] / self.dram_bytes if self.dram_bytes else None,
             traffic_per_program=self.traffic.to_json() if self.traffic else None,
             l1_fits=self.l1_fits,
+            l1_configured_bytes=self.l1_configured_bytes,
             latency_per_warp=self.latency.to_json() if self.latency else None,
             declaration=asdict(self.cost),
             terms_us=us,
@@ -217,8 +227,10 @@ def estimate_launch(
 
     l1_fits = None
     l2 = {"low": 0.0, "high": 0.0}
+    r = max(1, min(occupancy, per_sm))
+    l1_configured = hw.l1_shared_bytes - _carveout.carveout_bytes(shared_bytes, r, hw.carveouts_kb,
+                                                                  _carveout.POLICY)
     if traffic is not None:
-        r = max(1, min(occupancy, per_sm))
         l1_per_program = hw.l1_bytes(r * (shared_bytes + target.smem_reserved_per_block)) / r
         unique = cost.l1_unique_bytes_per_program
         l1_loads = traffic.load_l1
@@ -284,6 +296,7 @@ def estimate_launch(
         latency=latency,
         terms=terms,
         launch_gap=gaps,
+        l1_configured_bytes=l1_configured,
     )
     e._sms = target.sms
     return e

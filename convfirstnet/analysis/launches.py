@@ -213,6 +213,7 @@ def estimate_launches(
                 mma_kind=c.mma_kind,
                 ptx_wgmma=c.ptx_wgmma,
                 ptx_mma_sync=c.ptx_mma_sync,
+                shared_stores=c.shared_stores,
                 sass_instructions=len(insns),
                 memory_instructions=memory_ops(insns),
                 sass_loops=_loops_json(loops),

@@ -475,6 +475,7 @@ def to_markdown(rep: dict) -> str:
                 g["rounds"],
                 " / ".join(f"{tr.get(k, 0) / 1e3:.0f}" for k in ("load_bypass", "load_l1", "store")),
                 {None: "-", True: "yes", False: "no"}[g["l1_fits"]],
+                "-" if g.get("l1_configured_bytes") is None else f"{g['l1_configured_bytes'] // 1024}",
                 _band({k: v / 1e6 for k, v in g["l2_bytes"].items()}, 1, "{:.1f}"),
                 f"{g['dram_bytes'] / 1e6:.1f}",
                 f"{lat.get('stall_cycles', 0):,.0f}",
@@ -495,9 +496,11 @@ def to_markdown(rep: dict) -> str:
         "## Launches (alike launches grouped; µs per launch, low-high)",
         "",
         "KB per program: loads that bypass L1 / L1-allocating loads / stores, as requested by the SASS. "
-        "L1 fits: the declared L1-resident bytes fit beside the shared memory (then those loads count "
-        "as the declared bytes). Stall cycles and L2 waits (loads waited on sooner than an L2 hit "
-        "returns) per warp.",
+        "L1 fits: the declared L1-resident bytes fit in the L1 that the smallest carve-out holding the "
+        "shared memory leaves, the L1 the kernels were designed for (then those loads count as the "
+        "declared bytes); L1 KB: what the driver configures under the package's carve-out policy "
+        "(kernels/_carveout.py; Triton's default leaves 28 KB above 48 KB of shared memory). Stall "
+        "cycles and L2 waits (loads waited on sooner than an L2 hit returns) per warp.",
         "",
     ]
     lines += _table(
@@ -512,6 +515,7 @@ def to_markdown(rep: dict) -> str:
             "rounds",
             "KB/program (bypass / L1 / store)",
             "L1 fits",
+            "L1 KB",
             "L2 MB",
             "DRAM MB",
             "stall cycles/warp",
@@ -526,7 +530,7 @@ def to_markdown(rep: dict) -> str:
             "binds",
             "note",
         ],
-        "lrlrlrrrrlrrrrrrrrrrrll",
+        "lrlrlrrrrlrrrrrrrrrrrrll",
         rows,
     )
     rows = []
@@ -548,6 +552,7 @@ def to_markdown(rep: dict) -> str:
                 v["regs"],
                 v["stack_bytes"],
                 f"{v['shared_bytes'] / 1024:.1f}",
+                _stores_text(v.get("shared_stores")),
                 v["programs_per_sm"],
                 v["mma_kind"],
                 _mma_check(v["uses"]),
@@ -568,6 +573,7 @@ def to_markdown(rep: dict) -> str:
             "regs",
             "stack B",
             "shared KB",
+            "shared stores: wavefronts / ideal",
             "programs/SM",
             "MMA",
             "MMA MACs compiled/declared",
@@ -578,10 +584,19 @@ def to_markdown(rep: dict) -> str:
             "instruction mix (weighted)",
             "global memory instructions (static)",
         ],
-        "rllrrrrrlrrrlrll",
+        "rllrrrrlrlrrrlrll",
         rows,
     )
+    lines += ["", "Shared stores: each copy of a register tile into a swizzled shared buffer in the TTGIR "
+              "(its shape), and the wavefronts the first store of a warp takes against 32 lanes' bytes "
+              "/ 128 (convfirstnet.analysis.shared: bank conflicts from the two layouts)."]
     return "\n".join(lines) + "\n"
+
+
+def _stores_text(stores) -> str:
+    if not stores:
+        return "-"
+    return "; ".join(f"{'x'.join(map(str, st['shape']))}: {st['wavefronts']}/{st['ideal']}" for st in stores)
 
 
 # ---------------------------------------------------------------------------------------- diagnosis

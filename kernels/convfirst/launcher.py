@@ -163,7 +163,8 @@ def convfirst_config(
             # 60 KB of shared memory (the conv's 32-channel dots staged, the narrow part first; the residual
             # added after the FFN, so that its layout conversion does not meet the conv output's buffer):
             # a 64 KB carve-out leaves 192 KB of L1 for the halo tile, the conv weights and the cached
-            # chunks. The base/offset split of x's address is what ptxas compiles without spilling here.
+            # chunks (with CONVFIRSTNET_L1_CARVEOUT=fit; Triton's default carve-out leaves 28 KB, measured
+            # L1 hit rate 24 %: kernels/_carveout.py). The base/offset split of x's address is what ptxas compiles without spilling here.
             cached = min(cfg.chunks - res, L1_CACHED_BUDGET // (bh * (c + k) * eb))
             cfg = replace(cfg, conv_sub=32, residual_late=True, split_base=True, cached=cached)
         return cfg

@@ -61,8 +61,9 @@ Per program, in x's dtype: ``h`` as [image][H + 2 padded rows][G groups][W + 2 p
 so the three taps of a row are contiguous 16-byte vectors and a warp's tap load covers consecutive
 pixels of one group; the borders are zeroed by each launch before the first item and never written
 again. Stride 2 adds the full-resolution ``g`` of one image as [H W pixels][RB channels]. The launcher
-picks RB so that the slot stays in the L1 that the program's shared memory leaves (the cost model
-checks the declared working set against it).
+picks RB so that the slot stays in the L1 that the program's shared memory leaves at the smallest
+carve-out (the cost model checks the declared working set against it); Triton's loader configures the
+largest carve-out, 28 KB of L1, unless ``CONVFIRSTNET_L1_CARVEOUT=fit`` (kernels/_carveout.py).
 
 Scratch ordering: stores, then ``tl.debug_barrier()`` (bar.sync), then loads by other threads of the
 same program. That is safe because the scratch loads are plain ``ld.global`` (L1-allocating ``LDG``):

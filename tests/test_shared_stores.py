@@ -1,0 +1,54 @@
+"""convfirstnet.analysis.shared: bank conflicts of register -> shared copies, from the TTGIR's layouts.
+
+The two layouts of the MBConv hidden kernel's conv operand copy (a [8 groups, 64 pixels, 16] fp16 tap pair
+tile) as Triton 3.6 and 3.8 compile it: both take 16 wavefronts per warp store where 4 would do, which is
+what Nsight Compute measured on an H200 (Triton 3.6: 24.6 M store wavefronts for ~1.3 M such stores per
+launch, benchmarks/results/ncu/)."""
+
+from convfirstnet.analysis.shared import lane_coords, shared_offset, shared_stores
+
+
+def _ttgir(blocked: str, shared: str, shape: str = "8x64x16") -> str:
+    return (f"#blocked5 = #ttg.blocked<{{{blocked}}}>\n"
+            f"#shared3 = #ttg.swizzled_shared<{{{shared}}}>\n"
+            f"%a0_385 = ttg.local_alloc %a0_384 : (tensor<{shape}xf16, #blocked5>) -> "
+            f"!ttg.memdesc<{shape}xf16, #shared3, #smem>\n")
+
+
+TRITON_36 = _ttgir("sizePerThread = [1, 1, 8], threadsPerWarp = [8, 2, 2], warpsPerCTA = [1, 8, 1], "
+                   "order = [2, 0, 1]", "vec = 8, perPhase = 4, maxPhase = 2, order = [2, 1, 0]")
+TRITON_38 = _ttgir("sizePerThread = [1, 1, 8], threadsPerWarp = [1, 16, 2], warpsPerCTA = [2, 4, 1], "
+                   "order = [2, 1, 0]", "vec = 8, perPhase = 4, maxPhase = 2, order = [2, 0, 1]")
+
+
+def test_the_conv_operand_copy_conflicts_four_ways_in_both_versions():
+    for text in (TRITON_36, TRITON_38):
+        (st,) = shared_stores(text)
+        assert (st.shape, st.vector_bytes, st.wavefronts, st.ideal) == ((8, 64, 16), 16, 16, 4)
+        assert st.conflict_factor == 4
+
+
+def test_matching_layouts_are_conflict_free():
+    """Lanes along the shared buffer's rows in its own order: 32 x 16 B = four 128 B wavefronts."""
+    text = _ttgir("sizePerThread = [1, 1, 8], threadsPerWarp = [1, 16, 2], warpsPerCTA = [8, 1, 1], "
+                  "order = [2, 1, 0]", "vec = 8, perPhase = 4, maxPhase = 2, order = [2, 1, 0]")
+    (st,) = shared_stores(text)
+    assert (st.wavefronts, st.ideal) == (4, 4)
+
+
+def test_the_swizzle_spreads_rows_over_banks():
+    """64-element rows (128 B) of one column each: without a swizzle all 8 lanes of a phase hit the same
+    banks (8 wavefronts each phase); an 8-phase swizzle puts them on 8 different 16-byte bank groups."""
+    blocked = "sizePerThread = [1, 8], threadsPerWarp = [32, 1], warpsPerCTA = [8, 1], order = [1, 0]"
+    plain = _ttgir(blocked, "vec = 8, perPhase = 1, maxPhase = 1, order = [1, 0]", "256x64")
+    swizzled = _ttgir(blocked, "vec = 8, perPhase = 1, maxPhase = 8, order = [1, 0]", "256x64")
+    assert [(s.wavefronts, s.ideal) for s in shared_stores(plain)] == [(32, 4)]
+    assert [(s.wavefronts, s.ideal) for s in shared_stores(swizzled)] == [(4, 4)]
+
+
+def test_layout_arithmetic():
+    # lane 5 in threadsPerWarp [8, 2, 2], order [2, 0, 1]: k half 1, group 2, pixel 0
+    assert lane_coords(5, (1, 1, 8), (8, 2, 2), (2, 0, 1)) == [2, 0, 8]
+    # [8, 64, 16], order [2, 1, 0]: row = group * 64 + pixel; phase (row // 4) % 2 flips the 8-column group
+    assert shared_offset([0, 4, 0], (8, 64, 16), 8, 4, 2, (2, 1, 0)) == 4 * 16 + 8
+    assert shared_offset([2, 0, 8], (8, 64, 16), 8, 4, 2, (2, 1, 0)) == 128 * 16 + 8
