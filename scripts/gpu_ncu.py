@@ -211,6 +211,7 @@ def measured_row(launch: dict, units: dict) -> dict:
         l2_mb=32e-6 * (_metric(launch, "lts__t_sectors_srcunit_tex_op_read.sum")
                        + _metric(launch, "lts__t_sectors_srcunit_tex_op_write.sum")),
         l1_hit_pct=_metric(launch, "l1tex__t_sector_hit_rate.pct"),
+        shared_wavefronts_m=_metric(launch, "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum") / 1e6,
         shared_conflict_pct=100 * _metric(launch, "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum")
         / max(_metric(launch, "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum"), 1.0),
         issue_pct=_metric(launch, "smsp__issue_active.avg.pct_of_peak_sustained_active"),
@@ -232,7 +233,7 @@ def compare(summary: dict, report: dict) -> list[dict]:
         g = groups.setdefault((pred["variant"], tuple(pred["grid"])), dict(
             kernel=short, blocks=[], predicted_us=pred["predicted_us"], bound=pred["bound"],
             dram_mb_predicted=pred["dram_bytes"] / 1e6, l2_mb_predicted=pred["l2_bytes"]["high"] / 1e6,
-            l1_fits=pred.get("l1_fits"), rows=[]))
+            l1_fits=pred.get("l1_fits"), shared_wavefronts_m_predicted=_shared_predicted(pred), rows=[]))
         g["blocks"].append(pred["block"])
         g["rows"].append(measured_row(ln, summary["units"]))
     out = []
@@ -243,17 +244,31 @@ def compare(summary: dict, report: dict) -> list[dict]:
     return out
 
 
+def _opt(x) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def _shared_predicted(pred: dict) -> float | None:
+    """The report's shared-memory wavefronts of a launch (with the store conflicts it counts), millions."""
+    t = pred.get("traffic_per_program") or {}
+    if "shared_wavefronts" not in t:
+        return None  # a report from before they were counted
+    return (t["shared_wavefronts"] + t["shared_conflict_wavefronts"]) * pred["programs"] / 1e6
+
+
 def compare_markdown(rows: list[dict], device: str) -> str:
     lines = [
         f"Measured with Nsight Compute on {device} (clocks as the driver ran them; one forward pass, each "
         "launch replayed per counter pass) against the static report's per-launch estimate (sm_90, same "
-        "shapes). L2 MB: bytes between the SMs and L2 (sectors from the L1/TEX unit, read + write); stalls: "
-        "warps stalled per issued instruction, the three largest (`selected` left out).",
+        "shapes). L2 MB: bytes between the SMs and L2 (sectors from the L1/TEX unit, read + write); shared "
+        "wavefronts: the L1/shared data pipe's shared-memory wavefronts, predicted from the weighted SASS "
+        "with the store conflicts of the variant's largest register -> shared copy; stalls: warps stalled "
+        "per issued instruction, the three largest (`selected` left out).",
         "",
         "| kernel | blocks | n | predicted us (bound) | measured us | GHz | DRAM MB meas / pred "
-        "| L2 MB meas / pred | L1 hit % | shared bank conflicts % | issue active % | warps active % "
-        "| top stalls per issue |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| L2 MB meas / pred | L1 hit % | shared wavefronts M meas / pred | shared bank conflicts % "
+        "| issue active % | warps active % | top stalls per issue |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         m, p = r["measured"], r["predicted_us"]
@@ -263,6 +278,7 @@ def compare_markdown(rows: list[dict], device: str) -> str:
             f"| `{r['kernel']}` | {blocks} | {r['count']} | {p['low']:.0f}-{p['high']:.0f} ({r['bound']}) "
             f"| {m['us']:.1f} | {m['clock_ghz']:.2f} | {m['dram_mb']:.0f} / {r['dram_mb_predicted']:.0f} "
             f"| {m['l2_mb']:.0f} / {r['l2_mb_predicted']:.0f} | {m['l1_hit_pct']:.0f} "
+            f"| {m['shared_wavefronts_m']:.1f} / {_opt(r['shared_wavefronts_m_predicted'])} "
             f"| {m['shared_conflict_pct']:.0f} | {m['issue_pct']:.0f} | {m['warps_pct']:.0f} | {stalls} |")
     return "\n".join(lines) + "\n"
 

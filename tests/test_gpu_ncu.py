@@ -75,6 +75,10 @@ def test_committed_record_against_the_static_report():
     hidden = next(r for r in rows if r["kernel"] == "_mbconv_hidden_kernel" and r["count"] == 17
                   and "stages.3.1" in r["blocks"])
     assert hidden["measured"]["us"] > hidden["predicted_us"]["high"]  # the finding docs/cost-model.md reports
+    # its shared-memory wavefronts, store conflicts included (the tap-pair copy at 16/4 in Triton 3.6 and
+    # 3.8 alike): counted from the SASS within a quarter of the measured
+    ratio = hidden["measured"]["shared_wavefronts_m"] / hidden["shared_wavefronts_m_predicted"]
+    assert 0.8 < ratio < 1.25
     text = ncu.compare_markdown(rows, summary["device"])
     assert text.count("\n| `_") == len(rows)
 

@@ -52,3 +52,24 @@ def test_layout_arithmetic():
     # [8, 64, 16], order [2, 1, 0]: row = group * 64 + pixel; phase (row // 4) % 2 flips the 8-column group
     assert shared_offset([0, 4, 0], (8, 64, 16), 8, 4, 2, (2, 1, 0)) == 4 * 16 + 8
     assert shared_offset([2, 0, 8], (8, 64, 16), 8, 4, 2, (2, 1, 0)) == 128 * 16 + 8
+
+
+def test_shared_wavefronts_per_instruction_and_store_conflicts():
+    from types import SimpleNamespace
+
+    from convfirstnet.analysis.launches import store_conflict
+    from convfirstnet.analysis.sass import shared_wavefronts, traffic
+
+    ops = ("STS.128", "STS.64", "STS", "STS.U16", "LDS.128", "LDSM.16.M88.4", "LDSM.16.MT88.2",
+           "STSM.16.M88.1", "LDG.E.128", "HMMA.16816.F32")
+    assert [shared_wavefronts(op) for op in ops] == [4, 2, 1, 1, 4, 4, 2, 1, 0, 0]
+    ops = ("STS.128", "LDSM.16.M88.4", "LDGSTS.E.BYPASS.128", "LDG.E.128")
+    listing = [SimpleNamespace(opcode=op) for op in ops]
+    t = traffic(listing, [10, 10, 2, 5], num_warps=8, store_conflict=4.0)
+    assert t.shared_wavefronts == (10 * 4 + 10 * 4 + 2 * 4) * 8  # the cp.async writes its 512 B too
+    assert t.shared_conflict_wavefronts == 10 * 4 * 8 * 3  # only the STS, three extra per ideal one
+    assert t.load_bypass == 2 * 16 * 32 * 8 and t.load_l1 == 5 * 16 * 32 * 8
+    # the factor of the largest copy (the tap pairs), not of the worst one (the weights, once per chunk)
+    stores = [dict(shape=[8, 16, 8], wavefronts=16, ideal=2),
+              dict(shape=[8, 64, 16], wavefronts=16, ideal=4)]
+    assert store_conflict(stores) == 4.0 and store_conflict([]) == 1.0

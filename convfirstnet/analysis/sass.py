@@ -296,16 +296,44 @@ class Traffic:
     atomic: float = 0.0
     local: float = 0.0  # spill traffic (through L1)
     tma_instructions: float = 0.0  # executions of TMA copies (bytes not in the listing)
+    # shared-memory wavefronts (128 bytes each) of LDS/STS/LDSM/STSM and of cp.async's writes to shared
+    # memory (LDGSTS): as if conflict-free, and the extra
+    # of the stores when they take the variant's worst register -> shared copy's wavefronts (analysis.shared)
+    shared_wavefronts: float = 0.0
+    shared_conflict_wavefronts: float = 0.0
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
 
 
-def traffic(insns: Sequence, weights: Sequence[float], num_warps: int) -> Traffic:
-    """Per-program bytes of each class: executions per warp x bytes per lane x 32 lanes x warps."""
+def shared_wavefronts(opcode: str) -> int:
+    """Wavefronts of one warp's shared-memory instruction without bank conflicts (0: not one): LDS/STS move
+    32 lanes x their width, 128 bytes per wavefront; LDSM/STSM one wavefront per 8x8 matrix (.1/.2/.4)."""
+    parts = opcode.split(".")
+    if parts[0] in ("LDSM", "STSM"):  # LDSM.16.M88.4: four 8x8 matrices
+        return int(parts[-1]) if parts[-1] in ("1", "2", "4") else 1
+    if parts[0] in ("LDS", "STS"):
+        return max(1, WARP * _lane_bytes(parts) // 128)
+    return 0
+
+
+def traffic(
+    insns: Sequence, weights: Sequence[float], num_warps: int, store_conflict: float = 1.0
+) -> Traffic:
+    """Per-program bytes of each class: executions per warp x bytes per lane x 32 lanes x warps; shared
+    wavefronts per program, STS taking ``store_conflict`` times theirs in ``shared_conflict_wavefronts``."""
     t = Traffic()
     for ins, w in zip(insns, weights):
         if not w:
+            continue
+        sw = shared_wavefronts(ins.opcode)
+        if ins.opcode.startswith("LDGSTS"):  # cp.async: global load whose data the LSU writes to shared
+            lane = _lane_bytes(ins.opcode.split("."))
+            t.shared_wavefronts += w * max(1, WARP * lane // 128) * num_warps
+        if sw:
+            t.shared_wavefronts += w * sw * num_warps
+            if ins.opcode.startswith("STS") and not ins.opcode.startswith("STSM"):
+                t.shared_conflict_wavefronts += w * sw * num_warps * (store_conflict - 1)
             continue
         op = memory_op(ins.opcode)
         if op is None:
