@@ -38,6 +38,11 @@ CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9  # cuda.h, CUfunction_att
 _DONE: set[int] = set()  # CUfunction handles already set
 
 
+def smallest_carveout(need: int, carveouts_kb: tuple[int, ...]) -> int | None:
+    """Bytes of the smallest shared-memory carve-out that holds ``need`` bytes (None: none does)."""
+    return next((kb * 1024 for kb in carveouts_kb if kb * 1024 >= need), None)
+
+
 def resident_programs(shared: int, num_warps: int, regs: int, *, max_shared: int, regs_per_sm: int = 65536,
                       threads_per_sm: int = 2048, blocks_per_sm: int = 32) -> int:
     """Programs of a kernel one SM can hold at once: the fewest allowed by shared memory (at the largest
@@ -55,11 +60,12 @@ def carveout_bytes(shared: int, programs: int, carveouts_kb: tuple[int, ...], po
     threshold (CU_FUNC_CACHE_PREFER_SHARED), else the larger of what the programs need and 132 KB (what
     the driver chose for both such kernels measured, module docstring). ``fit``: the smallest carve-out
     that holds the programs (above the threshold; below it the same as ``triton``)."""
-    need = programs * (shared + RESERVED_PER_BLOCK) if shared else 0
-    fitting = [kb * 1024 for kb in carveouts_kb if kb * 1024 >= need] or [carveouts_kb[-1] * 1024]
+    largest = carveouts_kb[-1] * 1024
+    fit = smallest_carveout(programs * (shared + RESERVED_PER_BLOCK) if shared else 0, carveouts_kb)
+    fit = largest if fit is None else fit
     if shared > TRITON_PREFER_SHARED_ABOVE:
-        return fitting[0] if policy == "fit" else carveouts_kb[-1] * 1024
-    return max(fitting[0], min(132 * 1024, carveouts_kb[-1] * 1024))
+        return fit if policy == "fit" else largest
+    return max(fit, min(132 * 1024, largest))
 
 
 def fit_percent(shared: int, programs: int, max_shared: int) -> int:

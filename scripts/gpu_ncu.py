@@ -97,27 +97,16 @@ def recorded_launches(model_name: str, batch: int, img: int, dtype_name: str) ->
     """The fused model's launches in order, each with its block path and kernel name (meta device)."""
     import torch
 
+    from convfirstnet.analysis.launches import kernel_name
     from convfirstnet.analysis.report import record_launches
     from convfirstnet.factory import create_model, fuse
 
     dtype = getattr(torch, dtype_name)
     fused = fuse(create_model(model_name)).to(dtype).to("meta")
     launches = record_launches(fused, torch.empty(batch, 3, img, img, device="meta", dtype=dtype))
-    return [dict(block=block_of(ln.block or ""), kernel=kernel_name(ln.kernel), grid=list(ln.grid))
+    # block and kernel named as the static report names them (compare() checks them against it)
+    return [dict(block=ln.block or "", kernel=kernel_name(ln).rsplit(".", 1)[-1], grid=list(ln.grid))
             for ln in launches]
-
-
-def kernel_name(kernel) -> str:
-    fn = getattr(kernel, "fn", kernel)  # Autotuner -> JITFunction
-    return getattr(fn, "__name__", None) or getattr(getattr(fn, "fn", None), "__name__", str(fn))
-
-
-def block_of(path: str) -> str:
-    """The block a module path belongs to: ``stem``, ``stages.i.j``, ``head`` (the static report's)."""
-    parts = path.split(".")
-    if parts[0] == "stages" and len(parts) >= 3:
-        return ".".join(parts[:3])
-    return parts[0] or "model"
 
 
 # ------------------------------------------------------------------------------------------ parse
@@ -134,14 +123,15 @@ def parse_raw(text: str) -> list[dict]:
     per launch: ``name``, ``units`` (metric -> unit) and ``metrics`` (metric -> number or text)."""
     rows = list(csv.reader(io.StringIO(text)))
     start = next(i for i, r in enumerate(rows) if r and r[0] == "ID")
-    header, units = rows[start], rows[start + 1]
+    header = rows[start]
+    units = dict(zip(header, rows[start + 1]))  # one units row for every launch: shared, not copied
     out = []
     for r in rows[start + 2:]:
         if len(r) != len(header):
             continue
         d = dict(zip(header, r))
         out.append(dict(name=d.get("Kernel Name", ""), metrics={k: _number(v) for k, v in d.items()},
-                        units=dict(zip(header, units))))
+                        units=units))
     return out
 
 

@@ -54,14 +54,15 @@ def overridden(values: dict):
             raise AttributeError(f"{mod.__name__} has no constant {name}")
         return mod, name
 
-    saved = {k: getattr(*target(k)) for k in values}
+    targets = {k: target(k) for k in values}
+    saved = {k: getattr(*t) for k, t in targets.items()}
     for k, v in values.items():
-        setattr(*target(k), v)
+        setattr(*targets[k], v)
     try:
         yield
     finally:
         for k, v in saved.items():
-            setattr(*target(k), v)
+            setattr(*targets[k], v)
 
 
 def block_of(path: str):

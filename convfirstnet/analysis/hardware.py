@@ -36,6 +36,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from convfirstnet.kernels._carveout import smallest_carveout
+
 
 @dataclass(frozen=True)
 class Band:
@@ -96,10 +98,8 @@ class Hardware:
     def l1_bytes(self, shared_per_sm: int) -> int:
         """L1 left per SM when the resident programs take ``shared_per_sm`` bytes of shared memory: the
         driver picks the smallest carve-out that holds them, the rest of the unified array is L1."""
-        for kb in self.carveouts_kb:
-            if kb * 1024 >= shared_per_sm:
-                return self.l1_shared_bytes - kb * 1024
-        return 0
+        carveout = smallest_carveout(shared_per_sm, self.carveouts_kb)
+        return 0 if carveout is None else self.l1_shared_bytes - carveout
 
 
 GPU_BENCHES = "te42kyfo/gpu-benches@1c36d50"

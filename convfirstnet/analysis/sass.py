@@ -297,8 +297,8 @@ class Traffic:
     local: float = 0.0  # spill traffic (through L1)
     tma_instructions: float = 0.0  # executions of TMA copies (bytes not in the listing)
     # shared-memory wavefronts (128 bytes each) of LDS/STS/LDSM/STSM and of cp.async's writes to shared
-    # memory (LDGSTS): as if conflict-free, and the extra
-    # of the stores when they take the variant's worst register -> shared copy's wavefronts (analysis.shared)
+    # memory (LDGSTS): as if conflict-free, and the extra of the stores at the conflict factor given
+    # (launches.store_conflict: that of the variant's largest register -> shared copy, analysis.shared)
     shared_wavefronts: float = 0.0
     shared_conflict_wavefronts: float = 0.0
 
@@ -327,9 +327,6 @@ def traffic(
         if not w:
             continue
         sw = shared_wavefronts(ins.opcode)
-        if ins.opcode.startswith("LDGSTS"):  # cp.async: global load whose data the LSU writes to shared
-            lane = _lane_bytes(ins.opcode.split("."))
-            t.shared_wavefronts += w * max(1, WARP * lane // 128) * num_warps
         if sw:
             t.shared_wavefronts += w * sw * num_warps
             if ins.opcode.startswith("STS") and not ins.opcode.startswith("STSM"):
@@ -338,6 +335,8 @@ def traffic(
         op = memory_op(ins.opcode)
         if op is None:
             continue
+        if ins.opcode.startswith("LDGSTS"):  # cp.async: a global load whose data the LSU writes to shared
+            t.shared_wavefronts += w * max(1, WARP * op.bytes_per_lane // 128) * num_warps
         b = w * op.bytes_per_lane * WARP * num_warps
         if op.kind == "load":
             if op.l1:

@@ -94,8 +94,7 @@ def store_wavefronts(shape, elem_bytes: int, spt, tpw, reg_order, vec: int, per_
     fast = reg_order[0]
     # a lane's vector: its elements along the register layout's fastest dimension, as long as they are
     # contiguous in shared memory too (same fastest dimension) and within one swizzle group
-    n = spt[fast] if fast == sh_order[0] else 1
-    n = min(n, vec) if fast == sh_order[0] else 1
+    n = min(spt[fast], vec) if fast == sh_order[0] else 1
     vbytes = max(1, n * elem_bytes)
     addrs = [shared_offset(lane_coords(lane, spt, tpw, reg_order), shape, vec, per_phase, max_phase, sh_order)
              * elem_bytes for lane in range(lanes)]

@@ -74,6 +74,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._carveout import RESERVED_PER_BLOCK, smallest_carveout
 from .._cost import KernelCost, Loop
 from .._launch import GROUP_WIDTH, GPUInfo, cdiv, device_info, launch, next_power_of_2
 from .kernel import _mbconv_hidden_kernel, _mbconv_project_kernel
@@ -386,10 +387,8 @@ def chunk_groups(image_blocks: int, nchunk: int, programs: int) -> int:
 
 def l1_left_sm80(shared: int) -> int:
     """L1 bytes an A100 SM leaves beside one program of ``shared`` bytes of shared memory."""
-    for kb in CARVEOUTS_KB_SM80:
-        if kb * 1024 >= shared + 1024:
-            return L1_SHARED_SM80 - kb * 1024
-    return 0
+    carveout = smallest_carveout(shared + RESERVED_PER_BLOCK, CARVEOUTS_KB_SM80)
+    return 0 if carveout is None else L1_SHARED_SM80 - carveout
 
 
 def sm80_tiling(rb: int, cp: int, elem: int, hw: int, shared_per_block: int,
