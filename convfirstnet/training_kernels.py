@@ -20,9 +20,10 @@ kernels on CUDA (and in the interpreter with ``CONVFIRSTNET_KERNELS=triton``), t
 otherwise. ``unsupported(block, x)`` names what the fused op cannot run (a block without a fused
 training op, a norm other than BatchNorm2d, group width or kernel size of the grouped conv, dtype);
 ``dispatch(block, x)`` is what the training-form blocks call: the fused forward when the backend
-selects the Triton kernels (``CONVFIRSTNET_KERNELS``: ``auto`` with a CUDA tensor, or ``triton``) and
-the block is supported, else None (run the layers), with one warning line per distinct reason when
-the Triton kernels were selected but cannot run the block; decided before any launch.
+selects the fused training kernels (``CONVFIRSTNET_KERNELS=triton``; ``auto``, the default, keeps the
+layer-wise training form: see ``triton_selected``) and the block is supported, else None (run the
+layers), with one warning line per distinct reason when the Triton kernels were selected but cannot
+run the block; decided before any launch.
 """
 
 from __future__ import annotations
@@ -152,12 +153,16 @@ def _unsupported_mbconv(block: nn.Module, x: torch.Tensor | None) -> str | None:
 
 
 def triton_selected(x: torch.Tensor) -> bool:
-    """The backend switch (kernels._launch.backend) selects the Triton kernels for ``x`` (always while the
-    static cost report records launches on meta tensors)."""
+    """The training blocks run the fused training kernels for ``x``: only when they are asked for
+    (``CONVFIRSTNET_KERNELS=triton``; always while the static cost report records launches on meta
+    tensors). ``auto`` keeps the layer-wise training form, on CUDA too: launched from Python, a fused
+    training step of Small took 211 ms on an H200 against 103 ms layer-wise (the host's work per kernel
+    bounds it); captured in a CUDA graph it took 84 ms against 99
+    (benchmarks/results/20261126T145122Z_h200_float16_train-small_gpu-check-train.json). The inference
+    ops keep ``auto`` = Triton on CUDA (kernels._launch.use_triton)."""
     if active_recording() is not None:
         return HAS_TRITON
-    mode = backend()
-    return HAS_TRITON and x.device.type != "meta" and (mode == "triton" or (mode == "auto" and x.is_cuda))
+    return HAS_TRITON and x.device.type != "meta" and backend() == "triton"
 
 
 def dispatch(block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:

@@ -71,7 +71,7 @@ def profile_case(case: str, model_name: str, batch: int, img: int, steps: int, d
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from convfirstnet.commands.bench import _TRAIN_KERNELS, prepare, prepare_train
+    from convfirstnet.commands.bench import prepare, prepare_train, train_kernels
     from convfirstnet.factory import create_model
     from convfirstnet.kernels._launch import selected_backend
 
@@ -80,7 +80,7 @@ def profile_case(case: str, model_name: str, batch: int, img: int, steps: int, d
     train_model = create_model(model_name)
     x = torch.randn(batch, 3, img, img, device=dev).contiguous(memory_format=torch.channels_last)
     train = case.removeprefix("train-") if case.startswith("train-") else None  # bench's train backend
-    with selected_backend(_TRAIN_KERNELS[train] if train else "auto"):
+    with selected_backend(train_kernels(train, dev) if train else "auto"):
         if train:
             y = torch.randint(0, 1000, (batch,), device=dev)
             fn, _ = prepare_train(train, train_model, True, x, y, dtype)

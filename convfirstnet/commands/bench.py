@@ -33,15 +33,17 @@ to ``--dtype`` with fp32 master weights, cross-entropy, backward, SGD step) of t
 train mode, channels-last, with ``--train-backends``:
 
 * ``fused``: the fused training ops for the blocks that have them (``convfirstnet.training_kernels``:
-  Triton forward and backward on CUDA, ``CONVFIRSTNET_KERNELS=auto``), the other layers in PyTorch;
+  Triton forward and backward on CUDA, ``CONVFIRSTNET_KERNELS=triton``), the other layers in PyTorch;
 * ``fused-inductor``: the same under ``torch.compile``;
 * ``eager``: the layer-wise training form (``CONVFIRSTNET_KERNELS=reference``: cuDNN's grouped convs);
 * ``inductor``: ``torch.compile`` of the layer-wise training step;
-* ``fused-cudagraph`` and ``eager-cudagraph``: ``fused`` and ``eager`` with the whole step (forward,
-  backward, SGD step) captured once in a CUDA graph and replayed (PyTorch's whole-network capture:
-  three warm-up steps on a side stream, autocast without its weight cache): the same kernels without
-  the host's Python and launch calls per kernel, which bound the fused step on an H200 (153 ms a step
-  for 87.5 ms of kernels). CUDA only; a step that cannot be captured is reported with the reason.
+* ``fused-cudagraph`` and ``eager-cudagraph``: ``fused`` and ``eager`` as ``convfirstnet train
+  --cuda-graph`` runs them (``commands/train/graphed.py``): forward, loss and backward captured once in
+  a CUDA graph and replayed, the SGD step after each replay outside the graph (three eager warm-up
+  steps on a side stream, autocast without its weight cache): the same kernels without the host's
+  Python and launch calls per kernel, which bound the fused step on an H200 (153 ms a step for 87.5 ms
+  of kernels). The records of 2026-11-26 captured the SGD step in the graph too. CUDA only; a step
+  that cannot be captured is reported with the reason.
 
 Images/s and peak memory (CUDA) per backend, side by side; TFLOP/s counts 3 x the forward MACs per image
 (forward, input gradient, weight gradient). On CPU ``fused`` runs the same layers as ``eager`` (the
@@ -381,8 +383,16 @@ def prepare(
     raise ValueError(f"unknown backend {backend!r}")
 
 
-_TRAIN_KERNELS = {"fused": "auto", "fused-inductor": "auto", "eager": "reference", "inductor": "reference",
-                  "fused-cudagraph": "auto", "eager-cudagraph": "reference"}
+# the fused rows ask for the fused training kernels (CONVFIRSTNET_KERNELS=triton) on CUDA; elsewhere
+# "auto", which runs the layer-wise training form (the interpreter would time Python, not kernels)
+_TRAIN_KERNELS = {"fused": "triton", "fused-inductor": "triton", "eager": "reference",
+                  "inductor": "reference", "fused-cudagraph": "triton", "eager-cudagraph": "reference"}
+
+
+def train_kernels(backend: str, device: torch.device) -> str:
+    """The CONVFIRSTNET_KERNELS value that a training backend runs under on ``device``."""
+    kernels = _TRAIN_KERNELS[backend]
+    return kernels if kernels != "triton" or device.type == "cuda" else "auto"
 
 
 def prepare_train(backend: str, train_model: nn.Module, is_convfirstnet: bool, x: torch.Tensor,
@@ -411,27 +421,32 @@ def prepare_train(backend: str, train_model: nn.Module, is_convfirstnet: bool, x
 
     def step() -> object:
         opt.zero_grad(set_to_none=True)
-        # autocast's weight cast cache would keep tensors from before a CUDA graph's capture
-        with torch.autocast(device.type, dtype=dtype, enabled=autocast, cache_enabled=not graphed):
+        with torch.autocast(device.type, dtype=dtype, enabled=autocast):
             loss = nn.functional.cross_entropy(forward(x), y)
         loss.backward()
         opt.step()
         return loss
 
     keep: tuple = ()
-    if graphed:
+    if graphed:  # what `convfirstnet train --cuda-graph` runs: its warm-up steps, then capture and replays
+        from convfirstnet.commands.train.graphed import WARMUP, CudaGraphs, GraphedStep
+        from convfirstnet.commands.train.options import TrainError
+
+        graphed_step = GraphedStep(model, nn.CrossEntropyLoss(), opt, None, dtype if autocast else None, None,
+                                   CudaGraphs(device))
+        for _ in range(WARMUP):
+            graphed_step(x, y)
         t0 = time.perf_counter()
         try:
-            graph, loss = _capture(step, device)
-        except Exception as e:  # a host sync or an unsupported op inside the step
-            raise Skip(f"the step cannot be captured in a CUDA graph: {type(e).__name__}: "
-                       f"{str(e)[:200]}") from e
+            graphed_step(x, y)  # the capture, and its first replay
+        except TrainError as e:  # a host sync or an unsupported op inside the step
+            raise Skip(str(e.__cause__ or e)[:200]) from e
+        torch.cuda.synchronize(device)
         notes["capture_s"] = round(time.perf_counter() - t0, 3)
-        keep = (graph, loss)
+        keep = (graphed_step,)
 
-        def replay() -> object:  # the captured step; each replay refreshes the captured loss
-            graph.replay()
-            return loss
+        def replay() -> object:  # copies x, y into the graph's inputs (as for each batch) and replays
+            return graphed_step(x, y)
 
         step = replay
 
@@ -473,7 +488,7 @@ def run_train_case(backend: str, train_model: nn.Module, is_convfirstnet: bool, 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        with selected_backend(_TRAIN_KERNELS[backend]):
+        with selected_backend(train_kernels(backend, device)):
             fn, notes = prepare_train(backend, train_model, is_convfirstnet, x, y, dtype)
             times = time_iterations(fn, device, warmup, iters)
     except Skip as e:

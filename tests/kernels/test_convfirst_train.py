@@ -346,6 +346,28 @@ def test_unsupported_blocks_are_named():
     assert "dtype torch.float64" in unsupported(block, torch.randn(1, 16, 4, 4, dtype=torch.float64))
 
 
+def test_auto_keeps_training_layer_wise_on_cuda(monkeypatch):
+    """``auto`` (the default) runs the training form's layers in train mode, for CUDA tensors too (the fused
+    training step launched from Python measured 2x slower than layer-wise, training_kernels.triton_selected);
+    ``triton`` asks for the fused training ops; the cost report always records them."""
+    from types import SimpleNamespace
+
+    from convfirstnet import training_kernels
+    from convfirstnet.kernels._cost import recording
+    from convfirstnet.kernels._launch import HAS_TRITON
+
+    cuda_x = SimpleNamespace(device=torch.device("cuda"), is_cuda=True)  # only its device is read
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "auto")
+    assert not training_kernels.triton_selected(cuda_x)
+    assert training_kernels.dispatch(make_block(16, 3, 0.0), cuda_x) is None  # decided before any check
+    with recording():
+        assert training_kernels.triton_selected(cuda_x) == HAS_TRITON
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "triton")
+    assert training_kernels.triton_selected(cuda_x) == HAS_TRITON
+    monkeypatch.setenv("CONVFIRSTNET_KERNELS", "reference")
+    assert not training_kernels.triton_selected(cuda_x)
+
+
 def test_op_refuses_bad_input_before_launch(interpreter_backend, monkeypatch):
     from convfirstnet.kernels.convfirst_train import launcher
 

@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from .checkpoints import CHECKPOINT_EXT, TrainState, make_saver, restore, write_weights
+from .graphed import CudaGraphs, GraphedStep
 from .output import append_log, plain_args, summary_columns, write_args, write_summary
 from .prepare import Run
 
@@ -42,7 +43,8 @@ def run_training(args: argparse.Namespace, run: Run) -> int:
             f"{run.name}: {run.num_classes} classes, {run.num_train_images} training images, "
             f"{run.world_size} process(es) on {run.device.type}, global batch {run.global_batch}, "
             f"lr {run.lr:g}, {run.steps_per_epoch} steps/epoch, {run.num_epochs} epochs, dropout {run.drop:g}, drop-path {args.drop_path:g}, "
-            f"amp {run.use_amp}, kernels {run.kernels}, mixup {'on' if run.mixup_fn else 'off'}, "
+            f"amp {run.use_amp}, kernels {run.kernels}{' in a CUDA graph' if args.cuda_graph else ''}, "
+            f"mixup {'on' if run.mixup_fn else 'off'}, "
             f"weights from {run.start}, "
             f"output {run.output}",
             flush=True,
@@ -57,8 +59,11 @@ def run_training(args: argparse.Namespace, run: Run) -> int:
     columns = summary_columns(run.model_ema is not None)
     show_progress = run.primary and (sys.stderr.isatty() if args.progress is None else args.progress)
 
+    # --cuda-graph: one capture for the whole run
+    graphed = graphed_step(args, run, train_model, loss_fn) if args.cuda_graph else None
     for epoch in range(state.epoch, run.num_epochs):
-        loss_meter, stopped = train_epoch(args, run, state, saver, train_model, loss_fn, epoch, show_progress)
+        loss_meter, stopped = train_epoch(args, run, state, saver, train_model, loss_fn, epoch, show_progress,
+                                          graphed)
         if state.step_in_epoch < run.steps_per_epoch:  # stopped mid-epoch by --max-steps
             if run.primary:
                 saver.save_recovery(epoch, batch_idx=state.step_in_epoch)
@@ -106,6 +111,32 @@ def autocast_for(run: Run) -> Callable[[], Any]:
     return lambda: torch.autocast("cuda", dtype=torch.float16) if run.use_amp else nullcontext()
 
 
+def eager_step(args: argparse.Namespace, run: Run, train_model: nn.Module, loss_fn: nn.Module, autocast,
+               images: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """One optimizer step launched from Python; returns the loss."""
+    with autocast():
+        loss = loss_fn(train_model(images), target)
+    run.optimizer.zero_grad(set_to_none=True)
+    if run.loss_scaler is not None:
+        run.loss_scaler(loss, run.optimizer, clip_grad=args.clip_grad or None,
+                        parameters=run.model.parameters())
+    else:
+        loss.backward()
+        if args.clip_grad:
+            nn.utils.clip_grad_norm_(run.model.parameters(), args.clip_grad)
+        run.optimizer.step()
+    return loss
+
+
+def graphed_step(args: argparse.Namespace, run: Run, train_model: nn.Module, loss_fn: nn.Module,
+                 graphs=None) -> GraphedStep:
+    """--cuda-graph's step (graphed.py); ``graphs``: the capture API (default: CUDA's)."""
+    return GraphedStep(
+        train_model, loss_fn, run.optimizer, run.loss_scaler._scaler if run.loss_scaler is not None else None,
+        torch.float16 if run.use_amp else None, args.clip_grad or None, graphs or CudaGraphs(run.device),
+    )
+
+
 def train_epoch(
     args: argparse.Namespace,
     run: Run,
@@ -115,10 +146,12 @@ def train_epoch(
     loss_fn: nn.Module,
     epoch: int,
     show_progress: bool,
+    graphed: GraphedStep | None = None,
 ) -> tuple[Any, bool]:
-    """The optimizer steps of one epoch, from ``state.step_in_epoch`` on a resumed epoch; a log record every
-    --log-interval steps, recovery checkpoints every --recovery-interval. Returns the epoch's loss meter
-    and whether --max-steps stopped it."""
+    """The optimizer steps of one epoch, from ``state.step_in_epoch`` on a resumed epoch (each by
+    ``graphed`` with --cuda-graph, else launched from Python); a log record every --log-interval steps,
+    recovery checkpoints every --recovery-interval. Returns the epoch's loss meter and whether
+    --max-steps stopped it."""
     from timm.utils import AverageMeter, reduce_tensor
     from tqdm import tqdm
 
@@ -149,18 +182,10 @@ def train_epoch(
             images, target = mixup_fn(images, target)
         if args.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
-        with autocast():
-            loss = loss_fn(train_model(images), target)
-        optimizer.zero_grad(set_to_none=True)
-        if run.loss_scaler is not None:
-            run.loss_scaler(
-                loss, optimizer, clip_grad=args.clip_grad or None, parameters=run.model.parameters()
-            )
+        if graphed is not None:
+            loss = graphed(images, target)
         else:
-            loss.backward()
-            if args.clip_grad:
-                nn.utils.clip_grad_norm_(run.model.parameters(), args.clip_grad)
-            optimizer.step()
+            loss = eager_step(args, run, train_model, loss_fn, autocast, images, target)
         state.global_step += 1
         state.step_in_epoch += 1
         if run.model_ema is not None:

@@ -118,8 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="triton: the ConvFirst blocks run fused training kernels (Triton forward and backward, the "
         "wide activation recomputed), the MBConv + SE blocks their layers with only the block input stored "
         "(the wide activations recomputed in the backward), the stem and head their layers; torch: every "
-        "layer in PyTorch (default: torch; triton measured slower on an H200, docs/train.md). The "
+        "layer in PyTorch (default: torch; on an H200 triton measured slower launched from Python, faster "
+        "captured in a CUDA graph: use it with --cuda-graph, docs/train.md). The "
         "checkpoints are the same either way",
+    )
+    g.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="capture the forward and backward of a step once in a CUDA graph and replay it per batch (after "
+        "3 eager warm-up steps; the optimizer, GradScaler and EMA run outside it): removes the host's work "
+        "per kernel launch, which bounds the step of --kernels triton. CUDA, one process",
     )
     g.add_argument(
         "-j",
