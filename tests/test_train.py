@@ -5,6 +5,7 @@ unfused."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import torch
 from convfirstnet.commands import train as train_imagenet
 from convfirstnet.commands.train import loop
 
+from ._graphs import EmulatedGraphs
 from ._imagefolder import make_image_folder
 
 REPO = Path(__file__).resolve().parent.parent
@@ -462,46 +464,6 @@ def test_cuda_graph_needs_cuda(tiny_data, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-class _EmulatedGraph:
-    """A captured step on CPU, replayed as a CUDA graph replays: the capture (``_EmulatedGraphs``) ran the
-    step once, standing for the first replay, which is then a no-op; every later replay runs it again.
-    What a real replay guarantees is checked or imitated: the parameters' ``.grad`` are the tensors the
-    capture produced (the graph writes those; one set to None after the capture would never be written),
-    overwritten rather than accumulated, and the captured loss tensor is refreshed in place."""
-
-    def __init__(self, fn, out, params):
-        self.fn, self.out, self.params = fn, out, params
-        self.grads = [p.grad for p in params]
-        self.replays = 0
-
-    def replay(self):
-        self.replays += 1
-        if self.replays == 1:
-            return
-        same = all(p.grad is g for p, g in zip(self.params, self.grads))
-        assert same, "a .grad was replaced after the capture"
-        for g in self.grads:
-            g.zero_()
-        self.out.copy_(self.fn())
-        assert all(p.grad is g for p, g in zip(self.params, self.grads))
-
-
-class _EmulatedGraphs:
-    def __init__(self, params):
-        self.params, self.graphs, self.side = params, [], 0
-
-    def side_stream(self):
-        import contextlib
-
-        self.side += 1
-        return contextlib.nullcontext()
-
-    def capture(self, fn):
-        out = fn()
-        self.graphs.append(_EmulatedGraph(fn, out, self.params))
-        return self.graphs[-1], out
-
-
 def test_graphed_step_trains_as_the_eager_loop():
     """--cuda-graph's step (3 eager warm-up steps, a capture, replays of forward + backward into static
     buffers, the optimizer outside) follows the eager loop's trajectory exactly: Pico on 32x32 batches,
@@ -530,7 +492,7 @@ def test_graphed_step_trains_as_the_eager_loop():
     def optimizer(m):
         return create_optimizer_v2(m, opt="rmsproptf", lr=0.01, weight_decay=1e-5, momentum=0.9, eps=1e-3)
 
-    graphs = _EmulatedGraphs([p for p in model.parameters()])
+    graphs = EmulatedGraphs([p for p in model.parameters()])
     step = GraphedStep(model, loss_fn, optimizer(model), None, None, args.clip_grad, graphs)
     run = argparse.Namespace(optimizer=optimizer(twin), loss_scaler=None, model=twin)
     torch.manual_seed(1)
@@ -588,3 +550,21 @@ def test_graphed_step_on_gpu(kernels, amp, monkeypatch):
         if a.is_floating_point():
             err = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
             assert err <= tol, f"{name}: {err:.3g}"
+
+
+def test_graphed_step_under_ddp():
+    """--cuda-graph with several processes (two gloo processes, CUDA graphs emulated): rank 0's weights
+    copied once and the gradients averaged after each backward give, after 6 steps of Pico (SGD with
+    momentum, drop-path), the parameters of DDP's eager loop bitwise on both processes, from processes that
+    started with different weights (tests/_ddp_graphed_step.py). Averaging by the sum alone, or skipping
+    the copy from rank 0, fails it."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(REPO / "tests" / "_ddp_graphed_step.py")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["replicas_equal"], result
+    assert result["max_param_diff"] == 0.0, result
+    assert result["losses_graphed"] == result["losses_ddp"]
+    assert all(math.isfinite(v) for v in result["losses_ddp"]) and len(set(result["losses_ddp"])) > 1

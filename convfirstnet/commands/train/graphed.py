@@ -22,8 +22,14 @@ The step keeps the eager loop's semantics:
 * drop-path draws new random numbers at each replay (PyTorch's CUDA generator is graph-safe), and
   BatchNorm's running statistics are updated in place at each replay.
 
-One process only: DDP's gradient all-reduce is not captured (``prepare`` refuses ``--cuda-graph`` with
-several processes). ``graphs`` is the capture API (``CudaGraphs``); the CPU tests stand in for it.
+With several processes the model is not wrapped in DDP (its gradient all-reduce runs in backward hooks,
+which a capture would have to hold): ``broadcast_state`` copies rank 0's parameters and buffers to every
+process once, as DDP's construction does, and after each backward (eager or replayed) ``all_reduce_mean``
+averages the gradients, as DDP's default hook does (divided by the process count, then summed), before
+the optimizer step; the all-reduce is not overlapped with the backward. BatchNorm's running statistics
+stay each process's own until the loop's ``distribute_bn`` averages them at the end of the epoch (DDP
+would copy rank 0's to the others at every forward). ``graphs`` is the capture API (``CudaGraphs``); the
+CPU tests stand in for it.
 """
 
 from __future__ import annotations
@@ -63,6 +69,31 @@ class CudaGraphs:
         return graph, out
 
 
+def broadcast_state(model: nn.Module) -> None:
+    """Rank 0's parameters and buffers on every process (what DDP's construction does)."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t, src=0)
+
+
+def all_reduce_mean(grads: list[torch.Tensor]) -> None:
+    """``grads`` averaged over the processes in place, as DDP's default hook averages them (each divided
+    by the process count, then summed): one all-reduce of a flat copy per dtype."""
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = _flatten_dense_tensors(same).div_(dist.get_world_size())
+        dist.all_reduce(flat)
+        for g, r in zip(same, _unflatten_dense_tensors(flat, same)):
+            g.copy_(r)
+
+
 class GraphedStep:
     """One optimizer step per call, ``step(images, target) -> loss`` (module docstring). The caller does
     the rest of its loop (EMA, schedule, logging) after it, as for an eager step."""
@@ -76,9 +107,11 @@ class GraphedStep:
         autocast_dtype: torch.dtype | None,
         clip_grad: float | None,
         graphs: Any,
+        reduce: Callable[[list[torch.Tensor]], None] | None = None,  # all_reduce_mean with several processes
     ) -> None:
         self.model, self.loss_fn, self.optimizer, self.scaler = model, loss_fn, optimizer, scaler
         self.autocast_dtype, self.clip_grad, self.graphs = autocast_dtype, clip_grad, graphs
+        self.reduce = reduce
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.steps = 0
         self.graph = None
@@ -95,7 +128,10 @@ class GraphedStep:
         return loss.detach()
 
     def update(self) -> None:
-        """Unscale and clip the gradients if asked, the optimizer step, the scaler's update."""
+        """Average the gradients over the processes, unscale and clip them if asked, the optimizer step,
+        the scaler's update."""
+        if self.reduce is not None:
+            self.reduce([p.grad for p in self.params if p.grad is not None])
         if self.scaler is not None:
             if self.clip_grad:
                 self.scaler.unscale_(self.optimizer)

@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from .checkpoints import CHECKPOINT_EXT, TrainState, make_saver, restore, write_weights
-from .graphed import CudaGraphs, GraphedStep
+from .graphed import CudaGraphs, GraphedStep, all_reduce_mean, broadcast_state
 from .output import append_log, plain_args, summary_columns, write_args, write_summary
 from .prepare import Run
 
@@ -51,7 +51,9 @@ def run_training(args: argparse.Namespace, run: Run) -> int:
         )
 
     train_model = run.model
-    if run.distributed:
+    if run.distributed and args.cuda_graph:  # no DDP wrapper: the graphed step averages the gradients
+        broadcast_state(run.model)
+    elif run.distributed:
         train_model = nn.parallel.DistributedDataParallel(
             run.model, device_ids=[run.device.index] if run.device.type == "cuda" else None
         )
@@ -134,6 +136,7 @@ def graphed_step(args: argparse.Namespace, run: Run, train_model: nn.Module, los
     return GraphedStep(
         train_model, loss_fn, run.optimizer, run.loss_scaler._scaler if run.loss_scaler is not None else None,
         torch.float16 if run.use_amp else None, args.clip_grad or None, graphs or CudaGraphs(run.device),
+        all_reduce_mean if run.distributed else None,
     )
 
 

@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="capture the forward and backward of a step once in a CUDA graph and replay it per batch (after "
         "3 eager warm-up steps; the optimizer, GradScaler and EMA run outside it): removes the host's work "
-        "per kernel launch, which bounds the step of --kernels triton. CUDA, one process",
+        "per kernel launch, which bounds the step of --kernels triton. CUDA; with several processes the "
+        "gradients are averaged after each replay instead of by DDP's hooks",
     )
     g.add_argument(
         "-j",

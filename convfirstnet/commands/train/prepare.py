@@ -99,9 +99,6 @@ def prepare(args: argparse.Namespace) -> Run:
                          "interpreter, TRITON_INTERPRET=1, very slowly); use --kernels torch")
     if args.cuda_graph and device.type != "cuda":
         raise TrainError("--cuda-graph needs CUDA (it captures the step in a CUDA graph)")
-    if args.cuda_graph and world_size > 1:
-        raise TrainError(f"--cuda-graph runs in one process ({world_size} here): DDP's gradient "
-                         "all-reduce is not captured; drop --cuda-graph")
     workers = args.workers if args.workers is not None else default_workers(WORKERS)
     random_seed(args.seed, rank)
 
