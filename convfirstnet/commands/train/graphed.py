@@ -168,14 +168,14 @@ class GraphedStep:
             self.graph, self.static_loss = self.graphs.capture(lambda: self.forward_backward(*self.static))
         except Exception as e:  # a host sync or an op that cannot be captured
             raise TrainError(f"--cuda-graph: the training step cannot be captured in a CUDA graph "
-                               f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); run without "
-                               "--cuda-graph") from e
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); run without "
+                             "--cuda-graph") from e
 
     def _load(self, images: torch.Tensor, target: torch.Tensor) -> None:
         for new, static, name in ((images, self.static[0], "images"), (target, self.static[1], "targets")):
             if new.shape != static.shape or new.dtype != static.dtype:
                 raise TrainError(f"--cuda-graph: a batch of {name} {tuple(new.shape)} {new.dtype} after "
-                                   f"a capture with {tuple(static.shape)} {static.dtype}: the graph replays "
-                                   "one shape")
+                                 f"a capture with {tuple(static.shape)} {static.dtype}: the graph replays "
+                                 "one shape")
             static.copy_(new)
 

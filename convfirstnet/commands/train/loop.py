@@ -130,12 +130,12 @@ def eager_step(args: argparse.Namespace, run: Run, train_model: nn.Module, loss_
     return loss
 
 
-def graphed_step(args: argparse.Namespace, run: Run, train_model: nn.Module, loss_fn: nn.Module,
-                 graphs=None) -> GraphedStep:
-    """--cuda-graph's step (graphed.py); ``graphs``: the capture API (default: CUDA's)."""
+def graphed_step(args: argparse.Namespace, run: Run, train_model: nn.Module,
+                 loss_fn: nn.Module) -> GraphedStep:
+    """--cuda-graph's step (graphed.py)."""
     return GraphedStep(
         train_model, loss_fn, run.optimizer, run.loss_scaler._scaler if run.loss_scaler is not None else None,
-        torch.float16 if run.use_amp else None, args.clip_grad or None, graphs or CudaGraphs(run.device),
+        torch.float16 if run.use_amp else None, args.clip_grad or None, CudaGraphs(run.device),
         all_reduce_mean if run.distributed else None,
     )
 
