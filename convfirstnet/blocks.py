@@ -24,6 +24,8 @@ from timm.layers import BlurPool2d, DropPath, SEModule
 
 from .folding import fold_conv_bn
 from .kernels._launch import GROUP_WIDTH
+from .kernels.mbconv.op import check_mbconv
+from .kernels.mbconv.reference import mbconv_layerwise
 from .training_kernels import dispatch as _fused_training
 MIN_INPUT_SIZE = 32  # five stride-2 stages; each BlurPool reflects one pixel, so needs a 2x2 map
 INPUT_DTYPES = "float32, float16, bfloat16 or float64"
@@ -293,19 +295,63 @@ class MBConv(nn.Module):
         return _trainable_like(self, fused)
 
 
+# Which form of an MBConv block torch.compile compiles (FusedMBConv.compiled_path; the environment's
+# CONVFIRSTNET_COMPILED_MBCONV when the block is made): "auto" compiles the layers on CUDA maps of at
+# least LAYERWISE_MIN_PIXELS pixels, the fused op elsewhere; "fused" and "layer-wise" always the one named.
+COMPILED_PATHS = ("auto", "fused", "layer-wise")
+# Measured on an H200 (Small, batch 128, fp16, Triton 3.6; both launches of a block with CUDA graphs
+# against torch.compile of the BatchNorm-folded block, benchmarks/results/
+# 20261126T051713Z_h200_float16_small_gpu-check-blocks.json and the two later records): the fused
+# blocks lose at 32x32 stride 2 (0.64 against 0.47 ms), 16x16 stride 1 (0.40-0.43 against 0.35) and
+# 16x16 stride 2 (0.43-0.48 against 0.34), and win at 8x8 (0.13 against 0.26).
+LAYERWISE_MIN_PIXELS = 256
+
+
+def compiled_mbconv_path() -> str:
+    """``CONVFIRSTNET_COMPILED_MBCONV`` (default ``auto``), checked against ``COMPILED_PATHS``."""
+    name = os.environ.get("CONVFIRSTNET_COMPILED_MBCONV", "auto").strip().lower() or "auto"
+    if name not in COMPILED_PATHS:
+        raise ValueError(
+            f"CONVFIRSTNET_COMPILED_MBCONV={name!r}: expected one of {', '.join(COMPILED_PATHS)}"
+        )
+    return name
+
+
+def _exporting() -> bool:
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    return bool(is_exporting and is_exporting())
+
+
 class FusedMBConv(FusedBlock):
+    """The fused MBConv + SE block. Eager (and ``torch.export``): one ``torch.ops.convfirstnet.mbconv``.
+    Under ``torch.compile``, where ``compiled_path`` says so (``COMPILED_PATHS``), the same folded weights
+    go through the layers instead (``mbconv_layerwise``, after the op's input checks), which torch.compile
+    turns into its own kernels."""
+
     weight_names = ("w_exp", "b_exp", "w_conv", "b_conv", "w_se1", "b_se1", "w_se2", "b_se2", "w_proj", "b_proj")
+    compiled_path = "auto"  # blocks saved before the attribute existed
 
     def __init__(self, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj, stride: int):
         super().__init__()
         self.stride = stride
+        self.compiled_path = compiled_mbconv_path()
         self._register(
             w_exp=w_exp, b_exp=b_exp, w_conv=w_conv, b_conv=b_conv, w_se1=w_se1, b_se1=b_se1,
             w_se2=w_se2, b_se2=b_se2, w_proj=w_proj, b_proj=b_proj,
         )
 
+    def compiles_layers(self, x: torch.Tensor) -> bool:
+        """Whether torch.compile of this block on ``x`` compiles its layers (``compiled_path``)."""
+        if self.compiled_path == "auto":
+            large = x.dim() == 4 and x.shape[2] * x.shape[3] >= LAYERWISE_MIN_PIXELS
+            return x.device.type == "cuda" and large
+        return self.compiled_path == "layer-wise"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, weights = self._cast(x)
+        if torch.compiler.is_compiling() and not _exporting() and self.compiles_layers(x):
+            check_mbconv(x, *weights, self.stride)
+            return mbconv_layerwise(x, *weights, self.stride)
         return torch.ops.convfirstnet.mbconv(x, *weights, self.stride)
 
 

@@ -9,6 +9,8 @@ Fits a GPU job limited to 10 minutes: the default budget is 9 minutes
 2. each fused model (CUDA graph) and each of its distinct fused blocks (CUDA graph, the block alone on
    an input of its shape), Small first, then Tiny, Nano, Pico; then each model again with the L1 /
    shared split of every kernel set to fit its programs (``kernels/_carveout.py``, not yet the default);
+   then ``torch.compile`` of the first fused model, with the MBConv blocks on large maps compiling their
+   layers (``fused-inductor``, the default) and with every block's fused op (``fused-inductor-ops``);
 3. a training step of the first model (``convfirstnet bench --train``: the fused training ops against
    the layer-wise training form, fp16 autocast, batch 128, each also with the whole step in a CUDA
    graph), which writes its own record, then a
@@ -58,6 +60,10 @@ TRAIN_BACKENDS = "fused,eager,fused-cudagraph,eager-cudagraph"
 PROFILE_CAP_S = 90  # the fused training step's kernels against its wall time (scripts/gpu_profile.py)
 STATIC_CAP_S = 600  # the four static reports, beside the tests (a second process, CPU only)
 FUSED_CAP_S = 300  # every fused model and distinct block (Triton compiles its variants on first use)
+# torch.compile of the fused first model: with FusedMBConv's rule (its large-map MBConv blocks compile
+# their layers) and with every block's op; one child process each
+COMPILED_BACKENDS = ("fused-inductor", "fused-inductor-ops")
+COMPILED_CAP_S = 240
 RESERVE_S = 30  # kept back for the tables and the records at the end
 WARMUP, ITERS = 10, 50  # as convfirstnet bench on a GPU
 VIEW_ENV = "CONVFIRSTNET_SOURCE_VIEW"
@@ -159,7 +165,9 @@ def plan_lines(models: Sequence[str], budget_min: float, tests: bool, train: boo
     jobs = autotune_jobs(models)
     total = sum(w for _, _, w in jobs)
     order = ", ".join(f"{m} {what} ({w}/{total})" for m, what, w in jobs)
-    lines.append(f"   (at most {FUSED_CAP_S} s; what does not fit is skipped)")
+    lines.append(f"   (at most {FUSED_CAP_S} s; what does not fit is skipped); then torch.compile of the "
+                 f"fused {models[0]}: {' and '.join(COMPILED_BACKENDS)} (convfirstnet bench backends; "
+                 f"at most {COMPILED_CAP_S} s for both, each in a child process)")
     if train:
         lines.append(f"3. a training step of {models[0]}: convfirstnet bench --train {models[0]} "
                      f"--batch-sizes {BATCH} --train-backends {TRAIN_BACKENDS} (at most {TRAIN_CAP_S} s; "
@@ -461,7 +469,8 @@ def comparison_table(rows: Sequence[dict]) -> str:
 # ----------------------------------------------------------------------------------------- records
 def _backends(row: dict) -> list[tuple[str, dict]]:
     """(record backend name, result) of a table row's timed cases."""
-    pairs = (("fused-cudagraph", row.get("fused")), (INDUCTOR[0], row.get("inductor")))
+    pairs = (("fused-cudagraph", row.get("fused")), (INDUCTOR[0], row.get("inductor")),
+             *((b, row.get(b)) for b in COMPILED_BACKENDS))
     return [(b, res) for b, res in pairs if res is not None]
 
 
@@ -514,7 +523,7 @@ def make_record(mode: str, results: list[dict], argv: Sequence[str], dev: dict, 
         tag="gpu-check" if mode == "network" else "gpu-check-blocks",
         git=git_info(), device=dev, software=software_info(),
         settings=dict(models=[f"convfirstnet_{m}" for m in extra["models"]], blocks=None,
-                      backends=["fused-cudagraph", INDUCTOR[0]], batch_sizes=[BATCH],
+                      backends=["fused-cudagraph", INDUCTOR[0], *COMPILED_BACKENDS], batch_sizes=[BATCH],
                       resolution=IMG, dtype=DTYPE, warmup=WARMUP, iters=ITERS, channels_last=True,
                       cudnn_benchmark=True, timer="cuda-events"),
         gpu_check=extra, results=results,
@@ -629,6 +638,17 @@ def run(args, argv, models: list[str], plan: list[str]) -> int:
         del module, train
         torch.cuda.empty_cache()
     carveout = time_l1_fit([r for r in rows if r["path"] == "model"], fused_until, dtype)
+    first = next(r for r in rows if r["model"] == models[0] and r["path"] == "model")
+    print(f"\n[gpu_check] torch.compile of the fused {models[0]} ...", flush=True)
+    for backend in COMPILED_BACKENDS:
+        spec = dict(model=models[0], backend=backend, dtype=DTYPE,
+                    cases=[dict(path="model", shape=first["shape"])])
+        got, why = run_worker(spec, budget.share(COMPILED_CAP_S / len(COMPILED_BACKENDS)))
+        first[backend] = got[0] if got else dict(status="skipped", reason=why or "not reached")
+        print(f"  {models[0]} model, {backend}: {_ms(first[backend])} ms" + (f" ({why})" if why else ""),
+              flush=True)
+        if why:
+            skipped.append(f"{backend} {models[0]}: {why}")
 
     train = None
     if not args.skip_train:

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from convfirstnet.blocks import FusedMBConv
 from convfirstnet.commands import bench as benchmark
 from convfirstnet.commands import results as bench_report
 from convfirstnet.analysis.devices import DEVICES, device_by_key, lookup_device
@@ -136,6 +137,31 @@ def test_cpu_network_run_writes_record(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| model | backend | batch | img/s |" in out and "convfirstnet_pico@32 | fused | 2 |" in out
     assert "skipped: CUDA graphs need a CUDA device" in out
+
+
+def test_cpu_fused_inductor_rows(tmp_path, monkeypatch):
+    """fused-inductor compiles the fused model with each MBConv block's compiled_path as made (auto);
+    fused-inductor-ops sets every block to its op. Inductor's codegen is swapped for aot_eager (the
+    same graphs, run eagerly) to keep the test short."""
+    compile_ = torch.compile
+    models = []
+
+    def compile_aot(model, **kwargs):
+        models.append(model)
+        return compile_(model, backend="aot_eager", dynamic=False)
+
+    monkeypatch.setattr(torch, "compile", compile_aot)
+    argv = ["pico", "--resolution", "32", "--batch-sizes", "2", "--iters", "1", "--warmup", "0",
+            "--backends", "fused-inductor,fused-inductor-ops", "--device", "cpu", "--out-dir", str(tmp_path)]
+    assert benchmark.main(argv) == 0
+    _, rec = _only_record(tmp_path)
+    by = {r["backend"]: r for r in rec["results"]}
+    assert all(r["status"] == "ok" for r in rec["results"]), rec["results"]
+    assert by["fused-inductor"]["compiled_mbconv"] == ["auto"]
+    assert by["fused-inductor-ops"]["compiled_mbconv"] == ["fused"]
+    assert by["fused-inductor"]["kernels"] == "reference" and "compile_s" in by["fused-inductor"]
+    paths = [{m.compiled_path for m in model.modules() if isinstance(m, FusedMBConv)} for model in models]
+    assert paths == [{"auto"}, {"fused"}]
 
 
 def test_cpu_block_mode_and_peak(tmp_path, capsys):

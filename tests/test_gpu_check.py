@@ -165,7 +165,7 @@ def test_run_orchestration_with_fake_timings(gc, tmp_path, monkeypatch, capsys):
     limits = []
 
     def fake_worker(spec, limit):
-        limits.append((spec["model"], len(spec["cases"]), round(limit)))
+        limits.append((spec["model"], len(spec["cases"]), round(limit), spec["backend"]))
         rows = [dict(path=c["path"], status="ok", times_ms=dict(median=2.0), ms_per_batch=2.0)
                 for c in spec["cases"]]
         if spec["model"] == "pico" and rows[0]["path"] != "model":
@@ -186,10 +186,16 @@ def test_run_orchestration_with_fake_timings(gc, tmp_path, monkeypatch, capsys):
     args = argparse.Namespace(budget_min=20.0, skip_tests=False, skip_train=False, out_dir=str(tmp_path))
     assert gc.run(args, [], ["small", "pico"], ["plan"]) == 0
     out = capsys.readouterr().out
-    # in order: small whole (8 of 14 weights of the time left), small blocks, pico whole, pico blocks;
-    # the children here return at once, so what they leave flows on to the next
-    order = [(m, n > 1) for m, n, _ in limits]
+    # first torch.compile of the fused first model (the MBConv rule, then every op), each at most half of
+    # COMPILED_CAP_S; then the baseline in order: small whole (8 of 14 weights of the time left), small
+    # blocks, pico whole, pico blocks; the children here return at once, so what they leave flows on
+    compiled, limits = limits[:2], limits[2:]
+    assert [(m, n, b) for m, n, _, b in compiled] == [
+        ("small", 1, "fused-inductor"), ("small", 1, "fused-inductor-ops")]
+    assert all(0 < t <= gc.COMPILED_CAP_S / 2 for _, _, t, _ in compiled)
+    order = [(m, n > 1) for m, n, _, _ in limits]
     assert order == [("small", False), ("small", True), ("pico", False), ("pico", True)]
+    assert {b for *_, b in limits} == {"inductor"}
     assert 0 < limits[0][2] <= (20 * 60 - gc.RESERVE_S) * 8 / 14 and limits[-1][2] > limits[0][2]
     assert "| small | model | 1 | " in out and "| small | stages.3.1 ... | 17 |" in out
     assert "- inductor pico blocks: 1 of " in out and "- static report pico: no static report" in out
@@ -201,6 +207,10 @@ def test_run_orchestration_with_fake_timings(gc, tmp_path, monkeypatch, capsys):
     blocks = json.loads(next(p for p in records if "blocks" in p.name).read_text())
     small_rows = [r for r in blocks["results"] if r["model"] == "convfirstnet_small"]
     assert all(r["predicted_ms"] for r in small_rows)  # every distinct block of Small has its prediction
+    network = json.loads(next(p for p in records if "blocks" not in p.name).read_text())
+    assert {r["backend"] for r in network["results"] if r["model"] == "convfirstnet_small"} == {
+        "fused-cudagraph", "inductor", "fused-inductor", "fused-inductor-ops"}
+    assert "small model, fused-inductor: 2.000 ms" in out
     assert blocks["gpu_check"]["tests"]["summary"] == "3 passed"
     assert blocks["gpu_check"]["train"]["status"] == "stopped"
     assert blocks["gpu_check"]["train"]["profile"]["kernels_ms"] == 87.0 and "[gpu_check] profile: ok" in out

@@ -506,6 +506,88 @@ def test_compile_fullgraph_cpu():
     assert rel_err(compiled, eager) < 1e-5
 
 
+@pytest.mark.parametrize("path, mbconv_ops", [("auto", 22), ("fused", 22), ("layer-wise", 0)])
+def test_compiled_mbconv_path(monkeypatch, path, mbconv_ops):
+    """Under torch.compile each MBConv block compiles its op or its layers as ``compiled_path`` says
+    (auto: the op on CPU, whatever the map); fullgraph holds either way, the other blocks keep their
+    ops, and the compiled model computes eager's result (eager always runs the op)."""
+    monkeypatch.setenv("CONVFIRSTNET_COMPILED_MBCONV", path)
+    fused = convfirstnet.fuse(trained_like("pico"))
+    blocks = [m for m in fused.modules() if isinstance(m, FusedMBConv)]
+    assert len(blocks) == 22 and {m.compiled_path for m in blocks} == {path}
+    x = torch.randn(2, 3, 64, 80)
+    with torch.no_grad():
+        seen = _block_op_counts(fused, x)
+        assert seen["convfirstnet.mbconv"] == mbconv_ops
+        others = (seen["convfirstnet.convfirst"], seen["convfirstnet.stem"], seen["convfirstnet.head"])
+        assert others == (6, 1, 1)
+        eager = fused(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")(x)
+    # fp32 on CPU: the layers run the reference's own ops, in the same order
+    assert rel_err(compiled, eager) < 1e-6
+
+
+def test_compiled_mbconv_rule():
+    """auto compiles the layers on CUDA maps of at least LAYERWISE_MIN_PIXELS pixels (Small's 32x32
+    and 16x16 MBConv blocks at 256x256), the op on smaller maps and off CUDA; fused and layer-wise
+    always pick their own. Decided on shapes and the device only (fake CUDA tensors here)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from convfirstnet.blocks import LAYERWISE_MIN_PIXELS
+
+    block = convfirstnet.fuse(trained_like("pico")).stages[4][1]
+    assert LAYERWISE_MIN_PIXELS == 256
+    with FakeTensorMode():
+        cases = {(dev, h, w): torch.empty(2, 128, h, w, device=dev)
+                 for dev in ("cuda", "cpu") for h, w in ((32, 32), (16, 16), (8, 32), (15, 16), (8, 8))}
+        got = {key: block.compiles_layers(t) for key, t in cases.items()}
+        assert got == {key: key[0] == "cuda" and key[1] * key[2] >= 256 for key in cases}
+        for path, want in (("fused", False), ("layer-wise", True)):
+            block.compiled_path = path
+            assert {block.compiles_layers(t) for t in cases.values()} == {want}
+
+
+def test_eager_runs_the_mbconv_op(monkeypatch):
+    """Eager calls run the fused op even where compiled_path asks for the layers."""
+    import convfirstnet.blocks as blocks
+
+    monkeypatch.setenv("CONVFIRSTNET_COMPILED_MBCONV", "layer-wise")
+    fused = convfirstnet.fuse(trained_like("pico"))
+
+    def layers(*args):
+        raise AssertionError("the layer-wise form ran outside torch.compile")
+
+    monkeypatch.setattr(blocks, "mbconv_layerwise", layers)
+    with torch.no_grad():
+        assert fused(torch.randn(1, 3, 64, 64)).shape == (1, 1000)
+
+
+def test_compiled_mbconv_layers_check_input(monkeypatch):
+    """The layer-wise path runs the op's checks: a wrong channel count is the op's error, not a conv's."""
+    monkeypatch.setenv("CONVFIRSTNET_COMPILED_MBCONV", "layer-wise")
+    block = convfirstnet.fuse(trained_like("pico")).stages[4][1]
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=r"convfirstnet.mbconv: x has 96 channels, the block expects 128"):
+        torch.compile(block, backend="aot_eager")(torch.randn(2, 96, 8, 8))
+
+
+def test_export_keeps_the_mbconv_op(monkeypatch):
+    """torch.export holds the op whatever compiled_path says (exported programs keep one op per block)."""
+    monkeypatch.setenv("CONVFIRSTNET_COMPILED_MBCONV", "layer-wise")
+    block = convfirstnet.fuse(trained_like("pico")).stages[4][1]
+    x = torch.randn(2, 128, 8, 8).contiguous(memory_format=torch.channels_last)
+    program = torch.export.export(block, (x,))
+    ops = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    assert ops == ["convfirstnet.mbconv.default"]
+
+
+def test_compiled_mbconv_path_from_environment(monkeypatch):
+    monkeypatch.setenv("CONVFIRSTNET_COMPILED_MBCONV", "sometimes")
+    with pytest.raises(ValueError, match="CONVFIRSTNET_COMPILED_MBCONV='sometimes': expected one of auto"):
+        convfirstnet.fuse(trained_like("pico"))
+
+
 def test_compile_backward_through_fused_block(one_thread):
     """A compiled forward + backward (AOTAutograd traces the registered backward) equals eager."""
     block = convfirstnet.fuse(trained_like("pico")).stages[3][0]

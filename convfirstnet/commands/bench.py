@@ -12,6 +12,10 @@ Backends (``--backends``):
   kernels on CUDA; the PyTorch reference on CPU, recorded as ``kernels: reference``).
 * ``fused-cudagraph``: the fused model captured once in a CUDA graph (kernels are compiled and
   warmed up before capture) and replayed: no launch overhead. CUDA only.
+* ``fused-inductor``: ``torch.compile`` (static shapes, default mode) of the fused model, as a user
+  compiles it: the MBConv blocks on CUDA maps of 256 pixels and more compile their layers, the other
+  blocks their ops (``FusedMBConv.compiled_path``, ``CONVFIRSTNET_COMPILED_MBCONV``).
+  ``fused-inductor-ops``: the same with every block's op (``compiled_path = "fused"``).
 * ``eager``: the training form (BatchNorm) in eval mode, channels-last, plain PyTorch.
 * ``inductor``: ``torch.compile`` (static shapes) of the BN-folded, unfused model from
   ``fold_batchnorm`` (for timm models: the model as is), channels-last: the layer-by-layer baseline.
@@ -79,7 +83,8 @@ from convfirstnet.registry import canonical_name
 from ._cli import ArgumentParser, ToolError, run_reporting
 from ._timing import measure_matmul_peak, summarize, throughput, time_iterations
 
-NETWORK_BACKENDS = ("fused", "fused-cudagraph", "eager", "inductor", "inductor-max-autotune")
+NETWORK_BACKENDS = ("fused", "fused-cudagraph", "fused-inductor", "fused-inductor-ops", "eager", "inductor",
+                    "inductor-max-autotune")
 TRAIN_BACKENDS = ("fused", "fused-inductor", "eager", "inductor", "fused-cudagraph", "eager-cudagraph")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 DEFAULT_MODELS = ("convfirstnet_pico", "convfirstnet_nano", "convfirstnet_tiny", "convfirstnet_small")
@@ -353,7 +358,22 @@ def prepare(
     if backend == "eager":
         model = _to(copy.deepcopy(train_model).eval(), device, dtype)
         return (lambda: model(x)), notes
-    if backend in ("inductor", "inductor-max-autotune"):
+    if backend in ("fused-inductor", "fused-inductor-ops"):
+        # torch.compile of the fused form, as a user compiles it: the MBConv blocks compile their layers
+        # where FusedMBConv.compiled_path (auto) says; -ops keeps every block's fused op
+        if not is_convfirstnet:
+            raise Skip("fused kernels exist only for ConvFirstNet models")
+        from convfirstnet.blocks import FusedMBConv
+        from convfirstnet.factory import fuse
+
+        notes["kernels"] = kernels_path(device)
+        base = _to(fuse(train_model), device, dtype, channels_last=False)
+        blocks = [m for m in base.modules() if isinstance(m, FusedMBConv)]
+        if backend == "fused-inductor-ops":
+            for m in blocks:
+                m.compiled_path = "fused"
+        notes["compiled_mbconv"] = sorted({m.compiled_path for m in blocks})
+    elif backend in ("inductor", "inductor-max-autotune"):
         if is_convfirstnet:
             from convfirstnet.folding import fold_batchnorm
 
@@ -363,6 +383,7 @@ def prepare(
             base = copy.deepcopy(train_model).eval()
             notes["baseline"] = "timm model as is (BN not folded)"
         base = _to(base, device, dtype)
+    if backend in ("fused-inductor", "fused-inductor-ops", "inductor", "inductor-max-autotune"):
         mode = "max-autotune" if backend == "inductor-max-autotune" else None
         torch._dynamo.reset()
         compiled = torch.compile(base, mode=mode, dynamic=False)

@@ -18,8 +18,7 @@ if HAS_TRITON:
     from .launcher import check_supported, mbconv_triton
 
 
-@define_op("convfirstnet::mbconv")
-def mbconv(
+def check_mbconv(
     x: torch.Tensor,
     w_exp: torch.Tensor,
     b_exp: torch.Tensor,
@@ -32,8 +31,8 @@ def mbconv(
     w_proj: torch.Tensor,
     b_proj: torch.Tensor,
     stride: int,
-) -> torch.Tensor:
-    """One MBConv + SE block (stride 1 or 2) on folded weights; NHWC out. See reference.py."""
+) -> None:
+    """The op's input checks (also run by the layer-wise form that FusedMBConv compiles instead)."""
     r, c = w_exp.shape
     s, k = w_se1.shape[0], w_proj.shape[0]
     check_activation("mbconv", x, c)
@@ -55,6 +54,27 @@ def mbconv(
         dict(w_exp=w_exp, b_exp=b_exp, w_conv=w_conv, b_conv=b_conv, w_se1=w_se1, b_se1=b_se1,
              w_se2=w_se2, b_se2=b_se2, w_proj=w_proj, b_proj=b_proj),
     )
+
+
+@define_op("convfirstnet::mbconv")
+def mbconv(
+    x: torch.Tensor,
+    w_exp: torch.Tensor,
+    b_exp: torch.Tensor,
+    w_conv: torch.Tensor,
+    b_conv: torch.Tensor,
+    w_se1: torch.Tensor,
+    b_se1: torch.Tensor,
+    w_se2: torch.Tensor,
+    b_se2: torch.Tensor,
+    w_proj: torch.Tensor,
+    b_proj: torch.Tensor,
+    stride: int,
+) -> torch.Tensor:
+    """One MBConv + SE block (stride 1 or 2) on folded weights; NHWC out. See reference.py."""
+    check_mbconv(x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj, stride)
+    r, c = w_exp.shape
+    k = w_proj.shape[0]
     if use_triton(x):
         check_supported(x, c, r, k)
         return mbconv_triton(

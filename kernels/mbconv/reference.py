@@ -52,3 +52,35 @@ def mbconv_reference(
     if stride == 1:
         out = out + xf
     return out.to(x.dtype).contiguous(memory_format=torch.channels_last)
+
+
+def mbconv_layerwise(
+    x: torch.Tensor,
+    w_exp: torch.Tensor,
+    b_exp: torch.Tensor,
+    w_conv: torch.Tensor,
+    b_conv: torch.Tensor,
+    w_se1: torch.Tensor,
+    b_se1: torch.Tensor,
+    w_se2: torch.Tensor,
+    b_se2: torch.Tensor,
+    w_proj: torch.Tensor,
+    b_proj: torch.Tensor,
+    stride: int,
+) -> torch.Tensor:
+    """The same block layer by layer in x's dtype, as the BatchNorm-folded training form computes it
+    (``convfirstnet.folding.fold_batchnorm``: convolutions with the folded bias, timm's SEModule and
+    BlurPool2d): what torch.compile turns into its own kernels where ``FusedMBConv`` compiles the layers
+    instead of the fused op (convfirstnet/blocks.py). fp32 data gives mbconv_reference's result up to the
+    order of its sums; 16-bit data rounds each layer's output to its dtype, as the layer-wise model does."""
+    h = F.silu(_conv1x1(x, w_exp, b_exp))
+    groups = h.shape[1] // GROUP_WIDTH
+    g = F.silu(F.conv2d(h, w_conv.to(x.dtype), b_conv.to(x.dtype), padding=1, groups=groups))
+    if stride == 2:
+        g = blurpool_reference(g)
+    squeeze = g.mean(dim=(2, 3), keepdim=True)
+    gate = torch.sigmoid(_conv1x1(F.relu(_conv1x1(squeeze, w_se1, b_se1)), w_se2, b_se2))
+    out = _conv1x1(g * gate, w_proj, b_proj)
+    if stride == 1:
+        out = out + x
+    return out.contiguous(memory_format=torch.channels_last)

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from convfirstnet.kernels._blurpool import blurpool_reference
-from convfirstnet.kernels.mbconv.reference import mbconv_reference
+from convfirstnet.kernels.mbconv.reference import mbconv_layerwise, mbconv_reference
 
 from ..conftest import FULL_MATRIX, cuda
 from ._convfirst_util import nan_banded
@@ -145,6 +145,28 @@ def test_matches_reference_sm80_tiling(interpreter_backend, monkeypatch, n, c, h
     assert (geo.resident, geo.hidden_warps, geo.rb, geo.em, geo.ib) == (False, 8, rb, em, images)
     x, weights = make_block(n, c, hw, hw, stride, dtype=torch.float16, seed=7)
     check(x, weights, stride)
+
+
+# (N, C, K, H, W, stride): Small's widths (R = 1024, S = 64), stride 2 on an odd map (reflect padding
+# at every side), and Pico's stride-2 block C = 48 -> K = 128.
+LAYERWISE_SHAPES = [(2, 256, 256, 16, 16, 1), (2, 256, 256, 9, 7, 2), (2, 48, 128, 12, 12, 2)]
+
+
+@pytest.mark.parametrize("n, c, k, h, w, stride", LAYERWISE_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_layerwise_form_matches_reference(n, c, k, h, w, stride, dtype):
+    """mbconv_layerwise (what FusedMBConv compiles where the fused kernels are slower) against the
+    fp32 specification, within the kernel's tolerances (TOL). fp32: the same layers, so at most
+    summation order. fp16: each layer's output rounded to fp16, as the kernel rounds h, g, the gate and
+    the gated g (TOL's note), plus the pool and the projection; measured max 5.8e-4 at |out| <= 4.5.
+    A dropped SE bias is off by 0.1."""
+    x, weights = make_block(n, c, h, w, stride, k=k, dtype=dtype)
+    out = mbconv_layerwise(x, *weights, stride)
+    ref = reference(x, weights, stride)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
 
 
 def test_gates_vary():
@@ -842,6 +864,35 @@ def test_torch_compile_fullgraph_on_gpu(triton_backend, stride):
     torch._dynamo.reset()
     compiled = torch.compile(block, fullgraph=True)
     assert torch.equal(compiled(x), block(x))
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("hw, layers", [(16, True), (8, False)])
+def test_compiled_fused_block_on_gpu(triton_backend, hw, layers):
+    """torch.compile of a FusedMBConv on CUDA: at 16x16 (256 pixels) its layers (no mbconv op in the
+    graph), at 8x8 the op; both within the kernel's fp16 tolerance of the fp32 specification."""
+    from collections import Counter
+
+    from convfirstnet.blocks import FusedMBConv
+
+    x, weights = make_block(16, 128, hw, hw, 1, dtype=torch.float16, device="cuda")
+    block = FusedMBConv(*weights, stride=1).cuda()
+    assert block.compiled_path == "auto" and block.compiles_layers(x) == layers
+    seen = Counter()
+
+    def capture(gm, example_inputs):
+        seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(block, backend=capture, fullgraph=True)(x)
+        assert (seen["convfirstnet.mbconv"] == 0) == layers
+        torch._dynamo.reset()
+        out = torch.compile(block, fullgraph=True)(x)
+    atol, rtol = TOL[torch.float16]
+    torch.testing.assert_close(out.float(), reference(x, weights, 1), atol=atol, rtol=rtol)
 
 
 def test_interpreter_is_on_without_cuda():
