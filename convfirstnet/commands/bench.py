@@ -328,6 +328,15 @@ def _to(model: nn.Module, device: torch.device, dtype: torch.dtype, channels_las
     return model.to(memory_format=torch.channels_last) if channels_last else model
 
 
+def _fused(train_model: nn.Module, device: torch.device, dtype: torch.dtype, notes: dict) -> nn.Module:
+    """The fused form of ``train_model`` on ``device`` in ``dtype``; ``notes["kernels"]``: what its ops run."""
+    from convfirstnet.factory import fuse
+
+    notes["kernels"] = kernels_path(device)
+    # Fused weights keep their own layout (the ops take NCHW-shaped weights); only x is NHWC.
+    return _to(fuse(train_model), device, dtype, channels_last=False)  # fuse() works on a copy
+
+
 def prepare(
     backend: str, train_model: nn.Module, is_convfirstnet: bool, x: torch.Tensor
 ) -> tuple[Callable[[], object], dict]:
@@ -343,11 +352,7 @@ def prepare(
             raise Skip("fused kernels exist only for ConvFirstNet models")
         if backend == "fused-cudagraph" and device.type != "cuda":
             raise Skip("CUDA graphs need a CUDA device")
-        from convfirstnet.factory import fuse
-
-        notes["kernels"] = kernels_path(device)
-        # Fused weights keep their own layout (the ops take NCHW-shaped weights); only x is NHWC.
-        model = _to(fuse(train_model), device, dtype, channels_last=False)  # fuse() works on a copy
+        model = _fused(train_model, device, dtype, notes)
         if backend == "fused":
             return (lambda: model(x)), notes
         t0 = time.perf_counter()
@@ -364,10 +369,8 @@ def prepare(
         if not is_convfirstnet:
             raise Skip("fused kernels exist only for ConvFirstNet models")
         from convfirstnet.blocks import FusedMBConv
-        from convfirstnet.factory import fuse
 
-        notes["kernels"] = kernels_path(device)
-        base = _to(fuse(train_model), device, dtype, channels_last=False)
+        base = _fused(train_model, device, dtype, notes)
         blocks = [m for m in base.modules() if isinstance(m, FusedMBConv)]
         if backend == "fused-inductor-ops":
             for m in blocks:

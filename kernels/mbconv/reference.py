@@ -40,17 +40,10 @@ def mbconv_reference(
     b_proj: torch.Tensor,
     stride: int,
 ) -> torch.Tensor:
+    # the layers in fp32 (fp64 for fp64 input): the same ops in the same order as mbconv_layerwise
     dt = torch.promote_types(x.dtype, torch.float32)
-    xf = x.to(dt)
-    h = F.silu(_conv1x1(xf, w_exp, b_exp))
-    g = F.silu(F.conv2d(h, w_conv.to(dt), b_conv.to(dt), padding=1, groups=h.shape[1] // GROUP_WIDTH))
-    if stride == 2:
-        g = blurpool_reference(g)
-    squeeze = g.mean(dim=(2, 3), keepdim=True)
-    gate = torch.sigmoid(_conv1x1(F.relu(_conv1x1(squeeze, w_se1, b_se1)), w_se2, b_se2))
-    out = _conv1x1(g * gate, w_proj, b_proj)
-    if stride == 1:
-        out = out + xf
+    out = mbconv_layerwise(x.to(dt), w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj,
+                           stride)
     return out.to(x.dtype).contiguous(memory_format=torch.channels_last)
 
 
@@ -71,8 +64,8 @@ def mbconv_layerwise(
     """The same block layer by layer in x's dtype, as the BatchNorm-folded training form computes it
     (``convfirstnet.folding.fold_batchnorm``: convolutions with the folded bias, timm's SEModule and
     BlurPool2d): what torch.compile turns into its own kernels where ``FusedMBConv`` compiles the layers
-    instead of the fused op (convfirstnet/blocks.py). fp32 data gives mbconv_reference's result up to the
-    order of its sums; 16-bit data rounds each layer's output to its dtype, as the layer-wise model does."""
+    instead of the fused op (convfirstnet/blocks.py). mbconv_reference runs it in fp32; 16-bit data here
+    rounds each layer's output to its dtype, as the layer-wise model does."""
     h = F.silu(_conv1x1(x, w_exp, b_exp))
     groups = h.shape[1] // GROUP_WIDTH
     g = F.silu(F.conv2d(h, w_conv.to(x.dtype), b_conv.to(x.dtype), padding=1, groups=groups))
