@@ -329,7 +329,7 @@ def _to(model: nn.Module, device: torch.device, dtype: torch.dtype, channels_las
 
 
 def _fused(train_model: nn.Module, device: torch.device, dtype: torch.dtype, notes: dict) -> nn.Module:
-    """The fused form of ``train_model`` on ``device`` in ``dtype``; ``notes["kernels"]``: what its ops run."""
+    """The fused form of ``train_model`` on ``device`` in ``dtype``; notes["kernels"]: what its ops run."""
     from convfirstnet.factory import fuse
 
     notes["kernels"] = kernels_path(device)
