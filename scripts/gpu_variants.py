@@ -39,6 +39,10 @@ VARIANTS = {  # name -> overrides of kernels/mbconv/launcher.py's constants
     # every kernel's L1 / shared split set to the smallest carve-out that holds its programs (Triton's
     # loader leaves 28 KB of L1 to any kernel over 48 KB of shared memory: kernels/_carveout.py)
     "L1 carveout fit": {"_carveout.POLICY": "fit"},
+    # the conv's tap pairs loaded in the order whose copies to shared memory are free of bank conflicts
+    # with this Triton (launcher.TAP_ORDER; 1 on Triton 3.6, 2 on 3.8: each also compiles elsewhere)
+    "taps 1": {"TAP_ORDER": 1},
+    "taps 2": {"TAP_ORDER": 2},
 }
 
 
@@ -94,10 +98,10 @@ def predict(seq, shape) -> dict:
 
 def measure(seq, shape) -> dict:
     import torch
+    from convfirstnet.kernels._launch import selected_backend
 
     from convfirstnet.commands.bench import _to, run_case
     from convfirstnet.factory import fuse
-    from convfirstnet.kernels._launch import selected_backend
 
     torch.manual_seed(0)
     x = torch.randn(*shape, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)

@@ -98,16 +98,22 @@ def store_wavefronts(shape, elem_bytes: int, spt, tpw, reg_order, vec: int, per_
     vbytes = max(1, n * elem_bytes)
     addrs = [shared_offset(lane_coords(lane, spt, tpw, reg_order), shape, vec, per_phase, max_phase, sh_order)
              * elem_bytes for lane in range(lanes)]
+    ideal = max(1, math.ceil(lanes * vbytes / 128))
+    return warp_wavefronts(addrs, vbytes), ideal, vbytes
+
+
+def warp_wavefronts(addrs, vbytes: int) -> int:
+    """Wavefronts of one warp access of ``vbytes`` per lane at byte addresses ``addrs`` (module
+    docstring: phases of as many lanes as fill 128 bytes, each as long as its most-used bank)."""
     per_phase_lanes = max(1, 128 // vbytes)
     wavefronts = 0
-    for p0 in range(0, lanes, per_phase_lanes):
+    for p0 in range(0, len(addrs), per_phase_lanes):
         banks: dict[int, set[int]] = {}
         for a in addrs[p0:p0 + per_phase_lanes]:
             for w in range(a // 4, (a + vbytes - 1) // 4 + 1):
                 banks.setdefault(w % 32, set()).add(w)
-        wavefronts += max(len(words) for words in banks.values())
-    ideal = max(1, math.ceil(lanes * vbytes / 128))
-    return wavefronts, ideal, vbytes
+        wavefronts += max((len(words) for words in banks.values()), default=0)
+    return wavefronts
 
 
 def shared_stores(ttgir: str) -> list[SharedStore]:
@@ -127,4 +133,79 @@ def shared_stores(ttgir: str) -> list[SharedStore]:
         eb = _BITS.get(m.group(2), 8) // 8
         wf, ideal, vb = store_wavefronts(shape, eb, spt, tpw, reg_order, vec, per_phase, max_phase, sh_order)
         out.append(SharedStore(shape, eb, reg, sh, vb, wf, ideal))
+    return out
+
+
+# ------------------------------------------------------------------ every shared access, from the PTX
+# Copies that Triton lowers after the TTGIR (``convert_layout`` through shared memory) have no layout
+# there to read; their addresses are in the PTX. Warp 0's integer arithmetic is run per lane (%tid.x =
+# lane; parameters, loaded values and block indices 0; straight through, branches not taken: the
+# addresses of a layout copy depend on the lane and on constants), and each shared access (st/ld.shared,
+# ldmatrix/stmatrix: 8 lanes' 16-byte rows per 8x8 matrix) gets its wavefronts and the conflict-free count.
+_INT_OPS = {
+    "mov": lambda v: v[0], "cvt": lambda v: v[0], "add": lambda v: v[0] + v[1], "sub": lambda v: v[0] - v[1],
+    "mul": lambda v: v[0] * v[1], "mad": lambda v: v[0] * v[1] + v[2], "and": lambda v: v[0] & v[1],
+    "or": lambda v: v[0] | v[1], "xor": lambda v: v[0] ^ v[1], "shl": lambda v: v[0] << v[1],
+    "shr": lambda v: v[0] >> v[1], "bfe": lambda v: (v[0] >> v[1]) & ((1 << v[2]) - 1),
+    "min": lambda v: min(v[0], v[1]), "max": lambda v: max(v[0], v[1]),
+}
+_ADDR = re.compile(r"\[\s*(%\w+)\s*(?:\+\s*(-?\d+))?\s*\]")
+_SHARED_OP = re.compile(r"^(?:(ldmatrix|stmatrix)\S*\.x(\d)|(?:st|ld)\.shared\S*?(?:\.v(\d))?\.[bfsu](\d+))")
+
+
+@dataclass(frozen=True)
+class SharedAccess:
+    """One shared-memory instruction of a PTX listing, as warp 0 runs it."""
+
+    line: int
+    opcode: str
+    wavefronts: int
+    ideal: int
+
+
+def _operand(text: str, regs: dict, lane: int) -> int:
+    if text == "%tid.x":
+        return lane
+    if text.startswith("%"):
+        return regs.get(text, 0)
+    try:
+        return int(text, 0)
+    except ValueError:
+        return 0  # a symbol (the shared base: 0), a float constant
+
+
+def ptx_shared_accesses(ptx: str) -> list[SharedAccess]:
+    """Every shared-memory access of ``ptx`` with warp 0's wavefronts (section comment above)."""
+    lanes = [dict() for _ in range(32)]
+    out = []
+    for n, raw in enumerate(ptx.splitlines()):
+        text = raw.strip().rstrip(";")
+        if text.startswith("@"):
+            text = text.split(None, 1)[-1]
+        op, _, rest = text.partition(" ")
+        args = [a.strip() for a in rest.split(",")]
+        m = _SHARED_OP.match(op)
+        if m and "shared" in op:
+            a = _ADDR.search(rest)
+            if not a:
+                continue
+            addrs = [(regs.get(a.group(1), 0) + int(a.group(2) or 0)) & 0xFFFFFFFF for regs in lanes]
+            if m.group(1):  # ldmatrix / stmatrix: matrix i's rows from lanes 8i ... 8i + 7
+                count = int(m.group(2))
+                wf = sum(warp_wavefronts(addrs[8 * i:8 * i + 8], 16) for i in range(count))
+                out.append(SharedAccess(n, op, wf, count))
+            else:
+                vbytes = int(m.group(3) or 1) * int(m.group(4)) // 8
+                out.append(SharedAccess(n, op, warp_wavefronts(addrs, vbytes), max(1, 32 * vbytes // 128)))
+            continue
+        fn = _INT_OPS.get(op.split(".")[0])
+        if fn is None or not args or not args[0].startswith("%"):
+            continue
+        bits = 16 if re.search(r"\.[bsu]16\b", op) else 64 if re.search(r"\.[bsu]64\b|\.wide\.", op) else 32
+        for lane, regs in enumerate(lanes):
+            try:
+                v = fn([_operand(x, regs, lane) for x in args[1:]])
+            except (IndexError, ValueError):
+                v = 0
+            regs[args[0]] = v & ((1 << bits) - 1)
     return out

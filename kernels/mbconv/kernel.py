@@ -124,15 +124,34 @@ def _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, J: tl.constexpr, 
 
 
 @triton.jit
-def _conv_pair_h(hs, q, PW, J: tl.constexpr, G: tl.constexpr, CS: tl.constexpr):
+def _conv_pair_h(hs, q, PW, J: tl.constexpr, G: tl.constexpr, CS: tl.constexpr, TAPS: tl.constexpr):
     """Taps 2J and 2J + 1 (the tenth tap re-reads tap 8; its weights are zero) as the [G CS, BM / CS, 16]
     operand: batch entry b is group b // CS at the padded positions q[b] (its pixel sub-tile), k < 8
-    input channels of tap 2J, k >= 8 of tap 2J + 1. Scratch layout [padded row][group][padded column][8]."""
-    g = (tl.arange(0, G * CS) // CS)[:, None, None]
-    k = tl.arange(0, 16)[None, None, :]
+    input channels of tap 2J, k >= 8 of tap 2J + 1. Scratch layout [padded row][group][padded column][8].
+
+    TAPS: the index order of the load, which decides the register layout Triton gives the tile and so
+    the bank conflicts of its copy to shared memory for the batched mma.sync (the launcher picks per
+    Triton version; ``tests/kernels/test_mbconv.py`` checks the compiled copy). 0: [G CS, BM / CS, 16]
+    as is (Triton 3.6 and 3.8: 4x the conflict-free store wavefronts, and on 3.8 8x on the ldmatrix
+    loads); 1: loaded as [BM / CS, G CS, 16] and permuted (conflict-free on 3.6; 3.8 adds 6 barriers
+    per pair); 2: loaded as [G CS x BM / CS, 16] rows and reshaped (conflict-free on 3.8; 3.6 drops to
+    2-byte loads)."""
+    GS: tl.constexpr = G * CS
+    k = tl.arange(0, 16)
     tap = tl.minimum(2 * J + k // 8, 8)
-    off = (tap // 3 - 1) * (G * PW * 8) + (tap % 3 - 1) * 8
-    return tl.load(hs + g * (PW * 8) + q[:, :, None] + off + k % 8)
+    off = (tap // 3 - 1) * (G * PW * 8) + (tap % 3 - 1) * 8 + k % 8  # [16]
+    if TAPS == 1:
+        gq = (tl.arange(0, GS) // CS)[:, None] * (PW * 8) + q  # [GS, MS]
+        t = tl.load(hs + tl.trans(gq)[:, :, None] + off[None, None, :])
+        return tl.permute(t, (1, 0, 2))
+    elif TAPS == 2:
+        MS: tl.constexpr = q.shape[1]
+        gq = (tl.arange(0, GS) // CS)[:, None] * (PW * 8) + q
+        t = tl.load(hs + tl.reshape(gq, (GS * MS,))[:, None] + off[None, :])
+        return tl.reshape(t, (GS, MS, 16))
+    else:
+        g = (tl.arange(0, GS) // CS)[:, None, None]
+        return tl.load(hs + g * (PW * 8) + q[:, :, None] + off[None, None, :])
 
 
 @triton.jit
@@ -195,7 +214,7 @@ def _mbconv_hidden_kernel(
     EXACT: tl.constexpr, RESIDENT: tl.constexpr, XM: tl.constexpr, HWP: tl.constexpr,
     ZB: tl.constexpr, SILU: tl.constexpr, PREC: tl.constexpr, CS: tl.constexpr, SEB: tl.constexpr,
     NS: tl.constexpr, GATE: tl.constexpr, GB: tl.constexpr, NCP: tl.constexpr,
-    MOMENTS: tl.constexpr, ONE: tl.constexpr, AHEAD: tl.constexpr,
+    MOMENTS: tl.constexpr, ONE: tl.constexpr, AHEAD: tl.constexpr, TAPS: tl.constexpr,
 ):
     G: tl.constexpr = RB // 8
     GS: tl.constexpr = G * CS  # conv batch: each group's pixel tile split in CS sub-tiles
@@ -336,22 +355,22 @@ def _mbconv_hidden_kernel(
                     y, xx_, yc, xc, ok = _tile(t, ncol, H, W, m, TW, TH, EXACT)
                     qp = (yc + 1) * ROWE + (xc + 1) * 8
                     if AHEAD:  # each tap pair loaded one dot ahead of its use (the launcher's choice)
-                        a0 = _conv_pair_h(hi, qp, PW, 0, G, CS)
-                        a1 = _conv_pair_h(hi, qp, PW, 1, G, CS)
+                        a0 = _conv_pair_h(hi, qp, PW, 0, G, CS, TAPS)
+                        a1 = _conv_pair_h(hi, qp, PW, 1, G, CS, TAPS)
                         acc = tl.dot(a0, w0, input_precision=PREC)
-                        a2 = _conv_pair_h(hi, qp, PW, 2, G, CS)
+                        a2 = _conv_pair_h(hi, qp, PW, 2, G, CS, TAPS)
                         acc = tl.dot(a1, w1, acc, input_precision=PREC)
-                        a3 = _conv_pair_h(hi, qp, PW, 3, G, CS)
+                        a3 = _conv_pair_h(hi, qp, PW, 3, G, CS, TAPS)
                         acc = tl.dot(a2, w2, acc, input_precision=PREC)
-                        a4 = _conv_pair_h(hi, qp, PW, 4, G, CS)
+                        a4 = _conv_pair_h(hi, qp, PW, 4, G, CS, TAPS)
                         acc = tl.dot(a3, w3, acc, input_precision=PREC)
                         acc = tl.dot(a4, w4, acc, input_precision=PREC)
                     else:
-                        acc = tl.dot(_conv_pair_h(hi, qp, PW, 0, G, CS), w0, input_precision=PREC)
-                        acc = tl.dot(_conv_pair_h(hi, qp, PW, 1, G, CS), w1, acc, input_precision=PREC)
-                        acc = tl.dot(_conv_pair_h(hi, qp, PW, 2, G, CS), w2, acc, input_precision=PREC)
-                        acc = tl.dot(_conv_pair_h(hi, qp, PW, 3, G, CS), w3, acc, input_precision=PREC)
-                        acc = tl.dot(_conv_pair_h(hi, qp, PW, 4, G, CS), w4, acc, input_precision=PREC)
+                        acc = tl.dot(_conv_pair_h(hi, qp, PW, 0, G, CS, TAPS), w0, input_precision=PREC)
+                        acc = tl.dot(_conv_pair_h(hi, qp, PW, 1, G, CS, TAPS), w1, acc, input_precision=PREC)
+                        acc = tl.dot(_conv_pair_h(hi, qp, PW, 2, G, CS, TAPS), w2, acc, input_precision=PREC)
+                        acc = tl.dot(_conv_pair_h(hi, qp, PW, 3, G, CS, TAPS), w3, acc, input_precision=PREC)
+                        acc = tl.dot(_conv_pair_h(hi, qp, PW, 4, G, CS, TAPS), w4, acc, input_precision=PREC)
                     v = _silu(acc, hb_c, SILU)
                     if MOMENTS:  # u = the conv output minus a shift (b_conv = the shift): sums of u and u^2
                         u = acc - 2.0 * hb_c

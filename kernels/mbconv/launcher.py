@@ -117,6 +117,26 @@ SLOT_L1_PAIR = 56 * 1024
 HIDDEN_WARPS = 8
 HIDDEN_WARPS_TILED = 16
 PAIRS_AHEAD = True  # the conv's tap pairs loaded one dot ahead (MBConvGeometry.pairs_ahead)
+# The order in which the conv loads each tap pair (kernel.py ``_conv_pair_h``'s TAPS), which decides
+# the bank conflicts of the pair's copy to shared memory for the batched mma.sync. Nsight Compute on an
+# H200 (benchmarks/results/ncu/20261126T150000Z_*, Triton 3.6): in the 16x16 hidden kernel the L1 data
+# pipe ran at 66 % of its peak and 17.4 M of its 24.6 M shared store wavefronts were conflicts. Compiled
+# for sm_90 (warp 0's PTX addresses, convfirstnet.analysis.shared.ptx_shared_accesses): the shipped
+# order 0 stores the pairs at 4x the conflict-free wavefronts on Triton 3.6 and 3.8 (and on 3.8 reads
+# them back with ldmatrix at 8x); ``conflict_free_tap_order()`` is conflict-free on both, with 2-45 more
+# registers (no spills) and 4 more bar.sync. The static model, which has no term for the L1 data pipe,
+# predicts it slower (stages.3.1 0.250-0.354 -> 0.271-0.392 ms on 3.8), so it stays a variant until a
+# GPU times it (scripts/gpu_variants.py "taps 1" on Triton 3.6, "taps 2" on 3.8).
+TAP_ORDER = 0
+
+
+def conflict_free_tap_order() -> int:
+    """The TAPS whose pair copies compile conflict-free with the installed Triton (1 before 3.7, else 2;
+    tests/kernels/test_mbconv.py checks both it and the shipped order's conflicts)."""
+    import triton
+
+    major, minor = (int(v) for v in triton.__version__.split(".")[:2])
+    return 1 if (major, minor) < (3, 7) else 2
 HIDDEN_WARPS_SM80 = 8  # RESIDENT programs below sm_90 (C <= 128 there: the x tile fits)
 # Tiled 16-bit programs below sm_90: 8 warps (with 4-warp programs, one per SM, the hidden kernel of a
 # 16x16 stride-1 block was predicted at 221 us on an A100, latency 207 + waits 13; at 8 warps 118,
@@ -345,7 +365,7 @@ class MBConvGeometry:
                     RESIDENT=self.resident, XM=XM if self.resident else 16,
                     HWP=self.hwp if self.resident else 1,
                     ZB=ZERO_BLOCK, SILU=silu, PREC=prec, CS=self.conv_split, NS=self.mean_rows,
-                    ONE=self.one_item, AHEAD=self.pairs_ahead,
+                    ONE=self.one_item, AHEAD=self.pairs_ahead, TAPS=TAP_ORDER,
                     SEB=self.sp if self.maxnreg else min(self.sp, 4 * self.hidden_warps),  # sm_80: one step
                     # every constexpr passed, none left to a default: torch.compile's wrapper of a user
                     # kernel drops defaulted arguments from the launch it generates
