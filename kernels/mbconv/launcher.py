@@ -134,9 +134,9 @@ def conflict_free_tap_order() -> int:
     """The TAPS whose pair copies compile conflict-free with the installed Triton (1 before 3.7, else 2;
     tests/kernels/test_mbconv.py checks both it and the shipped order's conflicts)."""
     import triton
+    from torch.torch_version import TorchVersion
 
-    major, minor = (int(v) for v in triton.__version__.split(".")[:2])
-    return 1 if (major, minor) < (3, 7) else 2
+    return 1 if TorchVersion(triton.__version__) < (3, 7) else 2
 HIDDEN_WARPS_SM80 = 8  # RESIDENT programs below sm_90 (C <= 128 there: the x tile fits)
 # Tiled 16-bit programs below sm_90: 8 warps (with 4-warp programs, one per SM, the hidden kernel of a
 # 16x16 stride-1 block was predicted at 221 us on an A100, latency 207 + waits 13; at 8 warps 118,
