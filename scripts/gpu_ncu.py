@@ -28,6 +28,7 @@ import csv
 import gzip
 import io
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -37,6 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH, IMG, DTYPE = 128, 256, "float16"
+LSU_WAVEFRONTS = "SM_A.TriageCompute.l1tex__data_pipe_lsu_wavefronts.avg"  # per SM (one L1 each)
 # metrics kept per launch in the summary (the CSV keeps them all); warp stalls by prefix
 KEEP = (
     "gpu__time_duration.sum", "sm__cycles_elapsed.avg.per_second", "sm__cycles_elapsed.max",
@@ -46,6 +48,9 @@ KEEP = (
     "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",
     "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
     "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum",
+    # the L1/shared data pipe, all its wavefronts (per SM) and how busy it was: the report's "lsu" term
+    LSU_WAVEFRONTS,
+    "l1tex__data_pipe_lsu_wavefronts.avg.pct_of_peak_sustained_elapsed",
     "sm__warps_active.avg.pct_of_peak_sustained_active",
     "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
     "sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active",
@@ -202,6 +207,8 @@ def measured_row(launch: dict, units: dict) -> dict:
                        + _metric(launch, "lts__t_sectors_srcunit_tex_op_write.sum")),
         l1_hit_pct=_metric(launch, "l1tex__t_sector_hit_rate.pct"),
         shared_wavefronts_m=_metric(launch, "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum") / 1e6,
+        lsu_wavefronts_k_per_sm=_metric(launch, LSU_WAVEFRONTS) / 1e3,
+        lsu_pct=_metric(launch, "l1tex__data_pipe_lsu_wavefronts.avg.pct_of_peak_sustained_elapsed"),
         shared_conflict_pct=100 * _metric(launch, "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum")
         / max(_metric(launch, "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum"), 1.0),
         issue_pct=_metric(launch, "smsp__issue_active.avg.pct_of_peak_sustained_active"),
@@ -223,7 +230,8 @@ def compare(summary: dict, report: dict) -> list[dict]:
         g = groups.setdefault((pred["variant"], tuple(pred["grid"])), dict(
             kernel=short, blocks=[], predicted_us=pred["predicted_us"], bound=pred["bound"],
             dram_mb_predicted=pred["dram_bytes"] / 1e6, l2_mb_predicted=pred["l2_bytes"]["high"] / 1e6,
-            l1_fits=pred.get("l1_fits"), shared_wavefronts_m_predicted=_shared_predicted(pred), rows=[]))
+            l1_fits=pred.get("l1_fits"), shared_wavefronts_m_predicted=_shared_predicted(pred),
+            lsu_wavefronts_k_per_sm_predicted=_lsu_predicted(pred, report["target"]["sms"]), rows=[]))
         g["blocks"].append(pred["block"])
         g["rows"].append(measured_row(ln, summary["units"]))
     out = []
@@ -235,7 +243,11 @@ def compare(summary: dict, report: dict) -> list[dict]:
 
 
 def _opt(x) -> str:
-    return "-" if x is None else f"{x:.1f}"
+    return "-" if x is None or x != x else f"{x:.1f}"
+
+
+def _opt0(x) -> str:
+    return "-" if x is None or x != x else f"{x:.0f}"
 
 
 def _shared_predicted(pred: dict) -> float | None:
@@ -246,19 +258,29 @@ def _shared_predicted(pred: dict) -> float | None:
     return (t["shared_wavefronts"] + t["shared_conflict_wavefronts"]) * pred["programs"] / 1e6
 
 
+def _lsu_predicted(pred: dict, sms: int) -> float | None:
+    """The report's L1/shared data-pipe wavefronts per SM of a launch (the busiest SM's), thousands."""
+    t = pred.get("traffic_per_program") or {}
+    if "lsu_wavefronts" not in t:
+        return None  # a report from before they were counted
+    return t["lsu_wavefronts"] * math.ceil(pred["programs"] / sms) / 1e3
+
+
 def compare_markdown(rows: list[dict], device: str) -> str:
     lines = [
         f"Measured with Nsight Compute on {device} (clocks as the driver ran them; one forward pass, each "
         "launch replayed per counter pass) against the static report's per-launch estimate (sm_90, same "
         "shapes). L2 MB: bytes between the SMs and L2 (sectors from the L1/TEX unit, read + write); shared "
         "wavefronts: the L1/shared data pipe's shared-memory wavefronts, predicted from the weighted SASS "
-        "with the store conflicts of the variant's largest register -> shared copy; stalls: warps stalled "
-        "per issued instruction, the three largest (`selected` left out).",
+        "with the store conflicts of the variant's largest register -> shared copy of each width and the "
+        "ldmatrix conflicts of its PTX; L1 pipe: all wavefronts of the L1/shared data pipe per SM (shared, "
+        "global, local; one per cycle at peak), measured (% of the peak over the launch) / predicted for the "
+        "busiest SM; stalls: warps stalled per issued instruction, the three largest (`selected` left out).",
         "",
         "| kernel | blocks | n | predicted us (bound) | measured us | GHz | DRAM MB meas / pred "
         "| L2 MB meas / pred | L1 hit % | shared wavefronts M meas / pred | shared bank conflicts % "
-        "| issue active % | warps active % | top stalls per issue |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| L1 pipe K/SM meas (busy %) / pred | issue active % | warps active % | top stalls per issue |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         m, p = r["measured"], r["predicted_us"]
@@ -269,7 +291,10 @@ def compare_markdown(rows: list[dict], device: str) -> str:
             f"| {m['us']:.1f} | {m['clock_ghz']:.2f} | {m['dram_mb']:.0f} / {r['dram_mb_predicted']:.0f} "
             f"| {m['l2_mb']:.0f} / {r['l2_mb_predicted']:.0f} | {m['l1_hit_pct']:.0f} "
             f"| {m['shared_wavefronts_m']:.1f} / {_opt(r['shared_wavefronts_m_predicted'])} "
-            f"| {m['shared_conflict_pct']:.0f} | {m['issue_pct']:.0f} | {m['warps_pct']:.0f} | {stalls} |")
+            f"| {m['shared_conflict_pct']:.0f} "
+            f"| {_opt(m['lsu_wavefronts_k_per_sm'])} ({_opt0(m['lsu_pct'])}) / "
+            f"{_opt(r['lsu_wavefronts_k_per_sm_predicted'])} "
+            f"| {m['issue_pct']:.0f} | {m['warps_pct']:.0f} | {stalls} |")
     return "\n".join(lines) + "\n"
 
 

@@ -152,6 +152,10 @@ def test_latency_floor_and_traffic_by_hand():
     # scheduler at each end's clock
     assert plain.rounds == 1
     assert plain.terms["latency"]["high"] == pytest.approx(2 * f.stall_cycles / 1.755e9)
+    # the L1/shared data pipe: 2 programs on the busiest SM, 3 trips x 4 warps x (LDG 1 + STG 4, and the
+    # cp.async's 4 as it writes shared memory, counted once)
+    assert t.global_wavefronts == 3 * 4 * 5 and t.shared_wavefronts == 3 * 4 * 4
+    assert plain.terms["lsu"]["high"] == pytest.approx(2 * 3 * 4 * 9 / 1.755e9)
 
 
 def test_wgmma_group_wait_by_hand():

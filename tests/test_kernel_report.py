@@ -531,6 +531,7 @@ def test_end_to_end_stack(stack_report, tmp_path):
                 tm["tensor"][end],
                 tm["dram"][end],
                 tm["l2"][end],
+                tm["lsu"][end],
                 tm["issue"][end],
                 tm["latency"][end] + tm["waits"][end],
             )
@@ -568,12 +569,17 @@ def test_end_to_end_stack(stack_report, tmp_path):
             assert e["warps_per_scheduler"] == pytest.approx(sharing)
             assert tu["latency"][end] == pytest.approx(1e6 * rounds * sharing * lat["stall_cycles"] / clock)
             assert tu["waits"][end] == pytest.approx(1e6 * rounds * sharing * lat["wait_cycles"][end] / clock)
+            # the L1/shared data pipe: the busiest SM's programs' wavefronts at one per cycle
+            lsu = tr["shared_wavefronts"] + tr["shared_conflict_wavefronts"] + tr["global_wavefronts"]
+            assert tr["lsu_wavefronts"] == pytest.approx(lsu) and tr["global_wavefronts"] > 0
+            assert tu["lsu"][end] == pytest.approx(1e6 * math.ceil(e["programs"] / t["sms"]) * lsu / clock)
             assert e["predicted_us"][end] == pytest.approx(
                 max(
                     tu["issue"][end],
                     tu["tensor"][end],
                     tu["dram"][end],
                     tu["l2"][end],
+                    tu["lsu"][end],
                     tu["latency"][end] + tu["waits"][end],
                 )
                 + 1e6 * GRAPH[end]

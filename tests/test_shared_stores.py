@@ -69,7 +69,43 @@ def test_shared_wavefronts_per_instruction_and_store_conflicts():
     assert t.shared_wavefronts == (10 * 4 + 10 * 4 + 2 * 4) * 8  # the cp.async writes its 512 B too
     assert t.shared_conflict_wavefronts == 10 * 4 * 8 * 3  # only the STS, three extra per ideal one
     assert t.load_bypass == 2 * 16 * 32 * 8 and t.load_l1 == 5 * 16 * 32 * 8
-    # the factor of the largest copy (the tap pairs), not of the worst one (the weights, once per chunk)
-    stores = [dict(shape=[8, 16, 8], wavefronts=16, ideal=2),
-              dict(shape=[8, 64, 16], wavefronts=16, ideal=4)]
-    assert store_conflict(stores) == 4.0 and store_conflict([]) == 1.0
+    # per store width, the factor of the largest copy (the tap pairs, 16-byte vectors), not of the worst
+    # one (the weights, once per chunk); a width without a copy stores conflict-free
+    stores = [dict(shape=[8, 16, 8], vector_bytes=8, wavefronts=16, ideal=2),
+              dict(shape=[8, 64, 16], vector_bytes=16, wavefronts=16, ideal=4),
+              dict(shape=[8, 32, 16], vector_bytes=16, wavefronts=8, ideal=4)]
+    assert store_conflict(stores) == {8: 8.0, 16: 4.0} and store_conflict([]) == {}
+    ops = ("STS.128", "STS.64", "STS")
+    t = traffic([SimpleNamespace(opcode=op) for op in ops], [10, 10, 10], num_warps=1,
+                store_conflict=store_conflict(stores[:2]))
+    assert t.shared_conflict_wavefronts == 10 * 4 * 3 + 10 * 2 * 7  # STS.128 at 4x, STS.64 at 8x, STS at 1x
+    # the conflict-free tap order: only the weights' 8-byte copy is left in the TTGIR
+    t = traffic([SimpleNamespace(opcode=op) for op in ops], [10, 10, 10], num_warps=1,
+                store_conflict=store_conflict(stores[:1]))
+    assert t.shared_conflict_wavefronts == 10 * 2 * 7
+
+
+def test_ldmatrix_and_global_accesses_in_the_data_pipe():
+    """The L1/shared data pipe's wavefronts of one program (the report's "lsu" term): LDSM at the
+    conflict factor of the PTX's ldmatrix reads, and one wavefront per 128 bytes of each warp's global
+    request; a hand-made PTX whose rows all sit 256 bytes apart reads each 8x8 matrix in 8 wavefronts."""
+    from types import SimpleNamespace
+
+    from convfirstnet.analysis.launches import ldsm_conflict
+    from convfirstnet.analysis.sass import traffic
+
+    ops = ("STS.128", "LDSM.16.M88.4", "LDG.E.128", "LDG.E", "STG.E.64", "LDL")
+    listing = [SimpleNamespace(opcode=op) for op in ops]
+    t = traffic(listing, [10, 10, 5, 3, 2, 1], num_warps=4, store_conflict=2.0, ldsm_conflict=6.0)
+    assert t.shared_wavefronts == (10 * 4 + 10 * 4) * 4
+    assert t.shared_conflict_wavefronts == (10 * 4 * 1 + 10 * 4 * 5) * 4  # STS one extra, LDSM five
+    assert t.global_wavefronts == (5 * 4 + 3 * 1 + 2 * 2 + 1 * 1) * 4  # 512, 128, 256 and 128 B per warp
+    assert t.lsu_wavefronts == t.shared_wavefronts + t.shared_conflict_wavefronts + t.global_wavefronts
+
+    def ptx(stride: int) -> str:  # lane l gives row l: address l * stride
+        return (f"mov.u32 %r1, %tid.x;\nmul.lo.s32 %r2, %r1, {stride};\n"
+                "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%r3, %r4, %r5, %r6}, [%r2];\n")
+
+    assert ldsm_conflict(ptx(16)) == 1.0  # 8 rows of 16 B side by side: one wavefront per matrix
+    assert ldsm_conflict(ptx(256)) == 8.0  # every row in the same four banks
+    assert ldsm_conflict("st.shared.v4.b32 [%r1], {%r2, %r3, %r4, %r5};\n") == 1.0  # no ldmatrix

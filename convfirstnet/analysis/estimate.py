@@ -9,13 +9,14 @@ programs per SM, and each machine constant taken at its fast end (the low predic
     tensor        t_tensor = q * (wgmma MACs + mma.sync MACs / f_mma) * 2 / tensor FLOP/s
     DRAM          t_dram   = declared DRAM bytes / DRAM bandwidth
     L2            t_l2     = L2<->SM bytes (from the SASS) / L2 bandwidth
+    L1 pipe       t_lsu    = ceil(P / S) * (L1/shared data-pipe wavefronts of one program) / clock
     issue         t_issue  = q * P * w * (SASS instructions per warp) / (4 * S * clock)
     sharing       s       = min(o, ceil(P / S)) * w / 4    (resident warps per warp scheduler)
     latency       t_latency = r * s * (stall cycles of one warp) / clock
     waits         t_waits   = r * s * (exposed load and wgmma-group waits of one warp) / clock
     launch        t_launch  = the gap per launch, in a CUDA graph or from a stream
 
-    predicted = max(t_tensor, t_dram, t_l2, t_issue, t_latency + t_waits) + t_launch
+    predicted = max(t_tensor, t_dram, t_l2, t_lsu, t_issue, t_latency + t_waits) + t_launch
 
 How the terms combine, and why. Tensor cores, DRAM, L2 and instruction issue are separate units that
 work at the same time for different warps, so a launch takes at least the largest of them (and can
@@ -45,6 +46,18 @@ kernels of stages.1-2, which keep weight chunks in L1, moved 1.6-2.4x the L2 byt
 kernels 0.7-0.9x (their taps re-read rows of a tile that a few KB hold, not the whole slot).
 Spill traffic (local memory) counts at the high end only (at the low end it hits L1).
 
+The L1/shared data pipe moves one 128-byte wavefront per cycle per SM (``hardware.Hardware
+.lsu_wavefronts_per_clock``). A program's wavefronts (``sass.Traffic.lsu_wavefronts``): every shared
+access of the weighted SASS at its conflict-free count, the stores at the conflict factor of the
+variant's largest register -> shared copy of their width (TTGIR; ``launches.store_conflict``) and the
+ldmatrix reads at that of its PTX's ldmatrix (``launches.ldsm_conflict``), cp.async's shared writes,
+and one per 128 bytes of each warp's global or local request. Against Nsight Compute on an H200
+(docs/cost-model.md) this counts 0.74-1.01x of the measured wavefronts of the ConvFirst stride-1 and
+MBConv hidden kernels, and under two thirds of those of the ConvFirst stride-2 kernels and the head,
+whose layout conversions it does not see: a floor. The
+layer-wise bound has no such term: a layer-wise kernel moves each of its bytes through the pipe about
+once, at 128 B per cycle per SM (29.6 TB/s on 132 SMs at 1.755 GHz), well above the L2 term's rate.
+
 Blocks, stages and the comparison figures come from the waterline model
 (``convfirstnet.analysis.waterline.build_kernels``): a block's predicted time is the sum of its
 launches'; its layer-wise bound is the sum, over the layer-wise kernels of the block, of
@@ -68,8 +81,8 @@ from .hardware import ENDS, Hardware, hardware
 from .sass import LatencyFloor, Traffic
 from .targets import Target
 
-TERMS = ("tensor", "dram", "l2", "issue", "latency", "waits")
-BOUNDS = ("tensor", "dram", "l2", "issue", "latency")  # latency = latency + waits
+TERMS = ("tensor", "dram", "l2", "lsu", "issue", "latency", "waits")
+BOUNDS = ("tensor", "dram", "l2", "lsu", "issue", "latency")  # latency = latency + waits
 GAPS = ("graph", "stream")
 
 
@@ -90,6 +103,7 @@ def combine(terms: dict[str, dict[str, float]], end: str) -> tuple[float, str]:
         "tensor": terms["tensor"][end],
         "dram": terms["dram"][end],
         "l2": terms["l2"][end],
+        "lsu": terms.get("lsu", {}).get(end, 0.0),
         "issue": terms["issue"][end],
         "latency": terms["latency"][end] + terms["waits"][end],
     }
@@ -261,10 +275,12 @@ def estimate_launch(
             / (target.issue_per_clock_sm * target.sms * hw.clock_hz.pick(end))
         )
 
+    lsu = traffic.lsu_wavefronts if traffic is not None else 0.0
     terms = {
         "tensor": _pair(tensor),
         "dram": _pair(lambda end: dram / (hw.dram_tbs.pick(end) * 1e12)),
         "l2": _pair(lambda end: l2[end] / (hw.l2_tbs.pick(end) * 1e12)),
+        "lsu": _pair(lambda end: per_sm * lsu / (hw.lsu_wavefronts_per_clock * hw.clock_hz.pick(end))),
         "issue": _pair(issue),
         "latency": _pair(lambda end: rounds * stall / hw.clock_hz.pick(end)),
         "waits": _pair(lambda end: rounds * waits[end] / hw.clock_hz.pick(end)),

@@ -74,6 +74,10 @@ class Hardware:
     launch_graph_us: Band  # gap per launch inside a CUDA graph
     l1_shared_bytes: int  # unified L1 + shared memory per SM
     carveouts_kb: tuple[int, ...]  # shared-memory capacities per SM the driver can configure
+    # the L1/shared data pipe: 128-byte wavefronts per SM per clock (shared accesses, one per bank-
+    # conflict pass; global and local accesses through L1); the estimate's "lsu" term
+    lsu_wavefronts_per_clock: float = 1.0
+    lsu_source: str = ""
 
     def to_json(self) -> dict:
         out = {}
@@ -92,6 +96,8 @@ class Hardware:
             mma_sync_fraction=self.mma_sync_fraction,
             l1_shared_bytes=self.l1_shared_bytes,
             carveouts_kb=list(self.carveouts_kb),
+            lsu_wavefronts_per_clock=self.lsu_wavefronts_per_clock,
+            lsu_source=self.lsu_source,
         )
         return out
 
@@ -103,6 +109,9 @@ class Hardware:
 
 
 GPU_BENCHES = "te42kyfo/gpu-benches@1c36d50"
+# shared memory at 128 B per clock per SM on A100 and H100 (23,101 and 32,348 GB/s at 1410 and 1755 MHz
+# with 128 and 144 SMs): Table 3 of PMC10448217 (Ultrasonics Sonochemistry 99, 106546, 2023)
+_LSU_TABLE = "PMC10448217 Table 3: shared memory 128 B/clock/SM"
 _LAUNCH_STREAM = Band(2.43, 2.52, "us", f"{GPU_BENCHES} gpu-small-kernels/h200.txt: 64 KiB at 26-27 GB/s")
 _LAUNCH_GRAPH = Band(
     1.26, 1.37, "us", f"{GPU_BENCHES} gpu-small-kernels/h200_graph.txt: 64 KiB at 48-52 GB/s"
@@ -144,6 +153,9 @@ HARDWARE: dict[int, Hardware] = {
         launch_graph_us=_LAUNCH_GRAPH,
         l1_shared_bytes=256 * 1024,
         carveouts_kb=(0, 8, 16, 32, 64, 100, 132, 164, 196, 228),
+        lsu_wavefronts_per_clock=1.0,
+        lsu_source=f"{_LSU_TABLE}; Nsight Compute's peak of l1tex__data_pipe_lsu_wavefronts on the H200 "
+        "(benchmarks/results/ncu/20261126T150000Z: wavefronts / cycles / % of peak = 1.00, 88 launches)",
     ),
     80: Hardware(
         clock_hz=Band(
@@ -168,6 +180,8 @@ HARDWARE: dict[int, Hardware] = {
         launch_graph_us=_LAUNCH_GRAPH,
         l1_shared_bytes=192 * 1024,
         carveouts_kb=(0, 8, 16, 32, 64, 100, 132, 164),
+        lsu_wavefronts_per_clock=1.0,
+        lsu_source=_LSU_TABLE,
     ),
 }
 

@@ -21,6 +21,7 @@ from . import compiled as cc
 from . import sass
 from .estimate import LaunchEstimate, estimate_launch
 from .hardware import ENDS, hardware
+from .shared import ptx_shared_accesses
 from .targets import Target, target as get_target
 
 
@@ -108,6 +109,7 @@ def estimate_launches(
     comps = [known[v.key] for v in variants]
     compile_s = time.perf_counter() - t0
     listings = [c.listing() for c in comps]
+    ldsm_conflicts = [ldsm_conflict(c.ptx) for c in comps]
     occupancy = []
     for c in comps:
         occ = tgt.occupancy(c.num_warps, c.regs, c.shared)
@@ -163,7 +165,7 @@ def estimate_launches(
                 insns_per_warp=w.per_warp,
                 mix=cc.instruction_mix(w.counts),
                 traffic=sass.traffic(insns, w.weights, comps[vi].num_warps,
-                                     store_conflict(comps[vi].shared_stores)),
+                                     store_conflict(comps[vi].shared_stores), ldsm_conflicts[vi]),
                 latency=floor,
                 mma_sync_macs_per_program=kinds["mma.sync"],
                 tensor_macs_per_program=w.tensor_macs,
@@ -228,15 +230,30 @@ def estimate_launches(
     return Estimates(tgt, rows, estimates, comps, compile_s)
 
 
-def store_conflict(stores: Sequence[dict]) -> float:
-    """The conflict factor that the variant's shared stores are taken at: that of its largest register ->
-    shared copy (analysis.shared), the one a loop body repeats in the kernels here (the grouped conv's
-    tap pairs; the smaller weight copies run once per chunk). Against Nsight Compute on an H200 this
-    puts the 16x16 MBConv hidden kernel's store conflicts at 20 M wavefronts per launch, 17.5 M measured."""
-    if not stores:
-        return 1.0
-    big = max(stores, key=lambda st: math.prod(st["shape"]))
-    return big["wavefronts"] / big["ideal"]
+def store_conflict(stores: Sequence[dict]) -> dict[int, float]:
+    """The conflict factors that the variant's shared stores are taken at, per vector width in bytes (the
+    SASS STS of that width): that of the largest register -> shared copy of the width (analysis.shared),
+    the one a loop body repeats in the kernels here (the grouped conv's tap pairs, 16-byte vectors; the
+    smaller weight copies run once per chunk). A width without a copy in the TTGIR stores conflict-free
+    (a tap order whose copy compiles conflict-free leaves the TTGIR no 16-byte copy, and the weights'
+    8-byte copy must not price it). Against Nsight Compute on an H200 this puts the 16x16 MBConv hidden
+    kernel's store conflicts at 20 M wavefronts per launch, 17.5 M measured."""
+    out: dict[int, float] = {}
+    for width in sorted({st["vector_bytes"] for st in stores}):
+        big = max((st for st in stores if st["vector_bytes"] == width), key=lambda st: math.prod(st["shape"]))
+        out[width] = big["wavefronts"] / big["ideal"]
+    return out
+
+
+def ldsm_conflict(ptx: str) -> float:
+    """The conflict factor that the variant's ldmatrix reads are taken at: their wavefronts against the
+    conflict-free count, summed over every ldmatrix of the PTX as warp 0 runs it
+    (analysis.shared.ptx_shared_accesses). Triton 3.8 reads the MBConv conv's tap pairs back at 6x
+    (672 / 112 per chunk) in the shipped load order; Triton 3.6 conflict-free, as measured (the shared
+    loads of the 16x16 hidden kernel: 2 % conflicts)."""
+    acc = [a for a in ptx_shared_accesses(ptx) if a.opcode.startswith("ldmatrix")]
+    ideal = sum(a.ideal for a in acc)
+    return sum(a.wavefronts for a in acc) / ideal if ideal else 1.0
 
 
 def _use_json(u: dict) -> dict:

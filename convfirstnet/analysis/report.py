@@ -277,6 +277,9 @@ def _loops_text(rows: list[dict]) -> str:
     )
 
 
+ZERO = {"low": 0.0, "high": 0.0}  # a term a report from before it existed does not hold
+
+
 def _table(header: Sequence[str], align: str, rows: Sequence[Sequence]) -> list[str]:
     """Markdown table lines; ``align`` has one character per column: "l" (left) or "r" (right)."""
     rule = ["---" if a == "l" else "---:" for a in align]
@@ -365,7 +368,9 @@ def to_markdown(rep: dict) -> str:
         lines += [
             "",
             f"mma.sync at {hw['mma_sync_fraction']:g} of the tensor rate; L1 + shared memory "
-            f"{hw['l1_shared_bytes'] // 1024} KB per SM.",
+            f"{hw['l1_shared_bytes'] // 1024} KB per SM"
+            + (f"; L1/shared data pipe {hw['lsu_wavefronts_per_clock']:g} wavefront (128 B) per clock per "
+               f"SM ({hw['lsu_source']})." if "lsu_wavefronts_per_clock" in hw else "."),
         ]
 
     def term_cells(row: dict, scale: float, fmt: str) -> list[str]:
@@ -374,13 +379,14 @@ def to_markdown(rep: dict) -> str:
             _band(tm["tensor"], scale, fmt),
             _band(tm["dram"], scale, fmt),
             _band(tm["l2"], scale, fmt),
+            _band(tm.get("lsu", ZERO), scale, fmt),
             _band(tm["issue"], scale, fmt),
             _band(tm["latency"], scale, fmt),
             _band(tm["waits"], scale, fmt),
             _band(row["launch_gap_ms"], scale, fmt),
         ]
 
-    term_header = ["tensor", "DRAM", "L2", "issue", "latency", "waits", "launch gaps"]
+    term_header = ["tensor", "DRAM", "L2", "L1 pipe", "issue", "latency", "waits", "launch gaps"]
     rows = []
     for s in rep["stages"] + [dict(tot, stage="**model**", blocks=rep["blocks"])]:
         rows.append(
@@ -414,7 +420,7 @@ def to_markdown(rep: dict) -> str:
             "predicted/layer-wise",
             "binds",
         ],
-        "lrrrrr" + "r" * 7 + "rrrrl",
+        "lrrrrr" + "r" * len(term_header) + "rrrrl",
         rows,
     )
     rows = []
@@ -452,7 +458,7 @@ def to_markdown(rep: dict) -> str:
             "stack B",
             "MMA",
         ],
-        "llrrrr" + "r" * 7 + "rlrrrl",
+        "llrrrr" + "r" * len(term_header) + "rlrrrl",
         rows,
     )
     uncompiled = [b for b in rep["blocks"] if not b["launch_indices"]]
@@ -483,6 +489,7 @@ def to_markdown(rep: dict) -> str:
                 _band(tu["tensor"], 1, "{:.1f}"),
                 _band(tu["dram"], 1, "{:.1f}"),
                 _band(tu["l2"], 1, "{:.1f}"),
+                _band(tu.get("lsu", ZERO), 1, "{:.1f}"),
                 _band(tu["issue"], 1, "{:.1f}"),
                 _band(tu["latency"], 1, "{:.1f}"),
                 _band(tu["waits"], 1, "{:.1f}"),
@@ -523,6 +530,7 @@ def to_markdown(rep: dict) -> str:
             "tensor",
             "DRAM",
             "L2",
+            "L1 pipe",
             "issue",
             "latency",
             "waits",
@@ -530,7 +538,7 @@ def to_markdown(rep: dict) -> str:
             "binds",
             "note",
         ],
-        "lrlrlrrrrlrrrrrrrrrrrrll",
+        "lrlrlrrrrlrrrrrrrrrrrrrll",
         rows,
     )
     rows = []
@@ -641,7 +649,8 @@ def diagnosis(rep: dict) -> str:
     for b in rep["blocks"]:
         tm = b["terms_ms"]
         terms = ", ".join(
-            f"{t} {1e3 * tm[t]['high']:.0f}" for t in ("tensor", "dram", "l2", "issue", "latency", "waits")
+            f"{t} {1e3 * tm[t]['high']:.0f}"
+            for t in ("tensor", "dram", "l2", "lsu", "issue", "latency", "waits") if t in tm
         )
         wg = 1 - b["mma_sync_macs"] / b["mma_macs"] if b["mma_macs"] else None
         lines.append(

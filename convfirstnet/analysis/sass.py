@@ -297,13 +297,22 @@ class Traffic:
     local: float = 0.0  # spill traffic (through L1)
     tma_instructions: float = 0.0  # executions of TMA copies (bytes not in the listing)
     # shared-memory wavefronts (128 bytes each) of LDS/STS/LDSM/STSM and of cp.async's writes to shared
-    # memory (LDGSTS): as if conflict-free, and the extra of the stores at the conflict factor given
-    # (launches.store_conflict: that of the variant's largest register -> shared copy, analysis.shared)
+    # memory (LDGSTS): as if conflict-free, and the extra of the stores and of the ldmatrix reads at the
+    # conflict factors given (launches.store_conflict: per width, that of the variant's largest register
+    # -> shared copy; launches.ldsm_conflict: that of its ldmatrix reads; analysis.shared)
     shared_wavefronts: float = 0.0
     shared_conflict_wavefronts: float = 0.0
+    # the L1 data pipe's wavefronts of global and local accesses: one per 128 bytes a warp requests
+    global_wavefronts: float = 0.0
+
+    @property
+    def lsu_wavefronts(self) -> float:
+        """Wavefronts per program through the L1/shared data pipe (one per cycle per SM): shared
+        accesses with their conflicts, and global and local accesses."""
+        return self.shared_wavefronts + self.shared_conflict_wavefronts + self.global_wavefronts
 
     def to_json(self) -> dict:
-        return dict(self.__dict__)
+        return dict(self.__dict__, lsu_wavefronts=self.lsu_wavefronts)
 
 
 def shared_wavefronts(opcode: str) -> int:
@@ -318,10 +327,14 @@ def shared_wavefronts(opcode: str) -> int:
 
 
 def traffic(
-    insns: Sequence, weights: Sequence[float], num_warps: int, store_conflict: float = 1.0
+    insns: Sequence, weights: Sequence[float], num_warps: int,
+    store_conflict: float | dict[int, float] = 1.0, ldsm_conflict: float = 1.0,
 ) -> Traffic:
     """Per-program bytes of each class: executions per warp x bytes per lane x 32 lanes x warps; shared
-    wavefronts per program, STS taking ``store_conflict`` times theirs in ``shared_conflict_wavefronts``."""
+    wavefronts per program, STS taking ``store_conflict`` times theirs (one factor, or one per store
+    width in bytes: a width not given stores conflict-free) and LDSM ``ldsm_conflict`` times theirs (the
+    extra in ``shared_conflict_wavefronts``); global and local accesses' data-pipe wavefronts, one per 128
+    bytes of a warp's request."""
     t = Traffic()
     for ins, w in zip(insns, weights):
         if not w:
@@ -330,13 +343,20 @@ def traffic(
         if sw:
             t.shared_wavefronts += w * sw * num_warps
             if ins.opcode.startswith("STS") and not ins.opcode.startswith("STSM"):
-                t.shared_conflict_wavefronts += w * sw * num_warps * (store_conflict - 1)
+                f = (store_conflict.get(_lane_bytes(ins.opcode.split(".")), 1.0)
+                     if isinstance(store_conflict, dict) else store_conflict)
+                t.shared_conflict_wavefronts += w * sw * num_warps * (f - 1)
+            elif ins.opcode.startswith("LDSM"):
+                t.shared_conflict_wavefronts += w * sw * num_warps * (ldsm_conflict - 1)
             continue
         op = memory_op(ins.opcode)
         if op is None:
             continue
+        lane_wf = max(1, WARP * op.bytes_per_lane // 128)
         if ins.opcode.startswith("LDGSTS"):  # cp.async: a global load whose data the LSU writes to shared
-            t.shared_wavefronts += w * max(1, WARP * op.bytes_per_lane // 128) * num_warps
+            t.shared_wavefronts += w * lane_wf * num_warps  # (Nsight Compute counts them there, once)
+        elif op.kind != "tma":
+            t.global_wavefronts += w * lane_wf * num_warps
         b = w * op.bytes_per_lane * WARP * num_warps
         if op.kind == "load":
             if op.l1:

@@ -6,7 +6,7 @@ Per block of the training-form model (``stem``, ``stages.i.j``, ``head``, ``clas
 * fused: a block the fused training ops run (``training_kernels.unsupported`` says which: today the
   ConvFirst blocks) is recorded on meta tensors, forward and backward, inside
   ``kernels._cost.recording()``; every launch is compiled for the target and estimated by the same
-  model as the inference report (``launches.estimate_launches``: tensor, DRAM, L2, issue, latency,
+  model as the inference report (``launches.estimate_launches``: tensor, DRAM, L2, L1 pipe, issue, latency,
   waits, launch gap; low and high ends). The small aten ops between the launches (the per-channel
   arithmetic on (C,) to (R, C) tensors, gradient accumulation, the running-statistics update) are
   counted while recording and each costs one launch gap in a CUDA graph (torch.compile would fuse

@@ -132,8 +132,8 @@ def _conv_pair_h(hs, q, PW, J: tl.constexpr, G: tl.constexpr, CS: tl.constexpr, 
     TAPS: the index order of the load, which decides the register layout Triton gives the tile and so
     the bank conflicts of its copy to shared memory for the batched mma.sync (launcher.TAP_ORDER, shipped
     0; ``conflict_free_tap_order()`` per Triton version, checked on the compiled PTX). 0: [G CS, BM / CS, 16]
-    as is (Triton 3.6 and 3.8: 4x the conflict-free store wavefronts, and on 3.8 8x on the ldmatrix
-    loads); 1: loaded as [BM / CS, G CS, 16] and permuted (conflict-free on 3.6; 3.8 adds 6 barriers
+    as is (Triton 3.6 and 3.8: 4x the conflict-free store wavefronts, and on 3.8 6x on the ldmatrix
+    loads: 672 / 112); 1: loaded as [BM / CS, G CS, 16] and permuted (conflict-free on 3.6; 3.8 adds 6 barriers
     per pair); 2: loaded as [G CS x BM / CS, 16] rows and reshaped (conflict-free on 3.8; 3.6 drops to
     2-byte loads)."""
     GS: tl.constexpr = G * CS

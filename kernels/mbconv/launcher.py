@@ -123,10 +123,11 @@ PAIRS_AHEAD = True  # the conv's tap pairs loaded one dot ahead (MBConvGeometry.
 # pipe ran at 66 % of its peak and 17.4 M of its 24.6 M shared store wavefronts were conflicts. Compiled
 # for sm_90 (warp 0's PTX addresses, convfirstnet.analysis.shared.ptx_shared_accesses): the shipped
 # order 0 stores the pairs at 4x the conflict-free wavefronts on Triton 3.6 and 3.8 (and on 3.8 reads
-# them back with ldmatrix at 8x); ``conflict_free_tap_order()`` is conflict-free on both, with 2-45 more
-# registers (no spills) and 4 more bar.sync. The static model, which has no term for the L1 data pipe,
-# predicts it slower (stages.3.1 0.250-0.354 -> 0.271-0.392 ms on 3.8), so it stays a variant until a
-# GPU times it (scripts/gpu_variants.py "taps 1" on Triton 3.6, "taps 2" on 3.8).
+# them back with ldmatrix at 6x); ``conflict_free_tap_order()`` is conflict-free on both, with 2-45 more
+# registers (no spills) and 4 more bar.sync. The static model's L1-pipe term drops with it (3.6: 183-191
+# -> 101-105 us a 16x16 launch), but its wait term, the one the GPU found wrong (docs/cost-model.md),
+# grows: stages.3.1 0.347-0.372 -> 0.271-0.392 ms on 3.8 (the low end down, the high end up). So it
+# stays a variant until a GPU times it (scripts/gpu_variants.py "taps 1" on Triton 3.6, "taps 2" on 3.8).
 TAP_ORDER = 0
 
 
