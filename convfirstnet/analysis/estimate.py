@@ -53,10 +53,11 @@ variant's largest register -> shared copy of their width (TTGIR; ``launches.stor
 ldmatrix reads at that of its PTX's ldmatrix (``launches.ldsm_conflict``), cp.async's shared writes,
 and one per 128 bytes of each warp's global or local request. Against Nsight Compute on an H200
 (docs/cost-model.md) this counts 0.74-1.01x of the measured wavefronts of the ConvFirst stride-1 and
-MBConv hidden kernels, and under two thirds of those of the ConvFirst stride-2 kernels and the head,
-whose layout conversions it does not see: a floor. The
-layer-wise bound has no such term: a layer-wise kernel moves each of its bytes through the pipe about
-once, at 128 B per cycle per SM (29.6 TB/s on 132 SMs at 1.755 GHz), well above the L2 term's rate.
+MBConv hidden kernels, and under two thirds of those of the ConvFirst stride-2 kernels and the head
+(not bank conflicts: their PTX's shared accesses are conflict-free; the rest is not yet found): a
+floor. The layer-wise bound has no such term: a layer-wise kernel moves each of its bytes through the
+pipe about once, at 128 B per cycle per SM (29.6 TB/s on 132 SMs at 1.755 GHz), well above the L2
+term's rate.
 
 Blocks, stages and the comparison figures come from the waterline model
 (``convfirstnet.analysis.waterline.build_kernels``): a block's predicted time is the sum of its
