@@ -242,12 +242,8 @@ def compare(summary: dict, report: dict) -> list[dict]:
     return out
 
 
-def _opt(x) -> str:
-    return "-" if x is None or x != x else f"{x:.1f}"
-
-
-def _opt0(x) -> str:
-    return "-" if x is None or x != x else f"{x:.0f}"
+def _opt(x, fmt: str = "{:.1f}") -> str:
+    return "-" if x is None or x != x else fmt.format(x)
 
 
 def _shared_predicted(pred: dict) -> float | None:
@@ -292,7 +288,7 @@ def compare_markdown(rows: list[dict], device: str) -> str:
             f"| {m['l2_mb']:.0f} / {r['l2_mb_predicted']:.0f} | {m['l1_hit_pct']:.0f} "
             f"| {m['shared_wavefronts_m']:.1f} / {_opt(r['shared_wavefronts_m_predicted'])} "
             f"| {m['shared_conflict_pct']:.0f} "
-            f"| {_opt(m['lsu_wavefronts_k_per_sm'])} ({_opt0(m['lsu_pct'])}) / "
+            f"| {_opt(m['lsu_wavefronts_k_per_sm'])} ({_opt(m['lsu_pct'], '{:.0f}')}) / "
             f"{_opt(r['lsu_wavefronts_k_per_sm_predicted'])} "
             f"| {m['issue_pct']:.0f} | {m['warps_pct']:.0f} | {stalls} |")
     return "\n".join(lines) + "\n"

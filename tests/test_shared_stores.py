@@ -65,7 +65,7 @@ def test_shared_wavefronts_per_instruction_and_store_conflicts():
     assert [shared_wavefronts(op) for op in ops] == [4, 2, 1, 1, 4, 4, 2, 1, 0, 0]
     ops = ("STS.128", "LDSM.16.M88.4", "LDGSTS.E.BYPASS.128", "LDG.E.128")
     listing = [SimpleNamespace(opcode=op) for op in ops]
-    t = traffic(listing, [10, 10, 2, 5], num_warps=8, store_conflict=4.0)
+    t = traffic(listing, [10, 10, 2, 5], num_warps=8, store_conflict={16: 4.0})
     assert t.shared_wavefronts == (10 * 4 + 10 * 4 + 2 * 4) * 8  # the cp.async writes its 512 B too
     assert t.shared_conflict_wavefronts == 10 * 4 * 8 * 3  # only the STS, three extra per ideal one
     assert t.load_bypass == 2 * 16 * 32 * 8 and t.load_l1 == 5 * 16 * 32 * 8
@@ -96,7 +96,7 @@ def test_ldmatrix_and_global_accesses_in_the_data_pipe():
 
     ops = ("STS.128", "LDSM.16.M88.4", "LDG.E.128", "LDG.E", "STG.E.64", "LDL")
     listing = [SimpleNamespace(opcode=op) for op in ops]
-    t = traffic(listing, [10, 10, 5, 3, 2, 1], num_warps=4, store_conflict=2.0, ldsm_conflict=6.0)
+    t = traffic(listing, [10, 10, 5, 3, 2, 1], num_warps=4, store_conflict={16: 2.0}, ldsm_conflict=6.0)
     assert t.shared_wavefronts == (10 * 4 + 10 * 4) * 4
     assert t.shared_conflict_wavefronts == (10 * 4 * 1 + 10 * 4 * 5) * 4  # STS one extra, LDSM five
     assert t.global_wavefronts == (5 * 4 + 3 * 1 + 2 * 2 + 1 * 1) * 4  # 512, 128, 256 and 128 B per warp

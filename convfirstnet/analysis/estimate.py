@@ -104,7 +104,7 @@ def combine(terms: dict[str, dict[str, float]], end: str) -> tuple[float, str]:
         "tensor": terms["tensor"][end],
         "dram": terms["dram"][end],
         "l2": terms["l2"][end],
-        "lsu": terms.get("lsu", {}).get(end, 0.0),
+        "lsu": terms["lsu"][end],
         "issue": terms["issue"][end],
         "latency": terms["latency"][end] + terms["waits"][end],
     }

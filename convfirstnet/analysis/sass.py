@@ -328,13 +328,14 @@ def shared_wavefronts(opcode: str) -> int:
 
 def traffic(
     insns: Sequence, weights: Sequence[float], num_warps: int,
-    store_conflict: float | dict[int, float] = 1.0, ldsm_conflict: float = 1.0,
+    store_conflict: dict[int, float] | None = None, ldsm_conflict: float = 1.0,
 ) -> Traffic:
     """Per-program bytes of each class: executions per warp x bytes per lane x 32 lanes x warps; shared
-    wavefronts per program, STS taking ``store_conflict`` times theirs (one factor, or one per store
-    width in bytes: a width not given stores conflict-free) and LDSM ``ldsm_conflict`` times theirs (the
-    extra in ``shared_conflict_wavefronts``); global and local accesses' data-pipe wavefronts, one per 128
-    bytes of a warp's request."""
+    wavefronts per program, STS taking ``store_conflict[width in bytes]`` times theirs (a width not given
+    stores conflict-free) and LDSM ``ldsm_conflict`` times theirs (the extra in
+    ``shared_conflict_wavefronts``); global and local accesses' data-pipe wavefronts, one per 128 bytes
+    of a warp's request."""
+    store_conflict = store_conflict or {}
     t = Traffic()
     for ins, w in zip(insns, weights):
         if not w:
@@ -343,8 +344,7 @@ def traffic(
         if sw:
             t.shared_wavefronts += w * sw * num_warps
             if ins.opcode.startswith("STS") and not ins.opcode.startswith("STSM"):
-                f = (store_conflict.get(_lane_bytes(ins.opcode.split(".")), 1.0)
-                     if isinstance(store_conflict, dict) else store_conflict)
+                f = store_conflict.get(_lane_bytes(ins.opcode.split(".")), 1.0)
                 t.shared_conflict_wavefronts += w * sw * num_warps * (f - 1)
             elif ins.opcode.startswith("LDSM"):
                 t.shared_conflict_wavefronts += w * sw * num_warps * (ldsm_conflict - 1)
