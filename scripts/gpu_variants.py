@@ -43,6 +43,10 @@ VARIANTS = {  # name -> overrides of kernels/mbconv/launcher.py's constants
     # with this Triton (launcher.TAP_ORDER; 1 on Triton 3.6, 2 on 3.8: each also compiles elsewhere)
     "taps 1": {"TAP_ORDER": 1},
     "taps 2": {"TAP_ORDER": 2},
+    # the grouped conv on the CUDA cores (launcher.CONV_FMA, kernel.py _conv_fma): no tap pair through
+    # shared memory, each tap loaded once into the registers that use it
+    "conv fma": {"CONV_FMA": True},
+    "conv fma + L1 carveout fit": {"CONV_FMA": True, "_carveout.POLICY": "fit"},
 }
 
 

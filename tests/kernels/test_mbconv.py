@@ -137,6 +137,24 @@ def test_tap_orders_match_reference(interpreter_backend, monkeypatch, taps, shap
     check(x, weights, stride)
 
 
+# The grouped conv on the CUDA cores (launcher.CONV_FMA, kernel.py _conv_fma): 8x8 items of three
+# images, masked tiles, exact stride 2, a half-masked chunk (R = 288: the masked weight rows), and
+# Small's 16x16 width (C = 256: sixteen chunks, two 128-pixel tiles of four 32-pixel sub-tiles).
+FMA_SHAPES = [SHAPES[0], SHAPES[2], SHAPES[4], SHAPES[6], (1, 256, 256, 16, 16, 1, torch.float16)]
+
+
+@pytest.mark.parametrize("shape", FMA_SHAPES, ids=_id)
+def test_conv_fma_matches_reference(interpreter_backend, monkeypatch, shape):
+    from convfirstnet.kernels.mbconv import launcher
+
+    monkeypatch.setattr(launcher, "CONV_FMA", True)
+    n, c, k, h, w, stride, dtype = shape
+    x, weights = make_block(n, c, h, w, stride, k=k, dtype=dtype)
+    geo = launcher.geometry_of(x, weights[0].shape[0], k, weights[4].shape[0], stride)
+    assert geo.fma and geo.conv_split == geo.cm // 32
+    check(x, weights, stride)
+
+
 # Fused Small's widths on the tiled configurations an A100 gets (launcher: 8-warp programs below sm_90):
 # 128-pixel expand tiles (two per 16x16 image), 64-pixel ones (stride 2), items of four 8x8 images
 # (six images: a full item and a partial one), 16-channel chunks with 128-pixel expand tiles (32x32
@@ -601,6 +619,77 @@ def test_small_batch128_stride1_without_stack():
     assert [(v.meta["ONE"], v.meta["GATE"], v.meta["num_warps"]) for v in variants] == [(True, True, 8)]
     (c,) = compile_variants(variants)
     assert c.stack == 0 and c.regs <= 255, f"{c.regs} registers, {c.stack} B stack"
+
+
+def test_conv_fma_declarations():
+    """The FMA conv's launches: its weights converted once (R x 72 read, fp32 written), no tensor-core
+    MACs for the conv (the hidden kernel's mma MACs are the expand's alone), the useful MACs as on the
+    mma.sync path."""
+    pytest.importorskip("triton")
+    from convfirstnet.kernels.mbconv import launcher
+
+    n, c, hw = 4, 256, 16
+    r = 4 * c
+    mma_path, _ = _record(n, c, c, hw, hw, 1)
+    launcher.CONV_FMA = True
+    try:
+        fma_path, _ = _record(n, c, c, hw, hw, 1)
+    finally:
+        launcher.CONV_FMA = False
+    names = [lc.kernel.fn.__name__ for lc in fma_path]
+    assert names == ["_conv_weights_kernel", "_mbconv_hidden_kernel", "_mbconv_project_kernel"]
+    weights, hidden, project = (lc.cost for lc in fma_path)
+    assert weights.dram_bytes == r * 72 * (2 + 4) and weights.mma_macs == 0
+    assert hidden.mma_macs == launcher.cdiv(n, 1) * hw * hw * c * r  # the expand, XM rows per image
+    assert sum(lc.cost.useful_macs for lc in fma_path) == sum(lc.cost.useful_macs for lc in mma_path)
+    assert fma_path[1].meta["FMA"] and not mma_path[0].meta["FMA"]
+
+
+@pytest.mark.compile
+def test_conv_fma_compiles_to_ffma():
+    """The FMA variant of Small's 16x16 stride-1 hidden kernel (batch 128, sm_90): no stack, the expand on
+    wgmma and nothing else on tensor cores; its innermost loop (the conv tiles) runs the 9 x 8 x 8 MACs of
+    each of a thread's four pixels as FFMA (no other fp32 multiply), touches no shared memory (no tap
+    pair copy, no ldmatrix) and loads each tap's 8 channels as one 16-byte vector."""
+    pytest.importorskip("triton")
+    from convfirstnet.kernels._cost import recording
+    from convfirstnet.kernels.mbconv import launcher
+
+    import convfirstnet
+    from convfirstnet.analysis.compiled import compile_variants, variant_of
+    from convfirstnet.analysis.targets import target
+
+    block = convfirstnet.fuse(convfirstnet.create_model("small")).stages[3][1].to(device="meta",
+                                                                                   dtype=torch.float16)
+    t = target(90)
+    x = torch.empty(128, 256, 16, 16, device="meta", dtype=torch.float16).contiguous(
+        memory_format=torch.channels_last)
+    launcher.CONV_FMA = True
+    try:
+        with recording(sms=t.sms, l2_bytes=t.l2_bytes, shared_per_block=t.smem_per_block, arch=t.arch) as rec:
+            block(x)
+    finally:
+        launcher.CONV_FMA = False
+    (v,) = [variant_of(lc, 90) for lc in rec.launches if lc.kernel.fn.__name__ == "_mbconv_hidden_kernel"]
+    assert (v.meta["FMA"], v.meta["BM"], v.meta["CS"]) == (True, 128, 4)
+    (c,) = compile_variants([v])
+    assert c.stack == 0 and c.mma_kind == "wgmma", (c.stack, c.mma_kind)
+    insns, loops = c.listing()
+
+    def innermost(lps):
+        for lp in lps:
+            yield from (innermost(lp.children) if lp.children else [lp])
+
+    def ffma(lp):
+        return sum(insns[i].family == "FFMA" for i in range(lp.start, lp.end + 1))
+
+    tile = max(innermost(loops), key=ffma)
+    body = [insns[i] for i in range(tile.start, tile.end + 1)]
+    ffma = ffma(tile)
+    assert 9 * 8 * 8 * 4 <= ffma <= 9 * 8 * 8 * 4 + 64, ffma  # + the SiLU's 2 per output
+    assert not [ins.opcode for ins in body if ins.family in ("LDS", "STS", "LDSM", "HMMA")]
+    taps = [ins.opcode for ins in body if ins.family == "LDG"]
+    assert len(taps) == 9 * 4 + 9 * 8 * 2 and all(op.startswith("LDG.E.128") for op in taps), taps
 
 
 # The PTX/TTGIR checks compile a few variants themselves (compile_variants keeps only the SASS).
