@@ -7,8 +7,10 @@ Fits a GPU job limited to 10 minutes: the default budget is 9 minutes
    compiles dominate), while the static cost report (``convfirstnet kernels``, the same code, sm_90,
    batch 128, 256x256, fp16) is computed for each size in a second process;
 2. each fused model (CUDA graph) and each of its distinct fused blocks (CUDA graph, the block alone on
-   an input of its shape), Small first, then Tiny, Nano, Pico; then each model again with the L1 /
-   shared split of every kernel set to fit its programs (``kernels/_carveout.py``, not yet the default);
+   an input of its shape), Small first, then Tiny, Nano, Pico; then each model again with the MBConv
+   grouped conv on the CUDA cores (``kernels/mbconv/launcher.py``'s ``CONV_FMA``, not yet the default),
+   and again with the L1 / shared split of every kernel set to fit its programs (``kernels/_carveout.py``,
+   not yet the default);
    then ``torch.compile`` of the first fused model, with the MBConv blocks on large maps compiling their
    layers (``fused-inductor``, the default) and with every block's fused op (``fused-inductor-ops``);
 3. a training step of the first model (``convfirstnet bench --train``: the fused training ops against
@@ -160,7 +162,8 @@ def plan_lines(models: Sequence[str], budget_min: float, tests: bool, train: boo
     lines.append(
         f"2. per model ({', '.join(models)}), batch {BATCH}, {IMG}x{IMG}, {DTYPE}: the fused model and each "
         f"distinct fused block in a CUDA graph, {WARMUP} warm-up and {ITERS} timed iterations (CUDA events); "
-        "then each model with every kernel's L1 / shared split fitted to its programs (kernels/_carveout.py)"
+        "then each model with the MBConv conv on the CUDA cores (kernels/mbconv/launcher.py CONV_FMA), and "
+        "with every kernel's L1 / shared split fitted to its programs (kernels/_carveout.py)"
     )
     jobs = autotune_jobs(models)
     total = sum(w for _, _, w in jobs)
@@ -251,6 +254,31 @@ def _as_block(model, path: str):
     import torch.nn as nn
 
     return nn.Sequential(model.get_submodule(path))  # fuse() and fold_batchnorm() rewrite children
+
+
+def time_conv_fma(model_rows: list[dict], until: float, dtype) -> dict:
+    """Each whole model again with the MBConv grouped conv on the CUDA cores (``CONV_FMA`` of
+    ``kernels/mbconv/launcher.py``, a variant the static model does not rank faster: the GPU decides):
+    {model: row}. Run before ``time_l1_fit``, whose carve-out stays set on the kernels it launched."""
+    import torch
+
+    from convfirstnet.factory import create_model
+    from convfirstnet.kernels.mbconv import launcher
+
+    out = {}
+    saved, launcher.CONV_FMA = launcher.CONV_FMA, True
+    try:
+        for r in model_rows:
+            if time.monotonic() > until:
+                out[r["model"]] = dict(status="skipped", reason="budget")
+                continue
+            out[r["model"]] = time_case("fused-cudagraph", create_model(r["model"]), r["shape"], dtype)
+            print(f"  {r['model']} model, MBConv conv on the CUDA cores: {_ms(out[r['model']])} ms",
+                  flush=True)
+            torch.cuda.empty_cache()
+    finally:
+        launcher.CONV_FMA = saved
+    return out
 
 
 def time_l1_fit(model_rows: list[dict], until: float, dtype) -> dict:
@@ -637,6 +665,7 @@ def run(args, argv, models: list[str], plan: list[str]) -> int:
         print(f"  {r['model']} {r['path']}: {_ms(r['fused'])} ms", flush=True)
         del module, train
         torch.cuda.empty_cache()
+    conv_fma = time_conv_fma([r for r in rows if r["path"] == "model"], fused_until, dtype)
     carveout = time_l1_fit([r for r in rows if r["path"] == "model"], fused_until, dtype)
     first = next(r for r in rows if r["model"] == models[0] and r["path"] == "model")
     print(f"\n[gpu_check] torch.compile of the fused {models[0]} ...", flush=True)
@@ -692,6 +721,7 @@ def run(args, argv, models: list[str], plan: list[str]) -> int:
         print("\nSkipped:\n" + "\n".join(f"- {s}" for s in skipped))
     extra = dict(models=models, budget_min=args.budget_min, elapsed_s=round(time.monotonic() - budget.start),
                  tests=tests, train=train, skipped=skipped, plan=plan, l1_carveout_fit=carveout,
+                 conv_fma=conv_fma,
                  static_reports={m: dict(created=r["created"], versions=r.get("versions"), git=r.get("git"))
                                  for m, r in static.reports.items()})
     paths = [write_record(make_record("network", network_results(rows, macs, params, peak), argv, dev, extra),

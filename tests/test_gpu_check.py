@@ -213,4 +213,9 @@ def test_run_orchestration_with_fake_timings(gc, tmp_path, monkeypatch, capsys):
     assert "small model, fused-inductor: 2.000 ms" in out
     assert blocks["gpu_check"]["tests"]["summary"] == "3 passed"
     assert blocks["gpu_check"]["train"]["status"] == "stopped"
+    # each model again with the MBConv conv on the CUDA cores, the shipped conv restored after
+    from convfirstnet.kernels.mbconv import launcher
+
+    assert "small model, MBConv conv on the CUDA cores: 1.000 ms" in out and launcher.CONV_FMA is False
+    assert blocks["gpu_check"]["conv_fma"]["small"]["ms_per_batch"] == 1.0
     assert blocks["gpu_check"]["train"]["profile"]["kernels_ms"] == 87.0 and "[gpu_check] profile: ok" in out
