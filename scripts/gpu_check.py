@@ -256,29 +256,35 @@ def _as_block(model, path: str):
     return nn.Sequential(model.get_submodule(path))  # fuse() and fold_batchnorm() rewrite children
 
 
+def _time_models_again(model_rows: list[dict], until: float, dtype, label: str) -> dict:
+    """Each whole model in a CUDA graph as the kernels are now set (``time_conv_fma``, ``time_l1_fit``):
+    {model: row}, a model past ``until`` skipped."""
+    import torch
+
+    from convfirstnet.factory import create_model
+
+    out = {}
+    for r in model_rows:
+        if time.monotonic() > until:
+            out[r["model"]] = dict(status="skipped", reason="budget")
+            continue
+        out[r["model"]] = time_case("fused-cudagraph", create_model(r["model"]), r["shape"], dtype)
+        print(f"  {r['model']} model, {label}: {_ms(out[r['model']])} ms", flush=True)
+        torch.cuda.empty_cache()
+    return out
+
+
 def time_conv_fma(model_rows: list[dict], until: float, dtype) -> dict:
     """Each whole model again with the MBConv grouped conv on the CUDA cores (``CONV_FMA`` of
     ``kernels/mbconv/launcher.py``, a variant the static model does not rank faster: the GPU decides):
     {model: row}. Run before ``time_l1_fit``, whose carve-out stays set on the kernels it launched."""
-    import torch
-
-    from convfirstnet.factory import create_model
     from convfirstnet.kernels.mbconv import launcher
 
-    out = {}
     saved, launcher.CONV_FMA = launcher.CONV_FMA, True
     try:
-        for r in model_rows:
-            if time.monotonic() > until:
-                out[r["model"]] = dict(status="skipped", reason="budget")
-                continue
-            out[r["model"]] = time_case("fused-cudagraph", create_model(r["model"]), r["shape"], dtype)
-            print(f"  {r['model']} model, MBConv conv on the CUDA cores: {_ms(out[r['model']])} ms",
-                  flush=True)
-            torch.cuda.empty_cache()
+        return _time_models_again(model_rows, until, dtype, "MBConv conv on the CUDA cores")
     finally:
         launcher.CONV_FMA = saved
-    return out
 
 
 def time_l1_fit(model_rows: list[dict], until: float, dtype) -> dict:
@@ -286,24 +292,13 @@ def time_l1_fit(model_rows: list[dict], until: float, dtype) -> dict:
     holds its programs (``kernels/_carveout.py``, policy ``fit``; Triton leaves 28 KB of L1 to any kernel
     over 48 KB of shared memory): {model: row}, after the shipped timings (the attribute, once set on a
     compiled kernel, stays for the process)."""
-    import torch
-
-    from convfirstnet.factory import create_model
     from convfirstnet.kernels import _carveout
 
-    out = {}
     saved, _carveout.POLICY = _carveout.POLICY, "fit"
     try:
-        for r in model_rows:
-            if time.monotonic() > until:
-                out[r["model"]] = dict(status="skipped", reason="budget")
-                continue
-            out[r["model"]] = time_case("fused-cudagraph", create_model(r["model"]), r["shape"], dtype)
-            print(f"  {r['model']} model, L1 carve-out fit: {_ms(out[r['model']])} ms", flush=True)
-            torch.cuda.empty_cache()
+        return _time_models_again(model_rows, until, dtype, "L1 carve-out fit")
     finally:
         _carveout.POLICY = saved
-    return out
 
 
 # -------------------------------------------------------------------------------- child processes

@@ -181,14 +181,18 @@ def _fma_tap(q, wrow, w_ok, ROWE, tap, MASK_R: tl.constexpr):
     """Tap ``tap``'s operands of ``_conv_fma``: the pixels' 8 input channels (x's dtype) and the eight
     output channels' weight rows (fp32)."""
     a = tl.load(q + ((tap // 3 - 1) * ROWE + (tap % 3 - 1) * 8))
-    wt = wrow + tap * 8
+    wt = wrow + tap * 8  # output channel co's row: wt + 72 co
+    return (a, _w_row(wt, w_ok, MASK_R), _w_row(wt + 72, w_ok, MASK_R), _w_row(wt + 144, w_ok, MASK_R),
+            _w_row(wt + 216, w_ok, MASK_R), _w_row(wt + 288, w_ok, MASK_R), _w_row(wt + 360, w_ok, MASK_R),
+            _w_row(wt + 432, w_ok, MASK_R), _w_row(wt + 504, w_ok, MASK_R))
+
+
+@triton.jit
+def _w_row(p, ok, MASK_R: tl.constexpr):
+    """One fp32 weight row of ``_conv_fma`` (rows past R, in a masked chunk: zero)."""
     if MASK_R:
-        return (a, tl.load(wt, mask=w_ok, other=0.0), tl.load(wt + 72, mask=w_ok, other=0.0),
-                tl.load(wt + 144, mask=w_ok, other=0.0), tl.load(wt + 216, mask=w_ok, other=0.0),
-                tl.load(wt + 288, mask=w_ok, other=0.0), tl.load(wt + 360, mask=w_ok, other=0.0),
-                tl.load(wt + 432, mask=w_ok, other=0.0), tl.load(wt + 504, mask=w_ok, other=0.0))
-    return (a, tl.load(wt), tl.load(wt + 72), tl.load(wt + 144), tl.load(wt + 216), tl.load(wt + 288),
-            tl.load(wt + 360), tl.load(wt + 432), tl.load(wt + 504))
+        return tl.load(p, mask=ok, other=0.0)
+    return tl.load(p)
 
 
 @triton.jit

@@ -594,18 +594,13 @@ def test_shipped_variants_compile_without_spills(mbconv_compiled):
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.compile
-def test_small_batch128_stride1_without_stack():
-    """Fused Small's 16x16 stride-1 blocks at batch 128 on the H100 (the report's configuration): one
-    work item per program (ONE), so the hidden kernel (8 warps, GATE) keeps neither the item loop's
-    counter nor the program count across the chunk loop and compiles for sm_90 with no stack (Triton 3.8:
-    180 registers). At 16 warps, at the 128-register limit, with the item loop kept (ONE off) it held
-    16 B of stack."""
-    pytest.importorskip("triton")
+def _small_16x16_hidden_variants():
+    """The hidden-kernel variants of fused Small's 16x16 stride-1 block (stages.3.1) at batch 128, fp16,
+    recorded for the H100 (the report's configuration) with the launcher's constants as they are now."""
     from convfirstnet.kernels._cost import recording
 
     import convfirstnet
-    from convfirstnet.analysis.compiled import compile_variants, variant_of
+    from convfirstnet.analysis.compiled import variant_of
     from convfirstnet.analysis.targets import target
 
     block = convfirstnet.fuse(convfirstnet.create_model("small")).stages[3][1].to(device="meta",
@@ -615,13 +610,26 @@ def test_small_batch128_stride1_without_stack():
         memory_format=torch.channels_last)
     with recording(sms=t.sms, l2_bytes=t.l2_bytes, shared_per_block=t.smem_per_block, arch=t.arch) as rec:
         block(x)
-    variants = [variant_of(lc, 90) for lc in rec.launches if lc.kernel.fn.__name__ == "_mbconv_hidden_kernel"]
+    return [variant_of(lc, 90) for lc in rec.launches if lc.kernel.fn.__name__ == "_mbconv_hidden_kernel"]
+
+
+@pytest.mark.compile
+def test_small_batch128_stride1_without_stack():
+    """Fused Small's 16x16 stride-1 blocks at batch 128 on the H100 (the report's configuration): one
+    work item per program (ONE), so the hidden kernel (8 warps, GATE) keeps neither the item loop's
+    counter nor the program count across the chunk loop and compiles for sm_90 with no stack (Triton 3.8:
+    180 registers). At 16 warps, at the 128-register limit, with the item loop kept (ONE off) it held
+    16 B of stack."""
+    pytest.importorskip("triton")
+    from convfirstnet.analysis.compiled import compile_variants
+
+    variants = _small_16x16_hidden_variants()
     assert [(v.meta["ONE"], v.meta["GATE"], v.meta["num_warps"]) for v in variants] == [(True, True, 8)]
     (c,) = compile_variants(variants)
     assert c.stack == 0 and c.regs <= 255, f"{c.regs} registers, {c.stack} B stack"
 
 
-def test_conv_fma_declarations():
+def test_conv_fma_declarations(monkeypatch):
     """The FMA conv's launches: its weights converted once (R x 72 read, fp32 written), no tensor-core
     MACs for the conv (the hidden kernel's mma MACs are the expand's alone), the useful MACs as on the
     mma.sync path."""
@@ -631,11 +639,8 @@ def test_conv_fma_declarations():
     n, c, hw = 4, 256, 16
     r = 4 * c
     mma_path, _ = _record(n, c, c, hw, hw, 1)
-    launcher.CONV_FMA = True
-    try:
-        fma_path, _ = _record(n, c, c, hw, hw, 1)
-    finally:
-        launcher.CONV_FMA = False
+    monkeypatch.setattr(launcher, "CONV_FMA", True)
+    fma_path, _ = _record(n, c, c, hw, hw, 1)
     names = [lc.kernel.fn.__name__ for lc in fma_path]
     assert names == ["_conv_weights_kernel", "_mbconv_hidden_kernel", "_mbconv_project_kernel"]
     weights, hidden, project = (lc.cost for lc in fma_path)
@@ -646,31 +651,18 @@ def test_conv_fma_declarations():
 
 
 @pytest.mark.compile
-def test_conv_fma_compiles_to_ffma():
+def test_conv_fma_compiles_to_ffma(monkeypatch):
     """The FMA variant of Small's 16x16 stride-1 hidden kernel (batch 128, sm_90): no stack, the expand on
     wgmma and nothing else on tensor cores; its innermost loop (the conv tiles) runs the 9 x 8 x 8 MACs of
     each of a thread's four pixels as FFMA (no other fp32 multiply), touches no shared memory (no tap
     pair copy, no ldmatrix) and loads each tap's 8 channels as one 16-byte vector."""
     pytest.importorskip("triton")
-    from convfirstnet.kernels._cost import recording
     from convfirstnet.kernels.mbconv import launcher
 
-    import convfirstnet
-    from convfirstnet.analysis.compiled import compile_variants, variant_of
-    from convfirstnet.analysis.targets import target
+    from convfirstnet.analysis.compiled import compile_variants
 
-    block = convfirstnet.fuse(convfirstnet.create_model("small")).stages[3][1].to(device="meta",
-                                                                                   dtype=torch.float16)
-    t = target(90)
-    x = torch.empty(128, 256, 16, 16, device="meta", dtype=torch.float16).contiguous(
-        memory_format=torch.channels_last)
-    launcher.CONV_FMA = True
-    try:
-        with recording(sms=t.sms, l2_bytes=t.l2_bytes, shared_per_block=t.smem_per_block, arch=t.arch) as rec:
-            block(x)
-    finally:
-        launcher.CONV_FMA = False
-    (v,) = [variant_of(lc, 90) for lc in rec.launches if lc.kernel.fn.__name__ == "_mbconv_hidden_kernel"]
+    monkeypatch.setattr(launcher, "CONV_FMA", True)
+    (v,) = _small_16x16_hidden_variants()
     assert (v.meta["FMA"], v.meta["BM"], v.meta["CS"]) == (True, 128, 4)
     (c,) = compile_variants([v])
     assert c.stack == 0 and c.mma_kind == "wgmma", (c.stack, c.mma_kind)
