@@ -296,15 +296,15 @@ class MBConv(nn.Module):
 
 
 # Which form of an MBConv block torch.compile compiles (FusedMBConv.compiled_path; the environment's
-# CONVFIRSTNET_COMPILED_MBCONV when the block is made): "auto" compiles the layers on CUDA maps of at
-# least LAYERWISE_MIN_PIXELS pixels, the fused op elsewhere; "fused" and "layer-wise" always the one named.
+# CONVFIRSTNET_COMPILED_MBCONV when the block is made): "fused" (and "auto", the default) the fused op,
+# "layer-wise" the layers on the same folded weights. Measured on an H200 (Small, batch 128, fp16, Triton
+# 3.6, CUDA graphs): with the conv's conflict-free tap order and the fitted L1 carve-out the fused blocks
+# take 0.426 ms at 32x32 stride 2, 0.311 at 16x16 stride 1, 0.332 at 16x16 stride 2 and 0.106 at 8x8
+# (benchmarks/results/variants/20261127T00*), against 0.472, 0.350, 0.337 and 0.263 for torch.compile
+# of the BatchNorm-folded block (benchmarks/results/20261126T051713Z_h200_float16_small_gpu-check-blocks
+# .json). Before those two changes the fused blocks lost on maps of 256 pixels or more (0.633, 0.403,
+# 0.433), which "auto" then compiled layer-wise.
 COMPILED_PATHS = ("auto", "fused", "layer-wise")
-# Measured on an H200 (Small, batch 128, fp16, Triton 3.6; both launches of a block with CUDA graphs
-# against torch.compile of the BatchNorm-folded block, benchmarks/results/
-# 20261126T051713Z_h200_float16_small_gpu-check-blocks.json and the two later records): the fused
-# blocks lose at 32x32 stride 2 (0.64 against 0.47 ms), 16x16 stride 1 (0.40-0.43 against 0.35) and
-# 16x16 stride 2 (0.43-0.48 against 0.34), and win at 8x8 (0.13 against 0.26).
-LAYERWISE_MIN_PIXELS = 256
 
 
 def compiled_mbconv_path() -> str:
@@ -317,6 +317,7 @@ def compiled_mbconv_path() -> str:
     return name
 
 
+@torch.compiler.assume_constant_result  # run when traced: torch 2.11's dynamo folds is_exporting() to True
 def _exporting() -> bool:
     is_exporting = getattr(torch.compiler, "is_exporting", None)
     return bool(is_exporting and is_exporting())
@@ -342,9 +343,6 @@ class FusedMBConv(FusedBlock):
 
     def compiles_layers(self, x: torch.Tensor) -> bool:
         """Whether torch.compile of this block on ``x`` compiles its layers (``compiled_path``)."""
-        if self.compiled_path == "auto":
-            large = x.dim() == 4 and x.shape[2] * x.shape[3] >= LAYERWISE_MIN_PIXELS
-            return x.device.type == "cuda" and large
         return self.compiled_path == "layer-wise"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,13 +11,16 @@ first ConvFirst stage) ran with 132 KB (124 KB of L1), more than their programs 
 kernels, for one, use 170 KB and keep a 41 KB scratch slot they read ten times per write: it cannot
 stay in 28 KB (measured L1 hit rate 56-67 %).
 
-``POLICY = "fit"`` (environment: ``CONVFIRSTNET_L1_CARVEOUT=fit``) sets, after the first launch of each
-compiled kernel, the preferred carve-out (``CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT``, a
-percentage of the largest) to the smallest that holds the shared memory of the programs an SM can keep
-resident, so the rest is L1 (60 KB for the MBConv hidden kernels). It is a hint the driver may
-override, it applies to launches through ``kernels._launch.launch`` (not to kernels that
-``torch.compile`` launches itself), and it is not yet measured: ``"triton"`` (the default) leaves
-Triton's choice. ``convfirstnet.analysis`` models both (``carveout_bytes``).
+``POLICY = "fit"`` (the default; environment ``CONVFIRSTNET_L1_CARVEOUT=fit``, ``triton`` leaves
+Triton's choice) sets, after the first launch of each compiled kernel, the preferred carve-out
+(``CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT``, a percentage of the largest) to the smallest that
+holds the shared memory of the programs an SM can keep resident, so the rest is L1 (60 KB for the MBConv
+hidden kernels). It is a hint the driver may override, and it applies to launches through
+``kernels._launch.launch`` (not to kernels that ``torch.compile`` launches itself). Timed on an H200
+(Triton 3.6, batch 128, fp16, CUDA graphs): fused Small 13.68 against 14.16 ms with the tap order of
+then (``scripts/gpu_check.py``, benchmarks/results/20261127T002434Z_*), 11.79-11.84 against 12.21-12.25
+with the conflict-free one, and each MBConv block 2-4 % faster (benchmarks/results/variants/20261127T00*).
+``convfirstnet.analysis`` models both (``carveout_bytes``).
 """
 
 from __future__ import annotations
@@ -28,14 +31,14 @@ import os
 import warnings
 
 POLICIES = ("triton", "fit")
-POLICY = os.environ.get("CONVFIRSTNET_L1_CARVEOUT", "triton").strip().lower() or "triton"
+POLICY = os.environ.get("CONVFIRSTNET_L1_CARVEOUT", "fit").strip().lower() or "fit"
 if POLICY not in POLICIES:
     raise ValueError(f"CONVFIRSTNET_L1_CARVEOUT={POLICY!r}: expected one of {', '.join(POLICIES)}")
 
 TRITON_PREFER_SHARED_ABOVE = 48 * 1024  # Triton's loader: more dynamic shared memory than this
 RESERVED_PER_BLOCK = 1024  # shared memory the driver reserves per resident program (sm_80, sm_90)
 CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9  # cuda.h, CUfunction_attribute
-_DONE: set[int] = set()  # CUfunction handles already set
+_DONE: dict[int, str] = {}  # CUfunction handle -> the policy last set on it (none: Triton's choice)
 
 
 def smallest_carveout(need: int, carveouts_kb: tuple[int, ...]) -> int | None:
@@ -79,11 +82,13 @@ def _libcuda():
 
 
 def apply(compiled, device) -> None:
-    """With POLICY ``fit``: set the preferred carve-out of ``compiled`` (a Triton CompiledKernel just
-    launched on ``device``) once. Triton's PREFER_SHARED is left alone below its 48 KB threshold."""
+    """Set the preferred carve-out of ``compiled`` (a Triton CompiledKernel just launched on ``device``)
+    to what POLICY asks, once per kernel and policy: ``fit`` the smallest that holds its programs,
+    ``triton`` (only on a kernel ``fit`` was set on before) back to the largest, Triton's PREFER_SHARED.
+    Kernels at or below Triton's 48 KB threshold are left alone."""
     shared = int(getattr(getattr(compiled, "metadata", None), "shared", 0) or 0)
     handle = getattr(compiled, "function", None)
-    if POLICY != "fit" or shared <= TRITON_PREFER_SHARED_ABOVE or not handle or handle in _DONE:
+    if shared <= TRITON_PREFER_SHARED_ABOVE or not handle or _DONE.get(handle, "triton") == POLICY:
         return
     import torch
 
@@ -91,8 +96,8 @@ def apply(compiled, device) -> None:
     max_shared = props.shared_memory_per_multiprocessor
     warps, regs = int(compiled.metadata.num_warps), int(getattr(compiled, "n_regs", 0))
     programs = resident_programs(shared, warps, regs, max_shared=max_shared)
-    pct = fit_percent(shared, programs, max_shared)
-    _DONE.add(handle)
+    pct = fit_percent(shared, programs, max_shared) if POLICY == "fit" else 100
+    _DONE[handle] = POLICY
     rc = _libcuda().cuFuncSetAttribute(ctypes.c_void_p(handle),
                                        CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, ctypes.c_int(pct))
     if rc != 0:

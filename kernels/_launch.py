@@ -251,7 +251,7 @@ def launch(kernel, grid, *args, cost: Callable[[], KernelCost] | None = None, **
         rec.add(kernel, grid, args, meta, cost)
         return
     compiled = launchable(kernel, args)[grid](*args, **meta)
-    if _carveout.POLICY != "triton":  # opt-in L1 / shared split (kernels/_carveout.py), once per kernel
+    if _carveout.POLICY != "triton" or _carveout._DONE:  # the L1 / shared split (kernels/_carveout.py)
         _carveout.apply(compiled, next(a.device for a in args if isinstance(a, torch.Tensor)))
 
 

@@ -7,12 +7,11 @@ Fits a GPU job limited to 10 minutes: the default budget is 9 minutes
    compiles dominate), while the static cost report (``convfirstnet kernels``, the same code, sm_90,
    batch 128, 256x256, fp16) is computed for each size in a second process;
 2. each fused model (CUDA graph) and each of its distinct fused blocks (CUDA graph, the block alone on
-   an input of its shape), Small first, then Tiny, Nano, Pico; then each model again with the MBConv
-   grouped conv on the CUDA cores (``kernels/mbconv/launcher.py``'s ``CONV_FMA``, not yet the default),
-   and again with the L1 / shared split of every kernel set to fit its programs (``kernels/_carveout.py``,
-   not yet the default);
-   then ``torch.compile`` of the first fused model, with the MBConv blocks on large maps compiling their
-   layers (``fused-inductor``, the default) and with every block's fused op (``fused-inductor-ops``);
+   an input of its shape), Small first, then Tiny, Nano, Pico; then each model again with the L1 /
+   shared split of every kernel as Triton's loader leaves it (``kernels/_carveout.py`` policy
+   ``triton``; the default fits it to the programs);
+   then ``torch.compile`` of the first fused model (``fused-inductor``: every block's fused op, as users
+   get it);
 3. a training step of the first model (``convfirstnet bench --train``: the fused training ops against
    the layer-wise training form, fp16 autocast, batch 128, each also with the whole step in a CUDA
    graph), which writes its own record, then a
@@ -64,7 +63,7 @@ STATIC_CAP_S = 600  # the four static reports, beside the tests (a second proces
 FUSED_CAP_S = 300  # every fused model and distinct block (Triton compiles its variants on first use)
 # torch.compile of the fused first model: with FusedMBConv's rule (its large-map MBConv blocks compile
 # their layers) and with every block's op; one child process each
-COMPILED_BACKENDS = ("fused-inductor", "fused-inductor-ops")
+COMPILED_BACKENDS = ("fused-inductor",)  # -ops is the same model now that auto keeps the MBConv op
 COMPILED_CAP_S = 240
 RESERVE_S = 30  # kept back for the tables and the records at the end
 WARMUP, ITERS = 10, 50  # as convfirstnet bench on a GPU
@@ -162,8 +161,7 @@ def plan_lines(models: Sequence[str], budget_min: float, tests: bool, train: boo
     lines.append(
         f"2. per model ({', '.join(models)}), batch {BATCH}, {IMG}x{IMG}, {DTYPE}: the fused model and each "
         f"distinct fused block in a CUDA graph, {WARMUP} warm-up and {ITERS} timed iterations (CUDA events); "
-        "then each model with the MBConv conv on the CUDA cores (kernels/mbconv/launcher.py CONV_FMA), and "
-        "with every kernel's L1 / shared split fitted to its programs (kernels/_carveout.py)"
+        "then each model with every kernel's L1 / shared split as Triton leaves it (kernels/_carveout.py)"
     )
     jobs = autotune_jobs(models)
     total = sum(w for _, _, w in jobs)
@@ -256,49 +254,28 @@ def _as_block(model, path: str):
     return nn.Sequential(model.get_submodule(path))  # fuse() and fold_batchnorm() rewrite children
 
 
-def _time_models_again(model_rows: list[dict], until: float, dtype, label: str) -> dict:
-    """Each whole model in a CUDA graph as the kernels are now set (``time_conv_fma``, ``time_l1_fit``):
-    {model: row}, a model past ``until`` skipped."""
+def time_l1_triton(model_rows: list[dict], until: float, dtype) -> dict:
+    """Each whole model again, with every kernel's L1 / shared split as Triton's loader leaves it (28 KB
+    of L1 to any kernel over 48 KB of shared memory; ``kernels/_carveout.py`` policy ``triton``) instead
+    of the shipped smallest carve-out that holds its programs (``fit``): {model: row}."""
     import torch
 
     from convfirstnet.factory import create_model
-
-    out = {}
-    for r in model_rows:
-        if time.monotonic() > until:
-            out[r["model"]] = dict(status="skipped", reason="budget")
-            continue
-        out[r["model"]] = time_case("fused-cudagraph", create_model(r["model"]), r["shape"], dtype)
-        print(f"  {r['model']} model, {label}: {_ms(out[r['model']])} ms", flush=True)
-        torch.cuda.empty_cache()
-    return out
-
-
-def time_conv_fma(model_rows: list[dict], until: float, dtype) -> dict:
-    """Each whole model again with the MBConv grouped conv on the CUDA cores (``CONV_FMA`` of
-    ``kernels/mbconv/launcher.py``, a variant the static model does not rank faster: the GPU decides):
-    {model: row}. Run before ``time_l1_fit``, whose carve-out stays set on the kernels it launched."""
-    from convfirstnet.kernels.mbconv import launcher
-
-    saved, launcher.CONV_FMA = launcher.CONV_FMA, True
-    try:
-        return _time_models_again(model_rows, until, dtype, "MBConv conv on the CUDA cores")
-    finally:
-        launcher.CONV_FMA = saved
-
-
-def time_l1_fit(model_rows: list[dict], until: float, dtype) -> dict:
-    """Each whole model again, with every kernel's L1 / shared split set to the smallest carve-out that
-    holds its programs (``kernels/_carveout.py``, policy ``fit``; Triton leaves 28 KB of L1 to any kernel
-    over 48 KB of shared memory): {model: row}, after the shipped timings (the attribute, once set on a
-    compiled kernel, stays for the process)."""
     from convfirstnet.kernels import _carveout
 
-    saved, _carveout.POLICY = _carveout.POLICY, "fit"
+    out = {}
+    saved, _carveout.POLICY = _carveout.POLICY, "triton"
     try:
-        return _time_models_again(model_rows, until, dtype, "L1 carve-out fit")
+        for r in model_rows:
+            if time.monotonic() > until:
+                out[r["model"]] = dict(status="skipped", reason="budget")
+                continue
+            out[r["model"]] = time_case("fused-cudagraph", create_model(r["model"]), r["shape"], dtype)
+            print(f"  {r['model']} model, Triton's L1 carve-out: {_ms(out[r['model']])} ms", flush=True)
+            torch.cuda.empty_cache()
     finally:
         _carveout.POLICY = saved
+    return out
 
 
 # -------------------------------------------------------------------------------- child processes
@@ -660,8 +637,7 @@ def run(args, argv, models: list[str], plan: list[str]) -> int:
         print(f"  {r['model']} {r['path']}: {_ms(r['fused'])} ms", flush=True)
         del module, train
         torch.cuda.empty_cache()
-    conv_fma = time_conv_fma([r for r in rows if r["path"] == "model"], fused_until, dtype)
-    carveout = time_l1_fit([r for r in rows if r["path"] == "model"], fused_until, dtype)
+    carveout = time_l1_triton([r for r in rows if r["path"] == "model"], fused_until, dtype)
     first = next(r for r in rows if r["model"] == models[0] and r["path"] == "model")
     print(f"\n[gpu_check] torch.compile of the fused {models[0]} ...", flush=True)
     for backend in COMPILED_BACKENDS:
@@ -715,8 +691,7 @@ def run(args, argv, models: list[str], plan: list[str]) -> int:
     if skipped:
         print("\nSkipped:\n" + "\n".join(f"- {s}" for s in skipped))
     extra = dict(models=models, budget_min=args.budget_min, elapsed_s=round(time.monotonic() - budget.start),
-                 tests=tests, train=train, skipped=skipped, plan=plan, l1_carveout_fit=carveout,
-                 conv_fma=conv_fma,
+                 tests=tests, train=train, skipped=skipped, plan=plan, l1_carveout_triton=carveout,
                  static_reports={m: dict(created=r["created"], versions=r.get("versions"), git=r.get("git"))
                                  for m, r in static.reports.items()})
     paths = [write_record(make_record("network", network_results(rows, macs, params, peak), argv, dev, extra),

@@ -363,8 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ncu", default=shutil.which("ncu") or "ncu")
     p.add_argument("--timeout", type=float, default=400, help="seconds for the profiled run")
     p.add_argument("--keep-report", action="store_true", help="keep the .ncu-rep file")
-    p.add_argument("--l1-carveout", default="triton", choices=("triton", "fit"),
-                   help="the kernels' L1 / shared split (kernels/_carveout.py; default: Triton's)")
+    p.add_argument("--l1-carveout", default="fit", choices=("triton", "fit"),
+                   help="the kernels' L1 / shared split (kernels/_carveout.py; default: fit, as shipped)")
     p.add_argument("--compare", metavar="SUMMARY", help="no profiling: compare a recorded ncu_summary.json "
                    "with the static report given by --report (runs without a GPU)")
     p.add_argument("--report", metavar="JSON", help="with --compare: a `convfirstnet kernels --json` report")

@@ -1,10 +1,11 @@
 """Variants of the MBConv kernels' launch constants at one of Small's blocks, each timed on a GPU beside
 the static model's prediction: ``python scripts/gpu_variants.py [--block stages.3.1]``.
 
-The 16x16 MBConv blocks measured slower than ``torch.compile``'s layer-wise code on an H200 (0.427
-against 0.350 ms with 16-warp hidden programs; loading the conv's tap pairs one dot ahead changed
-nothing measurable, 0.427 against 0.429 "pairs not ahead"; 8 warps, now shipped, 0.403). ``--block
-model`` times the whole of Small. Each variant overrides constants of ``kernels/mbconv/launcher.py`` (warps,
+On an H200 (Triton 3.6) the 16x16 stride-1 MBConv block measured 0.427 ms with 16-warp hidden
+programs, 0.403 with 8 (loading the conv's tap pairs one dot ahead changed nothing measurable, 0.427
+against 0.429 "pairs not ahead"), 0.321 with the conflict-free tap order and 0.311 with it and the
+fitted L1 carve-out, both now shipped ("taps 0", "L1 carveout triton": the orders before), against 0.350
+for ``torch.compile``'s layer-wise code. ``--block model`` times the whole of Small. Each variant overrides constants of ``kernels/mbconv/launcher.py`` (warps,
 hidden channels per chunk, resident x tile or tiled items, the conv's load order) or of another kernels
 module (``"_carveout.POLICY"``: the L1 / shared split of every kernel) for one run; per
 variant it prints and records:
@@ -36,17 +37,14 @@ VARIANTS = {  # name -> overrides of kernels/mbconv/launcher.py's constants
     "tiled 16 warps": {"XM": 16},
     "tiled 8 warps": {"XM": 16, "HIDDEN_WARPS_TILED": 8},
     "tiled 4 warps": {"XM": 16, "HIDDEN_WARPS_TILED": 4},
-    # every kernel's L1 / shared split set to the smallest carve-out that holds its programs (Triton's
-    # loader leaves 28 KB of L1 to any kernel over 48 KB of shared memory: kernels/_carveout.py)
-    "L1 carveout fit": {"_carveout.POLICY": "fit"},
-    # the conv's tap pairs loaded in the order whose copies to shared memory are free of bank conflicts
-    # with this Triton (launcher.TAP_ORDER; 1 on Triton 3.6, 2 on 3.8: each also compiles elsewhere)
+    # every kernel's L1 / shared split as Triton's loader leaves it (28 KB of L1 to any kernel over 48 KB of
+    # shared memory) instead of the smallest carve-out that holds its programs (kernels/_carveout.py)
+    "L1 carveout triton": {"_carveout.POLICY": "triton"},
+    # the conv's tap pairs loaded in a given order (launcher.TAP_ORDER; the shipped None takes the one
+    # whose copies to shared memory are free of bank conflicts with this Triton: 1 on 3.6, 2 on 3.8)
+    "taps 0": {"TAP_ORDER": 0},
     "taps 1": {"TAP_ORDER": 1},
     "taps 2": {"TAP_ORDER": 2},
-    # the grouped conv on the CUDA cores (launcher.CONV_FMA, kernel.py _conv_fma): no tap pair through
-    # shared memory, each tap loaded once into the registers that use it
-    "conv fma": {"CONV_FMA": True},
-    "conv fma + L1 carveout fit": {"CONV_FMA": True, "_carveout.POLICY": "fit"},
 }
 
 

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "benchmarks/results/ncu/20261126T150000Z_h200_float16_small_ncu.json"
 REPORT = ROOT / "benchmarks/static/small_b128_sm90.json"
 # the report of the code the GPU ran (torch 2.11, Triton 3.6), computed on the CPU with that compiler
-REPORT_36 = ROOT / "benchmarks/static/triton36/small_b128_sm90.json"
+# the report of the code the record profiled (Triton 3.6, tap order 0, Triton's carve-out)
+REPORT_36 = ROOT / "benchmarks/static/triton36/small_b128_sm90_profiled.json"
 
 ncu = load_script("gpu_ncu")
 

@@ -12,8 +12,8 @@ def test_overrides_reach_their_modules_and_are_restored():
     from convfirstnet.kernels.mbconv import launcher
 
     warps, policy = launcher.HIDDEN_WARPS, _carveout.POLICY
-    with variants.overridden({"HIDDEN_WARPS": 16, **variants.VARIANTS["L1 carveout fit"]}):
-        assert (launcher.HIDDEN_WARPS, _carveout.POLICY) == (16, "fit")
+    with variants.overridden({"HIDDEN_WARPS": 16, **variants.VARIANTS["L1 carveout triton"]}):
+        assert (launcher.HIDDEN_WARPS, _carveout.POLICY) == (16, "triton")
     assert (launcher.HIDDEN_WARPS, _carveout.POLICY) == (warps, policy)
 
 

@@ -13,8 +13,8 @@ Backends (``--backends``):
 * ``fused-cudagraph``: the fused model captured once in a CUDA graph (kernels are compiled and
   warmed up before capture) and replayed: no launch overhead. CUDA only.
 * ``fused-inductor``: ``torch.compile`` (static shapes, default mode) of the fused model, as a user
-  compiles it: the MBConv blocks on CUDA maps of 256 pixels and more compile their layers, the other
-  blocks their ops (``FusedMBConv.compiled_path``, ``CONVFIRSTNET_COMPILED_MBCONV``).
+  compiles it: each block's op, except MBConv blocks whose ``FusedMBConv.compiled_path``
+  (``CONVFIRSTNET_COMPILED_MBCONV``) asks for their layers.
   ``fused-inductor-ops``: the same with every block's op (``compiled_path = "fused"``).
 * ``eager``: the training form (BatchNorm) in eval mode, channels-last, plain PyTorch.
 * ``inductor``: ``torch.compile`` (static shapes) of the BN-folded, unfused model from

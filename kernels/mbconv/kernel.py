@@ -21,9 +21,7 @@ written once in the input dtype (``gbuf``, (N, H'W', R)) and read back once. Two
    x [G CS, 16, 8] ``tl.dot``: mma.sync, 10/9 of the useful conv MACs; each of the G groups' tiles is
    split in CS pixel sub-tiles so that every warp gets a batch entry of its own: with fewer entries
    than warps, Triton had each warp repeat another's mma.sync; AHEAD: each step's tap pair loaded from
-   the slot one dot ahead, two loads in flight while a dot runs; FMA, a variant that launcher.CONV_FMA
-   turns on: the conv on the CUDA cores instead, ``_conv_fma``, each tap's 8 channels loaded once into
-   the registers that use them, no shared memory) + bias + SiLU; stride 1: ``g`` to
+   the slot one dot ahead, two loads in flight while a dot runs) + bias + SiLU; stride 1: ``g`` to
    ``gbuf`` and the pool in registers; stride 2: ``g`` to a second slot, barrier, BlurPool from it
    (``_blur``: reflect padding folded into the indices), the blurred ``g`` to ``gbuf``. Per (image,
    chunk) the first SE layer's share ``zpart[n, chunk] = W_se1[:, chunk] @ mean[n, chunk]``
@@ -132,8 +130,9 @@ def _conv_pair_h(hs, q, PW, J: tl.constexpr, G: tl.constexpr, CS: tl.constexpr, 
     input channels of tap 2J, k >= 8 of tap 2J + 1. Scratch layout [padded row][group][padded column][8].
 
     TAPS: the index order of the load, which decides the register layout Triton gives the tile and so
-    the bank conflicts of its copy to shared memory for the batched mma.sync (launcher.TAP_ORDER, shipped
-    0; ``conflict_free_tap_order()`` per Triton version, checked on the compiled PTX). 0: [G CS, BM / CS, 16]
+    the bank conflicts of its copy to shared memory for the batched mma.sync (launcher.tap_order(): the
+    ``conflict_free_tap_order()`` per Triton version, checked on the compiled PTX, and measured 20 %
+    faster on an H200 than 0 with Triton 3.6, unless launcher.TAP_ORDER forces one). 0: [G CS, BM / CS, 16]
     as is (Triton 3.6 and 3.8: 4x the conflict-free store wavefronts, and on 3.8 6x on the ldmatrix
     loads: 672 / 112); 1: loaded as [BM / CS, G CS, 16] and permuted (conflict-free on 3.6; 3.8 adds 6 barriers
     per pair); 2: loaded as [G CS x BM / CS, 16] rows and reshaped (conflict-free on 3.8; 3.6 drops to
@@ -153,100 +152,6 @@ def _conv_pair_h(hs, q, PW, J: tl.constexpr, G: tl.constexpr, CS: tl.constexpr, 
     else:  # its own sum, gq unused: from gq[:, :, None] it compiled slower (Small 13.49 -> 13.70 ms high)
         g = (tl.arange(0, GS) // CS)[:, None, None]
         return tl.load(hs + g * (PW * 8) + q[:, :, None] + off[None, None, :])
-
-
-@triton.jit
-def _split8(a):
-    """[..., 8] -> its eight channels as tensors [...] (in-thread: the 8 are one thread's registers)."""
-    b = tl.reshape(a, a.shape[:-1] + (2, 2, 2))  # [..., c >> 2, (c >> 1) & 1, c & 1]
-    e, o = tl.split(b)
-    e0, e1 = tl.split(e)
-    o0, o1 = tl.split(o)
-    c0, c4 = tl.split(e0)
-    c2, c6 = tl.split(e1)
-    c1, c5 = tl.split(o0)
-    c3, c7 = tl.split(o1)
-    return c0, c1, c2, c3, c4, c5, c6, c7
-
-
-@triton.jit
-def _fma8(acc, a0, a1, a2, a3, a4, a5, a6, a7, w):
-    """acc + sum_i a_i w[..., i]: a chain of eight FFMA per element (the compiler contracts mul + add)."""
-    w0, w1, w2, w3, w4, w5, w6, w7 = _split8(w)
-    return acc + a0 * w0 + a1 * w1 + a2 * w2 + a3 * w3 + a4 * w4 + a5 * w5 + a6 * w6 + a7 * w7
-
-
-@triton.jit
-def _fma_tap(q, wrow, w_ok, ROWE, tap, MASK_R: tl.constexpr):
-    """Tap ``tap``'s operands of ``_conv_fma``: the pixels' 8 input channels (x's dtype) and the eight
-    output channels' weight rows (fp32)."""
-    a = tl.load(q + ((tap // 3 - 1) * ROWE + (tap % 3 - 1) * 8))
-    wt = wrow + tap * 8  # output channel co's row: wt + 72 co
-    return (a, _w_row(wt, w_ok, MASK_R), _w_row(wt + 72, w_ok, MASK_R), _w_row(wt + 144, w_ok, MASK_R),
-            _w_row(wt + 216, w_ok, MASK_R), _w_row(wt + 288, w_ok, MASK_R), _w_row(wt + 360, w_ok, MASK_R),
-            _w_row(wt + 432, w_ok, MASK_R), _w_row(wt + 504, w_ok, MASK_R))
-
-
-@triton.jit
-def _w_row(p, ok, MASK_R: tl.constexpr):
-    """One fp32 weight row of ``_conv_fma`` (rows past R, in a masked chunk: zero)."""
-    if MASK_R:
-        return tl.load(p, mask=ok, other=0.0)
-    return tl.load(p)
-
-
-@triton.jit
-def _fma_step(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, a, w0, w1, w2, w3, w4, w5, w6, w7):
-    """One tap of ``_conv_fma``: the eight output channels' accumulators += the tap's 8 x 8 MACs."""
-    a0, a1, a2, a3, a4, a5, a6, a7 = _split8(a.to(tl.float32))
-    return (_fma8(acc0, a0, a1, a2, a3, a4, a5, a6, a7, w0), _fma8(acc1, a0, a1, a2, a3, a4, a5, a6, a7, w1),
-            _fma8(acc2, a0, a1, a2, a3, a4, a5, a6, a7, w2), _fma8(acc3, a0, a1, a2, a3, a4, a5, a6, a7, w3),
-            _fma8(acc4, a0, a1, a2, a3, a4, a5, a6, a7, w4), _fma8(acc5, a0, a1, a2, a3, a4, a5, a6, a7, w5),
-            _fma8(acc6, a0, a1, a2, a3, a4, a5, a6, a7, w6), _fma8(acc7, a0, a1, a2, a3, a4, a5, a6, a7, w7))
-
-
-@triton.jit
-def _conv_fma(hi, wf_ptr, r0, R, t, ncol, H, W, PW, ROWE, G: tl.constexpr, CS: tl.constexpr, TW: tl.constexpr,
-              TH: tl.constexpr, EXACT: tl.constexpr, MASK_R: tl.constexpr):
-    """The grouped conv of tile ``t`` on the CUDA cores (FMA): fp32 [CS G, 32, 8], batch entry b = group
-    b % G at pixels (b // G) 32 ... + 31 of the tile (the mma.sync path's [G CS, BM / CS, 8] holds group
-    b // CS, sub-tile b % CS: the caller maps the entries accordingly).
-
-    Computed as [CS, G, 32, 8] (pixel sub-tile, group, pixel, channel): each thread holds one group's CS
-    pixels (warps over the groups, lanes over the pixels) and their eight input channels, loaded as one
-    16-byte vector per tap; each (tap, output channel) row of the group's weights is two 16-byte loads of
-    fp32 (``wf_ptr``: the weights as [R][3][3][8] fp32, contiguous) used for the thread's CS pixels. No
-    shared memory, no layout conversion: per MAC 1 FFMA plus the loads and fp16 -> fp32 conversions
-    (tests/kernels/test_mbconv.py counts the SASS)."""
-    m = tl.arange(0, CS)[:, None, None, None] * 32 + tl.arange(0, 32)[None, None, :, None]
-    g = tl.arange(0, G)[None, :, None, None]
-    ci = tl.arange(0, 8)[None, None, None, :]
-    y, xx_, yc, xc, ok = _tile(t, ncol, H, W, m, TW, TH, EXACT)
-    q = hi + (yc + 1) * ROWE + (xc + 1) * 8 + g * (PW * 8) + ci
-    wrow = wf_ptr + (r0 + g * 8) * 72 + ci  # row (group g, output channel 0): [1, G, 1, 8]
-    w_ok = (r0 + g * 8 < R) & (ci < 8)
-    acc0 = tl.zeros((CS, G, 32), tl.float32)
-    acc1 = tl.zeros((CS, G, 32), tl.float32)
-    acc2 = tl.zeros((CS, G, 32), tl.float32)
-    acc3 = tl.zeros((CS, G, 32), tl.float32)
-    acc4 = tl.zeros((CS, G, 32), tl.float32)
-    acc5 = tl.zeros((CS, G, 32), tl.float32)
-    acc6 = tl.zeros((CS, G, 32), tl.float32)
-    acc7 = tl.zeros((CS, G, 32), tl.float32)
-    # each tap's operands are loaded one tap ahead of its FFMA (as written: the compiler's scheduler
-    # places the loads; a runtime tap loop that would keep the distance copied the 80 registers of the
-    # next tap's operands each trip, or with two taps a trip spilled)
-    an, wn0, wn1, wn2, wn3, wn4, wn5, wn6, wn7 = _fma_tap(q, wrow, w_ok, ROWE, 0, MASK_R)
-    for tap in tl.static_range(9):
-        a, w0, w1, w2, w3, w4, w5, w6, w7 = an, wn0, wn1, wn2, wn3, wn4, wn5, wn6, wn7
-        if tap < 8:
-            an, wn0, wn1, wn2, wn3, wn4, wn5, wn6, wn7 = _fma_tap(q, wrow, w_ok, ROWE, tap + 1, MASK_R)
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _fma_step(
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, a, w0, w1, w2, w3, w4, w5, w6, w7)
-    # channel co = 4 bit2 + 2 bit1 + bit0: the innermost join is bit 2, the outermost bit 0
-    acc = tl.join(tl.join(tl.join(acc0, acc4), tl.join(acc2, acc6)),
-                  tl.join(tl.join(acc1, acc5), tl.join(acc3, acc7)))
-    return tl.reshape(acc, (CS * G, 32, 8))
 
 
 @triton.jit
@@ -309,7 +214,7 @@ def _mbconv_hidden_kernel(
     EXACT: tl.constexpr, RESIDENT: tl.constexpr, XM: tl.constexpr, HWP: tl.constexpr,
     ZB: tl.constexpr, SILU: tl.constexpr, PREC: tl.constexpr, CS: tl.constexpr, SEB: tl.constexpr,
     NS: tl.constexpr, GATE: tl.constexpr, GB: tl.constexpr, NCP: tl.constexpr,
-    MOMENTS: tl.constexpr, ONE: tl.constexpr, AHEAD: tl.constexpr, TAPS: tl.constexpr, FMA: tl.constexpr,
+    MOMENTS: tl.constexpr, ONE: tl.constexpr, AHEAD: tl.constexpr, TAPS: tl.constexpr,
 ):
     G: tl.constexpr = RB // 8
     GS: tl.constexpr = G * CS  # conv batch: each group's pixel tile split in CS sub-tiles
@@ -359,18 +264,10 @@ def _mbconv_hidden_kernel(
     rc = tl.arange(0, CP)
     c_ok = rc < C
     bs = tl.arange(0, GS)
-    # conv batch entry b -> (group, pixel sub-tile): mma.sync (b // CS, b % CS); FMA (b % G, b // G), the
-    # order of _conv_fma's registers, which the g store's coalesced layout shares (no conversion)
-    if FMA:
-        bg = bs % G
-        bsub = bs // G
-    else:
-        bg = bs // CS
-        bsub = bs % CS
-    m = (bsub * MS)[:, None] + tl.arange(0, MS)[None, :]  # [GS, MS]: pixel of the tile
+    m = ((bs % CS) * MS)[:, None] + tl.arange(0, MS)[None, :]  # [GS, MS]: pixel of the tile
     me = tl.arange(0, EM)
     THE: tl.constexpr = EM // TW
-    g3 = bg[:, None, None]
+    g3 = (bs // CS)[:, None, None]
     c3 = tl.arange(0, 8)[None, None, :]
     ncol = tl.cdiv(W, TW)
     ntile = tl.cdiv(H, TH) * ncol
@@ -408,12 +305,11 @@ def _mbconv_hidden_kernel(
                 we = tl.load(wexp_ptr + (r0 + rr)[None, :] * swe_r + rc[:, None] * swe_c)
             hb_e = 0.5 * tl.load(bexp_ptr + r0 + rr, mask=r_ok, other=0.0).to(tl.float32)[None, :]
             hb_c = 0.5 * tl.load(bconv_ptr + r3, mask=r3 < R, other=0.0).to(tl.float32)
-            if not FMA:  # the FMA conv reads its fp32 weights per tap (_conv_fma)
-                w0 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 0, G, CS)
-                w1 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 1, G, CS)
-                w2 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 2, G, CS)
-                w3 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 3, G, CS)
-                w4 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 4, G, CS)
+            w0 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 0, G, CS)
+            w1 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 1, G, CS)
+            w2 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 2, G, CS)
+            w3 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 3, G, CS)
+            w4 = _conv_pair_w(wconv_ptr, r0, R, swc_r, swc_i, swc_y, swc_x, 4, G, CS)
             if RESIDENT:
                 # ---- expand of all the item's pixels: h = SiLU(x W_exp^T + b) into the padded slot
                 tl.debug_barrier()  # the previous chunk's reads of the slot are done
@@ -451,20 +347,14 @@ def _mbconv_hidden_kernel(
                     tl.debug_barrier()
                 # ---- grouped conv (+ SiLU), 64-pixel tiles
                 if STRIDE == 1:
-                    if FMA:  # summed over a thread's sub-tiles as it goes: [G, MS, 8]
-                        pool = tl.zeros((G, MS, 8), dtype=tl.float32)
-                    else:
-                        pool = tl.zeros((GS, MS, 8), dtype=tl.float32)
+                    pool = tl.zeros((GS, MS, 8), dtype=tl.float32)
                 if MOMENTS:  # BatchNorm statistics pass (kernels/mbconv/moments.py): no g, no pool, no SE
                     mom1 = tl.zeros((GS, MS, 8), dtype=tl.float32)
                     mom2 = tl.zeros((GS, MS, 8), dtype=tl.float32)
                 for t in tl.range(0, ntile, num_stages=1):
                     y, xx_, yc, xc, ok = _tile(t, ncol, H, W, m, TW, TH, EXACT)
                     qp = (yc + 1) * ROWE + (xc + 1) * 8
-                    if FMA:
-                        acc = _conv_fma(hi, wconv_ptr, r0, R, t, ncol, H, W, PW, ROWE, G, CS, TW, TH, EXACT,
-                                        MASK_R)
-                    elif AHEAD:  # each tap pair loaded one dot ahead of its use (the launcher's choice)
+                    if AHEAD:  # each tap pair loaded one dot ahead of its use (the launcher's choice)
                         a0 = _conv_pair_h(hi, qp, PW, 0, G, CS, TAPS)
                         a1 = _conv_pair_h(hi, qp, PW, 1, G, CS, TAPS)
                         acc = tl.dot(a0, w0, input_precision=PREC)
@@ -497,19 +387,13 @@ def _mbconv_hidden_kernel(
                         else:
                             gp = g_ptr + (n * OHW + pix).to(tl.int64) * R + r3
                         if EXACT:
-                            if FMA:
-                                pool += tl.sum(tl.reshape(v, (CS, G, MS, 8)), axis=0)
-                            else:
-                                pool += v
+                            pool += v
                             if MASK_R:
                                 tl.store(gp, v.to(dtype), mask=r3 < R)
                             else:
                                 tl.store(gp, v.to(dtype))
                         else:
-                            if FMA:
-                                pool += tl.sum(tl.reshape(tl.where(ok3, v, 0.0), (CS, G, MS, 8)), axis=0)
-                            else:
-                                pool += tl.where(ok3, v, 0.0)
+                            pool += tl.where(ok3, v, 0.0)
                             tl.store(gp, v.to(dtype), mask=ok3 & (r3 < R))
                     elif not MOMENTS:  # the full-resolution g into its own slot, [H W pixels][RB]
                         if EXACT:
@@ -517,24 +401,21 @@ def _mbconv_hidden_kernel(
                         else:
                             tl.store(gs + pix * RB + g3 * 8 + c3, v.to(dtype), mask=ok3)
                 if MOMENTS:  # per (image, pixel sub-tile) partials, fp32, into z_ptr: [N][2][CS][R]
-                    r2 = (bsub * R + r0 + bg * 8)[:, None] + tl.arange(0, 8)[None, :]
-                    r2_ok = (r0 + bg * 8)[:, None] + tl.arange(0, 8)[None, :] < R
+                    r2 = ((bs % CS) * R + r0 + (bs // CS) * 8)[:, None] + tl.arange(0, 8)[None, :]
+                    r2_ok = (r0 + (bs // CS) * 8)[:, None] + tl.arange(0, 8)[None, :] < R
                     mrow = z_ptr + tl.cast(n, tl.int64) * (2 * CS * R)
                     tl.store(mrow + r2, tl.sum(mom1, axis=1), mask=r2_ok)
                     tl.store(mrow + CS * R + r2, tl.sum(mom2, axis=1), mask=r2_ok)
                 elif STRIDE == 1:
-                    if NS == CS and not FMA:  # each pixel sub-tile's sums as a row of its own ([CS][RB]),
+                    if NS == CS:  # each pixel sub-tile's sums as a row of its own ([CS][RB]),
                         # added by _se_partial (the sum over the sub-tiles here takes a layout conversion)
-                        r2 = (bsub * RB + bg * 8)[:, None] + tl.arange(0, 8)[None, :]
+                        r2 = ((bs % CS) * RB + (bs // CS) * 8)[:, None] + tl.arange(0, 8)[None, :]
                         tl.store(ms + r2, tl.sum(pool, axis=1) * inv_ohw)
                     else:
                         r2 = tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]
-                        if FMA:  # the sub-tiles were summed per tile (a thread's registers): the lanes
-                            psum = tl.sum(pool, axis=1)
-                        else:
-                            psum = tl.sum(pool, axis=1)
-                            if CS > 1:  # the group's CS sub-tiles
-                                psum = tl.sum(tl.reshape(psum, (G, CS, 8)), axis=1)
+                        psum = tl.sum(pool, axis=1)
+                        if CS > 1:  # the group's CS sub-tiles
+                            psum = tl.sum(tl.reshape(psum, (G, CS, 8)), axis=1)
                         tl.store(ms + r2, psum * inv_ohw)
                 elif STRIDE == 2:
                     tl.debug_barrier()
@@ -551,18 +432,6 @@ def _mbconv_hidden_kernel(
             n0 = (item // NGROUP) * IB
             _se_gates(z_ptr, b1_ptr, w2_ptr, b2_ptr, gate_ptr, n0, tl.minimum(IB, N - n0), N, NCHUNK, R, S,
                       sw2_r, sw2_s, SP, NCP, GB, SILU)
-
-
-@triton.jit
-def _conv_weights_kernel(w_ptr, out_ptr, R, swr, swi, swy, swx, BR: tl.constexpr):
-    """The grouped conv's weights (R, 8, 3, 3), any strides and dtype, as fp32 [R][3][3][8] (``_conv_fma``'s
-    operand: a (tap, output channel) row of a group is 8 contiguous input channels)."""
-    r = tl.program_id(0) * BR + tl.arange(0, BR)[:, None]
-    k = tl.arange(0, 128)[None, :]  # tap * 8 + input channel, k < 72
-    tap = k // 8
-    ok = (r < R) & (k < 72)
-    v = tl.load(w_ptr + r * swr + (k % 8) * swi + (tap // 3) * swy + (tap % 3) * swx, mask=ok, other=0.0)
-    tl.store(out_ptr + r * 72 + k, v.to(tl.float32), mask=ok)
 
 
 @triton.jit

@@ -21,10 +21,6 @@ Choices (kernel.py explains the kernels)
   EM 128; 16x16 stride 2 and 8x8 RB 64, EM 64; 32x32 stride 2 RB 16, EM 128), and items of XM / HWP
   images (8x8: four, so each chunk's weights are read once per four images); 4-warp programs
   elsewhere (fp32; two per SM where both slots fit the L1 an A100 leaves them).
-* The grouped conv: the batched mma.sync of tap pairs (kernel.py). ``CONV_FMA`` (a variant until a GPU
-  times it) runs it on the CUDA cores instead (``_conv_fma``): 128-pixel tiles where the map has them
-  (``FMA_CONV_ROWS``: four pixels a thread), the weights converted to fp32 by one more launch per call
-  (``conv_weights``).
 * One launch pair over the whole batch. ``g`` stays in L2 for the projection where it fits in
   L2_SHARE of the L2 beside the scratch (8x8 and 16x16 stride 2 at batch 128); otherwise its read is
   DRAM traffic. Cutting the batch into slices whose ``g`` fits was predicted slower for Small at batch
@@ -74,6 +70,8 @@ alternatives then weighed, and are not today's predictions; the saved reports un
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -81,7 +79,7 @@ import torch
 from .._carveout import RESERVED_PER_BLOCK, smallest_carveout
 from .._cost import KernelCost, Loop
 from .._launch import GROUP_WIDTH, GPUInfo, cdiv, device_info, launch, next_power_of_2
-from .kernel import _conv_weights_kernel, _mbconv_hidden_kernel, _mbconv_project_kernel
+from .kernel import _mbconv_hidden_kernel, _mbconv_project_kernel
 
 FP32_PRECISION = "tf32x3"  # dot precision for fp32 operands; fp16/bf16 operands ignore it
 RB, RB_SMALL = 64, 32  # hidden channels per chunk (module docstring)
@@ -123,33 +121,29 @@ HIDDEN_WARPS_TILED = 16
 PAIRS_AHEAD = True  # the conv's tap pairs loaded one dot ahead (MBConvGeometry.pairs_ahead)
 # The order in which the conv loads each tap pair (kernel.py ``_conv_pair_h``'s TAPS), which decides
 # the bank conflicts of the pair's copy to shared memory for the batched mma.sync. Nsight Compute on an
-# H200 (benchmarks/results/ncu/20261126T150000Z_*, Triton 3.6): in the 16x16 hidden kernel the L1 data
-# pipe ran at 66 % of its peak and 17.4 M of its 24.6 M shared store wavefronts were conflicts. Compiled
-# for sm_90 (warp 0's PTX addresses, convfirstnet.analysis.shared.ptx_shared_accesses): the shipped
-# order 0 stores the pairs at 4x the conflict-free wavefronts on Triton 3.6 and 3.8 (and on 3.8 reads
-# them back with ldmatrix at 6x); ``conflict_free_tap_order()`` is conflict-free on both, with 2-45 more
-# registers (no spills) and 4 more bar.sync. The static model's L1-pipe term drops with it (3.6: 183-191
-# -> 101-105 us a 16x16 launch), but its wait term, the one the GPU found wrong (docs/cost-model.md),
-# grows: stages.3.1 0.347-0.372 -> 0.271-0.392 ms on 3.8 (the low end down, the high end up). So it
-# stays a variant until a GPU times it (scripts/gpu_variants.py "taps 1" on Triton 3.6, "taps 2" on 3.8).
-TAP_ORDER = 0
-# The grouped conv on the CUDA cores (kernel.py ``_conv_fma``: fp32 FFMA from the slot's 16-byte tap
-# vectors, fp32 weights) instead of the batched mma.sync of tap pairs: a variant until a GPU times it
-# (scripts/gpu_variants.py "conv fma"). The mma.sync path moves every tap pair through the L1/shared data
-# pipe three times (the slot load, the copy to shared memory, the ldmatrix read back: the pipe 66 % busy
-# in the 16x16 hidden kernel on the H200, Triton 3.6); the FMA path loads each tap once, straight into
-# the registers that use it: in the 16x16 stride-1 hidden kernel (sm_90, Triton 3.8) the L1 pipe term
-# drops from 302-315 to 126-131 us, but the conv's 2304 FFMA per 128-pixel tile (plus 288 fp16 -> fp32
-# conversions) raise the issue term from 34-36 to 130-136 us and the stall chain from 94-98 to 185-193.
-# Predicted per block (Small, batch 128, us, CUDA graphs): 16x16 stride 1 347-372 -> 330-446, 16x16
-# stride 2 359-380 -> 386-527, 8x8 104-127 -> 166-250, 32x32 stride 2 (tiled, 16 warps) 586-765 ->
-# 2222-3979 (exposed slot waits); the model's stall and wait terms are the ones the GPU found wrong on
-# these kernels (docs/cost-model.md), so a GPU run decides, at 16x16 first.
-CONV_FMA = False
-FMA_CONV_ROWS = 128  # FMA conv tile: 4 pixels a thread (each fp32 weight row load serves all 4)
-CONV_WEIGHT_ROWS = 32  # rows of the fp32 conv weights per program of their conversion
+# H200 (benchmarks/results/ncu/20261126T150000Z_*, Triton 3.6, order 0): in the 16x16 hidden kernel the
+# L1 data pipe ran at 66 % of its peak and 17.4 M of its 24.6 M shared store wavefronts were conflicts.
+# Compiled for sm_90 (warp 0's PTX addresses, convfirstnet.analysis.shared.ptx_shared_accesses): order 0
+# stores the pairs at 4x the conflict-free wavefronts on Triton 3.6 and 3.8 (and on 3.8 reads them back
+# with ldmatrix at 6x); ``conflict_free_tap_order()`` is conflict-free on both, with 2-45 more registers
+# (no spills) and 4 more bar.sync. Timed on an H200 (Triton 3.6, batch 128, fp16, CUDA graphs,
+# benchmarks/results/variants/20261127T00*): order 1 against 0, 16x16 stride 1 0.321 against 0.403 ms,
+# 16x16 stride 2 0.348 against 0.433, 8x8 0.108 against 0.127, 32x32 stride 2 0.444 against 0.633, Small
+# 12.21-12.25 against 14.14-14.22 ms (order 2, conflict-free on 3.8 only: 0.364, 0.379, 0.130 ms). The
+# static model had ranked order 1 slower on 3.6 (its wait term: docs/cost-model.md).
+# None: conflict_free_tap_order() for the installed Triton; 0, 1 or 2 (CONVFIRSTNET_TAP_ORDER) force one
+_TAPS_ENV = os.environ.get("CONVFIRSTNET_TAP_ORDER", "").strip()
+if _TAPS_ENV not in ("", "0", "1", "2"):
+    raise ValueError(f"CONVFIRSTNET_TAP_ORDER={_TAPS_ENV!r}: expected 0, 1 or 2 (or unset)")
+TAP_ORDER = int(_TAPS_ENV) if _TAPS_ENV else None
 
 
+def tap_order() -> int:
+    """The TAPS the kernels compile with: ``TAP_ORDER``, or the conflict-free order when it is None."""
+    return conflict_free_tap_order() if TAP_ORDER is None else TAP_ORDER
+
+
+@functools.cache
 def conflict_free_tap_order() -> int:
     """The TAPS whose pair copies compile conflict-free with the installed Triton (1 before 3.7, else 2;
     tests/kernels/test_mbconv.py checks both it and the shipped order's conflicts)."""
@@ -157,6 +151,8 @@ def conflict_free_tap_order() -> int:
     from torch.torch_version import TorchVersion
 
     return 1 if TorchVersion(triton.__version__) < (3, 7) else 2
+
+
 HIDDEN_WARPS_SM80 = 8  # RESIDENT programs below sm_90 (C <= 128 there: the x tile fits)
 # Tiled 16-bit programs below sm_90: 8 warps (with 4-warp programs, one per SM, the hidden kernel of a
 # 16x16 stride-1 block was predicted at 221 us on an A100, latency 207 + waits 13; at 8 warps 118,
@@ -248,7 +244,6 @@ class MBConvGeometry:
     em: int  # pixels per expand tile of the tiled path
     maxnreg: bool = False  # compile the hidden kernel with HIDDEN_MAXNREG_SM80
     gate: bool = False  # the hidden kernel computes the SE gates, the projection reads them (GATE_ROWS)
-    fma: bool = False  # the grouped conv on the CUDA cores (CONV_FMA), from fp32 weights
 
     @property
     def hw(self) -> int:
@@ -306,8 +301,6 @@ class MBConvGeometry:
         """Pixel sub-tiles per conv group: the batched conv dot gets at least one batch entry per warp
         (Triton spreads the warps over the batch first; with fewer entries than warps each warp
         repeated another's mma.sync), each sub-tile at least 16 rows (an mma.sync M)."""
-        if self.fma:  # _conv_fma: 32-pixel sub-tiles (a pixel per lane)
-            return self.cm // 32
         return max(1, min(self.hidden_warps // (self.rb // 8), self.cm // 16))
 
     @property
@@ -347,10 +340,8 @@ class MBConvGeometry:
         """Rows of partial means per chunk: RESIDENT stride-1 maps of at most 64 pixels (8x8) store a row
         per pixel sub-tile of the conv, summed by the SE partial (their sum in the conv's layout took a
         layout conversion: 8x8 hidden kernel 18.9 -> 18.6 us predicted at the high end). On 16x16
-        stride 1 the rows moved spills into the chunk loop (local traffic 18 -> 92 KB per program). The FMA
-        conv sums a thread's sub-tiles in its registers: one row."""
-        per_subtile = self.resident and self.stride == 1 and self.hwp <= 64 and not self.fma
-        return self.conv_split if per_subtile else 1
+        stride 1 the rows moved spills into the chunk loop (local traffic 18 -> 92 KB per program)."""
+        return self.conv_split if self.resident and self.stride == 1 and self.hwp <= 64 else 1
 
     @property
     def scratch_bytes(self) -> int:
@@ -390,7 +381,7 @@ class MBConvGeometry:
                     RESIDENT=self.resident, XM=XM if self.resident else 16,
                     HWP=self.hwp if self.resident else 1,
                     ZB=ZERO_BLOCK, SILU=silu, PREC=prec, CS=self.conv_split, NS=self.mean_rows,
-                    ONE=self.one_item, AHEAD=self.pairs_ahead, TAPS=TAP_ORDER, FMA=self.fma,
+                    ONE=self.one_item, AHEAD=self.pairs_ahead, TAPS=tap_order(),
                     SEB=self.sp if self.maxnreg else min(self.sp, 4 * self.hidden_warps),  # sm_80: one step
                     # every constexpr passed, none left to a default: torch.compile's wrapper of a user
                     # kernel drops defaulted arguments from the launch it generates
@@ -509,9 +500,6 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
     cg = chunk_groups(blocks, nchunk, sms) if resident else 1
     # EXACT: the conv (and tiled expand, and blur) tiles cover the map exactly, with dense pixel rows
     cm = conv_rows(rb)
-    if CONV_FMA:  # FMA conv tiles of FMA_CONV_ROWS pixels where the map has them (each weight load serves
-        # cm / 32 pixels of a thread)
-        cm = max(cm, min(FMA_CONV_ROWS, next_power_of_2(h) * tw))
     if resident and stride == 1 and warps >= 16 and hwp > 64 and cg < nchunk:
         # half-size conv tiles on RESIDENT stride-1 maps of more than 64 pixels (Small's 16x16) whose
         # items hold part of the chunks (small batches): with 64-pixel tiles the 16-warp sm_90 compile
@@ -550,7 +538,7 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
         hwp=hwp, ib=ib, chunks_per_group=cg, programs=programs, p_bm=p_bm, p_bh=bn // halves, halves=halves,
         ipt=ipt, tpi=tpi, g_in_l2=g_in_l2,
         hidden_warps=warps, cm=cm, em=em,
-        maxnreg=warps == HIDDEN_WARPS_TILED_SM80 and not resident and gpu.arch < 90, gate=gate, fma=CONV_FMA)
+        maxnreg=warps == HIDDEN_WARPS_TILED_SM80 and not resident and gpu.arch < 90, gate=gate)
 
 
 def check_supported(x: torch.Tensor, c: int, r: int, k: int) -> None:
@@ -605,7 +593,6 @@ def mbconv_triton(
     b_exp, b_conv, b_proj = b_exp.contiguous(), b_conv.contiguous(), b_proj.contiguous()
     b_se1, b_se2 = b_se1.contiguous(), b_se2.contiguous()
     scratch, gscratch, mslot = hidden_buffers(geo, x)
-    w_conv = conv_weights(geo, w_conv)
     gbuf = torch.empty((n, geo.ohw, r), device=x.device, dtype=x.dtype)
     zpart = torch.empty((n, geo.nchunk, geo.sp), device=x.device, dtype=torch.float32)
     gates = torch.empty((n, r) if geo.gate else (1,), device=x.device, dtype=x.dtype)
@@ -624,20 +611,6 @@ def mbconv_triton(
            *w_proj.stride(), gates, r, cost=lambda: project_cost(geo, residual=residual),
            **dict(pconst, RESIDUAL=residual))
     return out
-
-
-def conv_weights(geo: MBConvGeometry, w_conv: torch.Tensor) -> torch.Tensor:
-    """The grouped conv's weights as the hidden kernel takes them: as given for the mma.sync conv; for the
-    FMA conv (``geo.fma``) converted to fp32 [R][3][3][8] by one small launch, returned as its (R, 8, 3, 3)
-    view (strides (72, 1, 24, 8): the kernel's stride arguments keep their meaning)."""
-    if not geo.fma:
-        return w_conv
-    r = w_conv.shape[0]
-    out = torch.empty((r, 3, 3, GROUP_WIDTH), device=w_conv.device, dtype=torch.float32)
-    launch(_conv_weights_kernel, (cdiv(r, CONV_WEIGHT_ROWS),), w_conv, out, r, *w_conv.stride(),
-           cost=lambda: KernelCost(0, 0, r * 72 * (w_conv.element_size() + 4), note="conv weights to fp32"),
-           BR=CONV_WEIGHT_ROWS, num_warps=4)
-    return out.permute(0, 3, 1, 2)
 
 
 def geometry_of(x: torch.Tensor, r: int, k: int, s: int, stride: int) -> MBConvGeometry:
@@ -675,15 +648,11 @@ def hidden_cost(geo: MBConvGeometry, one: bool) -> KernelCost:
     # the SE MLP's first layer (and with GATE its second)
     useful = n * (hw * c * r + hw * r * 72 + (ohw * r * 9 if geo.stride == 2 else 0) + r * s * (1 + geo.gate))
     expand_rows = geo.image_blocks * XM if geo.resident else n * geo.tiles_e * geo.em
-    # the conv: five two-tap mma.sync steps (10/9 of its MACs) reading the slot as tap pairs; FMA: no
-    # tensor work, nine 8-channel taps
-    conv_mma = 0 if geo.fma else n * geo.tiles * geo.cm * g8 * 16 * 8 * 5
-    mma = nchunk * (expand_rows * rb * geo.cp + conv_mma)
-    conv_reads = n * geo.tiles * geo.cm * g8 * (9 * 8 if geo.fma else 5 * 16)
-    wc_eb = 4 if geo.fma else eb  # the conv weights' bytes per element (conv_weights)
+    mma = nchunk * (expand_rows * rb * geo.cp + n * geo.tiles * geo.cm * g8 * 16 * 8 * 5)
+    conv_reads = n * geo.tiles * geo.cm * 5 * g8 * 16
     # g is counted as written to DRAM even when the projection reads it from L2 (a dirty line is
     # written back when it leaves the L2)
-    dram = (n * c * hw + r * c + 2 * r + s * r + n * ohw * r) * eb + r * 72 * wc_eb + n * nchunk * geo.sp * 4
+    dram = (n * c * hw + r * c + r * 72 + 2 * r + s * r + n * ohw * r) * eb + n * nchunk * geo.sp * 4
     if geo.gate:  # W_se2 and the SE biases read, the gates written
         dram += (r * s + r + s + n * r) * eb
     # scratch traffic per chunk: h written, five two-tap reads; stride 2: the full-resolution g written,
@@ -711,7 +680,7 @@ def hidden_cost(geo: MBConvGeometry, one: bool) -> KernelCost:
     # and its slot once (the nine taps re-read it from L1), the means
     cg, ib = geo.chunks_per_group, geo.ib
     x_item = ib * hw * c * eb * (1 if geo.resident else cg)
-    weights = cg * ((rb * c + 2 * rb + s * rb) * eb + rb * 72 * wc_eb)
+    weights = cg * (rb * c + rb * 72 + 2 * rb + s * rb) * eb
     slots = cg * (geo.slot * eb + geo.mean_slot * 4)
     if geo.gate:  # per item: W_se2 and the SE biases, the item's images' SE partials
         weights += (r * s + r + s) * eb + ib * nchunk * geo.sp * 4

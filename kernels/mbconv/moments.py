@@ -33,16 +33,8 @@ from .._cost import KernelCost, Loop
 from .._launch import cdiv, launch, next_power_of_2
 from .._scalars import fp32
 from .kernel import _mbconv_hidden_kernel
-from .launcher import (
-    BMO,
-    MBConvGeometry,
-    conv_weights,
-    geometry_of,
-    hidden_buffers,
-    hidden_cost,
-    kernel_settings,
-    mbconv_triton,
-)
+from .launcher import (BMO, MBConvGeometry, geometry_of, hidden_buffers, hidden_cost, kernel_settings,
+                       mbconv_triton)
 
 
 def moment_partials(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tensor, w_conv: torch.Tensor,
@@ -59,7 +51,6 @@ def moment_partials(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tensor, w
     if n == 0:
         return parts
     scratch, gscratch, mslot = hidden_buffers(geo, x)
-    w_conv = conv_weights(geo, w_conv)
     silu, prec = kernel_settings(x)
     unused = torch.empty((1,), device=x.device, dtype=x.dtype)  # g_ptr: no g is written
     one = geo.items == geo.programs  # a program per item (ONE), stride 2 included

@@ -72,7 +72,7 @@ def test_fit_sets_the_attribute_once_per_kernel(monkeypatch):
 
     cuda = _Cuda()
     monkeypatch.setattr(co, "_libcuda", lambda: cuda)
-    monkeypatch.setattr(co, "_DONE", set())
+    monkeypatch.setattr(co, "_DONE", {})
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(shared_memory_per_multiprocessor=228 * KB))
     monkeypatch.setattr(co, "POLICY", "triton")
@@ -84,13 +84,17 @@ def test_fit_sets_the_attribute_once_per_kernel(monkeypatch):
     co.apply(_compiled(30 * KB, handle=99), "cuda")  # under 48 KB: Triton set nothing, neither does fit
     co.apply(SimpleNamespace(), "cpu")  # the interpreter's launch returns no compiled kernel
     assert cuda.calls == [(1234, co.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 75)]
+    monkeypatch.setattr(co, "POLICY", "triton")  # back to Triton's largest carve-out, once
+    for _ in range(2):
+        co.apply(_compiled(174080), "cuda")
+    assert cuda.calls[1:] == [(1234, co.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)]
 
 
 def test_a_refused_attribute_warns(monkeypatch):
     import torch
 
     monkeypatch.setattr(co, "_libcuda", lambda: _Cuda(rc=1))
-    monkeypatch.setattr(co, "_DONE", set())
+    monkeypatch.setattr(co, "_DONE", {})
     monkeypatch.setattr(co, "POLICY", "fit")
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(shared_memory_per_multiprocessor=228 * KB))

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from convfirstnet.kernels._blurpool import blurpool_reference
+from convfirstnet.kernels.mbconv.launcher import tap_order
 from convfirstnet.kernels.mbconv.reference import mbconv_layerwise, mbconv_reference
 
 from ..conftest import FULL_MATRIX, cuda
@@ -121,12 +122,13 @@ def test_matches_reference(interpreter_backend, shape):
     check(x, weights, stride)
 
 
-# Each load order of the conv's tap pairs (launcher.TAP_ORDER, kernel.py _conv_pair_h): stride 1 with
-# two pixel sub-tiles per group on masked tiles, exact stride 2, and Small's 16x16 width (C = 256).
+# Each load order of the conv's tap pairs besides the one the other tests run (launcher.tap_order(), the
+# conflict-free order of the installed Triton; kernel.py _conv_pair_h): stride 1 with two pixel
+# sub-tiles per group on masked tiles, exact stride 2, and Small's 16x16 width (C = 256).
 TAP_SHAPES = [SHAPES[2], SHAPES[4], (1, 256, 256, 16, 16, 1, torch.float16)]
 
 
-@pytest.mark.parametrize("taps", [1, 2])
+@pytest.mark.parametrize("taps", sorted({0, 1, 2} - {tap_order()}))
 @pytest.mark.parametrize("shape", TAP_SHAPES, ids=_id)
 def test_tap_orders_match_reference(interpreter_backend, monkeypatch, taps, shape):
     from convfirstnet.kernels.mbconv import launcher
@@ -134,24 +136,6 @@ def test_tap_orders_match_reference(interpreter_backend, monkeypatch, taps, shap
     monkeypatch.setattr(launcher, "TAP_ORDER", taps)
     n, c, k, h, w, stride, dtype = shape
     x, weights = make_block(n, c, h, w, stride, k=k, dtype=dtype)
-    check(x, weights, stride)
-
-
-# The grouped conv on the CUDA cores (launcher.CONV_FMA, kernel.py _conv_fma): 8x8 items of three
-# images, masked tiles, exact stride 2, a half-masked chunk (R = 288: the masked weight rows), and
-# Small's 16x16 width (C = 256: sixteen chunks, two 128-pixel tiles of four 32-pixel sub-tiles).
-FMA_SHAPES = [SHAPES[0], SHAPES[2], SHAPES[4], SHAPES[6], (1, 256, 256, 16, 16, 1, torch.float16)]
-
-
-@pytest.mark.parametrize("shape", FMA_SHAPES, ids=_id)
-def test_conv_fma_matches_reference(interpreter_backend, monkeypatch, shape):
-    from convfirstnet.kernels.mbconv import launcher
-
-    monkeypatch.setattr(launcher, "CONV_FMA", True)
-    n, c, k, h, w, stride, dtype = shape
-    x, weights = make_block(n, c, h, w, stride, k=k, dtype=dtype)
-    geo = launcher.geometry_of(x, weights[0].shape[0], k, weights[4].shape[0], stride)
-    assert geo.fma and geo.conv_split == geo.cm // 32
     check(x, weights, stride)
 
 
@@ -594,13 +578,18 @@ def test_shipped_variants_compile_without_spills(mbconv_compiled):
     assert not problems, "\n".join(problems)
 
 
-def _small_16x16_hidden_variants():
-    """The hidden-kernel variants of fused Small's 16x16 stride-1 block (stages.3.1) at batch 128, fp16,
-    recorded for the H100 (the report's configuration) with the launcher's constants as they are now."""
+@pytest.mark.compile
+def test_small_batch128_stride1_without_stack():
+    """Fused Small's 16x16 stride-1 blocks at batch 128 on the H100 (the report's configuration): one
+    work item per program (ONE), so the hidden kernel (8 warps, GATE) keeps neither the item loop's
+    counter nor the program count across the chunk loop and compiles for sm_90 with no stack (Triton 3.8:
+    180 registers). At 16 warps, at the 128-register limit, with the item loop kept (ONE off) it held
+    16 B of stack."""
+    pytest.importorskip("triton")
     from convfirstnet.kernels._cost import recording
 
     import convfirstnet
-    from convfirstnet.analysis.compiled import variant_of
+    from convfirstnet.analysis.compiled import compile_variants, variant_of
     from convfirstnet.analysis.targets import target
 
     block = convfirstnet.fuse(convfirstnet.create_model("small")).stages[3][1].to(device="meta",
@@ -610,78 +599,10 @@ def _small_16x16_hidden_variants():
         memory_format=torch.channels_last)
     with recording(sms=t.sms, l2_bytes=t.l2_bytes, shared_per_block=t.smem_per_block, arch=t.arch) as rec:
         block(x)
-    return [variant_of(lc, 90) for lc in rec.launches if lc.kernel.fn.__name__ == "_mbconv_hidden_kernel"]
-
-
-@pytest.mark.compile
-def test_small_batch128_stride1_without_stack():
-    """Fused Small's 16x16 stride-1 blocks at batch 128 on the H100 (the report's configuration): one
-    work item per program (ONE), so the hidden kernel (8 warps, GATE) keeps neither the item loop's
-    counter nor the program count across the chunk loop and compiles for sm_90 with no stack (Triton 3.8:
-    180 registers). At 16 warps, at the 128-register limit, with the item loop kept (ONE off) it held
-    16 B of stack."""
-    pytest.importorskip("triton")
-    from convfirstnet.analysis.compiled import compile_variants
-
-    variants = _small_16x16_hidden_variants()
+    variants = [variant_of(lc, 90) for lc in rec.launches if lc.kernel.fn.__name__ == "_mbconv_hidden_kernel"]
     assert [(v.meta["ONE"], v.meta["GATE"], v.meta["num_warps"]) for v in variants] == [(True, True, 8)]
     (c,) = compile_variants(variants)
     assert c.stack == 0 and c.regs <= 255, f"{c.regs} registers, {c.stack} B stack"
-
-
-def test_conv_fma_declarations(monkeypatch):
-    """The FMA conv's launches: its weights converted once (R x 72 read, fp32 written), no tensor-core
-    MACs for the conv (the hidden kernel's mma MACs are the expand's alone), the useful MACs as on the
-    mma.sync path."""
-    pytest.importorskip("triton")
-    from convfirstnet.kernels.mbconv import launcher
-
-    n, c, hw = 4, 256, 16
-    r = 4 * c
-    mma_path, _ = _record(n, c, c, hw, hw, 1)
-    monkeypatch.setattr(launcher, "CONV_FMA", True)
-    fma_path, _ = _record(n, c, c, hw, hw, 1)
-    names = [lc.kernel.fn.__name__ for lc in fma_path]
-    assert names == ["_conv_weights_kernel", "_mbconv_hidden_kernel", "_mbconv_project_kernel"]
-    weights, hidden, project = (lc.cost for lc in fma_path)
-    assert weights.dram_bytes == r * 72 * (2 + 4) and weights.mma_macs == 0
-    assert hidden.mma_macs == launcher.cdiv(n, 1) * hw * hw * c * r  # the expand, XM rows per image
-    assert sum(lc.cost.useful_macs for lc in fma_path) == sum(lc.cost.useful_macs for lc in mma_path)
-    assert fma_path[1].meta["FMA"] and not mma_path[0].meta["FMA"]
-
-
-@pytest.mark.compile
-def test_conv_fma_compiles_to_ffma(monkeypatch):
-    """The FMA variant of Small's 16x16 stride-1 hidden kernel (batch 128, sm_90): no stack, the expand on
-    wgmma and nothing else on tensor cores; its innermost loop (the conv tiles) runs the 9 x 8 x 8 MACs of
-    each of a thread's four pixels as FFMA (no other fp32 multiply), touches no shared memory (no tap
-    pair copy, no ldmatrix) and loads each tap's 8 channels as one 16-byte vector."""
-    pytest.importorskip("triton")
-    from convfirstnet.kernels.mbconv import launcher
-
-    from convfirstnet.analysis.compiled import compile_variants
-
-    monkeypatch.setattr(launcher, "CONV_FMA", True)
-    (v,) = _small_16x16_hidden_variants()
-    assert (v.meta["FMA"], v.meta["BM"], v.meta["CS"]) == (True, 128, 4)
-    (c,) = compile_variants([v])
-    assert c.stack == 0 and c.mma_kind == "wgmma", (c.stack, c.mma_kind)
-    insns, loops = c.listing()
-
-    def innermost(lps):
-        for lp in lps:
-            yield from (innermost(lp.children) if lp.children else [lp])
-
-    def ffma(lp):
-        return sum(insns[i].family == "FFMA" for i in range(lp.start, lp.end + 1))
-
-    tile = max(innermost(loops), key=ffma)
-    body = [insns[i] for i in range(tile.start, tile.end + 1)]
-    ffma = ffma(tile)
-    assert 9 * 8 * 8 * 4 <= ffma <= 9 * 8 * 8 * 4 + 64, ffma  # + the SiLU's 2 per output
-    assert not [ins.opcode for ins in body if ins.family in ("LDS", "STS", "LDSM", "HMMA")]
-    taps = [ins.opcode for ins in body if ins.family == "LDG"]
-    assert len(taps) == 9 * 4 + 9 * 8 * 2 and all(op.startswith("LDG.E.128") for op in taps), taps
 
 
 # The PTX/TTGIR checks compile a few variants themselves (compile_variants keeps only the SASS).
@@ -809,17 +730,19 @@ def _tap_copy_wavefronts(ptx: str) -> tuple[int, int]:
 
 @pytest.mark.compile
 def test_tap_pair_copies_conflict_free_order(small_asm):
-    """launcher.conflict_free_tap_order(): fused Small's 16x16 hidden kernel (fp16, sm_90) compiled with
-    it copies the tap pairs to shared memory and reads them back without bank conflicts (every 16-byte
-    store and ldmatrix.x4 of warp 0 at 32 lanes' bytes / 128), while the shipped order 0, compiled in
-    the same run, takes at least 1.5x those wavefronts (4x on its stores: the conflicts Nsight Compute
-    measured, launcher.TAP_ORDER). The shipped order failing the first check is the planted bug."""
+    """launcher.conflict_free_tap_order() (what the kernels compile with: launcher.tap_order()): fused
+    Small's 16x16 hidden kernel (fp16, sm_90) compiled with it copies the tap pairs to shared memory and
+    reads them back without bank conflicts (every 16-byte store and ldmatrix.x4 of warp 0 at 32 lanes'
+    bytes / 128), while order 0, compiled in the same run, takes at least 1.5x those wavefronts (4x on its
+    stores: the conflicts Nsight Compute measured when it shipped, launcher.TAP_ORDER). Order 0 failing
+    the first check is the planted bug."""
     from dataclasses import replace
 
     from convfirstnet.kernels.mbconv.launcher import conflict_free_tap_order
 
     (v,) = [v for stride, dtype, v, _ in small_asm
             if v.name == "_mbconv_hidden_kernel" and stride == 1 and dtype == torch.float16]
+    assert v.meta["TAPS"] == conflict_free_tap_order()  # the order the model's kernels compile with
     names = [n for n, _ in v.signature]
 
     def with_taps(taps):
@@ -1004,17 +927,19 @@ def test_torch_compile_fullgraph_on_gpu(triton_backend, stride):
 
 @cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("hw, layers", [(16, True), (8, False)])
-def test_compiled_fused_block_on_gpu(triton_backend, hw, layers):
-    """torch.compile of a FusedMBConv on CUDA: at 16x16 (256 pixels) its layers (no mbconv op in the
-    graph), at 8x8 the op; both within the kernel's fp16 tolerance of the fp32 specification."""
+@pytest.mark.parametrize("path, layers", [("auto", False), ("layer-wise", True)])
+def test_compiled_fused_block_on_gpu(triton_backend, path, layers):
+    """torch.compile of a FusedMBConv on CUDA (Small's 16x16 width): with compiled_path auto the mbconv
+    op in the graph, with layer-wise its layers (no op); both within the kernel's fp16 tolerance of the
+    fp32 specification."""
     from collections import Counter
 
     from convfirstnet.blocks import FusedMBConv
 
-    x, weights = make_block(16, 128, hw, hw, 1, dtype=torch.float16, device="cuda")
+    x, weights = make_block(16, 128, 16, 16, 1, dtype=torch.float16, device="cuda")
     block = FusedMBConv(*weights, stride=1).cuda()
-    assert block.compiled_path == "auto" and block.compiles_layers(x) == layers
+    block.compiled_path = path
+    assert block.compiles_layers(x) == layers
     seen = Counter()
 
     def capture(gm, example_inputs):

@@ -58,10 +58,6 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 # at C = 32 a program per item (ONE: 2 items of 2 images on 2 programs, as at batch 128 on the H100)
 MOMENT_SHAPES = [(3, 128, 8, 8, 1, torch.float32), (3, 128, 8, 8, 1, torch.float16),
                  (2, 96, 9, 9, 2, torch.float32), (3, 32, 8, 8, 2, torch.float16)]
-# the same launch with the grouped conv on the CUDA cores (launcher.CONV_FMA: a thread's sub-tiles summed in
-# registers, entries in its own order): the RESIDENT fp16 shape and the masked stride-2 one
-MOMENT_CASES = [(shape, False) for shape in MOMENT_SHAPES]
-MOMENT_CASES += [(MOMENT_SHAPES[1], True), (MOMENT_SHAPES[2], True)]
 
 
 @pytest.fixture
@@ -72,16 +68,14 @@ def small_fold_steps(monkeypatch):
     monkeypatch.setattr(moments, "FOLD_IMAGES", 2)
 
 
-@pytest.mark.parametrize("shape, fma", MOMENT_CASES, ids=lambda s: f"n{s[0]}-c{s[1]}-{s[2]}x{s[3]}-s{s[4]}-"
-                         f"{str(s[5])[6:]}" if isinstance(s, tuple) else ("fma" if s else "mma"))
-def test_moments_and_fold_of_the_conv_output(interpreter_backend, small_fold_steps, monkeypatch, shape, fma):
+@pytest.mark.parametrize("shape", MOMENT_SHAPES, ids=lambda s: f"n{s[0]}-c{s[1]}-{s[2]}x{s[3]}-s{s[4]}-"
+                         f"{str(s[5])[6:]}")
+def test_moments_and_fold_of_the_conv_output(interpreter_backend, small_fold_steps, shape):
     """The moment rows (per image: sums of u - shift and of its square), then the fold launch with factor 1,
     whose running mean and variance are then the batch mean and unbiased variance, and whose folded
     weights and bias are gamma / sqrt(var + eps) W and beta - mean gamma / sqrt(var + eps)."""
-    from convfirstnet.kernels.mbconv import launcher
     from convfirstnet.kernels.mbconv.moments import fold_conv, moment_partials
 
-    monkeypatch.setattr(launcher, "CONV_FMA", fma)
     n, c, h, w, stride, dt = shape
     r, s = 4 * c, c // 4
     gen = torch.Generator().manual_seed(0)
