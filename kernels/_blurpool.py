@@ -8,11 +8,11 @@ H x W map becomes ceil(H/2) x ceil(W/2).
 import torch
 import torch.nn.functional as F
 
-TRIANGLE3 = (1.0, 2.0, 1.0)
-
 
 def blur_filter(channels: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    f = torch.tensor(TRIANGLE3, dtype=dtype, device=device)
+    # [1, 2, 1] made on the device: torch.tensor((1.0, 2.0, 1.0), device=...) copies from host memory,
+    # which a CUDA graph capture refuses (the fp32 MBConv recompute's stride-2 blocks build it every step)
+    f = 2.0 - (torch.arange(3, dtype=dtype, device=device) - 1.0).abs()
     f2 = (f[:, None] * f[None, :]) / 16.0
     return f2.expand(channels, 1, 3, 3)
 

@@ -132,12 +132,17 @@ def write_weights(checkpoint: Path, path: Path, name: str, ema: bool = True) -> 
     """The checkpoint's EMA weights (the raw weights of a run without EMA) as a verified weight file, by
     ``convert_checkpoint`` (replacing the file of an earlier run in the same folder); prints and returns
     the ``weights/manifest.json`` entry."""
+    from convfirstnet.kernels._launch import selected_backend
+
     from ..convert import convert_checkpoint
 
     which = "EMA weights" if ema else "weights"
-    entry = convert_checkpoint(
-        checkpoint, path, name, source=f"convfirstnet train, {which} of {checkpoint.name}", overwrite=True
-    )
+    # the file is verified on CPU tensors, where the run's --kernels triton (CONVFIRSTNET_KERNELS, set for
+    # the whole run) would need Triton's interpreter: the reference there
+    with selected_backend("reference"):
+        entry = convert_checkpoint(
+            checkpoint, path, name, source=f"convfirstnet train, {which} of {checkpoint.name}", overwrite=True
+        )
     print(
         f'wrote {path}\nmanifest entry (weights/manifest.json, "models"):\n'
         + json.dumps({entry["name"]: entry}, indent=2),
