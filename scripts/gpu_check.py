@@ -7,9 +7,10 @@ Fits a GPU job limited to 10 minutes: the default budget is 9 minutes
    compiles dominate), while the static cost report (``convfirstnet kernels``, the same code, sm_90,
    batch 128, 256x256, fp16) is computed for each size in a second process;
 2. each fused model (CUDA graph) and each of its distinct fused blocks (CUDA graph, the block alone on
-   an input of its shape), Small first, then Tiny, Nano, Pico; then each model again with the L1 /
-   shared split of every kernel as Triton's loader leaves it (``kernels/_carveout.py`` policy
-   ``triton``; the default fits it to the programs);
+   an input of its shape), Small first, then Tiny, Nano, Pico; then each model again with the ConvFirst
+   conv's tap pairs in the bank-conflict-free order (``kernels/convfirst/launcher.py`` ``TAP_ORDER``,
+   not yet the default), and with the L1 / shared split of every kernel as Triton's loader leaves it
+   (``kernels/_carveout.py`` policy ``triton``; the default fits it to the programs);
    then ``torch.compile`` of the first fused model (``fused-inductor``: every block's fused op, as users
    get it);
 3. a training step of the first model (``convfirstnet bench --train``: the fused training ops against
@@ -161,7 +162,8 @@ def plan_lines(models: Sequence[str], budget_min: float, tests: bool, train: boo
     lines.append(
         f"2. per model ({', '.join(models)}), batch {BATCH}, {IMG}x{IMG}, {DTYPE}: the fused model and each "
         f"distinct fused block in a CUDA graph, {WARMUP} warm-up and {ITERS} timed iterations (CUDA events); "
-        "then each model with every kernel's L1 / shared split as Triton leaves it (kernels/_carveout.py)"
+        "then each model with the ConvFirst conv's conflict-free tap order (kernels/convfirst/launcher.py "
+        "TAP_ORDER) and with every kernel's L1 / shared split as Triton leaves it (kernels/_carveout.py)"
     )
     jobs = autotune_jobs(models)
     total = sum(w for _, _, w in jobs)
@@ -252,6 +254,31 @@ def _as_block(model, path: str):
     import torch.nn as nn
 
     return nn.Sequential(model.get_submodule(path))  # fuse() and fold_batchnorm() rewrite children
+
+
+def time_convfirst_taps(model_rows: list[dict], until: float, dtype) -> dict:
+    """Each whole model again, with the ConvFirst stride-1 conv's tap pairs in the bank-conflict-free load
+    order (``kernels/convfirst/launcher.py`` ``TAP_ORDER = None``; shipped 0 until a GPU times it):
+    {model: row}."""
+    import torch
+
+    from convfirstnet.factory import create_model
+    from convfirstnet.kernels.convfirst import launcher
+
+    out = {}
+    saved, launcher.TAP_ORDER = launcher.TAP_ORDER, None
+    try:
+        for r in model_rows:
+            if time.monotonic() > until:
+                out[r["model"]] = dict(status="skipped", reason="budget")
+                continue
+            out[r["model"]] = time_case("fused-cudagraph", create_model(r["model"]), r["shape"], dtype)
+            print(f"  {r['model']} model, ConvFirst conflict-free tap order: {_ms(out[r['model']])} ms",
+                  flush=True)
+            torch.cuda.empty_cache()
+    finally:
+        launcher.TAP_ORDER = saved
+    return out
 
 
 def time_l1_triton(model_rows: list[dict], until: float, dtype) -> dict:
@@ -637,6 +664,7 @@ def run(args, argv, models: list[str], plan: list[str]) -> int:
         print(f"  {r['model']} {r['path']}: {_ms(r['fused'])} ms", flush=True)
         del module, train
         torch.cuda.empty_cache()
+    convfirst_taps = time_convfirst_taps([r for r in rows if r["path"] == "model"], fused_until, dtype)
     carveout = time_l1_triton([r for r in rows if r["path"] == "model"], fused_until, dtype)
     first = next(r for r in rows if r["model"] == models[0] and r["path"] == "model")
     print(f"\n[gpu_check] torch.compile of the fused {models[0]} ...", flush=True)
@@ -692,6 +720,7 @@ def run(args, argv, models: list[str], plan: list[str]) -> int:
         print("\nSkipped:\n" + "\n".join(f"- {s}" for s in skipped))
     extra = dict(models=models, budget_min=args.budget_min, elapsed_s=round(time.monotonic() - budget.start),
                  tests=tests, train=train, skipped=skipped, plan=plan, l1_carveout_triton=carveout,
+                 convfirst_taps=convfirst_taps,
                  static_reports={m: dict(created=r["created"], versions=r.get("versions"), git=r.get("git"))
                                  for m, r in static.reports.items()})
     paths = [write_record(make_record("network", network_results(rows, macs, params, peak), argv, dev, extra),

@@ -210,5 +210,10 @@ def test_run_orchestration_with_fake_timings(gc, tmp_path, monkeypatch, capsys):
         "fused-cudagraph", "inductor", "fused-inductor"}
     assert "small model, fused-inductor: 2.000 ms" in out
     assert blocks["gpu_check"]["tests"]["summary"] == "3 passed"
+    # each model again with the ConvFirst conv's conflict-free tap order, the shipped order restored after
+    from convfirstnet.kernels.convfirst import launcher as convfirst_launcher
+
+    assert "small model, ConvFirst conflict-free tap order: " in out and convfirst_launcher.TAP_ORDER == 0
+    assert set(blocks["gpu_check"]["convfirst_taps"]) == {"small", "pico"}
     assert blocks["gpu_check"]["train"]["status"] == "stopped"
     assert blocks["gpu_check"]["train"]["profile"]["kernels_ms"] == 87.0 and "[gpu_check] profile: ok" in out

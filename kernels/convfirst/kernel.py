@@ -247,11 +247,25 @@ def _rows(v, MS: tl.constexpr, G: tl.constexpr, MM: tl.constexpr):
 
 
 @triton.jit
+def _tap_pair(ptrs, ok, TAPS: tl.constexpr):
+    """Load a [B, MM, 16] tap pair. TAPS, the index order of the load, decides the register layout
+    Triton gives the tile and so the bank conflicts of its copy to shared memory for the batched
+    mma.sync (launcher.tap_order()): 0 as is (sm_90 PTX, 16-byte stores: 16 wavefronts a warp store where 4
+    would do at P = 64 with Triton 3.6 and 3.8, and at P = 32 with 3.6); 1 loaded as [MM, B, 16] and
+    permuted back (conflict-free at P = 32 and 64 with both)."""
+    if TAPS == 1:
+        t = tl.load(tl.permute(ptrs, (1, 0, 2)), mask=tl.permute(ok, (1, 0, 2)), other=0.0)
+        return tl.permute(t, (1, 0, 2))
+    else:
+        return tl.load(ptrs, mask=ok, other=0.0)
+
+
+@triton.jit
 def _gconv_pairs(
     x_pix, oh, ow, m_ok, H, W, sxh, sxw, STEPS,
     wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr,
     C: tl.constexpr, CB: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
-    PRECISION: tl.constexpr, WARPS: tl.constexpr,
+    PRECISION: tl.constexpr, WARPS: tl.constexpr, TAPS: tl.constexpr,
 ):
     """Grouped 3x3 conv (padding 1) of channels [CB, CB + P) for a tile: [BLOCK_M, P] in x's dtype.
 
@@ -289,7 +303,7 @@ def _gconv_pairs(
         ih = oh3 + dh
         iw = ow3 + dw
         ok = ok3 & (tap < 9) & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        xv = tl.load(x_base + (dh * sxh + dw * sxw), mask=ok, other=0.0)
+        xv = _tap_pair(x_base + (dh * sxh + dw * sxw), ok, TAPS)
         wtap = 2 * step + wj // 8
         w_ok = wtap < 9
         if CB + P > C:
@@ -318,25 +332,25 @@ def _gconv_part(
     x_pix, oh, ow, m_ok, H, W, sxh, sxw, STEPS,
     wc_ptr, swc_o, swc_i, swc_h, swc_w, bc_ptr,
     C: tl.constexpr, CB: tl.constexpr, P: tl.constexpr, SUB: tl.constexpr, BLOCK_M: tl.constexpr,
-    PRECISION: tl.constexpr, WARPS: tl.constexpr,
+    PRECISION: tl.constexpr, WARPS: tl.constexpr, TAPS: tl.constexpr,
 ):
     """The grouped conv of channels [CB, CB + P) computed SUB channels at a time (``_gconv_pairs``, one
     step loop each), joined into [BLOCK_M, P]."""
     tl.static_assert(P <= SUB or P == 2 * SUB or P == 4 * SUB, "a part is 1, 2 or 4 conv dots wide")
     if P <= SUB:
         return _gconv_pairs(x_pix, oh, ow, m_ok, H, W, sxh, sxw, STEPS, wc_ptr, swc_o, swc_i, swc_h, swc_w,
-                            bc_ptr, C, CB, P, BLOCK_M, PRECISION, WARPS)
+                            bc_ptr, C, CB, P, BLOCK_M, PRECISION, WARPS, TAPS)
     elif P == 2 * SUB:
         y0 = _gconv_pairs(x_pix, oh, ow, m_ok, H, W, sxh, sxw, STEPS, wc_ptr, swc_o, swc_i, swc_h, swc_w,
-                          bc_ptr, C, CB, SUB, BLOCK_M, PRECISION, WARPS)
+                          bc_ptr, C, CB, SUB, BLOCK_M, PRECISION, WARPS, TAPS)
         y1 = _gconv_pairs(x_pix, oh, ow, m_ok, H, W, sxh, sxw, STEPS, wc_ptr, swc_o, swc_i, swc_h, swc_w,
-                          bc_ptr, C, CB + SUB, SUB, BLOCK_M, PRECISION, WARPS)
+                          bc_ptr, C, CB + SUB, SUB, BLOCK_M, PRECISION, WARPS, TAPS)
         return _cat_channels(y0, y1)
     else:
         y0 = _gconv_part(x_pix, oh, ow, m_ok, H, W, sxh, sxw, STEPS, wc_ptr, swc_o, swc_i, swc_h, swc_w,
-                         bc_ptr, C, CB, 2 * SUB, SUB, BLOCK_M, PRECISION, WARPS)
+                         bc_ptr, C, CB, 2 * SUB, SUB, BLOCK_M, PRECISION, WARPS, TAPS)
         y1 = _gconv_part(x_pix, oh, ow, m_ok, H, W, sxh, sxw, STEPS, wc_ptr, swc_o, swc_i, swc_h, swc_w,
-                         bc_ptr, C, CB + 2 * SUB, 2 * SUB, SUB, BLOCK_M, PRECISION, WARPS)
+                         bc_ptr, C, CB + 2 * SUB, 2 * SUB, SUB, BLOCK_M, PRECISION, WARPS, TAPS)
         return _cat_channels(y0, y1)
 
 
@@ -537,7 +551,7 @@ def _convfirst_s1_kernel(
     K1: tl.constexpr,
     R: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, BLOCK_H: tl.constexpr, RESIDENT: tl.constexpr,
     CACHED: tl.constexpr, SUB: tl.constexpr, RES_LATE: tl.constexpr, SPLIT_BASE: tl.constexpr,
-    WARPS: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr,
+    WARPS: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr, TAPS: tl.constexpr,
 ):
     tl.static_assert(PWL >= 16 and (NPX - 1) * PW + PWL >= C, "conv parts must cover C")
     tl.static_assert(K0 >= 16 and K0 + K1 >= C, "output parts must cover C")
@@ -560,7 +574,7 @@ def _convfirst_s1_kernel(
             ys = (_gconv_part(x_pix, oh, ow, m_ok, H, W, sxh, sxw, STEPS, wc_ptr, swc_o, swc_i, swc_h,
                               swc_w, bc_ptr, C, _a_base(NPX - 1 - q, NPX, PW, C),
                               _a_width(NPX - 1 - q, NPX, PW, PWL), SUB, BLOCK_M, PRECISION,
-                              WARPS),) + ys
+                              WARPS, TAPS),) + ys
         if RES_LATE:
             acc0 = tl.zeros((BLOCK_M, K0), tl.float32) + _load_vec(b2_ptr, 0, K0, C)[None, :]
             acc1 = acc0

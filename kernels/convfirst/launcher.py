@@ -45,7 +45,7 @@ import torch
 
 from .._cost import KernelCost, Loop, active_recording
 from .._launch import GROUP_WIDTH, cdiv, launch, next_power_of_2
-from .kernel import _convfirst_s1_kernel, _convfirst_s2_kernel
+from .kernel import _convfirst_s1_kernel, _convfirst_s2_kernel, _m_slices
 
 MAX_CHANNELS = 128  # widest block the on-chip tiles are laid out for (ConvFirstNet uses <= 96)
 MAX_CHANNELS_S2 = 64  # input channels of a stride-2 block (at most four blur/conv parts; ConvFirstNet: <= 64)
@@ -98,6 +98,35 @@ class ConvFirstConfig:
 
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The order in which the stride-1 conv loads each tap pair (kernel.py ``_tap_pair``), which decides the
+# bank conflicts of the pair's copy to shared memory for the batched mma.sync. Nsight Compute on an H200
+# (benchmarks/results/ncu/20261126T150000Z_*, Triton 3.6, order 0): 46-51 % of these kernels' shared
+# wavefronts were conflicts and their L1 data pipe ran 54-86 % busy. ``conflict_free_tap_order()``
+# (sm_90 PTX: tests/kernels/test_convfirst.py) takes the L1-pipe term of Small's stride-1 launches from
+# 348-363 / 190-198 / 148-154 us (stages 0 / 1 / 2, Triton 3.6) to 189-197 / 108-112 / 78-81; the
+# model ranks stages 0-1 slower by its wait term, as it ranked the same change of the MBConv conv, which
+# an H200 then measured 20-30 % faster per block (kernels/mbconv/launcher.py). A variant until a GPU
+# times it (None: conflict_free_tap_order(); scripts/gpu_variants.py "convfirst taps", gpu_check.py).
+TAP_ORDER = 0
+
+
+def conflict_free_tap_order(batch: int) -> int:
+    """The TAPS whose tap-pair copies compile conflict-free with the installed Triton for a conv batch of
+    ``batch`` entries ([batch, rows, 16] tiles): 1, except with Triton 3.7 or later at batch 4, where 0
+    already is (and 1 costs 33 registers: Small's stages.0)."""
+    import triton
+    from torch.torch_version import TorchVersion
+
+    return 0 if TorchVersion(triton.__version__) >= (3, 7) and batch <= 4 else 1
+
+
+def tap_order(cfg: "ConvFirstConfig") -> int:
+    """The TAPS a stride-1 kernel of ``cfg`` compiles with: ``TAP_ORDER``, or when it is None the
+    conflict-free order for the batch of its widest conv dot (kernel.py ``_gconv_pairs``)."""
+    if TAP_ORDER is not None:
+        return TAP_ORDER
+    groups = min(max(cfg.c_parts), cfg.conv_sub or 128) // 8
+    return conflict_free_tap_order(_m_slices(cfg.num_warps, groups, cfg.tile_h * cfg.tile_w) * groups)
 
 
 def channel_parts(c: int) -> tuple[int, int]:
@@ -292,7 +321,7 @@ def convfirst_triton(
                SUB=cfg.conv_sub or 128, RES_LATE=cfg.residual_late,
                SPLIT_BASE=cfg.split_base, WARPS=cfg.num_warps,
                PRECISION=cfg.precision,
-               ASM=asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages, cost=cost)
+               ASM=asm, TAPS=tap_order(cfg), num_warps=cfg.num_warps, num_stages=cfg.num_stages, cost=cost)
     else:
         xs8 = (x.stride(0) // 8, x.stride(2) // 8, x.stride(3) // 8)
         cp2 = cfg.c_parts[1]

@@ -144,6 +144,52 @@ def test_matches_reference(interpreter_backend, n, c, h, w, r, k, stride, dtype)
     run_and_check(x, make_block(c, r, k, stride, dtype), stride)
 
 
+# The stride-1 conv's other tap-pair load order (launcher.TAP_ORDER 1: the conflict-free one where 0 is
+# not, kernel.py _tap_pair): two images of partial tiles, one conv dot of 64 channels, the 32-channel conv
+# dots of the wide layout (parts 64 + 32) and parts 32 + 16.
+TAP_SHAPES = [p for p in SHAPES if p.id in ("s1-c32-t3-2x17x18", "s1-c64-t6-17x7", "s1-c96-t6-parts64+32",
+                                            "s1-c48-t6-parts32+16")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("n,c,h,w,r,k,stride", TAP_SHAPES)
+def test_tap_order_1_matches_reference(interpreter_backend, monkeypatch, n, c, h, w, r, k, stride, dtype):
+    monkeypatch.setattr(K, "TAP_ORDER", 1)
+    x = make_input(n, c, h, w, dtype).contiguous(memory_format=torch.channels_last)
+    run_and_check(x, make_block(c, r, k, stride, dtype), stride)
+
+
+@pytest.mark.compile
+def test_tap_pair_copies_conflict_free_order(monkeypatch):
+    """launcher.conflict_free_tap_order(): fused Small's stage-2 stride-1 kernel (C = 64, fp16, sm_90)
+    compiled with it copies the conv's tap pairs to shared memory and reads them back without bank
+    conflicts (every 16-byte store and ldmatrix.x4 of warp 0 at 32 lanes' bytes / 128), while order 0,
+    as shipped, takes at least 1.5x those wavefronts (4x on its stores with Triton 3.6 and 3.8: the
+    conflicts Nsight Compute measured). Order 0 put in the conflict-free order's place fails the first
+    check."""
+    from dataclasses import replace
+
+    from convfirstnet.analysis.compiled import variant_of
+
+    from ._asm import compile_asm, tap_copy_wavefronts
+
+    v = variant_of(_record((64, 384, 64, 1), torch.float16), 90)
+    cfg = K.convfirst_config(64, 64, 1, torch.float16, 384, 90)
+    names = [n for n, _ in v.signature]
+
+    def with_taps(taps):
+        return replace(v, constexprs=tuple((p, taps if names[p[0]] == "TAPS" else x)
+                                           for p, x in v.constexprs))
+
+    monkeypatch.setattr(K, "TAP_ORDER", None)
+    free_order = K.tap_order(cfg)  # 8 warps, one conv dot of 8 groups: batch 8
+    free, shipped = compile_asm([with_taps(free_order), with_taps(0)])
+    wf, ideal = tap_copy_wavefronts(free["ptx"])
+    assert free_order == 1 and ideal > 0 and wf == ideal, (free_order, wf, ideal)
+    wf0, ideal0 = tap_copy_wavefronts(shipped["ptx"])
+    assert ideal0 == ideal and wf0 >= 1.5 * ideal0, (wf0, ideal0)
+
+
 @pytest.mark.parametrize("stride,k", [(1, 16), (2, 32)], ids=["s1", "s2"])
 def test_batch_one_and_contiguous_weights(interpreter_backend, stride, k):
     """Batch 1, a map smaller than one tile, and w_conv in the default (C, 8, 3, 3) layout."""

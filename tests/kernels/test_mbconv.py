@@ -24,6 +24,7 @@ from convfirstnet.kernels.mbconv.launcher import tap_order
 from convfirstnet.kernels.mbconv.reference import mbconv_layerwise, mbconv_reference
 
 from ..conftest import FULL_MATRIX, cuda
+from ._asm import compile_asm, tap_copy_wavefronts
 from ._convfirst_util import nan_banded
 from ._traced import trace_triton_branch
 
@@ -605,31 +606,6 @@ def test_small_batch128_stride1_without_stack():
     assert c.stack == 0 and c.regs <= 255, f"{c.regs} registers, {c.stack} B stack"
 
 
-# The PTX/TTGIR checks compile a few variants themselves (compile_variants keeps only the SASS).
-_ASM_SCRIPT = r"""
-import json, sys, importlib
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-out = []
-for v in json.load(sys.stdin):
-    fn = getattr(importlib.import_module(v["module"]), v["name"])
-    k = triton.compile(ASTSource(fn, dict(map(tuple, v["signature"])), {tuple(p): x for p, x in v["constexprs"]},
-                                 {tuple(p): x for p, x in v["attrs"]}),
-                       target=GPUTarget("cuda", v["arch"], 32), options=dict(map(tuple, v["options"])))
-    out.append(dict(ttgir=k.asm["ttgir"], ptx=k.asm["ptx"]))
-json.dump(out, sys.stdout)
-"""
-
-
-def _compile_asm(variants):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-c", _ASM_SCRIPT], input=json.dumps([v.to_json() for v in variants]),
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -644,7 +620,8 @@ def small_asm():
                                     (96, 256, 32, 2, torch.float16)):
         launches, _ = _record(128, c, k, hw, hw, stride, dtype)
         picked += [(stride, dtype, variant_of(lc, 90)) for lc in launches[:2]]  # the first slice's pair
-    return [(stride, dtype, v, asm) for (stride, dtype, v), asm in zip(picked, _compile_asm([p[2] for p in picked]))]
+    asm = compile_asm([p[2] for p in picked])
+    return [(stride, dtype, v, a) for (stride, dtype, v), a in zip(picked, asm)]
 
 
 @pytest.mark.compile
@@ -717,15 +694,6 @@ def test_x_tile_resident_in_shared_memory(small_asm):
     assert checked >= 1
 
 
-def _tap_copy_wavefronts(ptx: str) -> tuple[int, int]:
-    """(wavefronts, conflict-free count) of warp 0's 16-byte shared stores and ldmatrix.x4 loads: the conv's
-    tap-pair copies and their reads for the batched mma.sync (convfirstnet.analysis.shared)."""
-    from convfirstnet.analysis.shared import ptx_shared_accesses
-
-    acc = [a for a in ptx_shared_accesses(ptx)
-           if a.opcode.startswith("ldmatrix.sync.aligned.m8n8.x4")
-           or (a.opcode.startswith("st.shared") and a.opcode.endswith("v4.b32"))]
-    return sum(a.wavefronts for a in acc), sum(a.ideal for a in acc)
 
 
 @pytest.mark.compile
@@ -749,10 +717,10 @@ def test_tap_pair_copies_conflict_free_order(small_asm):
         return replace(v, constexprs=tuple((p, taps if names[p[0]] == "TAPS" else x)
                                            for p, x in v.constexprs))
 
-    free, shipped = _compile_asm([with_taps(conflict_free_tap_order()), with_taps(0)])
-    wf, ideal = _tap_copy_wavefronts(free["ptx"])
+    free, shipped = compile_asm([with_taps(conflict_free_tap_order()), with_taps(0)])
+    wf, ideal = tap_copy_wavefronts(free["ptx"])
     assert ideal > 0 and wf == ideal, f"order {conflict_free_tap_order()}: {wf} wavefronts, {ideal} ideal"
-    wf0, ideal0 = _tap_copy_wavefronts(shipped["ptx"])
+    wf0, ideal0 = tap_copy_wavefronts(shipped["ptx"])
     assert ideal0 == ideal and wf0 >= 1.5 * ideal0, (wf0, ideal0)
 
 
