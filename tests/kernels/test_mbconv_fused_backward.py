@@ -200,14 +200,14 @@ def test_weight_chunk_loaded_before_the_pixel_loop():
     from convfirstnet.analysis.targets import target
     from convfirstnet.analysis.training import record_mbconv_backward
 
-    from .test_mbconv import _compile_asm
+    from ._asm import compile_asm
 
     block = convfirstnet.small().stages[3][1].train()
     launches, _ = record_mbconv_backward(block, (1, 256, 16, 16), 128, torch.float16, target(90))
     picked = [variant_of(lc, 90) for lc in launches
               if lc.kernel.fn.__name__ in ("_gate_backward_kernel", "_expand_kernel")]
     assert len(picked) == 5  # dgate_pool, bn_d_backward; expand_hidden, bn_e_sums, bn_e_backward
-    for v, asm in zip(picked, _compile_asm(picked)):
+    for v, asm in zip(picked, compile_asm(picked)):
         lines = asm["ttgir"].splitlines()
         loop = next(i for i, line in enumerate(lines) if "scf.for" in line)
         shape = f"tensor<{v.meta['RB']}x256x"
