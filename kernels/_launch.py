@@ -103,6 +103,16 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 @functools.cache
+def triton_before(major: int, minor: int) -> bool:
+    """Whether the installed Triton is older than ``major.minor`` (layouts, and so the kernels' choices
+    that depend on them, changed between 3.6 and 3.8)."""
+    import triton
+    from torch.torch_version import TorchVersion
+
+    return TorchVersion(triton.__version__) < (major, minor)
+
+
+@functools.cache
 def interpreter_problem() -> str | None:
     """Why this Triton's interpreter cannot run the kernels, or None. Up to Triton 3.6 the interpreter
     turns a runtime loop bound into a Python int with ``int()`` of a one-element array, which NumPy 2.4
@@ -112,7 +122,7 @@ def interpreter_problem() -> str | None:
     import triton
     from torch.torch_version import TorchVersion
 
-    if TorchVersion(triton.__version__) < (3, 7) and TorchVersion(numpy.__version__) >= (2, 4):
+    if triton_before(3, 7) and TorchVersion(numpy.__version__) >= (2, 4):
         return (f"the interpreter of Triton {triton.__version__} fails with NumPy {numpy.__version__} "
                 "(int() of a one-element array in its loops); install 'numpy<2.4' or Triton >= 3.7")
     return None

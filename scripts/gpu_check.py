@@ -256,53 +256,48 @@ def _as_block(model, path: str):
     return nn.Sequential(model.get_submodule(path))  # fuse() and fold_batchnorm() rewrite children
 
 
+def _time_models_again(model_rows: list[dict], until: float, dtype, label: str) -> dict:
+    """Each whole model in a CUDA graph as the kernels are now set (``time_convfirst_taps``,
+    ``time_l1_triton``): {model: row}, a model past ``until`` skipped."""
+    import torch
+
+    from convfirstnet.factory import create_model
+
+    out = {}
+    for r in model_rows:
+        if time.monotonic() > until:
+            out[r["model"]] = dict(status="skipped", reason="budget")
+            continue
+        out[r["model"]] = time_case("fused-cudagraph", create_model(r["model"]), r["shape"], dtype)
+        print(f"  {r['model']} model, {label}: {_ms(out[r['model']])} ms", flush=True)
+        torch.cuda.empty_cache()
+    return out
+
+
 def time_convfirst_taps(model_rows: list[dict], until: float, dtype) -> dict:
     """Each whole model again, with the ConvFirst stride-1 conv's tap pairs in the bank-conflict-free load
     order (``kernels/convfirst/launcher.py`` ``TAP_ORDER = None``; shipped 0 until a GPU times it):
     {model: row}."""
-    import torch
-
-    from convfirstnet.factory import create_model
     from convfirstnet.kernels.convfirst import launcher
 
-    out = {}
     saved, launcher.TAP_ORDER = launcher.TAP_ORDER, None
     try:
-        for r in model_rows:
-            if time.monotonic() > until:
-                out[r["model"]] = dict(status="skipped", reason="budget")
-                continue
-            out[r["model"]] = time_case("fused-cudagraph", create_model(r["model"]), r["shape"], dtype)
-            print(f"  {r['model']} model, ConvFirst conflict-free tap order: {_ms(out[r['model']])} ms",
-                  flush=True)
-            torch.cuda.empty_cache()
+        return _time_models_again(model_rows, until, dtype, "ConvFirst conflict-free tap order")
     finally:
         launcher.TAP_ORDER = saved
-    return out
 
 
 def time_l1_triton(model_rows: list[dict], until: float, dtype) -> dict:
     """Each whole model again, with every kernel's L1 / shared split as Triton's loader leaves it (28 KB
     of L1 to any kernel over 48 KB of shared memory; ``kernels/_carveout.py`` policy ``triton``) instead
     of the shipped smallest carve-out that holds its programs (``fit``): {model: row}."""
-    import torch
-
-    from convfirstnet.factory import create_model
     from convfirstnet.kernels import _carveout
 
-    out = {}
     saved, _carveout.POLICY = _carveout.POLICY, "triton"
     try:
-        for r in model_rows:
-            if time.monotonic() > until:
-                out[r["model"]] = dict(status="skipped", reason="budget")
-                continue
-            out[r["model"]] = time_case("fused-cudagraph", create_model(r["model"]), r["shape"], dtype)
-            print(f"  {r['model']} model, Triton's L1 carve-out: {_ms(out[r['model']])} ms", flush=True)
-            torch.cuda.empty_cache()
+        return _time_models_again(model_rows, until, dtype, "Triton's L1 carve-out")
     finally:
         _carveout.POLICY = saved
-    return out
 
 
 # -------------------------------------------------------------------------------- child processes

@@ -5,10 +5,10 @@ On an H200 (Triton 3.6) the 16x16 stride-1 MBConv block measured 0.427 ms with 1
 programs, 0.403 with 8 (loading the conv's tap pairs one dot ahead changed nothing measurable, 0.427
 against 0.429 "pairs not ahead"), 0.321 with the conflict-free tap order and 0.311 with it and the
 fitted L1 carve-out, both now shipped ("taps 0", "L1 carveout triton": the orders before), against 0.350
-for ``torch.compile``'s layer-wise code. ``--block model`` times the whole of Small. Each variant overrides constants of ``kernels/mbconv/launcher.py`` (warps,
-hidden channels per chunk, resident x tile or tiled items, the conv's load order) or of another kernels
-module (``"_carveout.POLICY"``: the L1 / shared split of every kernel) for one run; per
-variant it prints and records:
+for ``torch.compile``'s layer-wise code. ``--block model`` times the whole of Small. Each variant
+overrides constants of ``kernels/mbconv/launcher.py`` (warps, hidden channels per chunk, resident x
+tile or tiled items, the conv's load order) or of another kernels module (``"_carveout.POLICY"``: the
+L1 / shared split of every kernel) for one run; per variant it prints and records:
 - the static prediction of the block (``build_report``, low-high, CUDA graphs), computed on the CPU;
 - on a GPU: the block alone in a CUDA graph (``convfirstnet bench``'s ``run_case``), and its output
   against the fused op's PyTorch reference on the same input (max |error| / max |reference|; fp16);

@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .._cost import KernelCost, Loop, active_recording
-from .._launch import GROUP_WIDTH, cdiv, launch, next_power_of_2
+from .._launch import GROUP_WIDTH, cdiv, launch, next_power_of_2, triton_before
 from .kernel import _convfirst_s1_kernel, _convfirst_s2_kernel, _m_slices
 
 MAX_CHANNELS = 128  # widest block the on-chip tiles are laid out for (ConvFirstNet uses <= 96)
@@ -114,10 +114,7 @@ def conflict_free_tap_order(batch: int) -> int:
     """The TAPS whose tap-pair copies compile conflict-free with the installed Triton for a conv batch of
     ``batch`` entries ([batch, rows, 16] tiles): 1, except with Triton 3.7 or later at batch 4, where 0
     already is (and 1 costs 33 registers: Small's stages.0)."""
-    import triton
-    from torch.torch_version import TorchVersion
-
-    return 0 if TorchVersion(triton.__version__) >= (3, 7) and batch <= 4 else 1
+    return 0 if not triton_before(3, 7) and batch <= 4 else 1
 
 
 def tap_order(cfg: "ConvFirstConfig") -> int:

@@ -70,7 +70,6 @@ alternatives then weighed, and are not today's predictions; the saved reports un
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -78,7 +77,7 @@ import torch
 
 from .._carveout import RESERVED_PER_BLOCK, smallest_carveout
 from .._cost import KernelCost, Loop
-from .._launch import GROUP_WIDTH, GPUInfo, cdiv, device_info, launch, next_power_of_2
+from .._launch import GROUP_WIDTH, GPUInfo, cdiv, device_info, launch, next_power_of_2, triton_before
 from .kernel import _mbconv_hidden_kernel, _mbconv_project_kernel
 
 FP32_PRECISION = "tf32x3"  # dot precision for fp32 operands; fp16/bf16 operands ignore it
@@ -143,14 +142,10 @@ def tap_order() -> int:
     return conflict_free_tap_order() if TAP_ORDER is None else TAP_ORDER
 
 
-@functools.cache
 def conflict_free_tap_order() -> int:
     """The TAPS whose pair copies compile conflict-free with the installed Triton (1 before 3.7, else 2;
     tests/kernels/test_mbconv.py checks both it and the shipped order's conflicts)."""
-    import triton
-    from torch.torch_version import TorchVersion
-
-    return 1 if TorchVersion(triton.__version__) < (3, 7) else 2
+    return 1 if triton_before(3, 7) else 2
 
 
 HIDDEN_WARPS_SM80 = 8  # RESIDENT programs below sm_90 (C <= 128 there: the x tile fits)
