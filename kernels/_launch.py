@@ -105,7 +105,8 @@ def use_triton(x: torch.Tensor) -> bool:
 @functools.cache
 def triton_before(major: int, minor: int) -> bool:
     """Whether the installed Triton is older than ``major.minor`` (layouts, and so the kernels' choices
-    that depend on them, changed between 3.6 and 3.8)."""
+    that depend on them, changed between 3.6 and 3.8). Cached for the launchers' hot path;
+    ``interpreter_problem`` reads the version itself (its test swaps it)."""
     import triton
     from torch.torch_version import TorchVersion
 
@@ -122,7 +123,7 @@ def interpreter_problem() -> str | None:
     import triton
     from torch.torch_version import TorchVersion
 
-    if triton_before(3, 7) and TorchVersion(numpy.__version__) >= (2, 4):
+    if TorchVersion(triton.__version__) < (3, 7) and TorchVersion(numpy.__version__) >= (2, 4):
         return (f"the interpreter of Triton {triton.__version__} fails with NumPy {numpy.__version__} "
                 "(int() of a one-element array in its loops); install 'numpy<2.4' or Triton >= 3.7")
     return None
