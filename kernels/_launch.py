@@ -113,6 +113,27 @@ def triton_before(major: int, minor: int) -> bool:
     return TorchVersion(triton.__version__) < (major, minor)
 
 
+def conflict_free_tap_order() -> int:
+    """The tap-pair load order (the conv kernels' TAPS) whose copies to shared memory compile without
+    bank conflicts with the installed Triton: 1 before 3.7, else 2 (the MBConv hidden kernel's and the
+    group-width-8 conv's; the ConvFirst kernel refines it per conv batch). Checked on the compiled PTX by
+    tests/kernels/test_mbconv.py and test_gconv.py."""
+    return 1 if triton_before(3, 7) else 2
+
+
+def _forced_tap_order() -> int | None:
+    value = os.environ.get("CONVFIRSTNET_TAP_ORDER", "").strip()
+    if value not in ("", "0", "1", "2"):
+        raise ValueError(f"CONVFIRSTNET_TAP_ORDER={value!r}: expected 0, 1 or 2 (or unset)")
+    return int(value) if value else None
+
+
+# CONVFIRSTNET_TAP_ORDER=0, 1 or 2 forces the tap-pair load order of every conv kernel (MBConv hidden,
+# ConvFirst stride 1, group-width-8 conv: each launcher's TAP_ORDER); unset, each takes its conflict-free
+# order for the installed Triton
+FORCED_TAP_ORDER = _forced_tap_order()
+
+
 @functools.cache
 def interpreter_problem() -> str | None:
     """Why this Triton's interpreter cannot run the kernels, or None. Up to Triton 3.6 the interpreter

@@ -8,8 +8,9 @@ Fits a GPU job limited to 10 minutes: the default budget is 9 minutes
    batch 128, 256x256, fp16) is computed for each size in a second process;
 2. each fused model (CUDA graph) and each of its distinct fused blocks (CUDA graph, the block alone on
    an input of its shape), Small first, then Tiny, Nano, Pico; then each model again with the ConvFirst
-   conv's tap pairs in the bank-conflict-free order (``kernels/convfirst/launcher.py`` ``TAP_ORDER``,
-   not yet the default), and with the L1 / shared split of every kernel as Triton's loader leaves it
+   conv's tap pairs in order 0 (``kernels/convfirst/launcher.py`` ``TAP_ORDER``: the order shipped before
+   the bank-conflict-free one, which no GPU has timed yet), and with the L1 / shared split of every
+   kernel as Triton's loader leaves it
    (``kernels/_carveout.py`` policy ``triton``; the default fits it to the programs);
    then ``torch.compile`` of the first fused model (``fused-inductor``: every block's fused op, as users
    get it);
@@ -59,6 +60,7 @@ TESTS_CAP_S = 240  # the GPU tests (they compile their kernels; 127 s on an H200
 TRAIN_CAP_S = 150  # the training step, fused and layer-wise (compiles, then 5 + 20 steps each)
 # the training step as it runs, and with the whole step in a CUDA graph (the host's time taken out)
 TRAIN_BACKENDS = "fused,eager,fused-cudagraph,eager-cudagraph"
+GCONV_CAP_S = 75  # the group-width-8 conv op, both tap orders and cuDNN (scripts/gpu_gconv.py)
 PROFILE_CAP_S = 90  # the fused training step's kernels against its wall time (scripts/gpu_profile.py)
 STATIC_CAP_S = 600  # the four static reports, beside the tests (a second process, CPU only)
 FUSED_CAP_S = 300  # every fused model and distinct block (Triton compiles its variants on first use)
@@ -162,8 +164,9 @@ def plan_lines(models: Sequence[str], budget_min: float, tests: bool, train: boo
     lines.append(
         f"2. per model ({', '.join(models)}), batch {BATCH}, {IMG}x{IMG}, {DTYPE}: the fused model and each "
         f"distinct fused block in a CUDA graph, {WARMUP} warm-up and {ITERS} timed iterations (CUDA events); "
-        "then each model with the ConvFirst conv's conflict-free tap order (kernels/convfirst/launcher.py "
-        "TAP_ORDER) and with every kernel's L1 / shared split as Triton leaves it (kernels/_carveout.py)"
+        "then each model with the ConvFirst conv's tap order 0, shipped before the conflict-free one "
+        "(kernels/convfirst/launcher.py TAP_ORDER), and with every kernel's L1 / shared split as Triton "
+        "leaves it (kernels/_carveout.py)"
     )
     jobs = autotune_jobs(models)
     total = sum(w for _, _, w in jobs)
@@ -175,7 +178,9 @@ def plan_lines(models: Sequence[str], budget_min: float, tests: bool, train: boo
         lines.append(f"3. a training step of {models[0]}: convfirstnet bench --train {models[0]} "
                      f"--batch-sizes {BATCH} --train-backends {TRAIN_BACKENDS} (at most {TRAIN_CAP_S} s; "
                      "its own record), then scripts/gpu_profile.py --cases train-fused: the step's wall time "
-                     f"against its kernels' (at most {PROFILE_CAP_S} s)")
+                     f"against its kernels' (at most {PROFILE_CAP_S} s), then scripts/gpu_gconv.py: the "
+                     "group-width-8 conv op at its training shapes, tap orders 0 and conflict-free, against "
+                     f"cuDNN (at most {GCONV_CAP_S} s; its own record)")
     mode = "mode='max-autotune'" if INDUCTOR[0] == "inductor-max-autotune" else "the default mode"
     lines.append(
         f"4. torch.compile(fold_batchnorm(...)) in {mode} of each model and of its distinct blocks, "
@@ -257,7 +262,7 @@ def _as_block(model, path: str):
 
 
 def _time_models_again(model_rows: list[dict], until: float, dtype, label: str) -> dict:
-    """Each whole model in a CUDA graph as the kernels are now set (``time_convfirst_taps``,
+    """Each whole model in a CUDA graph as the kernels are now set (``time_convfirst_taps0``,
     ``time_l1_triton``): {model: row}, a model past ``until`` skipped."""
     import torch
 
@@ -274,15 +279,16 @@ def _time_models_again(model_rows: list[dict], until: float, dtype, label: str) 
     return out
 
 
-def time_convfirst_taps(model_rows: list[dict], until: float, dtype) -> dict:
-    """Each whole model again, with the ConvFirst stride-1 conv's tap pairs in the bank-conflict-free load
-    order (``kernels/convfirst/launcher.py`` ``TAP_ORDER = None``; shipped 0 until a GPU times it):
-    {model: row}."""
+def time_convfirst_taps0(model_rows: list[dict], until: float, dtype) -> dict:
+    """Each whole model again, with the ConvFirst stride-1 conv's tap pairs in load order 0
+    (``kernels/convfirst/launcher.py`` ``TAP_ORDER``), the order shipped before the bank-conflict-free one
+    (``None``), which ships on the H200's measurement of the same change in the MBConv conv and no GPU has
+    timed here yet: {model: row}."""
     from convfirstnet.kernels.convfirst import launcher
 
-    saved, launcher.TAP_ORDER = launcher.TAP_ORDER, None
+    saved, launcher.TAP_ORDER = launcher.TAP_ORDER, 0
     try:
-        return _time_models_again(model_rows, until, dtype, "ConvFirst conflict-free tap order")
+        return _time_models_again(model_rows, until, dtype, "ConvFirst tap order 0")
     finally:
         launcher.TAP_ORDER = saved
 
@@ -421,6 +427,20 @@ def run_train(model: str, out_dir: str, timeout_s: float) -> dict:
     timed = [ln for ln in lines if ln.startswith("[bench] train")]
     return dict(info, status="ok" if proc.returncode == 0 else "failed",
                 summary="; ".join(timed) or (lines[-1] if lines else ""), tail=lines[-10:])
+
+
+def run_gconv(model: str, out_dir: str, timeout_s: float) -> dict:
+    """``scripts/gpu_gconv.py`` in a child process (it writes its own record into ``out_dir``): the
+    group-width-8 conv op's forward and fused backward at ``model``'s training shapes, tap order 0 and the
+    conflict-free order, against cuDNN. Returns the status and the lines it printed."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_gconv.py"), "--model", model, "--batch", str(BATCH),
+           "--img-size", str(IMG), "--out-dir", out_dir]
+    proc, info = run_child(cmd, timeout_s)
+    if proc is None:
+        return info
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    return dict(info, status="ok" if proc.returncode == 0 else "failed",
+                summary=lines[-1] if lines else "", lines=[ln for ln in lines if ln.startswith("  C ")])
 
 
 def run_profile(model: str, timeout_s: float) -> dict:
@@ -659,7 +679,7 @@ def run(args, argv, models: list[str], plan: list[str]) -> int:
         print(f"  {r['model']} {r['path']}: {_ms(r['fused'])} ms", flush=True)
         del module, train
         torch.cuda.empty_cache()
-    convfirst_taps = time_convfirst_taps([r for r in rows if r["path"] == "model"], fused_until, dtype)
+    convfirst_taps0 = time_convfirst_taps0([r for r in rows if r["path"] == "model"], fused_until, dtype)
     carveout = time_l1_triton([r for r in rows if r["path"] == "model"], fused_until, dtype)
     first = next(r for r in rows if r["model"] == models[0] and r["path"] == "model")
     print(f"\n[gpu_check] torch.compile of the fused {models[0]} ...", flush=True)
@@ -682,6 +702,8 @@ def run(args, argv, models: list[str], plan: list[str]) -> int:
             skipped.append(f"training step {models[0]}: {train['status']} ({train['summary']})")
         train["profile"] = run_profile(models[0], budget.share(PROFILE_CAP_S))
         print(f"[gpu_check] profile: {train['profile']['status']}: {train['profile']['summary']}", flush=True)
+        train["gconv"] = run_gconv(models[0], args.out_dir, budget.share(GCONV_CAP_S))
+        print(f"[gpu_check] gconv: {train['gconv']['status']}: {train['gconv']['summary']}", flush=True)
 
     print(f"\n[gpu_check] {INDUCTOR[0]} (child processes with time limits) ...", flush=True)
     jobs = autotune_jobs(models)
@@ -715,7 +737,7 @@ def run(args, argv, models: list[str], plan: list[str]) -> int:
         print("\nSkipped:\n" + "\n".join(f"- {s}" for s in skipped))
     extra = dict(models=models, budget_min=args.budget_min, elapsed_s=round(time.monotonic() - budget.start),
                  tests=tests, train=train, skipped=skipped, plan=plan, l1_carveout_triton=carveout,
-                 convfirst_taps=convfirst_taps,
+                 convfirst_taps0=convfirst_taps0,
                  static_reports={m: dict(created=r["created"], versions=r.get("versions"), git=r.get("git"))
                                  for m, r in static.reports.items()})
     paths = [write_record(make_record("network", network_results(rows, macs, params, peak), argv, dev, extra),

@@ -45,9 +45,10 @@ VARIANTS = {  # name -> overrides of kernels/mbconv/launcher.py's constants
     "taps 0": {"TAP_ORDER": 0},
     "taps 1": {"TAP_ORDER": 1},
     "taps 2": {"TAP_ORDER": 2},
-    # the ConvFirst stride-1 conv's tap pairs in the conflict-free order (kernels/convfirst/launcher.py
-    # TAP_ORDER None; shipped 0): time at a ConvFirst block (--block stages.1.1) or the model
-    "convfirst taps": {"convfirst.launcher.TAP_ORDER": None},
+    # the ConvFirst stride-1 conv's tap pairs in order 0, shipped before the conflict-free order
+    # (kernels/convfirst/launcher.py TAP_ORDER None): time at a ConvFirst block (--block stages.1.1) or the
+    # model
+    "convfirst taps 0": {"convfirst.launcher.TAP_ORDER": 0},
 }
 
 

@@ -183,6 +183,9 @@ def test_run_orchestration_with_fake_timings(gc, tmp_path, monkeypatch, capsys):
         status="stopped", seconds=t, summary=f"stopped at {t:.0f} s"))
     monkeypatch.setattr(gc, "run_profile", lambda model, t: dict(
         status="ok", seconds=1, wall_ms=90.0, kernels_ms=87.0, summary="wall 90.0 ms, kernels 87.0 ms"))
+    gconv_runs = []
+    monkeypatch.setattr(gc, "run_gconv", lambda model, out, t: gconv_runs.append((model, out)) or dict(
+        status="ok", seconds=1, summary="[gpu_gconv] record: x.json", lines=[]))
     args = argparse.Namespace(budget_min=20.0, skip_tests=False, skip_train=False, out_dir=str(tmp_path))
     assert gc.run(args, [], ["small", "pico"], ["plan"]) == 0
     out = capsys.readouterr().out
@@ -210,10 +213,22 @@ def test_run_orchestration_with_fake_timings(gc, tmp_path, monkeypatch, capsys):
         "fused-cudagraph", "inductor", "fused-inductor"}
     assert "small model, fused-inductor: 2.000 ms" in out
     assert blocks["gpu_check"]["tests"]["summary"] == "3 passed"
-    # each model again with the ConvFirst conv's conflict-free tap order, the shipped order restored after
+    # each model again with the ConvFirst conv's tap order 0, the shipped order restored after
     from convfirstnet.kernels.convfirst import launcher as convfirst_launcher
 
-    assert "small model, ConvFirst conflict-free tap order: " in out and convfirst_launcher.TAP_ORDER == 0
-    assert set(blocks["gpu_check"]["convfirst_taps"]) == {"small", "pico"}
+    assert "small model, ConvFirst tap order 0: " in out and convfirst_launcher.TAP_ORDER is None
+    assert set(blocks["gpu_check"]["convfirst_taps0"]) == {"small", "pico"}
     assert blocks["gpu_check"]["train"]["status"] == "stopped"
     assert blocks["gpu_check"]["train"]["profile"]["kernels_ms"] == 87.0 and "[gpu_check] profile: ok" in out
+    # the group-width-8 conv op of the first model, its record beside the others
+    assert gconv_runs == [("small", str(tmp_path))] and "[gpu_check] gconv: ok" in out
+
+
+def test_gpu_gconv_plan_without_cuda(capsys, monkeypatch):
+    """scripts/gpu_gconv.py on a machine without CUDA: the shapes it would time (Small's training
+    shapes at 256x256, from the launcher's MODEL_SHAPES), exit status 0, no record."""
+    gg = load_script("gpu_gconv")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gg.main(["--model", "small"]) == 0
+    out = capsys.readouterr().out
+    assert "C 32 128x128" in out and "C 1024 8x8" in out and "tap orders 0 and conflict-free" in out

@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .._cost import KernelCost, Loop, active_recording
-from .._launch import GROUP_WIDTH, cdiv, launch, next_power_of_2, triton_before
+from .._launch import FORCED_TAP_ORDER, GROUP_WIDTH, cdiv, launch, next_power_of_2, triton_before
 from .kernel import _convfirst_s1_kernel, _convfirst_s2_kernel, _m_slices
 
 MAX_CHANNELS = 128  # widest block the on-chip tiles are laid out for (ConvFirstNet uses <= 96)
@@ -103,11 +103,16 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # (benchmarks/results/ncu/20261126T150000Z_*, Triton 3.6, order 0): 46-51 % of these kernels' shared
 # wavefronts were conflicts and their L1 data pipe ran 54-86 % busy. ``conflict_free_tap_order()``
 # (sm_90 PTX: tests/kernels/test_convfirst.py) takes the L1-pipe term of Small's stride-1 launches from
-# 348-363 / 190-198 / 148-154 us (stages 0 / 1 / 2, Triton 3.6) to 189-197 / 108-112 / 78-81; the
-# model ranks stages 0-1 slower by its wait term, as it ranked the same change of the MBConv conv, which
-# an H200 then measured 20-30 % faster per block (kernels/mbconv/launcher.py). A variant until a GPU
-# times it (None: conflict_free_tap_order(); scripts/gpu_variants.py "convfirst taps", gpu_check.py).
-TAP_ORDER = 0
+# 348-363 / 190-198 / 148-154 us (stages 0 / 1 / 2, Triton 3.6) to 189-197 / 108-112 / 78-81, and
+# their latency term from 202-211 / 147-153 / 149-156 to 185-193 / 116-121 / 103-108. The model's
+# max() ranks stages 0-1 slower by its wait term, as it ranked the same change of the MBConv conv, which
+# an H200 then measured 20-30 % faster per block; there the measured saving matched the fall of the
+# L1-pipe term within 3-36 us on all four blocks (docs/cost-model.md, "What the tap-order change
+# measured"), and the block times were 1.04-1.27x the L1-pipe plus latency terms, which order 1 lowers
+# here by 113-184 us per block. Shipped on that evidence; a GPU run must confirm it (gpu_check.py times
+# order 0 beside it, scripts/gpu_variants.py "convfirst taps"). None: conflict_free_tap_order(); 0, 1
+# or 2 (CONVFIRSTNET_TAP_ORDER) force one.
+TAP_ORDER = FORCED_TAP_ORDER
 
 
 def conflict_free_tap_order(batch: int) -> int:
@@ -122,6 +127,10 @@ def tap_order(cfg: "ConvFirstConfig") -> int:
     conflict-free order for the batch of its widest conv dot (kernel.py ``_gconv_pairs``)."""
     if TAP_ORDER is not None:
         return TAP_ORDER
+    if cfg.c_parts[1] and not cfg.conv_sub and cfg.block_m >= 256:
+        # sm_80's two-part config (C = 96 as 64 + 32, 256-pixel tiles, conv dots of 64 channels) is at
+        # 255 registers: order 1 compiled with 24 B of spills there (Triton 3.8), order 0 without
+        return 0
     groups = min(max(cfg.c_parts), cfg.conv_sub or 128) // 8
     return conflict_free_tap_order(_m_slices(cfg.num_warps, groups, cfg.tile_h * cfg.tile_w) * groups)
 

@@ -38,9 +38,12 @@ tap loads are plain ``ld.global`` (PTX's default cache operator is .ca: SASS ``L
 in L1), so the re-reads of a tile's halo hit L1, and neighbouring tiles' halos come from L2. They are
 not software-pipelined: Triton turns pipelined loads into 16-byte ``cp.async``, which is always .cg
 (``LDGSTS.E.BYPASS``, L2 only) whatever ``cache_modifier`` says (checked on the compiled code: the
-compile test pins LDG.E.128 and no LDGSTS). The five steps are unrolled by the compiler; latency is
-hidden by the 3-7 programs resident per SM (72-168 registers). Each input element is read from DRAM
-about once, y is written once. Pixels outside the map and the padding ring are masked.
+compile test pins LDG.E.128 and no LDGSTS). Each pair's copy to shared memory for the mma.sync is free
+of bank conflicts in the load order ``launcher.tap_order()`` gives the installed Triton (``TAPS``: order 0
+took the forward's shared wavefronts to 2.9-3.9x; a compile test checks the copies). The five steps are
+unrolled by the compiler; latency is hidden by the 3-7 programs resident per SM (72-168 registers).
+Each input element is read from DRAM about once, y is written once. Pixels outside the map and the
+padding ring are masked.
 
 Dgrad (input gradient)
 ----------------------
@@ -197,14 +200,20 @@ def tap_window(pix, r, c, pix_ok, gok, G: tl.constexpr):
 
 
 @triton.jit
-def load_tap_pair(win, H, W, sh, sw, dh0, dw0, dh1, dw1, has1):
+def load_tap_pair(win, H, W, sh, sw, dh0, dw0, dh1, dw1, has1, TAPS: tl.constexpr):
     """A operand of a two-tap step, [G, BM, 16], from an NHWC map of H x W pixels (strides sh, sw in
     elements); ``win``: the tuple from ``tap_window``.
 
     Element [g, m, k]: channel 8 g + k % 8 of pixel (r + dh0, c + dw0) for k < 8, of pixel
     (r + dh1, c + dw1) for k >= 8 (zero when ``has1`` is false: the empty tenth tap); zero outside the
     map (the zero padding) and on rows that are not real pixels. Each (g, m, half) is one 16-byte
-    vector (8 channels of 16-bit data)."""
+    vector (8 channels of 16-bit data).
+
+    TAPS: the index order of the load, which decides the register layout Triton gives the tile and so
+    the bank conflicts of its copy to shared memory for the batched mma.sync (launcher.tap_order()):
+    0 [G, BM, 16] as is; 1 loaded as [BM, G, 16] and permuted (conflict-free on Triton 3.6); 2 loaded as
+    [G BM, 16] rows and reshaped (conflict-free on 3.8). The MBConv hidden kernel's tap pairs have the
+    same choice (kernels/mbconv/kernel.py ``_conv_pair_h``)."""
     base, r3, c3, ok3, gok, hi = win
     dh = tl.where(hi, dh1, dh0)
     dw = tl.where(hi, dw1, dw0)
@@ -214,7 +223,16 @@ def load_tap_pair(win, H, W, sh, sw, dh0, dw0, dh1, dw1, has1):
     # a plain ld.global (PTX's default cache operator .ca, SASS LDG.E.128): allocated in L1, where the
     # overlapping windows of the other taps find it. Not pipelined: cp.async of 16 bytes is always .cg
     # (LDGSTS.E.BYPASS, L2 only), whatever cache_modifier says.
-    return tl.load(base + (dh * sh + dw * sw), mask=ok, other=0.0)
+    ptr = base + (dh * sh + dw * sw)
+    if TAPS == 1:
+        t = tl.load(tl.permute(ptr, (1, 0, 2)), mask=tl.permute(ok, (1, 0, 2)), other=0.0)
+        return tl.permute(t, (1, 0, 2))
+    elif TAPS == 2:
+        GM: tl.constexpr = ptr.shape[0] * ptr.shape[1]
+        t = tl.load(tl.reshape(ptr, (GM, 16)), mask=tl.reshape(ok, (GM, 16)), other=0.0)
+        return tl.reshape(t, ptr.shape)
+    else:
+        return tl.load(ptr, mask=ok, other=0.0)
 
 
 @triton.jit
@@ -236,18 +254,28 @@ def tap_weights(w_ptr, co0, swo, swi, gok, G: tl.constexpr, TRANSPOSE: tl.conste
 
 
 @triton.jit
-def load_tap_pair_weights(base, hi, gok, t0, t1, swh, sww, dt: tl.constexpr):
+def load_tap_pair_weights(base, hi, gok, t0, t1, swh, sww, dt: tl.constexpr, TAPS: tl.constexpr):
     """B operand of a two-tap step, [G, 16, 8] in dtype ``dt`` (``base, hi, gok`` from ``tap_weights``):
-    the weights of tap t0 for k < 8 and of tap t1 for k >= 8 (zero unless 0 <= t1 <= 8)."""
+    the weights of tap t0 for k < 8 and of tap t1 for k >= 8 (zero unless 0 <= t1 <= 8). TAPS 1 (see
+    ``load_tap_pair``): loaded as [16, 8, G] and permuted, so that Triton 3.6 reads the operand back from
+    shared memory without bank conflicts (as [G, 16, 8] it read 2-byte elements at 8-16x the
+    conflict-free wavefronts)."""
     off0 = (t0 // 3) * swh + (t0 % 3) * sww
     off1 = (t1 // 3) * swh + (t1 % 3) * sww
     ok1 = (t1 >= 0) & (t1 < 9)
-    return tl.load(base + tl.where(hi, off1, off0), mask=(ok1 | (hi == 0)) & gok, other=0.0).to(dt)
+    ptr = base + tl.where(hi, off1, off0)
+    ok = (ok1 | (hi == 0)) & gok
+    if TAPS == 1:
+        w = tl.load(tl.permute(ptr, (1, 2, 0)), mask=tl.permute(ok, (1, 2, 0)), other=0.0)
+        return tl.permute(w, (2, 0, 1)).to(dt)
+    else:
+        return tl.load(ptr, mask=ok, other=0.0).to(dt)
 
 
 @triton.jit
 def gconv_tile(pix, r, c, pix_ok, gok, H, W, sh, sw, w_ptr, co0, swo, swi, swh, sww,
-               G: tl.constexpr, BM: tl.constexpr, FLIP: tl.constexpr, PRECISION: tl.constexpr):
+               G: tl.constexpr, BM: tl.constexpr, FLIP: tl.constexpr, PRECISION: tl.constexpr,
+               TAPS: tl.constexpr):
     """The grouped 3x3 conv of one tile: [G, BM, 8] fp32, channel 8 g + j of row m.
 
     Row m's input window is centred on pixel (r[m], c[m]) (the output pixel times the stride);
@@ -261,11 +289,11 @@ def gconv_tile(pix, r, c, pix_ok, gok, H, W, sh, sw, w_ptr, co0, swo, swi, swh, 
         t0 = 2 * s
         t1 = t0 + 1
         a = load_tap_pair(win, H, W, sh, sw, t0 // 3 - 1, t0 % 3 - 1, t1 // 3 - 1, t1 % 3 - 1,
-                          t1 < 9)
+                          t1 < 9, TAPS)
         if FLIP:
-            b = load_tap_pair_weights(wbase, whi, wok, 8 - t0, 8 - t1, swh, sww, dt)
+            b = load_tap_pair_weights(wbase, whi, wok, 8 - t0, 8 - t1, swh, sww, dt, TAPS)
         else:
-            b = load_tap_pair_weights(wbase, whi, wok, t0, t1, swh, sww, dt)
+            b = load_tap_pair_weights(wbase, whi, wok, t0, t1, swh, sww, dt, TAPS)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
 
@@ -289,13 +317,14 @@ def load_group_tile(pix, ok, gok, G: tl.constexpr):
 
 
 @triton.jit
-def wgrad_pair_product(acc, win, H, W, sh, sw, dy, T0: tl.constexpr, PRECISION: tl.constexpr):
+def wgrad_pair_product(acc, win, H, W, sh, sw, dy, T0: tl.constexpr, PRECISION: tl.constexpr,
+                       TAPS: tl.constexpr):
     """acc[G, 16, 8] += A^T @ dy for taps (T0, T0 + 1): one tile's share of the weight gradient of a tap
     pair. A: the [G, BM, 16] operand of ``load_tap_pair`` (window from ``tap_window``), dy: the tile's
     [G, BM, 8] output gradient (zero on masked rows). acc[g, k, j] += sum_m A[g, m, k] dy[g, m, j]: the
     gradient of w[8 g + j, k % 8, T0 + k // 8]."""
     T1: tl.constexpr = T0 + 1
-    a = load_tap_pair(win, H, W, sh, sw, T0 // 3 - 1, T0 % 3 - 1, T1 // 3 - 1, T1 % 3 - 1, T1 < 9)
+    a = load_tap_pair(win, H, W, sh, sw, T0 // 3 - 1, T0 % 3 - 1, T1 // 3 - 1, T1 % 3 - 1, T1 < 9, TAPS)
     return tl.dot(tl.permute(a, (0, 2, 1)), dy, acc, input_precision=PRECISION)
 
 
@@ -316,14 +345,15 @@ def store_wgrad_pair(ptr, acc, co0, gok, T0: tl.constexpr, G: tl.constexpr, ATOM
 
 
 @triton.jit
-def wgrad_tile_products(acc0, acc1, acc2, acc3, acc4, win, H, W, sh, sw, dy, PRECISION: tl.constexpr):
+def wgrad_tile_products(acc0, acc1, acc2, acc3, acc4, win, H, W, sh, sw, dy, PRECISION: tl.constexpr,
+                        TAPS: tl.constexpr):
     """One tile's products for the five tap-pair accumulators (``wgrad_pair_product`` of taps 0-1, ...,
     8 and the empty tenth)."""
-    acc0 = wgrad_pair_product(acc0, win, H, W, sh, sw, dy, 0, PRECISION)
-    acc1 = wgrad_pair_product(acc1, win, H, W, sh, sw, dy, 2, PRECISION)
-    acc2 = wgrad_pair_product(acc2, win, H, W, sh, sw, dy, 4, PRECISION)
-    acc3 = wgrad_pair_product(acc3, win, H, W, sh, sw, dy, 6, PRECISION)
-    acc4 = wgrad_pair_product(acc4, win, H, W, sh, sw, dy, 8, PRECISION)
+    acc0 = wgrad_pair_product(acc0, win, H, W, sh, sw, dy, 0, PRECISION, TAPS)
+    acc1 = wgrad_pair_product(acc1, win, H, W, sh, sw, dy, 2, PRECISION, TAPS)
+    acc2 = wgrad_pair_product(acc2, win, H, W, sh, sw, dy, 4, PRECISION, TAPS)
+    acc3 = wgrad_pair_product(acc3, win, H, W, sh, sw, dy, 6, PRECISION, TAPS)
+    acc4 = wgrad_pair_product(acc4, win, H, W, sh, sw, dy, 8, PRECISION, TAPS)
     return acc0, acc1, acc2, acc3, acc4
 
 
@@ -359,7 +389,7 @@ def _gconv_fwd_kernel(
     sxn8, sxh8, sxw8, swo, swi, swh, sww,
     # meta-parameters
     STRIDE: tl.constexpr, FLIP: tl.constexpr, G: tl.constexpr, MASK_C: tl.constexpr, TH: tl.constexpr,
-    TW: tl.constexpr, PRECISION: tl.constexpr, RESIDUAL: tl.constexpr,
+    TW: tl.constexpr, PRECISION: tl.constexpr, RESIDUAL: tl.constexpr, TAPS: tl.constexpr,
 ):
     """Forward (FLIP = False) and stride-1 dgrad (FLIP = True, x = dy, y = dx). RESIDUAL: y += res, in
     fp32 before the one rounding (a block's dx = dout + dgrad: the sum never makes its own pass)."""
@@ -375,7 +405,7 @@ def _gconv_fwd_kernel(
     gok = group_ok(co0, C, G, MASK_C)
     pix = x_ptr + n.to(tl.int64) * sxn + r * sxh + c * sxw + co0
     acc = gconv_tile(pix, r, c, ok, gok, H, W, sxh, sxw, w_ptr, co0, swo, swi, swh, sww, G, BM, FLIP,
-                     PRECISION)
+                     PRECISION, TAPS)
     pix_out = (n.to(tl.int64) * HO * WO + oh * WO + ow) * C + co0
     if RESIDUAL:
         acc += load_group_tile(res_ptr + pix_out, ok, gok, G).to(tl.float32)
@@ -388,17 +418,17 @@ def _dgrad_class(win, HO, WO, syh, syw, wbase, whi, wok, swh, sww, out, out_ok, 
                  T1: tl.constexpr, DH1: tl.constexpr, DW1: tl.constexpr,
                  T2: tl.constexpr, DH2: tl.constexpr, DW2: tl.constexpr,
                  T3: tl.constexpr, DH3: tl.constexpr, DW3: tl.constexpr,
-                 G: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr):
+                 G: tl.constexpr, BM: tl.constexpr, PRECISION: tl.constexpr, TAPS: tl.constexpr):
     """One parity class of the stride-2 dgrad: taps T0..T3 (-1: absent) of w, applied to the dy windows
     at offsets (DHi, DWi) from (a, b); one or two two-tap steps; stored at ``out`` where ``out_ok``."""
     dt = out.dtype.element_ty
     acc = tl.zeros((G, BM, 8), tl.float32)
-    x = load_tap_pair(win, HO, WO, syh, syw, DH0, DW0, DH1, DW1, T1 >= 0)
-    acc = tl.dot(x, load_tap_pair_weights(wbase, whi, wok, T0, T1, swh, sww, dt), acc,
+    x = load_tap_pair(win, HO, WO, syh, syw, DH0, DW0, DH1, DW1, T1 >= 0, TAPS)
+    acc = tl.dot(x, load_tap_pair_weights(wbase, whi, wok, T0, T1, swh, sww, dt, TAPS), acc,
                  input_precision=PRECISION)
     if T2 >= 0:
-        x = load_tap_pair(win, HO, WO, syh, syw, DH2, DW2, DH3, DW3, T3 >= 0)
-        acc = tl.dot(x, load_tap_pair_weights(wbase, whi, wok, T2, T3, swh, sww, dt), acc,
+        x = load_tap_pair(win, HO, WO, syh, syw, DH2, DW2, DH3, DW3, T3 >= 0, TAPS)
+        acc = tl.dot(x, load_tap_pair_weights(wbase, whi, wok, T2, T3, swh, sww, dt, TAPS), acc,
                      input_precision=PRECISION)
     store_group_tile(out, acc, out_ok, gok, G)
 
@@ -413,6 +443,7 @@ def _gconv_dgrad_s2_kernel(
     syn8, syh8, syw8, swo, swi, swh, sww,
     # meta-parameters
     G: tl.constexpr, MASK_C: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, PRECISION: tl.constexpr,
+    TAPS: tl.constexpr,
 ):
     """Stride-2 dgrad as a gather: a tile of positions (a, b), each giving the input pixels
     (2a + py, 2b + px) of the four parity classes (module docstring)."""
@@ -432,16 +463,16 @@ def _gconv_dgrad_s2_kernel(
     col1 = iw + 1 < W
     # (py, px) = (0, 0): tap 4 (kh = kw = 1) from dy(a, b)
     _dgrad_class(win, HO, WO, syh, syw, wbase, whi, wok, swh, sww, out, ok, gok,
-                 4, 0, 0, -1, 0, 0, -1, 0, 0, -1, 0, 0, G, BM, PRECISION)
+                 4, 0, 0, -1, 0, 0, -1, 0, 0, -1, 0, 0, G, BM, PRECISION, TAPS)
     # (0, 1): kw = 0 from column b + 1, kw = 2 from column b
     _dgrad_class(win, HO, WO, syh, syw, wbase, whi, wok, swh, sww, out + C, ok & col1, gok,
-                 3, 0, 1, 5, 0, 0, -1, 0, 0, -1, 0, 0, G, BM, PRECISION)
+                 3, 0, 1, 5, 0, 0, -1, 0, 0, -1, 0, 0, G, BM, PRECISION, TAPS)
     # (1, 0): kh = 0 from row a + 1, kh = 2 from row a
     _dgrad_class(win, HO, WO, syh, syw, wbase, whi, wok, swh, sww, out + W * C, row1, gok,
-                 1, 1, 0, 7, 0, 0, -1, 0, 0, -1, 0, 0, G, BM, PRECISION)
+                 1, 1, 0, 7, 0, 0, -1, 0, 0, -1, 0, 0, G, BM, PRECISION, TAPS)
     # (1, 1): the four corner taps
     _dgrad_class(win, HO, WO, syh, syw, wbase, whi, wok, swh, sww, out + (W + 1) * C,
-                 row1 & col1, gok, 0, 1, 1, 2, 1, 0, 6, 0, 1, 8, 0, 0, G, BM, PRECISION)
+                 row1 & col1, gok, 0, 1, 1, 2, 1, 0, 6, 0, 1, 8, 0, 0, G, BM, PRECISION, TAPS)
 
 
 @triton.jit
@@ -456,7 +487,7 @@ def _gconv_wgrad_kernel(
     sxn8, sxh8, sxw8, syn8, syh8, syw8,
     # meta-parameters
     STRIDE: tl.constexpr, G: tl.constexpr, MASK_C: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
-    PRECISION: tl.constexpr, ATOMIC: tl.constexpr,
+    PRECISION: tl.constexpr, ATOMIC: tl.constexpr, TAPS: tl.constexpr,
 ):
     """Weight-gradient partials: program (share, channel block) sums its share of tiles in tile order."""
     sxn, sxh, sxw = 8 * sxn8, 8 * sxh8, 8 * sxw8  # 16-byte vectors of 8 channels (see the forward)
@@ -480,7 +511,7 @@ def _gconv_wgrad_kernel(
         pix = x_ptr + n.to(tl.int64) * sxn + r * sxh + c * sxw + co0
         win = tap_window(pix, r, c, ok, gok, G)
         acc0, acc1, acc2, acc3, acc4 = wgrad_tile_products(acc0, acc1, acc2, acc3, acc4, win, H, W, sxh, sxw,
-                                                           dy, PRECISION)
+                                                           dy, PRECISION, TAPS)
     store_wgrad_partials(part_ptr, share, C, acc0, acc1, acc2, acc3, acc4, co0, gok, G, ATOMIC)
 
 
@@ -519,7 +550,7 @@ def _gconv_backward_kernel(
     syn8, syh8, syw8, sxn8, sxh8, sxw8, swo, swi, swh, sww,
     # meta-parameters
     G: tl.constexpr, MASK_C: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, PRECISION: tl.constexpr,
-    ATOMIC: tl.constexpr,
+    ATOMIC: tl.constexpr, TAPS: tl.constexpr,
 ):
     """Stride-1 dgrad and wgrad from one read of dy: program (share, channel block) runs its share of
     tiles in tile order; per tile, dx = the flipped conv of dy's window (the forward kernel's FLIP),
@@ -544,11 +575,11 @@ def _gconv_backward_kernel(
         n, oh, ow, ok = tile_pixels(t, H, W, TH, TW)
         pix_dy = dy_ptr + n.to(tl.int64) * syn + oh * syh + ow * syw + co0
         dx = gconv_tile(pix_dy, oh, ow, ok, gok, H, W, syh, syw, w_ptr, co0, swo, swi, swh, sww, G, BM, True,
-                        PRECISION)
+                        PRECISION, TAPS)
         store_group_tile(dx_ptr + (n.to(tl.int64) * H * W + oh * W + ow) * C + co0, dx, ok, gok, G)
         dy = load_group_tile(pix_dy, ok, gok, G)
         pix_x = x_ptr + n.to(tl.int64) * sxn + oh * sxh + ow * sxw + co0
         win = tap_window(pix_x, oh, ow, ok, gok, G)
         acc0, acc1, acc2, acc3, acc4 = wgrad_tile_products(acc0, acc1, acc2, acc3, acc4, win, H, W, sxh, sxw,
-                                                           dy, PRECISION)
+                                                           dy, PRECISION, TAPS)
     store_wgrad_partials(part_ptr, share, C, acc0, acc1, acc2, acc3, acc4, co0, gok, G, ATOMIC)

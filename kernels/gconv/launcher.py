@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from .._cost import KernelCost, Loop
-from .._launch import GROUP_WIDTH, cdiv, launch, next_power_of_2
+from .._launch import FORCED_TAP_ORDER, GROUP_WIDTH, cdiv, conflict_free_tap_order, launch, next_power_of_2
 from .kernel import (
     _gconv_backward_kernel,
     _gconv_dgrad_s2_kernel,
@@ -81,6 +81,17 @@ WGRAD_PROGRAMS = 1024  # wgrad shares x channel blocks at most, unless a share w
 BACKWARD_MAX_BLOCK_M = {8: 64, 4: 64, 2: 128}
 BACKWARD_MIN_SHARE_PIXELS = 256
 BACKWARD_PROGRAMS = {8: 396, 4: 396, 2: 660}
+# The order in which every kernel loads its tap pairs (kernel.py ``load_tap_pair``), which decides the
+# bank conflicts of the pair's copy to shared memory for the batched mma.sync: compiled for sm_90 at
+# Small's 1024-channel 16x16 training map (fp16, fp32 master weights), order 0 takes the forward's
+# shared wavefronts to 2.9x (Triton 3.6) and 3.9x (3.8) of their conflict-free count and the fused
+# backward's to 1.8x and 1.6x; conflict_free_tap_order() takes them to 1.0x (3.6: 1.0x forward, 1.4x
+# backward: its dy tile's copy for wgrad is the rest; test_gconv.py checks the tap copies). The
+# static model's L1-pipe term of the two launches falls from 155-162 and 305-318 us to 89-93 and 170-177
+# (3.6). Shipped on the H200's measurement of the same change in the MBConv hidden kernel
+# (kernels/mbconv/launcher.py, docs/cost-model.md); a GPU run must confirm it here (scripts/gpu_gconv.py
+# times both orders). None: conflict_free_tap_order(); 0, 1 or 2 (CONVFIRSTNET_TAP_ORDER) force one.
+TAP_ORDER = FORCED_TAP_ORDER
 WGRAD_MIN_PROGRAMS = 132  # the SMs of an H100: a wgrad grid of full shares below this takes G = 4 for G = 8
 # Partials reduction: BLOCK dw elements per program, SB shares per step ([SB, BLOCK] = 4096 fp32, 32 per
 # thread): up to 1024 shares take 16 steps of independent loads (a share-by-share loop would be a chain
@@ -259,10 +270,16 @@ def _out_hw(h: int, w: int, stride: int) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------------
 
 
+def tap_order() -> int:
+    """The kernels' TAPS (kernel.py ``load_tap_pair``): ``TAP_ORDER``, or the conflict-free order when it
+    is None."""
+    return conflict_free_tap_order() if TAP_ORDER is None else TAP_ORDER
+
+
 def _meta(cfg: TileConfig, c: int) -> dict:
     """The constexprs and launch options every conv kernel takes."""
     return dict(G=cfg.g, MASK_C=c % cfg.channels != 0, TH=cfg.tile_h, TW=cfg.tile_w, PRECISION=cfg.precision,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                TAPS=tap_order(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def gconv3x3_triton(x: torch.Tensor, w: torch.Tensor, stride: int) -> torch.Tensor:

@@ -70,14 +70,22 @@ alternatives then weighed, and are not today's predictions; the saved reports un
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from .._carveout import RESERVED_PER_BLOCK, smallest_carveout
 from .._cost import KernelCost, Loop
-from .._launch import GROUP_WIDTH, GPUInfo, cdiv, device_info, launch, next_power_of_2, triton_before
+from .._launch import (
+    FORCED_TAP_ORDER,
+    GROUP_WIDTH,
+    GPUInfo,
+    cdiv,
+    conflict_free_tap_order,
+    device_info,
+    launch,
+    next_power_of_2,
+)
 from .kernel import _mbconv_hidden_kernel, _mbconv_project_kernel
 
 FP32_PRECISION = "tf32x3"  # dot precision for fp32 operands; fp16/bf16 operands ignore it
@@ -131,21 +139,12 @@ PAIRS_AHEAD = True  # the conv's tap pairs loaded one dot ahead (MBConvGeometry.
 # 12.21-12.25 against 14.14-14.22 ms (order 2, conflict-free on 3.8 only: 0.364, 0.379, 0.130 ms). The
 # static model had ranked order 1 slower on 3.6 (its wait term: docs/cost-model.md).
 # None: conflict_free_tap_order() for the installed Triton; 0, 1 or 2 (CONVFIRSTNET_TAP_ORDER) force one
-_TAPS_ENV = os.environ.get("CONVFIRSTNET_TAP_ORDER", "").strip()
-if _TAPS_ENV not in ("", "0", "1", "2"):
-    raise ValueError(f"CONVFIRSTNET_TAP_ORDER={_TAPS_ENV!r}: expected 0, 1 or 2 (or unset)")
-TAP_ORDER = int(_TAPS_ENV) if _TAPS_ENV else None
+TAP_ORDER = FORCED_TAP_ORDER
 
 
 def tap_order() -> int:
     """The TAPS the kernels compile with: ``TAP_ORDER``, or the conflict-free order when it is None."""
     return conflict_free_tap_order() if TAP_ORDER is None else TAP_ORDER
-
-
-def conflict_free_tap_order() -> int:
-    """The TAPS whose pair copies compile conflict-free with the installed Triton (1 before 3.7, else 2;
-    tests/kernels/test_mbconv.py checks both it and the shipped order's conflicts)."""
-    return 1 if triton_before(3, 7) else 2
 
 
 HIDDEN_WARPS_SM80 = 8  # RESIDENT programs below sm_90 (C <= 128 there: the x tile fits)

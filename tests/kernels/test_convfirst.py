@@ -12,6 +12,7 @@ reflection at the bottom/right border only exists for odd sizes).
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -144,29 +145,31 @@ def test_matches_reference(interpreter_backend, n, c, h, w, r, k, stride, dtype)
     run_and_check(x, make_block(c, r, k, stride, dtype), stride)
 
 
-# The stride-1 conv's other tap-pair load order (launcher.TAP_ORDER 1: the conflict-free one where 0 is
-# not, kernel.py _tap_pair): two images of partial tiles, one conv dot of 64 channels, the 32-channel conv
-# dots of the wide layout (parts 64 + 32) and parts 32 + 16.
+# The stride-1 conv's two tap-pair load orders forced (launcher.TAP_ORDER; the shipped None takes per
+# config the conflict-free one, launcher.tap_order(), which the other tests run; kernel.py _tap_pair):
+# two images of partial tiles, one conv dot of 64 channels, the 32-channel conv dots of the wide layout
+# (parts 64 + 32) and parts 32 + 16.
 TAP_SHAPES = [p for p in SHAPES if p.id in ("s1-c32-t3-2x17x18", "s1-c64-t6-17x7", "s1-c96-t6-parts64+32",
                                             "s1-c48-t6-parts32+16")]
 
 
+@pytest.mark.parametrize("taps", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("n,c,h,w,r,k,stride", TAP_SHAPES)
-def test_tap_order_1_matches_reference(interpreter_backend, monkeypatch, n, c, h, w, r, k, stride, dtype):
-    monkeypatch.setattr(K, "TAP_ORDER", 1)
+def test_tap_orders_match_reference(interpreter_backend, monkeypatch, n, c, h, w, r, k, stride, dtype, taps):
+    monkeypatch.setattr(K, "TAP_ORDER", taps)
     x = make_input(n, c, h, w, dtype).contiguous(memory_format=torch.channels_last)
     run_and_check(x, make_block(c, r, k, stride, dtype), stride)
 
 
 @pytest.mark.compile
 def test_tap_pair_copies_conflict_free_order(monkeypatch):
-    """launcher.conflict_free_tap_order(): fused Small's stage-2 stride-1 kernel (C = 64, fp16, sm_90)
-    compiled with it copies the conv's tap pairs to shared memory and reads them back without bank
-    conflicts (every 16-byte store and ldmatrix.x4 of warp 0 at 32 lanes' bytes / 128), while order 0,
-    as shipped, takes at least 1.5x those wavefronts (4x on its stores with Triton 3.6 and 3.8: the
-    conflicts Nsight Compute measured). Order 0 put in the conflict-free order's place fails the first
-    check."""
+    """launcher.tap_order() (the shipped TAP_ORDER None: conflict_free_tap_order() per config): fused
+    Small's stage-2 stride-1 kernel (C = 64, fp16, sm_90) compiled with it copies the conv's tap pairs to
+    shared memory and reads them back without bank conflicts (every 16-byte store and ldmatrix.x4 of warp
+    0 at 32 lanes' bytes / 128), while order 0, shipped before, takes at least 1.5x those wavefronts (4x on
+    its stores with Triton 3.6 and 3.8: the conflicts Nsight Compute measured). Order 0 put in the
+    conflict-free order's place fails the first check."""
     from dataclasses import replace
 
     from convfirstnet.analysis.compiled import variant_of
@@ -181,6 +184,7 @@ def test_tap_pair_copies_conflict_free_order(monkeypatch):
         return replace(v, constexprs=tuple((p, taps if names[p[0]] == "TAPS" else x)
                                            for p, x in v.constexprs))
 
+    assert K.TAP_ORDER is None or K.TAP_ORDER == int(os.environ.get("CONVFIRSTNET_TAP_ORDER", -1))
     monkeypatch.setattr(K, "TAP_ORDER", None)
     free_order = K.tap_order(cfg)  # 8 warps, one conv dot of 8 groups: batch 8
     free, shipped = compile_asm([with_taps(free_order), with_taps(0)])
