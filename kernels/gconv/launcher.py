@@ -85,10 +85,10 @@ BACKWARD_PROGRAMS = {8: 396, 4: 396, 2: 660}
 # bank conflicts of the pair's copy to shared memory for the batched mma.sync: compiled for sm_90 at
 # Small's 1024-channel 16x16 training map (fp16, fp32 master weights), order 0 takes the forward's
 # shared wavefronts to 2.9x (Triton 3.6) and 3.9x (3.8) of their conflict-free count and the fused
-# backward's to 1.8x and 1.6x; conflict_free_tap_order() takes them to 1.0x (3.6: 1.0x forward, 1.4x
-# backward: its dy tile's copy for wgrad is the rest; test_gconv.py checks the tap copies). The
-# static model's L1-pipe term of the two launches falls from 155-162 and 305-318 us to 89-93 and 170-177
-# (3.6). Shipped on the H200's measurement of the same change in the MBConv hidden kernel
+# backward's to 1.8x and 1.6x; conflict_free_tap_order() takes every kernel's to 1.0-1.08x (on 3.6 with
+# the weights and wgrad's dy tile loaded permuted too; test_gconv.py checks the tap copies). The
+# static model's L1-pipe term of the two launches falls from 155-162 and 305-318 us to 89-93 and 166-173
+# (3.6), their latency term from 101-105 and 186-194 to 69-72 and 143-149. Shipped on the H200's measurement of the same change in the MBConv hidden kernel
 # (kernels/mbconv/launcher.py, docs/cost-model.md); a GPU run must confirm it here (scripts/gpu_gconv.py
 # times both orders). None: conflict_free_tap_order(); 0, 1 or 2 (CONVFIRSTNET_TAP_ORDER) force one.
 TAP_ORDER = FORCED_TAP_ORDER
