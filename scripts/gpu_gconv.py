@@ -108,7 +108,7 @@ def time_shape(args, c: int, hw: int, orders: list[int]) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="small", choices=("pico", "nano", "tiny", "small"))
     p.add_argument("--batch", type=int, default=128)
@@ -116,7 +116,11 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     sys.path.insert(0, str(ROOT))
     import torch
 

@@ -46,9 +46,10 @@ SCRIPTS = {  # scripts/<name>.py -> the command it runs
     "host_time": "host_time",  # likewise
     "gpu_variants": "gpu_variants",  # likewise
     "gpu_ncu": "gpu_ncu",  # likewise
+    "gpu_gconv": "gpu_gconv",  # likewise
 }
 # scripts whose command line is their own, not a convfirstnet subcommand
-STANDALONE = {"gpu_check", "gpu_ncu", "gpu_profile", "gpu_variants", "host_time"}
+STANDALONE = {"gpu_check", "gpu_gconv", "gpu_ncu", "gpu_profile", "gpu_variants", "host_time"}
 # The commands whose options a page's prose may name; pages not listed may name any command's.
 PAGE_COMMANDS = {
     "docs/eval.md": ("eval",),
