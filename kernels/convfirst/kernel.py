@@ -164,6 +164,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..gconv.kernel import load_rows_first
+
 
 # ------------------------------------------------------------------------------------------------
 # Shared pieces
@@ -254,8 +256,7 @@ def _tap_pair(ptrs, ok, TAPS: tl.constexpr):
     would do at P = 64 with Triton 3.6 and 3.8, and at P = 32 with 3.6); 1 loaded as [MM, B, 16] and
     permuted back (conflict-free at P = 32 and 64 with both)."""
     if TAPS == 1:
-        t = tl.load(tl.permute(ptrs, (1, 0, 2)), mask=tl.permute(ok, (1, 0, 2)), other=0.0)
-        return tl.permute(t, (1, 0, 2))
+        return load_rows_first(ptrs, ok)
     else:
         return tl.load(ptrs, mask=ok, other=0.0)
 

@@ -200,6 +200,15 @@ def tap_window(pix, r, c, pix_ok, gok, G: tl.constexpr):
 
 
 @triton.jit
+def load_rows_first(ptr, mask):
+    """tl.load of a [B, M, K] tile issued as [M, B, K] and permuted back (``mask`` may broadcast along
+    K): the load order behind TAPS 1, which on Triton 3.6 gives the tile a register layout whose copy to
+    shared memory for a batched mma.sync has no bank conflicts (the ConvFirst kernel's tap pairs too)."""
+    t = tl.load(tl.permute(ptr, (1, 0, 2)), mask=tl.permute(mask, (1, 0, 2)), other=0.0)
+    return tl.permute(t, (1, 0, 2))
+
+
+@triton.jit
 def load_tap_pair(win, H, W, sh, sw, dh0, dw0, dh1, dw1, has1, TAPS: tl.constexpr):
     """A operand of a two-tap step, [G, BM, 16], from an NHWC map of H x W pixels (strides sh, sw in
     elements); ``win``: the tuple from ``tap_window``.
@@ -225,8 +234,7 @@ def load_tap_pair(win, H, W, sh, sw, dh0, dw0, dh1, dw1, has1, TAPS: tl.constexp
     # (LDGSTS.E.BYPASS, L2 only), whatever cache_modifier says.
     ptr = base + (dh * sh + dw * sw)
     if TAPS == 1:
-        t = tl.load(tl.permute(ptr, (1, 0, 2)), mask=tl.permute(ok, (1, 0, 2)), other=0.0)
-        return tl.permute(t, (1, 0, 2))
+        return load_rows_first(ptr, ok)
     elif TAPS == 2:
         GM: tl.constexpr = ptr.shape[0] * ptr.shape[1]
         t = tl.load(tl.reshape(ptr, (GM, 16)), mask=tl.reshape(ok, (GM, 16)), other=0.0)
@@ -316,10 +324,9 @@ def load_group_tile(pix, ok, gok, G: tl.constexpr, TAPS: tl.constexpr):
     g = tl.arange(0, G)[:, None, None]
     j = tl.arange(0, 8)[None, None, :]
     ptr = pix[None, :, None] + 8 * g + j
-    mask = (ok[None, :, None] & gok) & (j < 8)
+    mask = ok[None, :, None] & gok
     if TAPS == 1:
-        t = tl.load(tl.permute(ptr, (1, 0, 2)), mask=tl.permute(mask, (1, 0, 2)), other=0.0)
-        return tl.permute(t, (1, 0, 2))
+        return load_rows_first(ptr, mask)
     else:
         return tl.load(ptr, mask=mask, other=0.0)
 

@@ -88,9 +88,10 @@ BACKWARD_PROGRAMS = {8: 396, 4: 396, 2: 660}
 # backward's to 1.8x and 1.6x; conflict_free_tap_order() takes every kernel's to 1.0-1.08x (on 3.6 with
 # the weights and wgrad's dy tile loaded permuted too; test_gconv.py checks the tap copies). The
 # static model's L1-pipe term of the two launches falls from 155-162 and 305-318 us to 89-93 and 166-173
-# (3.6), their latency term from 101-105 and 186-194 to 69-72 and 143-149. Shipped on the H200's measurement of the same change in the MBConv hidden kernel
-# (kernels/mbconv/launcher.py, docs/cost-model.md); a GPU run must confirm it here (scripts/gpu_gconv.py
-# times both orders). None: conflict_free_tap_order(); 0, 1 or 2 (CONVFIRSTNET_TAP_ORDER) force one.
+# (3.6), their latency term from 101-105 and 186-194 to 69-72 and 143-149. Shipped on the H200's
+# measurement of the same change in the MBConv hidden kernel (kernels/mbconv/launcher.py,
+# docs/cost-model.md); a GPU run must confirm it here (scripts/gpu_gconv.py times both orders).
+# None: conflict_free_tap_order(); 0, 1 or 2 (CONVFIRSTNET_TAP_ORDER) force one.
 TAP_ORDER = FORCED_TAP_ORDER
 WGRAD_MIN_PROGRAMS = 132  # the SMs of an H100: a wgrad grid of full shares below this takes G = 4 for G = 8
 # Partials reduction: BLOCK dw elements per program, SB shares per step ([SB, BLOCK] = 4096 fp32, 32 per
