@@ -41,7 +41,9 @@ not software-pipelined: Triton turns pipelined loads into 16-byte ``cp.async``, 
 compile test pins LDG.E.128 and no LDGSTS). Each pair's copy to shared memory for the mma.sync is free
 of bank conflicts in the load order ``launcher.tap_order()`` gives the installed Triton (``TAPS``: order 0
 took the forward's shared wavefronts to 2.9-3.9x; a compile test checks the copies). The five steps are
-unrolled by the compiler; latency is hidden by the 3-7 programs resident per SM (72-168 registers).
+written out (no loop), their five weight operands loaded together before the first tap
+(``conv_pair_weights``: one load wait instead of five; the 16-bit forms, fp32 operands split for 3xTF32
+keep one load per step); latency is hidden by the 3-7 programs resident per SM (60-178 registers).
 Each input element is read from DRAM about once, y is written once. Pixels outside the map and the
 padding ring are masked.
 
@@ -82,19 +84,24 @@ buffer instead (one launch, no partials buffer, order-dependent rounding).
 Fused stride-1 backward (``_gconv_backward_kernel``), dy read once
 -----------------------------------------------------------------
 Where both gradients of a stride-1 conv are wanted (the MBConv blocks' training backward), one launch
-over wgrad's grid (shares x channel blocks) computes both: per tile of its share, dx = the flipped
-conv of dy's window (``gconv_tile`` with FLIP, as the stride-1 dgrad), stored, then dy's tile (the
-centre of the window just read: L1) and x's window feed the five wgrad accumulators
-(``wgrad_pair_product``). The partials go to wgrad's fixed-order reduction (deterministic) or to
-fp32 atomics. DRAM: dy, x and dx once (6 bytes per element at fp16) against 4 + 4 for the two
-launches, whose dgrad has no share loop but one tile per program. One warp per group of the channel
-block (G warps): at G = 2 four warps computed the wgrad dot ([2, 16, BM], one 16-row MMA tile per
-group) twice (compiled tensor-core MACs 2x the declared), and at G = 8 four warps took 168 registers
-and, with fp32 master weights (autocast), 8 B of stack on sm_90. Compiled (fp16 and bf16, fp16 or
-fp32 weights): sm_90 G = 8 8 x 8 tiles 128 registers (2 programs per SM, 24 KB shared memory), G = 4
-8 x 8 128-144, G = 2 8 x 16 186; sm_80 168-196; fp32 (3xTF32) up to 255; no stack anywhere,
-mma.sync. Larger tiles do not pay: G = 4 at 8 x 16 took 190 registers (2 programs per SM,
-latency-bound at 72 channels), G = 2 at 16 x 16 spilled 40 B. Static estimate (fp16 activations and
+over wgrad's grid (shares x channel blocks) computes both: per tile of its share, dx = the flipped conv
+of dy's window (``gconv_tile`` with FLIP, as the stride-1 dgrad), stored, then dy's tile (the centre of
+the window just read: L1) and x's window feed the five wgrad accumulators (``wgrad_pair_product``).
+Dgrad's five weight operands are loaded once per program, before its share (``conv_pair_weights``,
+``gconv_tile_preloaded``), not once per tile: at Small's 1024-channel 16x16 map that took a tile's
+exposed load waits from 15 to 10 and its loop from 811 to 547 SASS instructions per warp (the weights'
+per-tile STSM / LDSM staging gone; 522 -> 362 barriers per warp). The partials go to wgrad's fixed-order
+reduction (deterministic) or to fp32 atomics. DRAM: dy, x and dx once (6 bytes per element at fp16)
+against 4 + 4 for the two launches, whose dgrad has no share loop but one tile per program. One warp per
+group of the channel block (G warps): at G = 2 four warps computed the wgrad dot ([2, 16, BM], one
+16-row MMA tile per group) twice (compiled tensor-core MACs 2x the declared), and at G = 8 four warps
+took 168 registers and, with fp32 master weights (autocast), 8 B of stack on sm_90. Compiled (fp16 and
+bf16, fp32 weights, every model shape; Triton 3.6 and 3.8): sm_90 G = 8 8 x 8 tiles 126-128 registers (2
+programs per SM, 24 KB shared memory), G = 4 8 x 8 127-150, G = 2 8 x 16 168; sm_80 128-188; fp32
+(3xTF32) up to 255; no stack anywhere, mma.sync. G = 2 and fp32 reload the weights per tile: kept, they
+spilled. Larger tiles do not pay: G = 4 at 8 x 16 took 190 registers (2 programs per SM, latency-bound
+at 72 channels), G = 2 at 16 x 16 spilled 40 B. Static estimate of an earlier form of the cost model
+(the current one's figures per launch: ``convfirstnet kernels --train``; fp16 activations and
 weights, batch 128, sm_90, low-high us, with the reduction; ``convfirstnet.analysis`` on the recorded
 launches) against dgrad + wgrad + reduction:
 
@@ -135,7 +142,7 @@ at 4 per clock per SM on 132 SMs at 1.83 GHz; tests/kernels/_recorded.py ``bound
 
 Every fp16/bf16 variant of the four models' shapes (stride 1 and 2, 224 and 256 inputs, forward,
 dgrad, wgrad, reduction) compiles without stack for sm_90 and sm_80, all dots as mma.sync, shared
-memory <= 18 KB (the dot operands' layout conversion), 72-168 registers. At the models' stride-1
+memory <= 18 KB (the dot operands' layout conversion), 60-178 registers. At the models' stride-1
 shapes t_tensor is 13-24 % of t_dram on sm_90 (25-46 % on sm_80), and t_issue stays under t_dram
 except where the per-pixel work is shared by few channels: dgrad (~20 % more instructions than the
 forward, its transposed weight loads) at G = 2 and with masked groups, and Tiny's 72-channel layer
@@ -307,6 +314,50 @@ def gconv_tile(pix, r, c, pix_ok, gok, H, W, sh, sw, w_ptr, co0, swo, swi, swh, 
 
 
 @triton.jit
+def conv_pair_weights(w_ptr, co0, swo, swi, swh, sww, gok, dt: tl.constexpr, G: tl.constexpr,
+                      FLIP: tl.constexpr, TAPS: tl.constexpr):
+    """The five B operands of ``gconv_tile`` (FLIP: the dgrad form), loaded once: a program that runs
+    several tiles (the fused backward) keeps them across its tile loop instead of reloading and
+    re-staging them per tile."""
+    wbase, whi, wok = tap_weights(w_ptr, co0, swo, swi, gok, G, FLIP)
+    if FLIP:
+        b0 = load_tap_pair_weights(wbase, whi, wok, 8, 7, swh, sww, dt, TAPS)
+        b1 = load_tap_pair_weights(wbase, whi, wok, 6, 5, swh, sww, dt, TAPS)
+        b2 = load_tap_pair_weights(wbase, whi, wok, 4, 3, swh, sww, dt, TAPS)
+        b3 = load_tap_pair_weights(wbase, whi, wok, 2, 1, swh, sww, dt, TAPS)
+        b4 = load_tap_pair_weights(wbase, whi, wok, 0, -1, swh, sww, dt, TAPS)
+    else:
+        b0 = load_tap_pair_weights(wbase, whi, wok, 0, 1, swh, sww, dt, TAPS)
+        b1 = load_tap_pair_weights(wbase, whi, wok, 2, 3, swh, sww, dt, TAPS)
+        b2 = load_tap_pair_weights(wbase, whi, wok, 4, 5, swh, sww, dt, TAPS)
+        b3 = load_tap_pair_weights(wbase, whi, wok, 6, 7, swh, sww, dt, TAPS)
+        b4 = load_tap_pair_weights(wbase, whi, wok, 8, 9, swh, sww, dt, TAPS)
+    return b0, b1, b2, b3, b4
+
+
+@triton.jit
+def tap_pair_step(acc, win, H, W, sh, sw, b, T0: tl.constexpr, PRECISION: tl.constexpr, TAPS: tl.constexpr):
+    """acc += A @ b for taps (T0, T0 + 1) (``load_tap_pair``; b from ``conv_pair_weights``)."""
+    T1: tl.constexpr = T0 + 1
+    a = load_tap_pair(win, H, W, sh, sw, T0 // 3 - 1, T0 % 3 - 1, T1 // 3 - 1, T1 % 3 - 1, T1 < 9, TAPS)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def gconv_tile_preloaded(pix, r, c, pix_ok, gok, H, W, sh, sw, b0, b1, b2, b3, b4, G: tl.constexpr,
+                         BM: tl.constexpr, PRECISION: tl.constexpr, TAPS: tl.constexpr):
+    """``gconv_tile`` with its five B operands given (``conv_pair_weights``)."""
+    win = tap_window(pix, r, c, pix_ok, gok, G)
+    acc = tl.zeros((G, BM, 8), tl.float32)
+    acc = tap_pair_step(acc, win, H, W, sh, sw, b0, 0, PRECISION, TAPS)
+    acc = tap_pair_step(acc, win, H, W, sh, sw, b1, 2, PRECISION, TAPS)
+    acc = tap_pair_step(acc, win, H, W, sh, sw, b2, 4, PRECISION, TAPS)
+    acc = tap_pair_step(acc, win, H, W, sh, sw, b3, 6, PRECISION, TAPS)
+    acc = tap_pair_step(acc, win, H, W, sh, sw, b4, 8, PRECISION, TAPS)
+    return acc
+
+
+@triton.jit
 def store_group_tile(pix, acc, ok, gok, G: tl.constexpr):
     """Store a [G, BM, 8] tile (rounded to the destination dtype): row m's channel 8 g + j at
     pix[m] + 8 g + j, where row m is ``ok`` and group g ``gok``."""
@@ -419,8 +470,14 @@ def _gconv_fwd_kernel(
     c = ow * STRIDE
     gok = group_ok(co0, C, G, MASK_C)
     pix = x_ptr + n.to(tl.int64) * sxn + r * sxh + c * sxw + co0
-    acc = gconv_tile(pix, r, c, ok, gok, H, W, sxh, sxw, w_ptr, co0, swo, swi, swh, sww, G, BM, FLIP,
-                     PRECISION, TAPS)
+    if PRECISION != "tf32x3":  # the five weight loads issued together, ahead of the taps: one wait
+        b0, b1, b2, b3, b4 = conv_pair_weights(w_ptr, co0, swo, swi, swh, sww, gok, x_ptr.dtype.element_ty,
+                                               G, FLIP, TAPS)
+        acc = gconv_tile_preloaded(pix, r, c, ok, gok, H, W, sxh, sxw, b0, b1, b2, b3, b4, G, BM, PRECISION,
+                                   TAPS)
+    else:
+        acc = gconv_tile(pix, r, c, ok, gok, H, W, sxh, sxw, w_ptr, co0, swo, swi, swh, sww, G, BM, FLIP,
+                         PRECISION, TAPS)
     pix_out = (n.to(tl.int64) * HO * WO + oh * WO + ow) * C + co0
     if RESIDUAL:
         acc += load_group_tile(res_ptr + pix_out, ok, gok, G, 0).to(tl.float32)
@@ -584,13 +641,24 @@ def _gconv_backward_kernel(
     acc2 = tl.zeros((G, 16, 8), tl.float32)
     acc3 = tl.zeros((G, 16, 8), tl.float32)
     acc4 = tl.zeros((G, 16, 8), tl.float32)
+    # dgrad's weights loaded once for the share, not once per tile (a tile's five weight loads were a
+    # third of its exposed load waits at Small's 1024-channel 16x16 map). Not with fp32 operands (3xTF32)
+    # nor G = 2 (two warps, 8 x 16 tiles): kept, they spilled 8-24 B
+    KEEP_W: tl.constexpr = (PRECISION != "tf32x3") and (G >= 4)
+    if KEEP_W:
+        b0, b1, b2, b3, b4 = conv_pair_weights(w_ptr, co0, swo, swi, swh, sww, gok, dy_ptr.dtype.element_ty,
+                                               G, True, TAPS)
     t_start = share * TILES_PER_SHARE
     t_end = tl.minimum(t_start + TILES_PER_SHARE, TILES)
     for t in range(t_start, t_end):
         n, oh, ow, ok = tile_pixels(t, H, W, TH, TW)
         pix_dy = dy_ptr + n.to(tl.int64) * syn + oh * syh + ow * syw + co0
-        dx = gconv_tile(pix_dy, oh, ow, ok, gok, H, W, syh, syw, w_ptr, co0, swo, swi, swh, sww, G, BM, True,
-                        PRECISION, TAPS)
+        if KEEP_W:
+            dx = gconv_tile_preloaded(pix_dy, oh, ow, ok, gok, H, W, syh, syw, b0, b1, b2, b3, b4, G, BM,
+                                      PRECISION, TAPS)
+        else:
+            dx = gconv_tile(pix_dy, oh, ow, ok, gok, H, W, syh, syw, w_ptr, co0, swo, swi, swh, sww, G, BM,
+                            True, PRECISION, TAPS)
         store_group_tile(dx_ptr + (n.to(tl.int64) * H * W + oh * W + ow) * C + co0, dx, ok, gok, G)
         dy = load_group_tile(pix_dy, ok, gok, G, TAPS)
         pix_x = x_ptr + n.to(tl.int64) * sxn + oh * sxh + ow * sxw + co0

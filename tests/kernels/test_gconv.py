@@ -752,6 +752,31 @@ def test_sample_compiles_without_spills(compiled_sample):
 
 
 @pytest.mark.compile
+@pytest.mark.slow
+def test_backward_weights_loaded_before_the_tile_loop(compiled_sample):
+    """kernel.py: the fused backward (16-bit, G >= 4) loads dgrad's weights once per program, before its
+    tile loop. Its fp32 master weights are the kernel's only 4-byte global loads (LDG.E; the tap windows
+    and dy are LDG.E.128): all of them come before the loop, none inside. The per-tile reload that was
+    shipped before (20 LDG.E inside the loop at 1024 channels) is the planted bug. The fp32 (3xTF32) form
+    at G = 2 still reloads per tile (kept, its weights spilled)."""
+    checked = 0
+    for (kind, c, _, dtype, _), _, comp in compiled_sample:
+        if kind != "backward" or "reduce" in comp.variant.name:
+            continue
+        insns, loops = comp.listing()
+        assert len(loops) == 1, comp.variant.meta  # the share's tile loop
+        w_loads = [i for i, ins in enumerate(insns) if ins.opcode == "LDG.E"]
+        inside = [i for i in w_loads if loops[0].start <= i <= loops[0].end]
+        before = [i for i in w_loads if i < loops[0].start]
+        if dtype == torch.float32:
+            assert inside, "fp32: per-tile weight loads expected"
+            continue
+        assert before and not inside, (c, dtype, len(before), len(inside))
+        checked += 1
+    assert checked == 2
+
+
+@pytest.mark.compile
 def test_tap_pair_copies_conflict_free_order():
     """launcher.tap_order() (``conflict_free_tap_order()`` unless TAP_ORDER forces one): the forward, the
     fused stride-1 backward (fp32 master weights) and the stride-2 dgrad at Small's 1024-channel 16x16
