@@ -15,10 +15,21 @@ pytestmark = pytest.mark.subprocess  # pip builds and installs the wheel
 def wheel(tmp_path_factory):
     pytest.importorskip("setuptools")
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
-        check=True,
-    )
+    # one build at a time: xdist workers that each run a test of this module build in the same ROOT/build
+    # (two at once failed); the lock file sits in the temporary root the workers share
+    lock = tmp_path_factory.getbasetemp().parent / "wheel-build.lock"
+    with open(lock, "w") as f:
+        try:
+            import fcntl
+
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except ImportError:  # no flock (Windows): unserialized
+            pass
+        subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w",
+             str(out)],
+            check=True,
+        )
     (whl,) = out.glob("convfirstnet-*.whl")
     return whl
 

@@ -30,8 +30,9 @@ operand, transposed within the group for dgrad), ``gconv_tile`` (the five-step p
 
 Forward (``_gconv_fwd_kernel``)
 -------------------------------
-Grid (N x tiles per image, ceil(C / 8G)): a program owns a TH x TW tile of output pixels of one image
-and a block of G groups (8G channels; the groups past C of a last partial block are masked, MASK_C).
+Grid (N x tiles per image / TPP, ceil(C / 8G)): a program owns TPP consecutive TH x TW tiles of output
+pixels (launcher.tiles_per_program: up to 8 while enough programs remain) and a block of G groups (8G
+channels; the groups past C of a last partial block are masked, MASK_C).
 x is read through its strides: unit channel stride and pixel strides in units of 8 elements, so each
 (group, pixel, tap) is one aligned 16-byte vector. The nine shifted windows of a tile overlap; the
 tap loads are plain ``ld.global`` (PTX's default cache operator is .ca: SASS ``LDG.E.128``, allocated
@@ -41,9 +42,13 @@ not software-pipelined: Triton turns pipelined loads into 16-byte ``cp.async``, 
 compile test pins LDG.E.128 and no LDGSTS). Each pair's copy to shared memory for the mma.sync is free
 of bank conflicts in the load order ``launcher.tap_order()`` gives the installed Triton (``TAPS``: order 0
 took the forward's shared wavefronts to 2.9-3.9x; a compile test checks the copies). The five steps are
-written out (no loop), their five weight operands loaded together before the first tap
-(``conv_pair_weights``: one load wait instead of five; the 16-bit forms, fp32 operands split for 3xTF32
-keep one load per step); latency is hidden by the 3-7 programs resident per SM (60-178 registers).
+written out (no loop); their five weight operands are loaded once per program, before its tiles
+(``conv_pair_weights``; 16-bit operands: fp32 ones, split for 3xTF32, keep one load per step and tile).
+Per tile a one-tile program paid the weights' load waits and their copies to shared memory for the
+mma.sync: 40 % of its exposed waits at Small's 1024-channel 16x16 training map, where 8 tiles per
+program take the static estimate from 130-215 to 110-166 us (L1-pipe 89-93 -> 78-81, latency 66-69 ->
+60-62). Latency is hidden by the other programs resident per SM (63-180 registers, no stack, every model
+shape, Triton 3.6 and 3.8).
 Each input element is read from DRAM about once, y is written once. Pixels outside the map and the
 padding ring are masked.
 
@@ -142,7 +147,7 @@ at 4 per clock per SM on 132 SMs at 1.83 GHz; tests/kernels/_recorded.py ``bound
 
 Every fp16/bf16 variant of the four models' shapes (stride 1 and 2, 224 and 256 inputs, forward,
 dgrad, wgrad, reduction) compiles without stack for sm_90 and sm_80, all dots as mma.sync, shared
-memory <= 18 KB (the dot operands' layout conversion), 60-178 registers. At the models' stride-1
+memory <= 18 KB (the dot operands' layout conversion), 63-180 registers. At the models' stride-1
 shapes t_tensor is 13-24 % of t_dram on sm_90 (25-46 % on sm_80), and t_issue stays under t_dram
 except where the per-pixel work is shared by few channels: dgrad (~20 % more instructions than the
 forward, its transposed weight loads) at G = 2 and with masked groups, and Tiny's 72-channel layer
@@ -449,39 +454,47 @@ def _gconv_fwd_kernel(
     # pointers: input (N, H, W, C) through strides, weight (C, 8, 3, 3), output (N, HO, WO, C) contiguous,
     # (RESIDUAL) a contiguous (N, HO, WO, C) map added to the output
     x_ptr, w_ptr, y_ptr, res_ptr,
-    # sizes: C8 = C / 8 groups (C in groups: the compiler then knows pixel rows are whole 16-byte vectors)
-    H, W, HO, WO, C8,
+    # sizes: C8 = C / 8 groups (C in groups: the compiler then knows pixel rows are whole 16-byte vectors);
+    # TILES tiles of TH x TW output pixels in the batch, TPP per program
+    H, W, HO, WO, C8, TILES,
     # strides: x's pixel strides in units of 8 elements (unit channel stride), w's in elements
     sxn8, sxh8, sxw8, swo, swi, swh, sww,
     # meta-parameters
     STRIDE: tl.constexpr, FLIP: tl.constexpr, G: tl.constexpr, MASK_C: tl.constexpr, TH: tl.constexpr,
     TW: tl.constexpr, PRECISION: tl.constexpr, RESIDUAL: tl.constexpr, TAPS: tl.constexpr,
+    TPP: tl.constexpr,
 ):
     """Forward (FLIP = False) and stride-1 dgrad (FLIP = True, x = dy, y = dx). RESIDUAL: y += res, in
-    fp32 before the one rounding (a block's dx = dout + dgrad: the sum never makes its own pass)."""
+    fp32 before the one rounding (a block's dx = dout + dgrad: the sum never makes its own pass).
+    Program (i, channel block) runs tiles i TPP .. i TPP + TPP - 1, with the weights loaded once."""
     BM: tl.constexpr = TH * TW
     # strides passed in units of 8 elements, so that the compiler knows every 8-channel group is one
     # aligned 16-byte vector (tl.multiple_of on a scalar argument is dropped by Triton 3.8)
     sxn, sxh, sxw = 8 * sxn8, 8 * sxh8, 8 * sxw8
     C = 8 * C8
-    n, oh, ow, ok = tile_pixels(tl.program_id(0), HO, WO, TH, TW)
     co0 = tl.program_id(1) * (8 * G)
-    r = oh * STRIDE
-    c = ow * STRIDE
     gok = group_ok(co0, C, G, MASK_C)
-    pix = x_ptr + n.to(tl.int64) * sxn + r * sxh + c * sxw + co0
-    if PRECISION != "tf32x3":  # the five weight loads issued together, ahead of the taps: one wait
+    KEEP_W: tl.constexpr = PRECISION != "tf32x3"  # fp32 operands (3xTF32): one load per step, per tile
+    if KEEP_W:
         b0, b1, b2, b3, b4 = conv_pair_weights(w_ptr, co0, swo, swi, swh, sww, gok, x_ptr.dtype.element_ty,
                                                G, FLIP, TAPS)
-        acc = gconv_tile_preloaded(pix, r, c, ok, gok, H, W, sxh, sxw, b0, b1, b2, b3, b4, G, BM, PRECISION,
-                                   TAPS)
-    else:
-        acc = gconv_tile(pix, r, c, ok, gok, H, W, sxh, sxw, w_ptr, co0, swo, swi, swh, sww, G, BM, FLIP,
-                         PRECISION, TAPS)
-    pix_out = (n.to(tl.int64) * HO * WO + oh * WO + ow) * C + co0
-    if RESIDUAL:
-        acc += load_group_tile(res_ptr + pix_out, ok, gok, G, 0).to(tl.float32)
-    store_group_tile(y_ptr + pix_out, acc, ok, gok, G)
+    t_start = tl.program_id(0) * TPP
+    t_end = tl.minimum(t_start + TPP, TILES)
+    for t in range(t_start, t_end):
+        n, oh, ow, ok = tile_pixels(t, HO, WO, TH, TW)
+        r = oh * STRIDE
+        c = ow * STRIDE
+        pix = x_ptr + n.to(tl.int64) * sxn + r * sxh + c * sxw + co0
+        if KEEP_W:
+            acc = gconv_tile_preloaded(pix, r, c, ok, gok, H, W, sxh, sxw, b0, b1, b2, b3, b4, G, BM,
+                                       PRECISION, TAPS)
+        else:
+            acc = gconv_tile(pix, r, c, ok, gok, H, W, sxh, sxw, w_ptr, co0, swo, swi, swh, sww, G, BM,
+                             FLIP, PRECISION, TAPS)
+        pix_out = (n.to(tl.int64) * HO * WO + oh * WO + ow) * C + co0
+        if RESIDUAL:
+            acc += load_group_tile(res_ptr + pix_out, ok, gok, G, 0).to(tl.float32)
+        store_group_tile(y_ptr + pix_out, acc, ok, gok, G)
 
 
 @triton.jit

@@ -106,6 +106,13 @@ REDUCE_SB = 64
 INTERPRETER_REDUCE_BLOCK = 2048
 INTERPRETER_REDUCE_SB = 2
 INTERPRETER_SHARE_TILES = 2
+INTERPRETER_TPP = 2
+# Forward and stride-1 dgrad: up to FWD_MAX_TPP tiles per program, its weights loaded once for them (each
+# program's copies of its five weight operands to shared memory for the mma.sync, and their load waits,
+# were 40 % of the exposed waits of a one-tile program at Small's 1024-channel 16x16 training map), as
+# long as at least FWD_MIN_PROGRAMS programs remain (132 SMs x 3 resident 4-warp programs x 2 rounds)
+FWD_MAX_TPP = 8
+FWD_MIN_PROGRAMS = 792
 
 # The grouped 3x3 convs of the four models' training form, (channels, map side) at a 224 x 224 input
 # (tests check this against the models). All run at stride 1: the stride-2 blocks convolve at their
@@ -174,6 +181,23 @@ def tile_config(c: int, ho: int, wo: int, dtype: torch.dtype, wgrad: bool = Fals
 
 def _tiles(n: int, ho: int, wo: int, cfg: TileConfig) -> int:
     return n * cdiv(ho, cfg.tile_h) * cdiv(wo, cfg.tile_w)
+
+
+def tiles_per_program(n: int, c: int, ho: int, wo: int, cfg: TileConfig, interpreter: bool = False) -> int:
+    """Tiles per forward / stride-1 dgrad program (kernel.py ``TPP``: its weights loaded once for them):
+    the largest power of two up to FWD_MAX_TPP that divides the tiles (every program runs as many) and
+    leaves at least FWD_MIN_PROGRAMS programs; INTERPRETER_TPP under the interpreter where it divides.
+    One at G = 2 (Pico's 16 channels, 16 x 16 tiles): with the tile loop it took 252-255 registers."""
+    tiles, cblocks = _tiles(n, ho, wo, cfg), cdiv(c, cfg.channels)
+    if cfg.g < 4:
+        return 1
+    if interpreter:
+        return INTERPRETER_TPP if tiles % INTERPRETER_TPP == 0 else 1
+    tpp = 1
+    while (2 * tpp <= FWD_MAX_TPP and tiles % (2 * tpp) == 0
+           and tiles // (2 * tpp) * cblocks >= FWD_MIN_PROGRAMS):
+        tpp *= 2
+    return tpp
 
 
 def wgrad_shares(tiles: int, cblocks: int, block_m: int, interpreter: bool = False) -> tuple[int, int]:
@@ -293,9 +317,11 @@ def gconv3x3_triton(x: torch.Tensor, w: torch.Tensor, stride: int) -> torch.Tens
         return y
     x = _nhwc(x)
     cfg = tile_config(c, ho, wo, x.dtype)
-    grid = (_tiles(n, ho, wo, cfg), cdiv(c, cfg.channels))
-    launch(_gconv_fwd_kernel, grid, x, w, y, None, h, wd, ho, wo, c // GROUP_WIDTH, *_vector_strides(x),
-           *w.stride(), STRIDE=stride, FLIP=False, RESIDUAL=False, **_meta(cfg, c),
+    tiles, tpp = _tiles(n, ho, wo, cfg), tiles_per_program(n, c, ho, wo, cfg, x.device.type == "cpu")
+    grid = (cdiv(tiles, tpp), cdiv(c, cfg.channels))
+    launch(_gconv_fwd_kernel, grid, x, w, y, None, h, wd, ho, wo, c // GROUP_WIDTH, tiles,
+           *_vector_strides(x), *w.stride(), STRIDE=stride, FLIP=False, RESIDUAL=False, TPP=tpp,
+           **_meta(cfg, c),
            cost=lambda: conv_cost("forward", cfg, n, c, h, wd, stride, x.element_size(), w.element_size()))
     return y
 
@@ -319,12 +345,14 @@ def gconv3x3_dgrad_triton(dy: torch.Tensor, w: torch.Tensor, h: int, wd: int, st
     # stride 1: tiles of dx pixels; stride 2: tiles of positions (a, b), each the 2x2 input pixels
     # (2a + py, 2b + px), i.e. tiles over the H' x W' map
     cfg = tile_config(c, ho, wo, dy.dtype)
-    grid = (_tiles(n, ho, wo, cfg), cdiv(c, cfg.channels))
+    tiles = _tiles(n, ho, wo, cfg)
+    grid = (tiles, cdiv(c, cfg.channels))
     eb, wb = dy.element_size(), w.element_size()
     cost = lambda: conv_cost(f"dgrad s{stride}", cfg, n, c, h, wd, stride, eb, wb)
     if stride == 1:
-        launch(_gconv_fwd_kernel, grid, *args, STRIDE=1, FLIP=True, RESIDUAL=residual is not None,
-               **_meta(cfg, c),
+        tpp = tiles_per_program(n, c, ho, wo, cfg, dy.device.type == "cpu")
+        launch(_gconv_fwd_kernel, (cdiv(tiles, tpp), grid[1]), *args[:9], tiles, *args[9:], STRIDE=1,
+               FLIP=True, RESIDUAL=residual is not None, TPP=tpp, **_meta(cfg, c),
                cost=(lambda: conv_cost("dgrad s1 + residual", cfg, n, c, h, wd, 1, eb, wb, residual=True))
                if residual is not None else cost)
     else:
@@ -459,8 +487,10 @@ def conv_cost(kind: str, cfg: TileConfig, n: int, c: int, h: int, w: int, stride
     """Forward or dgrad: x (dy) read once, y (dx) written once (and a residual map read once), the weights
     once; five [G, BM, 16] x [G, 16, 8] steps per program (per tile of positions for stride-2 dgrad)."""
     ho, wo = _out_hw(h, w, stride)
-    programs = _tiles(n, ho, wo, cfg) * cdiv(c, cfg.channels)
-    loops = () if kind == "dgrad s2" else (Loop("taps", 5),)
+    programs = _tiles(n, ho, wo, cfg) * cdiv(c, cfg.channels)  # of one tile each (mma_macs)
+    # forward and stride-1 dgrad: TPP tiles per program (tiles_per_program; the GPU's rule)
+    tpp = 1 if kind == "dgrad s2" else tiles_per_program(n, c, ho, wo, cfg)
+    loops = () if kind == "dgrad s2" else (Loop("tiles", tpp, (Loop("taps", 5),)),)
     # the stride-1 dgrad is the forward's kernel at stride 1 over dy; the stride-2 dgrad gathers dy windows
     window = window_pixels(cfg, 1 if kind.startswith("dgrad s1") else stride, positions=kind == "dgrad s2")
     return KernelCost(
@@ -469,7 +499,7 @@ def conv_cost(kind: str, cfg: TileConfig, n: int, c: int, h: int, w: int, stride
         dram_bytes=eb * n * c * (h * w + ho * wo + (h * w if residual else 0)) + wb * c * GROUP_WIDTH * 9,
         loops=loops,
         note=f"gconv3x3 {kind} C={c} G={cfg.g} tile {cfg.tile_h}x{cfg.tile_w}",
-        **_l1_declaration(cfg, window, 1 if residual else 0, eb, wb),
+        **_l1_declaration(cfg, window, 1 if residual else 0, eb, wb, tiles=tpp),
     )
 
 

@@ -614,8 +614,16 @@ def test_cost_declarations(kind, stride):
             per_share = launches[0].args[9]
             assert cost.l1_working_set_bytes == window + 2 * ch * bm
             assert cost.l1_unique_bytes_per_program == per_share * (window + 2 * ch * bm)
-        else:
+        elif kind == "dgrad" and stride == 2:
             assert cost.l1_working_set_bytes == cost.l1_unique_bytes_per_program == window + 2 * ch * 72
+        else:  # TPP tiles per program, their windows one after another, the weights once
+            tpp = launches[0].meta["TPP"]
+            assert tpp == L.tiles_per_program(128, c, ho, ho, cfg) and tpp in (1, 2, 4, 8)
+            tiles = 128 * -(-ho // cfg.tile_h) * -(-ho // cfg.tile_w)
+            assert launches[0].grid[0] * tpp == tiles and launches[0].grid[0] * launches[0].grid[1] >= 792
+            assert cost.loops[0].name == "tiles" and cost.loops[0].trips == tpp
+            assert cost.l1_working_set_bytes == window + 2 * ch * 72
+            assert cost.l1_unique_bytes_per_program == tpp * window + 2 * ch * 72
         if kind == "wgrad":
             shares, cblocks = launches[0].grid
             assert cost.dram_bytes == 2 * 128 * c * (hw * hw + ho * ho) + 4 * shares * c * 72
