@@ -81,6 +81,7 @@ def time_shape(args, c: int, hw: int, orders: list[int]) -> list[dict]:
 
     y_ref = cudnn_fwd()
     dx_ref, dw_ref, _ = cudnn_bwd()
+
     def fwd():
         return ops.gconv3x3(x, w, 1, True)
 

@@ -322,8 +322,8 @@ def gconv_tile(pix, r, c, pix_ok, gok, H, W, sh, sw, w_ptr, co0, swo, swi, swh, 
 def conv_pair_weights(w_ptr, co0, swo, swi, swh, sww, gok, dt: tl.constexpr, G: tl.constexpr,
                       FLIP: tl.constexpr, TAPS: tl.constexpr):
     """The five B operands of ``gconv_tile`` (FLIP: the dgrad form), loaded once: a program that runs
-    several tiles (the fused backward) keeps them across its tile loop instead of reloading and
-    re-staging them per tile."""
+    several tiles (the forward's TPP, the fused backward's share) keeps them across its tile loop instead
+    of reloading and re-staging them per tile."""
     wbase, whi, wok = tap_weights(w_ptr, co0, swo, swi, gok, G, FLIP)
     if FLIP:
         b0 = load_tap_pair_weights(wbase, whi, wok, 8, 7, swh, sww, dt, TAPS)

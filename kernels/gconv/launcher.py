@@ -322,7 +322,8 @@ def gconv3x3_triton(x: torch.Tensor, w: torch.Tensor, stride: int) -> torch.Tens
     launch(_gconv_fwd_kernel, grid, x, w, y, None, h, wd, ho, wo, c // GROUP_WIDTH, tiles,
            *_vector_strides(x), *w.stride(), STRIDE=stride, FLIP=False, RESIDUAL=False, TPP=tpp,
            **_meta(cfg, c),
-           cost=lambda: conv_cost("forward", cfg, n, c, h, wd, stride, x.element_size(), w.element_size()))
+           cost=lambda: conv_cost("forward", cfg, n, c, h, wd, stride, x.element_size(), w.element_size(),
+                                  tpp=tpp))
     return y
 
 
@@ -340,23 +341,24 @@ def gconv3x3_dgrad_triton(dy: torch.Tensor, w: torch.Tensor, h: int, wd: int, st
     if residual is not None:
         assert stride == 1 and tuple(residual.shape) == tuple(dx.shape) and residual.dtype == dx.dtype
         residual = residual.contiguous(memory_format=torch.channels_last)
-    args = (dy, w, dx, residual, h, wd, ho, wo, c // GROUP_WIDTH,  # residual None: a constexpr, never read
-            *_vector_strides(dy), *w.stride())
+    sizes = (h, wd, ho, wo, c // GROUP_WIDTH)
+    strides = (*_vector_strides(dy), *w.stride())
     # stride 1: tiles of dx pixels; stride 2: tiles of positions (a, b), each the 2x2 input pixels
     # (2a + py, 2b + px), i.e. tiles over the H' x W' map
     cfg = tile_config(c, ho, wo, dy.dtype)
-    tiles = _tiles(n, ho, wo, cfg)
-    grid = (tiles, cdiv(c, cfg.channels))
+    tiles, cblocks = _tiles(n, ho, wo, cfg), cdiv(c, cfg.channels)
     eb, wb = dy.element_size(), w.element_size()
-    cost = lambda: conv_cost(f"dgrad s{stride}", cfg, n, c, h, wd, stride, eb, wb)
     if stride == 1:
         tpp = tiles_per_program(n, c, ho, wo, cfg, dy.device.type == "cpu")
-        launch(_gconv_fwd_kernel, (cdiv(tiles, tpp), grid[1]), *args[:9], tiles, *args[9:], STRIDE=1,
-               FLIP=True, RESIDUAL=residual is not None, TPP=tpp, **_meta(cfg, c),
-               cost=(lambda: conv_cost("dgrad s1 + residual", cfg, n, c, h, wd, 1, eb, wb, residual=True))
-               if residual is not None else cost)
+        kind = "dgrad s1" if residual is None else "dgrad s1 + residual"
+        # residual None: a constexpr (RESIDUAL), never read
+        launch(_gconv_fwd_kernel, (cdiv(tiles, tpp), cblocks), dy, w, dx, residual, *sizes, tiles, *strides,
+               STRIDE=1, FLIP=True, RESIDUAL=residual is not None, TPP=tpp, **_meta(cfg, c),
+               cost=lambda: conv_cost(kind, cfg, n, c, h, wd, 1, eb, wb, residual=residual is not None,
+                                      tpp=tpp))
     else:
-        launch(_gconv_dgrad_s2_kernel, grid, *args[:3], *args[4:], **_meta(cfg, c), cost=cost)
+        launch(_gconv_dgrad_s2_kernel, (tiles, cblocks), dy, w, dx, *sizes, *strides, **_meta(cfg, c),
+               cost=lambda: conv_cost("dgrad s2", cfg, n, c, h, wd, 2, eb, wb))
     return dx
 
 
@@ -483,13 +485,12 @@ def _l1_declaration(cfg: TileConfig, window: int, tile_reads: int, eb: int, wb: 
 
 
 def conv_cost(kind: str, cfg: TileConfig, n: int, c: int, h: int, w: int, stride: int, eb: int, wb: int,
-              residual: bool = False) -> KernelCost:
+              residual: bool = False, tpp: int = 1) -> KernelCost:
     """Forward or dgrad: x (dy) read once, y (dx) written once (and a residual map read once), the weights
     once; five [G, BM, 16] x [G, 16, 8] steps per program (per tile of positions for stride-2 dgrad)."""
     ho, wo = _out_hw(h, w, stride)
     programs = _tiles(n, ho, wo, cfg) * cdiv(c, cfg.channels)  # of one tile each (mma_macs)
-    # forward and stride-1 dgrad: TPP tiles per program (tiles_per_program; the GPU's rule)
-    tpp = 1 if kind == "dgrad s2" else tiles_per_program(n, c, ho, wo, cfg)
+    # forward and stride-1 dgrad: ``tpp`` tiles per program, as launched (tiles_per_program)
     loops = () if kind == "dgrad s2" else (Loop("tiles", tpp, (Loop("taps", 5),)),)
     # the stride-1 dgrad is the forward's kernel at stride 1 over dy; the stride-2 dgrad gathers dy windows
     window = window_pixels(cfg, 1 if kind.startswith("dgrad s1") else stride, positions=kind == "dgrad s2")
