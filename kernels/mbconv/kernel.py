@@ -53,6 +53,9 @@ written once in the input dtype (``gbuf``, (N, H'W', R)) and read back once. Two
    own (``noinline``): inlined, its code took registers that the chunk loop then spilled (the barrier
    check follows the call, convfirstnet.analysis.ordering).
 
+MOMENTS (the training forward, moments.py): the conv's per-image sums of ``u - shift`` and its square
+instead of g, the pool and the SE; with KEEP_U (stride 1) u itself is also stored where g would go.
+
 Every reduction runs in a fixed order, so the output is bit-reproducible.
 
 Scratch
@@ -214,7 +217,7 @@ def _mbconv_hidden_kernel(
     EXACT: tl.constexpr, RESIDENT: tl.constexpr, XM: tl.constexpr, HWP: tl.constexpr,
     ZB: tl.constexpr, SILU: tl.constexpr, PREC: tl.constexpr, CS: tl.constexpr, SEB: tl.constexpr,
     NS: tl.constexpr, GATE: tl.constexpr, GB: tl.constexpr, NCP: tl.constexpr,
-    MOMENTS: tl.constexpr, ONE: tl.constexpr, AHEAD: tl.constexpr, TAPS: tl.constexpr,
+    MOMENTS: tl.constexpr, ONE: tl.constexpr, AHEAD: tl.constexpr, TAPS: tl.constexpr, KEEP_U: tl.constexpr,
 ):
     G: tl.constexpr = RB // 8
     GS: tl.constexpr = G * CS  # conv batch: each group's pixel tile split in CS sub-tiles
@@ -380,20 +383,24 @@ def _mbconv_hidden_kernel(
                         mom2 += u * u
                     pix = (y * W + xx_)[:, :, None]
                     ok3 = ok[:, :, None]
-                    if STRIDE == 1 and not MOMENTS:
+                    if STRIDE == 1 and (KEEP_U or not MOMENTS):
+                        if MOMENTS:  # KEEP_U: the conv output before BN_d into g_ptr (moments.py applies BN_d)
+                            v = acc
                         if RESIDENT and HWP > 64:  # 16x16: the row index (>= 0) zero-extended; sign-
                             # extended, its high word took a uniform register that spilled in the chunk loop
                             gp = g_ptr + (n * OHW + pix).to(tl.uint32).to(tl.int64) * R + r3
                         else:
                             gp = g_ptr + (n * OHW + pix).to(tl.int64) * R + r3
                         if EXACT:
-                            pool += v
+                            if not MOMENTS:
+                                pool += v
                             if MASK_R:
                                 tl.store(gp, v.to(dtype), mask=r3 < R)
                             else:
                                 tl.store(gp, v.to(dtype))
                         else:
-                            pool += tl.where(ok3, v, 0.0)
+                            if not MOMENTS:
+                                pool += tl.where(ok3, v, 0.0)
                             tl.store(gp, v.to(dtype), mask=ok3 & (r3 < R))
                     elif not MOMENTS:  # the full-resolution g into its own slot, [H W pixels][RB]
                         if EXACT:

@@ -380,7 +380,7 @@ class MBConvGeometry:
                     # every constexpr passed, none left to a default: torch.compile's wrapper of a user
                     # kernel drops defaulted arguments from the launch it generates
                     GATE=self.gate, GB=GATE_ROWS if self.gate else 128,
-                    NCP=next_power_of_2(self.nchunk) if self.gate else 1, MOMENTS=False,
+                    NCP=next_power_of_2(self.nchunk) if self.gate else 1, MOMENTS=False, KEEP_U=False,
                     num_warps=self.hidden_warps, num_stages=1, **self.hidden_options)
 
     @property
@@ -593,18 +593,27 @@ def mbconv_triton(
     if x.device.type == "cpu":  # the interpreter: a gate read before the hidden kernel wrote it shows as NaN
         gates.fill_(float("nan"))
     silu, prec = kernel_settings(x)
-    pconst = geo.project_constexprs(silu, prec)
-    residual = residual and pconst["RESIDUAL"]
+    residual = residual and geo.stride == 1
     launch(_mbconv_hidden_kernel, (geo.programs,), x, w_exp, b_exp, w_conv, b_conv, w_se1, gbuf, zpart,
            scratch, gscratch, mslot, n, h, w, geo.oh, geo.ow, c, r, s, geo.nchunk, geo.groups,
            geo.chunks_per_group, geo.items, geo.ib, geo.slot, *x.stride(), *w_exp.stride(), *w_conv.stride(), *w_se1.stride(),
            b_se1, w_se2, b_se2, gates, *w_se2.stride(),
            cost=lambda: hidden_cost(geo, geo.one_item), **geo.hidden_constexprs(silu, prec))
+    launch_project(geo, gbuf, zpart, gates, b_se1, w_se2, b_se2, w_proj, b_proj, x, out, residual)
+    return out
+
+
+def launch_project(geo: MBConvGeometry, gbuf: torch.Tensor, zpart: torch.Tensor, gates: torch.Tensor,
+                   b_se1: torch.Tensor, w_se2: torch.Tensor, b_se2: torch.Tensor, w_proj: torch.Tensor,
+                   b_proj: torch.Tensor, x: torch.Tensor, out: torch.Tensor, residual: bool) -> None:
+    """The projection launch over ``gbuf`` (N, OH OW, R): the SE gates from ``gates`` (geo.gate) or from
+    the SE partials ``zpart`` (N, chunks, SP); ``residual`` (stride 1) adds x."""
+    r, k, s = w_proj.shape[1], w_proj.shape[0], w_se2.shape[1]
+    pconst = geo.project_constexprs(*kernel_settings(x))
     launch(_mbconv_project_kernel, geo.p_grid, gbuf, zpart, b_se1, w_se2, b_se2, w_proj, b_proj, x, out,
-           n, geo.ohw, geo.ow, r, k, s, geo.nchunk, geo.tpi, *x.stride(), *out.stride(), *w_se2.stride(),
+           geo.n, geo.ohw, geo.ow, r, k, s, geo.nchunk, geo.tpi, *x.stride(), *out.stride(), *w_se2.stride(),
            *w_proj.stride(), gates, r, cost=lambda: project_cost(geo, residual=residual),
            **dict(pconst, RESIDUAL=residual))
-    return out
 
 
 def geometry_of(x: torch.Tensor, r: int, k: int, s: int, stride: int) -> MBConvGeometry:

@@ -62,10 +62,12 @@ MOMENT_SHAPES = [(3, 128, 8, 8, 1, torch.float32), (3, 128, 8, 8, 1, torch.float
 
 @pytest.fixture
 def small_fold_steps(monkeypatch):
-    """The conv fold's image loop in steps of 2 images (of 128), so that it runs more than once here."""
+    """The conv fold's image loop in steps of 2 images (of 128), and the stride-1 BN_d pass in steps of 512
+    elements (8 or 16 pixels, of 64 or 81), so that they run more than once here."""
     from convfirstnet.kernels.mbconv import moments
 
     monkeypatch.setattr(moments, "FOLD_IMAGES", 2)
+    monkeypatch.setattr(moments, "BNS_ELEMS", 512)
 
 
 @pytest.mark.parametrize("shape", MOMENT_SHAPES, ids=lambda s: f"n{s[0]}-c{s[1]}-{s[2]}x{s[3]}-s{s[4]}-"
@@ -316,8 +318,9 @@ def record_forward(c: int, k: int, stride: int, side: int, n: int = 128, dtype=t
 @pytest.mark.compile
 def test_small_training_forward_compiles_for_sm90():
     """The launches fused Small's MBConv training forward adds to inference (x's Gram partials and merge,
-    the two folds, the moments variant of the hidden kernel, the projection without residual, BN_p's
-    statistics, merge and apply; the hidden launch is the inference variant, test_mbconv's) compile for
+    the two folds, the moments variant of the hidden kernel (at stride 1 keeping u), stride 1's BN_d pass
+    and SE gates, the projection without residual, BN_p's statistics, merge and apply; stride 2's hidden
+    launch is the inference variant, test_mbconv's) compile for
     sm_90 within shared memory, with no spill code in their inner loops, the expand and projection dots
     on wgmma and the grouped conv on mma.sync, the Gram product on wgmma (its pixel sums, one-hot dots
     of M = 16, partly on mma.sync), the expand fold's split-TF32 W G on mma.sync. (Compiled: the moments
@@ -331,12 +334,15 @@ def test_small_training_forward_compiles_for_sm90():
 
     variants = {}
     for shape in SMALL_SHAPES:
-        # gram partials, gram merge, fold_e, moments, fold_d, hidden, projection, BN_p partials, merge, apply
+        # gram partials, gram merge, fold_e, moments, fold_d, (stride 1) BN_d pass and SE gates or
+        # (stride 2) hidden, projection, BN_p partials, merge, apply
         launches = record_forward(*shape)
-        assert [lc.meta.get("MOMENTS", False) for lc in launches] == [False] * 3 + [True] + [False] * 6
-        assert launches[6].meta["RESIDUAL"] is False and launches[9].meta["RESIDUAL"] is (shape[2] == 1)
+        one = shape[2] == 1
+        assert [lc.meta.get("MOMENTS", False) for lc in launches] == [False] * 3 + [True] + [False] * (6 + one)
+        assert launches[3].meta["KEEP_U"] is one
+        assert launches[-4].meta["RESIDUAL"] is False and launches[-1].meta["RESIDUAL"] is one
         for i, lc in enumerate(launches):
-            if i != 5:
+            if one or i != 5:
                 v = variant_of(lc, 90)
                 variants.setdefault(v.key, v)
     assert sum(v.meta.get("MOMENTS", False) for v in variants.values()) == 4
