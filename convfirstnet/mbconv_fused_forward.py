@@ -9,9 +9,8 @@ three BatchNorms normalising by the batch's statistics, folded into the kernels'
          tensor.
     BN_d (after the grouped conv, before SiLU and, for stride 2, the BlurPool): one moments launch of the
          hidden kernel (per-image sums of u - shift and its square, shift = BN_d's running mean), merged
-         in a fixed order by the fold launch. Stride 1: that launch also keeps u, and one pass applies
-         BN_d + SiLU to it in place (with the pool and the SE); stride 2: the launch pair below runs the
-         expand and the conv again with BN_d folded.
+         in a fixed order by the fold launch. That launch also keeps u, and one pass applies BN_d + SiLU
+         (+ BlurPool) to it, with the pool and the SE partials; a small launch computes the gates.
     BN_p (after the projection, K channels): the launch pair with BN_e and BN_d folded writes the
          projection without bias and residual; then (narrow.py ``bn_residual``) its per-channel
          statistics per pixel split, their merge (Chan's rule; scale, bias and the running update) and
@@ -87,8 +86,7 @@ def forward(x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d: 
 
 def _forward(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,
              beta_p, running, drop_scale, stride, factors, eps, stats):
-    from .kernels.mbconv.moments import (fold_conv, fold_expand, mbconv_from_conv_output, mbconv_unnormalised,
-                                         moment_partials)
+    from .kernels.mbconv.moments import fold_conv, fold_expand, mbconv_from_conv_output, moment_partials
     from .kernels.mbconv.narrow import bn_residual, x_moments
 
     dt = x.dtype
@@ -110,22 +108,16 @@ def _forward(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_s
     mean_x, gram = x_moments(x)
     w_exp_f, b_exp_f = fold_expand(w_exp.reshape(r, c), mean_x, mean_x, gram, gamma_e, beta_e, rm_e, rv_e,
                                    factors[0], eps, n * h * w, dt, rows[0])
-    # BN_d: the moments launch (shifted by BN_d's running mean), then the fold (which updates that mean).
-    # Stride 1: the moments launch also keeps the conv output u, and one pass applies BN_d to it (g in place,
-    # the pool) instead of a second expand + conv; stride 2 recomputes them with BN_d folded (the blur
-    # needs g at full resolution: u kept there would be 4x the blurred g)
-    if stride == 1:
-        u = torch.empty((n, h * w, r), device=x.device, dtype=dt)
-        st_d = rows[1] if rows[1] is not None else torch.empty((2, r), device=x.device, dtype=torch.float32)
-        parts = moment_partials(x, w_exp_f, b_exp_f, w_dw_x, rm_d, w_se1, k, stride, u=u)
-        fold_conv(parts, w_dw, gamma_d, beta_d, rm_d, rv_d, factors[1], eps, h * w, dt, st_d)
-        o = mbconv_from_conv_output(u, x, st_d, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, zero_bias)
-    else:
-        parts = moment_partials(x, w_exp_f, b_exp_f, w_dw_x, rm_d, w_se1, k, stride)
-        w_dw_f, b_dw_f = fold_conv(parts, w_dw, gamma_d, beta_d, rm_d, rv_d, factors[1], eps, h * w, dt,
-                                   rows[1])
-        o = mbconv_unnormalised(x, w_exp_f, b_exp_f, w_dw_f, b_dw_f, w_se1, b_se1, w_se2, b_se2, w_proj,
-                                zero_bias, stride)
+    # BN_d: the moments launch (shifted by BN_d's running mean, keeping the conv output u), then the fold
+    # (which updates that mean), then one pass applies BN_d + SiLU (+ BlurPool) to u, instead of a second
+    # expand + conv with BN_d folded
+    u = torch.empty((n, h * w, r), device=x.device, dtype=dt)
+    st_d = rows[1] if rows[1] is not None else torch.empty((2, r), device=x.device, dtype=torch.float32)
+    parts = moment_partials(x, w_exp_f, b_exp_f, w_dw_x, rm_d, w_se1, k, stride, u=u)
+    fold_conv(parts, w_dw, gamma_d, beta_d, rm_d, rv_d, factors[1], eps, h * w, dt, st_d)
+    o = mbconv_from_conv_output(u, x, st_d, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, zero_bias,
+                                stride)
+    del u
     # BN_p, drop-path and the residual, over o (its running statistics updated)
     out = bn_residual(o, x if stride == 1 else None, drop_scale, gamma_p, beta_p, rm_p, rv_p, factors[2], eps,
                       rows[2], keep_o=True)

@@ -618,9 +618,9 @@ def to_markdown(rep: dict) -> str:
                 return sum(b[key][end] for b in ff)
             lines[-1] += (
                 f" The forward of {len(ff)} of them runs through the fused MBConv kernels (BatchNorms folded "
-                f"with the batch statistics: x's Gram matrix, fold, moments (stride 1: keeping the conv's "
-                f"output, then BN_d + SiLU + pool over it and the SE gates; stride 2: then the hidden "
-                f"kernel again), projection and BN_p + residual launches): predicted {fsum('forward_ms', 'low'):.3f}-"
+                f"with the batch statistics: x's Gram matrix, fold, moments keeping the conv's output, "
+                f"fold, BN_d + SiLU (+ BlurPool) + pool over that output, SE gates, projection and BN_p + "
+                f"residual launches): predicted {fsum('forward_ms', 'low'):.3f}-"
                 f"{fsum('forward_ms', 'high'):.3f} ms "
                 f"against {fsum('layerwise_forward_ms', 'low'):.3f}-"
                 f"{fsum('layerwise_forward_ms', 'high'):.3f} ms for their layer-wise forward.")

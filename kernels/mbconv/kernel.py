@@ -54,7 +54,8 @@ written once in the input dtype (``gbuf``, (N, H'W', R)) and read back once. Two
    check follows the call, convfirstnet.analysis.ordering).
 
 MOMENTS (the training forward, moments.py): the conv's per-image sums of ``u - shift`` and its square
-instead of g, the pool and the SE; with KEEP_U (stride 1) u itself is also stored where g would go.
+instead of g, the pool and the SE; with KEEP_U u itself is also stored, (N, H W, R) at the conv's
+resolution, where the stride-1 g would go.
 
 Every reduction runs in a fixed order, so the output is bit-reproducible.
 
@@ -383,14 +384,17 @@ def _mbconv_hidden_kernel(
                         mom2 += u * u
                     pix = (y * W + xx_)[:, :, None]
                     ok3 = ok[:, :, None]
-                    if STRIDE == 1 and (KEEP_U or not MOMENTS):
-                        if MOMENTS:  # KEEP_U: the conv output before BN_d into g_ptr (moments.py applies BN_d)
+                    if KEEP_U or (STRIDE == 1 and not MOMENTS):
+                        if KEEP_U:  # the conv output before BN_d, at the conv's resolution (moments.py)
                             v = acc
+                            row0 = n * (H * W)
+                        else:
+                            row0 = n * OHW
                         if RESIDENT and HWP > 64:  # 16x16: the row index (>= 0) zero-extended; sign-
                             # extended, its high word took a uniform register that spilled in the chunk loop
-                            gp = g_ptr + (n * OHW + pix).to(tl.uint32).to(tl.int64) * R + r3
+                            gp = g_ptr + (row0 + pix).to(tl.uint32).to(tl.int64) * R + r3
                         else:
-                            gp = g_ptr + (n * OHW + pix).to(tl.int64) * R + r3
+                            gp = g_ptr + (row0 + pix).to(tl.int64) * R + r3
                         if EXACT:
                             if not MOMENTS:
                                 pool += v
@@ -501,7 +505,15 @@ def _se_partial(mean_ptr, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, 
 @triton.jit(noinline=True)
 def _se_gates(z_ptr, b1_ptr, w2_ptr, b2_ptr, gate_ptr, n0, nimg, N, NCHUNK, R, S, sw2_r, sw2_s,
               SP: tl.constexpr, NCP: tl.constexpr, GB: tl.constexpr, SILU: tl.constexpr):
-    """GATE: the SE gates of an item's images, ``sigmoid(W_se2 ReLU(sum_chunk zpart + b_se1) + b_se2)``
+    """GATE: ``se_gates`` as a function of its own (module docstring)."""
+    se_gates(z_ptr, b1_ptr, w2_ptr, b2_ptr, gate_ptr, n0, nimg, N, NCHUNK, R, S, sw2_r, sw2_s, SP, NCP, GB,
+             SILU)
+
+
+@triton.jit
+def se_gates(z_ptr, b1_ptr, w2_ptr, b2_ptr, gate_ptr, n0, nimg, N, NCHUNK, R, S, sw2_r, sw2_s,
+             SP: tl.constexpr, NCP: tl.constexpr, GB: tl.constexpr, SILU: tl.constexpr):
+    """The SE gates of images n0 ... n0 + nimg - 1, ``sigmoid(W_se2 ReLU(sum_chunk zpart + b_se1) + b_se2)``
     rounded to the data type, to ``gate_ptr`` (N, R), in steps of GB hidden channels (the arithmetic of
     the projection's own gate path)."""
     dtype = gate_ptr.dtype.element_ty

@@ -570,12 +570,9 @@ def mbconv_triton(
     w_proj: torch.Tensor,
     b_proj: torch.Tensor,
     stride: int,
-    *,
-    residual: bool = True,
 ) -> torch.Tensor:
     """Launch the hidden kernel and the projection. Inputs are validated by op.py before this call;
-    every buffer is allocated here (the op stays functional and CUDA-graph safe). ``residual=False``:
-    the projection without the residual at stride 1 too (the training forward adds it after BN_p)."""
+    every buffer is allocated here (the op stays functional and CUDA-graph safe)."""
     n, c, h, w = x.shape
     r, k, s = w_exp.shape[0], w_proj.shape[0], w_se1.shape[0]
     geo = geometry_of(x, r, k, s, stride)
@@ -593,7 +590,7 @@ def mbconv_triton(
     if x.device.type == "cpu":  # the interpreter: a gate read before the hidden kernel wrote it shows as NaN
         gates.fill_(float("nan"))
     silu, prec = kernel_settings(x)
-    residual = residual and geo.stride == 1
+    residual = geo.stride == 1
     launch(_mbconv_hidden_kernel, (geo.programs,), x, w_exp, b_exp, w_conv, b_conv, w_se1, gbuf, zpart,
            scratch, gscratch, mslot, n, h, w, geo.oh, geo.ow, c, r, s, geo.nchunk, geo.groups,
            geo.chunks_per_group, geo.items, geo.ib, geo.slot, *x.stride(), *w_exp.stride(), *w_conv.stride(), *w_se1.stride(),

@@ -13,18 +13,18 @@ the batch's statistics (convfirstnet/mbconv_fused_forward.py folds them per step
   BN_e: mean and variance of W x from x's mean and Gram matrix (narrow.py ``x_moments``); BN_d: the
   moment rows merged in a fixed order (per image, then Chan's rule over the images, in tiles of images).
   They replace ~60 per-channel torch ops, each a launch of its own.
-* Stride 1 (``KEEP_U``): the moments launch also writes u (before the shift, rounded to x's dtype, where
-  the layer-wise conv rounds its output) to a (N, H W, R) buffer, and ``mbconv_from_conv_output`` finishes
-  the block from it: ``_bn_silu_pool_kernel`` (g = SiLU(BN_d(u)) in place, the pool, the SE partials),
-  ``_se_gates_kernel`` (the gates, one image per program) and the projection. Against a second launch of
-  the hidden kernel (expand + conv again with BN_d folded): one read and one write of u instead of the
-  recompute (Small 16x16, batch 128, sm_90: 226-337 us -> 47-60 us predicted with the gates launch).
-* ``mbconv_unnormalised`` (stride 2): the usual launch pair (hidden kernel writing g and the SE partials,
-  projection) without the residual: ``W_proj (g * gate) + b_proj``, whose BatchNorm the caller applies.
+* ``KEEP_U``: the moments launch also writes u (before the shift, rounded to x's dtype, where the
+  layer-wise conv rounds its output) to a (N, H W, R) buffer, and ``mbconv_from_conv_output`` finishes
+  the block from it: ``_bn_silu_pool_kernel`` (g = SiLU(BN_d(u)), stride 1 in place, stride 2 blurred;
+  the pool, the SE partials), ``_se_gates_kernel`` (the gates, one image per program) and the projection
+  without the residual: ``W_proj (g * gate) + b_proj``, whose BatchNorm the caller applies. Against a
+  second launch of the hidden kernel (expand + conv again with BN_d folded): one read of u (and one
+  write of g) instead of the recompute (Small, batch 128, sm_90, predicted: 16x16 stride 1 226-337 ->
+  47-60 us with the gates launch).
 
 The geometry, buffers and cost declarations are launcher.py's (``geometry_of``, ``hidden_buffers``,
-``hidden_cost``); ``mbconv_unnormalised`` is ``mbconv_triton(..., residual=False)``; the moments launch
-declares the hidden kernel's work less what it skips.
+``hidden_cost``, ``launch_project``); the moments launch declares the hidden kernel's work less what it
+skips.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ import triton.language as tl
 from .._cost import KernelCost, Loop
 from .._launch import cdiv, launch, next_power_of_2
 from .._scalars import fp32
-from .kernel import _mbconv_hidden_kernel, _se_gates, _silu
-from .launcher import (BMO, GATE_ROWS, MBConvGeometry, geometry_of, hidden_buffers, hidden_cost, kernel_settings,
-                       launch_project, mbconv_triton)
+from .kernel import _mbconv_hidden_kernel, _silu, se_gates
+from .launcher import (BMO, GATE_ROWS, MBConvGeometry, geometry_of, hidden_buffers, hidden_cost,
+                       kernel_settings, launch_project)
 
 
 def moment_partials(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tensor, w_conv: torch.Tensor,
@@ -49,8 +49,8 @@ def moment_partials(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tensor, w
     """The moments launch: [N, 2, CS, R] fp32, [n, 0, j] the sums of ``u - shift`` over pixel sub-tile j of
     image n, [n, 1, j] the sums of its square. ``w_exp``, ``b_exp``: the expand with BN_e folded;
     ``w_conv``: the raw grouped-conv weights (R, 8, 3, 3); ``w_se1`` and ``k`` only size the geometry
-    (the same one as the launch pair that follows). ``u`` (stride 1, KEEP_U): (N, H W, R) in x's dtype,
-    receives the conv output before BN_d (``mbconv_from_conv_output`` finishes the block from it)."""
+    (the same one as the launch pair that follows). ``u`` (KEEP_U): (N, H W, R) in x's dtype, receives the
+    conv output before BN_d, at the conv's resolution (``mbconv_from_conv_output`` finishes the block)."""
     n, c, h, w = x.shape
     r = w_exp.shape[0]
     geo = dataclasses.replace(geometry_of(x, r, k, w_se1.shape[0], stride), gate=False)  # no SE in this pass
@@ -59,9 +59,9 @@ def moment_partials(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tensor, w
     if n == 0:
         return parts
     keep = u is not None
-    if keep and (stride != 1 or u.shape != (n, h * w, r) or u.dtype != x.dtype or not u.is_contiguous()):
-        raise ValueError(f"moment_partials: u must be a contiguous ({n}, {h * w}, {r}) {x.dtype} tensor at "
-                         f"stride 1, got {tuple(u.shape)} {u.dtype} at stride {stride}")
+    if keep and (u.shape != (n, h * w, r) or u.dtype != x.dtype or not u.is_contiguous()):
+        raise ValueError(f"moment_partials: u must be a contiguous ({n}, {h * w}, {r}) {x.dtype} tensor, "
+                         f"got {tuple(u.shape)} {u.dtype}")
     scratch, gscratch, mslot = hidden_buffers(geo, x)
     silu, prec = kernel_settings(x)
     unused = torch.empty((1,), device=x.device, dtype=x.dtype)  # g_ptr: no g is written
@@ -77,14 +77,15 @@ def moment_partials(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tensor, w
 
 def moments_cost(geo: MBConvGeometry, one: bool, keep_u: bool = False) -> KernelCost:
     """The hidden kernel's declaration (launcher.hidden_cost) less what the moments mode skips: the g
-    store (stride 1: to DRAM, unless ``keep_u`` stores u there instead; stride 2: its slot round trip and
-    the blur), the pool and the SE partial (its MACs, W_se1 and the partials' writes); plus the moment
-    rows (fp32) written. ``one``: the launch's ONE."""
+    store (stride 1: to DRAM; stride 2: its slot round trip and the blur), the pool and the SE partial
+    (its MACs, W_se1 and the partials' writes); plus the moment rows (fp32) written, and with ``keep_u``
+    u at the conv's resolution. ``one``: the launch's ONE."""
     full = hidden_cost(geo, one)
     n, r, eb, hw, ohw = geo.n, geo.r, geo.elem, geo.hw, geo.ohw
     useful = full.useful_macs - n * ((ohw * r * 9 if geo.stride == 2 else 0) + r * geo.s)
     rows = n * 2 * geo.conv_split * r * 4
-    dram = full.dram_bytes - (geo.s * r + (0 if keep_u else n * ohw * r)) * eb - n * geo.nchunk * geo.sp * 4 + rows
+    dram = (full.dram_bytes - (geo.s * r + n * ohw * r) * eb - n * geo.nchunk * geo.sp * 4 + rows
+            + (n * hw * r * eb if keep_u else 0))
     l2 = full.l2_bytes - geo.nchunk * n * geo.rb * 8
     if geo.stride == 2:
         l2 -= geo.nchunk * (n * hw * geo.rb + n * geo.tiles_o * 9 * BMO * geo.rb) * eb
@@ -99,30 +100,39 @@ def moments_cost(geo: MBConvGeometry, one: bool, keep_u: bool = False) -> Kernel
                                + ("u stored" if keep_u else "no g"))
 
 
-def mbconv_unnormalised(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tensor, w_conv: torch.Tensor,
-                        b_conv: torch.Tensor, w_se1: torch.Tensor, b_se1: torch.Tensor, w_se2: torch.Tensor,
-                        b_se2: torch.Tensor, w_proj: torch.Tensor, b_proj: torch.Tensor, stride: int
-                        ) -> torch.Tensor:
-    """``W_proj (g * gate) + b_proj`` (NHWC, x's dtype): launcher.mbconv_triton's launch pair without the
-    residual (whatever the stride), the weights with BN_e and BN_d folded (2-D 1x1 weights)."""
-    return mbconv_triton(x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj, stride,
-                         residual=False)
-
-
 BNS_ELEMS = 8192  # elements of u per step of the BN_d pass (16 KB of fp16: eight 16-byte loads a thread)
 BNS_WARPS = 4
+BNS_BLUR_WARPS = 8  # stride 2 (at 4 warps the 32x32 variant took 255 registers and 8 B of stack)
+# Stride 2 writes g at full resolution in place of u and blurs it back, one SiLU per pixel, rather than
+# recomputing BN_d + SiLU for each of the nine taps (2.25 per pixel). SiLU is two MUFU operations (ex2,
+# rcp), which an SM issues at 16 a clock (CUDA C++ Programming Guide, arithmetic instruction throughput,
+# compute capability 9.0), a rate the static model does not count: at Small's 16x16 stride-2 block (batch
+# 128) the per-tap form needs 151 M of them, >= 40 us at 1.755 GHz, the in-place form 67 M, >= 18 us.
+# The model's L1-pipe + latency sum (the one the H200's block times tracked, docs/cost-model.md) also
+# falls (16x16: 98 -> 90 us; 32x32: 99 -> 85), but its wait term rises with the barrier and the read-back,
+# so the report ranks the in-place form 27-53 us slower at 16x16 and -1 to +22 us at 32x32. A GPU run
+# decides.
 SEG_WARPS = 4
 
 
 @triton.jit
-def _bn_silu_pool_kernel(u_ptr, st_ptr, gamma_ptr, beta_ptr, w1_ptr, z_ptr, OHW, R, S, NCHUNK, sw1_s, sw1_r,
-                         RB: tl.constexpr, BP: tl.constexpr, SP: tl.constexpr, SILU: tl.constexpr,
-                         MASK_R: tl.constexpr):
-    """Stride 1, after the moments launch kept u: one (image, RB-channel chunk) per program, in place over
-    u (N, OHW, R): g = SiLU(gamma rstd (u - mean) + beta) (BN_d with the batch's statistics, ``st_ptr``:
-    mean, then rstd R entries on; fp32), rounded to u's dtype; the pool of g (fp32, before the rounding,
-    as the hidden kernel pools) and the chunk's first-SE-layer share ``zpart[n, chunk] = W_se1[:, chunk] @
-    mean[n, chunk]`` (the hidden kernel's ``_se_partial`` layout, (N, chunks, SP) fp32)."""
+def _bn_d(u_ptr, a, hb, SILU: tl.constexpr, mask):
+    """SiLU(BN_d(u)) in fp32 at the addresses ``u_ptr`` (zero where masked off)."""
+    return _silu(tl.load(u_ptr, mask=mask, other=0.0).to(tl.float32) * a[None, :], hb[None, :], SILU)
+
+
+@triton.jit
+def _bn_silu_pool_kernel(u_ptr, gf_ptr, g_ptr, st_ptr, gamma_ptr, beta_ptr, w1_ptr, z_ptr, H, W, OH, OW, R, S,
+                         NCHUNK, sw1_s, sw1_r, RB: tl.constexpr, BP: tl.constexpr, SP: tl.constexpr,
+                         SILU: tl.constexpr, MASK_R: tl.constexpr, STRIDE: tl.constexpr):
+    """After the moments launch kept u (N, H W, R): one (image, RB-channel chunk) per program. g =
+    SiLU(gamma rstd (u - mean) + beta) (BN_d with the batch's statistics, ``st_ptr``: mean, then rstd R
+    entries on; fp32); stride 2: g = BlurPool(g) ([1, 2, 1]^2 / 16, stride 2, reflect padding folded into
+    the indices, as kernel.py ``_blur``: first g at full resolution, rounded, in place of u, then the taps
+    read it back, mostly from L1). g, rounded to the data type, to ``g_ptr`` (N, OH OW, R) (stride 1: in
+    place over u); its pool (fp32, before the rounding, as the hidden kernel pools) and the chunk's
+    first-SE-layer share ``zpart[n, chunk] = W_se1[:, chunk] @ mean[n, chunk]`` (the hidden kernel's
+    ``_se_partial`` layout, (N, chunks, SP) fp32)."""
     n = tl.program_id(0)
     ch = tl.program_id(1)
     r = ch * RB + tl.arange(0, RB)
@@ -131,60 +141,118 @@ def _bn_silu_pool_kernel(u_ptr, st_ptr, gamma_ptr, beta_ptr, w1_ptr, z_ptr, OHW,
     rstd = tl.load(st_ptr + R + r, mask=r_ok, other=0.0)
     a = tl.load(gamma_ptr + r, mask=r_ok, other=0.0).to(tl.float32) * rstd
     hb = 0.5 * (tl.load(beta_ptr + r, mask=r_ok, other=0.0).to(tl.float32) - mean * a)
-    base = u_ptr + tl.cast(n, tl.int64) * OHW * R
+    OHW = OH * OW
+    ub = u_ptr + tl.cast(n, tl.int64) * (H * W) * R + r[None, :]
+    gfb = gf_ptr + tl.cast(n, tl.int64) * (H * W) * R + r[None, :]  # stride 2: u's memory, its own argument
+    gb = g_ptr + tl.cast(n, tl.int64) * OHW * R + r[None, :]
     pool = tl.zeros((RB,), dtype=tl.float32)
+    if STRIDE == 2:  # g at full resolution, rounded, in place of u (as the hidden kernel's slot holds it;
+        # each thread writes the elements it read), then a barrier: the blur reads it back through other
+        # threads (plain ld.global: num_stages=1). gf_ptr is u's memory as an argument of its own, so that
+        # the barrier check (convfirstnet.analysis.ordering) follows this round trip apart from u's reads.
+        for p0 in range(0, H * W, BP):
+            p = p0 + tl.arange(0, BP)
+            ok = (p < H * W)[:, None]
+            if MASK_R:
+                ok = ok & r_ok[None, :]
+            g = _bn_d(ub + p[:, None] * R, a, hb, SILU, ok)
+            tl.store(gfb + p[:, None] * R, g.to(gf_ptr.dtype.element_ty), mask=ok)
+        tl.debug_barrier()
     for p0 in range(0, OHW, BP):
         p = p0 + tl.arange(0, BP)
         ok = (p < OHW)[:, None]
         if MASK_R:
             ok = ok & r_ok[None, :]
-        ptrs = base + p[:, None] * R + r[None, :]
-        g = _silu(tl.load(ptrs, mask=ok, other=0.0).to(tl.float32) * a[None, :], hb[None, :], SILU)
-        tl.store(ptrs, g.to(u_ptr.dtype.element_ty), mask=ok)
+        if STRIDE == 1:
+            g = _bn_d(ub + p[:, None] * R, a, hb, SILU, ok)
+        else:  # the blur's nine taps from the full-resolution g that the loop above left in place of u
+            oy = p // OW
+            ox = p % OW
+            g = tl.zeros((BP, RB), dtype=tl.float32)
+            for i in tl.static_range(3):
+                sy = 2 * oy - 1 + i
+                sy = tl.where(sy < 0, -sy, sy)
+                sy = tl.where(sy >= H, 2 * H - 2 - sy, sy)
+                for j in tl.static_range(3):
+                    sx = 2 * ox - 1 + j
+                    sx = tl.where(sx < 0, -sx, sx)
+                    sx = tl.where(sx >= W, 2 * W - 2 - sx, sx)
+                    tap = tl.load(gfb + ((sy * W + sx) * R)[:, None], mask=ok, other=0.0)
+                    g += tap.to(tl.float32) * ((1 + i % 2) * (1 + j % 2) * 0.0625)
+        tl.store(gb + p[:, None] * R, g.to(g_ptr.dtype.element_ty), mask=ok)
         pool += tl.sum(tl.where(ok, g, 0.0), axis=0)
     mc = pool / OHW
     sv = tl.arange(0, SP)
     w1 = tl.load(w1_ptr + sv[:, None] * sw1_s + r[None, :] * sw1_r, mask=(sv < S)[:, None] & r_ok[None, :],
                  other=0.0)
-    tl.store(z_ptr + (tl.cast(n, tl.int64) * NCHUNK + ch) * SP + sv, tl.sum(w1.to(tl.float32) * mc[None, :], axis=1))
+    zrow = z_ptr + (tl.cast(n, tl.int64) * NCHUNK + ch) * SP
+    tl.store(zrow + sv, tl.sum(w1.to(tl.float32) * mc[None, :], axis=1))
 
 
 @triton.jit
 def _se_gates_kernel(z_ptr, b1_ptr, w2_ptr, b2_ptr, gate_ptr, N, NCHUNK, R, S, sw2_r, sw2_s,
                      SP: tl.constexpr, NCP: tl.constexpr, GB: tl.constexpr, SILU: tl.constexpr):
-    """The SE gates of one image from its partials (kernel.py ``_se_gates``, the hidden kernel's GATE
-    tail), so that every projection tile reads one gate vector instead of W_se2 and the partials."""
-    _se_gates(z_ptr, b1_ptr, w2_ptr, b2_ptr, gate_ptr, tl.program_id(0), 1, N, NCHUNK, R, S, sw2_r, sw2_s,
+    """The SE gates of one image from its partials (kernel.py ``se_gates``, the hidden kernel's GATE
+    tail, inlined here), so that every projection tile reads one gate vector instead of W_se2 and the
+    partials."""
+    se_gates(z_ptr, b1_ptr, w2_ptr, b2_ptr, gate_ptr, tl.program_id(0), 1, N, NCHUNK, R, S, sw2_r, sw2_s,
               SP, NCP, GB, SILU)
 
 
 def mbconv_from_conv_output(u: torch.Tensor, x: torch.Tensor, stats: torch.Tensor, gamma: torch.Tensor,
                             beta: torch.Tensor, w_se1: torch.Tensor, b_se1: torch.Tensor, w_se2: torch.Tensor,
-                            b_se2: torch.Tensor, w_proj: torch.Tensor, b_proj: torch.Tensor) -> torch.Tensor:
-    """Stride 1: ``W_proj (g * gate) + b_proj`` (NHWC, x's dtype) from the conv output ``u`` (N, H W, R)
-    that the moments launch kept: the BN_d pass (``_bn_silu_pool_kernel``, g in place over u, the SE
-    partials), then the projection with the gates from the partials (no residual). ``stats``: BN_d's
-    batch (mean; rstd), (2, R) fp32 (``fold_conv``'s); ``gamma``, ``beta``: BN_d's affine."""
+                            b_se2: torch.Tensor, w_proj: torch.Tensor, b_proj: torch.Tensor, stride: int
+                            ) -> torch.Tensor:
+    """``W_proj (g * gate) + b_proj`` (NHWC, x's dtype) from the conv output ``u`` (N, H W, R) that the
+    moments launch kept: the BN_d pass (``_bn_silu_pool_kernel``: g, stride 1 in place over u, stride 2
+    blurred into a buffer of its own; the SE partials), the SE gates, then the projection (no residual).
+    ``stats``: BN_d's batch (mean; rstd), (2, R) fp32 (``fold_conv``'s); ``gamma``, ``beta``: BN_d's
+    affine."""
     n, c, h, w = x.shape
     r, k, s = w_proj.shape[1], w_proj.shape[0], w_se1.shape[0]
-    geo = dataclasses.replace(geometry_of(x, r, k, s, 1), gate=True)  # the gates: a launch of their own
-    out = torch.empty((n, k, h, w), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
+    geo = dataclasses.replace(geometry_of(x, r, k, s, stride), gate=True)  # the gates: a launch of their own
+    out = torch.empty((n, k, geo.oh, geo.ow), device=x.device, dtype=x.dtype,
+                      memory_format=torch.channels_last)
     if n == 0:
         return out
+    g = u if stride == 1 else torch.empty((n, geo.ohw, r), device=x.device, dtype=x.dtype)
     zpart = torch.empty((n, geo.nchunk, geo.sp), device=x.device, dtype=torch.float32)
     silu, _ = kernel_settings(x)
-    bp = min(next_power_of_2(h * w), max(1, BNS_ELEMS // geo.rb))
-    launch(_bn_silu_pool_kernel, (n, geo.nchunk), u, stats, gamma, beta, w_se1, zpart, h * w, r, s, geo.nchunk,
-           *w_se1.stride(), cost=lambda: _bn_silu_pool_cost(geo, bp, gamma.element_size()),
-           RB=geo.rb, BP=bp, SP=geo.sp, SILU=silu, MASK_R=r % geo.rb != 0, num_warps=BNS_WARPS)
+    bp = min(next_power_of_2(geo.ohw), max(1, BNS_ELEMS // geo.rb))
+    launch(_bn_silu_pool_kernel, (n, geo.nchunk), u, u, g, stats, gamma, beta, w_se1, zpart, h, w, geo.oh,
+           geo.ow, r, s, geo.nchunk, *w_se1.stride(), cost=lambda: _bn_silu_pool_cost(geo, bp, gamma.element_size()),
+           RB=geo.rb, BP=bp, SP=geo.sp, SILU=silu, MASK_R=r % geo.rb != 0, STRIDE=stride,
+           num_warps=BNS_WARPS if stride == 1 else BNS_BLUR_WARPS, num_stages=1)
     gates = torch.empty((n, r), device=x.device, dtype=x.dtype)
     b_se1, b_se2 = b_se1.contiguous(), b_se2.contiguous()
     launch(_se_gates_kernel, (n,), zpart, b_se1, w_se2, b_se2, gates, n, geo.nchunk, r, s, *w_se2.stride(),
            cost=lambda: _se_gates_cost(geo), SP=geo.sp, NCP=next_power_of_2(geo.nchunk), GB=GATE_ROWS,
            SILU=silu, num_warps=SEG_WARPS)
-    launch_project(geo, u, zpart, gates, b_se1, w_se2, b_se2.contiguous(), w_proj,
-                   b_proj.contiguous(), x, out, False)
+    launch_project(geo, g, zpart, gates, b_se1, w_se2, b_se2, w_proj, b_proj.contiguous(), x, out, False)
     return out
+
+
+def _bn_silu_pool_cost(geo: MBConvGeometry, bp: int, pb: int) -> KernelCost:
+    """u read and g written once (stride 1: in place), W_se1 once per launch (from L2 for the other
+    images), the statistics and affine per program, the SE partials written. Stride 2: the full-resolution
+    g written in place of u (its dirty lines counted as written back to DRAM) and read back by the blur's
+    nine taps, mostly from L1 (unique: the image's chunk once; working set: the input rows of one step
+    of BP output pixels)."""
+    n, r, s, eb, hw, ohw, rb = geo.n, geo.r, geo.s, geo.elem, geo.hw, geo.ohw, geo.rb
+    dram = n * (hw * (2 if geo.stride == 2 else 1) + ohw) * r * eb + s * r * eb + r * (8 + 2 * pb)
+    dram += n * geo.nchunk * geo.sp * 4
+    unique = hw * rb * eb + geo.sp * rb * eb + rb * (8 + 2 * pb)
+    rows = min(geo.h, 2 * cdiv(bp, geo.ow) + 1)
+    working = rows * geo.w * rb * eb if geo.stride == 2 else 0
+    useful = n * r * s + (n * ohw * r * 9 if geo.stride == 2 else 0)
+    loops = (Loop("pixel tiles", cdiv(ohw, bp), fixed=True),)
+    if geo.stride == 2:
+        loops = (Loop("full-resolution tiles", cdiv(hw, bp), fixed=True),) + loops
+    return KernelCost(useful, 0, dram, loops,
+                      l2_bytes=(n - 1) * s * r * eb, l1_unique_bytes_per_program=unique,
+                      l1_working_set_bytes=working,
+                      note="BN_d + SiLU over u" + (" + BlurPool" if geo.stride == 2 else ", in place")
+                      + ", the pool and the SE partials")
 
 
 def _se_gates_cost(geo: MBConvGeometry) -> KernelCost:
@@ -195,17 +263,6 @@ def _se_gates_cost(geo: MBConvGeometry) -> KernelCost:
     return KernelCost(n * r * s, 0, dram, (Loop("gate steps", cdiv(r, GATE_ROWS), fixed=True),),
                       l2_bytes=(n - 1) * (r * s + r + s) * eb, l1_unique_bytes_per_program=unique,
                       note="the SE gates, one image per program")
-
-
-def _bn_silu_pool_cost(geo: MBConvGeometry, bp: int, pb: int) -> KernelCost:
-    """u read and g written once (in place), W_se1 once per launch (from L2 for the other images), the
-    statistics and affine per program, the SE partials written."""
-    n, r, s, eb, ohw = geo.n, geo.r, geo.s, geo.elem, geo.ohw
-    dram = 2 * n * ohw * r * eb + s * r * eb + r * (8 + 2 * pb) + n * geo.nchunk * geo.sp * 4
-    unique = ohw * geo.rb * eb + geo.sp * geo.rb * eb + geo.rb * (8 + 2 * pb)
-    return KernelCost(n * r * s, 0, dram, (Loop("pixel tiles", cdiv(ohw, bp), fixed=True),),
-                      l2_bytes=(n - 1) * s * r * eb, l1_unique_bytes_per_program=unique,
-                      note="BN_d + SiLU in place over u, the pool and the SE partials")
 
 
 # ------------------------------------------------------------------------------------------ folding

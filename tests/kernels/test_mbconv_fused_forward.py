@@ -241,9 +241,9 @@ def _op_args(block: MBConv, x: torch.Tensor, drop: torch.Tensor, dtype: torch.dt
 
 
 # (N, C, K, H, W, stride, dtype): stride 1 with drop-path (one image dropped, two kept and scaled) and the
-# RESIDENT fp16 path; stride 2 on an odd map (masked tiles, BlurPool's reflection)
+# RESIDENT fp16 path; stride 2 on an odd map (masked tiles, BlurPool's reflection) and fp16 on an even one
 FORWARD_SHAPES = [(3, 128, 128, 8, 8, 1, torch.float32), (2, 96, 192, 9, 9, 2, torch.float32),
-                  (3, 128, 128, 8, 8, 1, torch.float16)]
+                  (3, 128, 128, 8, 8, 1, torch.float16), (3, 32, 64, 8, 8, 2, torch.float16)]
 
 
 @pytest.mark.parametrize("shape", FORWARD_SHAPES,
@@ -318,9 +318,8 @@ def record_forward(c: int, k: int, stride: int, side: int, n: int = 128, dtype=t
 @pytest.mark.compile
 def test_small_training_forward_compiles_for_sm90():
     """The launches fused Small's MBConv training forward adds to inference (x's Gram partials and merge,
-    the two folds, the moments variant of the hidden kernel (at stride 1 keeping u), stride 1's BN_d pass
-    and SE gates, the projection without residual, BN_p's statistics, merge and apply; stride 2's hidden
-    launch is the inference variant, test_mbconv's) compile for
+    the two folds, the moments variant of the hidden kernel keeping u, the BN_d pass (stride 2: with the
+    blur) and the SE gates, the projection without residual, BN_p's statistics, merge and apply) compile for
     sm_90 within shared memory, with no spill code in their inner loops, the expand and projection dots
     on wgmma and the grouped conv on mma.sync, the Gram product on wgmma (its pixel sums, one-hot dots
     of M = 16, partly on mma.sync), the expand fold's split-TF32 W G on mma.sync. (Compiled: the moments
@@ -334,17 +333,15 @@ def test_small_training_forward_compiles_for_sm90():
 
     variants = {}
     for shape in SMALL_SHAPES:
-        # gram partials, gram merge, fold_e, moments, fold_d, (stride 1) BN_d pass and SE gates or
-        # (stride 2) hidden, projection, BN_p partials, merge, apply
+        # gram partials, gram merge, fold_e, moments, fold_d, BN_d pass, SE gates, projection, BN_p
+        # partials, merge, apply
         launches = record_forward(*shape)
-        one = shape[2] == 1
-        assert [lc.meta.get("MOMENTS", False) for lc in launches] == [False] * 3 + [True] + [False] * (6 + one)
-        assert launches[3].meta["KEEP_U"] is one
-        assert launches[-4].meta["RESIDUAL"] is False and launches[-1].meta["RESIDUAL"] is one
-        for i, lc in enumerate(launches):
-            if one or i != 5:
-                v = variant_of(lc, 90)
-                variants.setdefault(v.key, v)
+        assert [lc.meta.get("MOMENTS", False) for lc in launches] == [False] * 3 + [True] + [False] * 7
+        assert launches[3].meta["KEEP_U"] is True and launches[5].meta["STRIDE"] == shape[2]
+        assert launches[7].meta["RESIDUAL"] is False and launches[10].meta["RESIDUAL"] is (shape[2] == 1)
+        for lc in launches:
+            v = variant_of(lc, 90)
+            variants.setdefault(v.key, v)
     assert sum(v.meta.get("MOMENTS", False) for v in variants.values()) == 4
     problems = []
     expected = {"_mbconv_hidden_kernel": "wgmma+mma.sync", "_mbconv_project_kernel": "wgmma",

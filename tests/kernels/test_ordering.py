@@ -173,7 +173,8 @@ def test_separate_arguments_are_separate_buffers(planted):
 
 def _shipped_variants():
     """Distinct sm_90 variants of every launch of fused Small, fp16, at 256x256 (exact tiles) and 224x224
-    (the general path), and of the training layer's gconv3x3 forward, dgrad and wgrad (both strides)."""
+    (the general path), of its MBConv blocks' training forward, and of the training layer's gconv3x3
+    forward, dgrad and wgrad (both strides)."""
     import convfirstnet
 
     fused = convfirstnet.fuse(convfirstnet.create_model("small")).to(device="meta", dtype=torch.float16)
@@ -196,6 +197,12 @@ def _shipped_variants():
                                       m(c), 1)
     assert rec.launches[0].meta.get("GATE")
     launches += rec.launches
+    # the MBConv training forward: the stride-2 BN_d pass writes the full-resolution g in place of u and
+    # blurs it back
+    from .test_mbconv_fused_forward import SMALL_SHAPES, record_forward
+
+    for shape in SMALL_SHAPES:
+        launches += record_forward(*shape, n=8)
     for stride in (1, 2):
         x = torch.empty(2, 64, 32, 32, device="meta", dtype=torch.float16)
         x = x.contiguous(memory_format=torch.channels_last)
@@ -219,7 +226,8 @@ def test_shipped_kernels_order_their_round_trips():
     kernels have four today (with GATE, the SE partials are a fifth, read back by a called function)."""
     variants = _shipped_variants()
     names = {v.name for v in variants}
-    assert {"_stem_kernel", "_mbconv_hidden_kernel", "_head_kernel", "_gconv_wgrad_kernel"} <= names
+    assert {"_stem_kernel", "_mbconv_hidden_kernel", "_head_kernel", "_gconv_wgrad_kernel",
+            "_bn_silu_pool_kernel"} <= names
     results = [(c.variant.name, *ordering.compiled_hazards(c)) for c in compile_variants(variants)]
     buffers = {(name, b) for name, bufs, _ in results for b in bufs}
     assert buffers, "no kernel has a round trip: the check would pass vacuously"
