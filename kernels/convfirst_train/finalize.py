@@ -215,26 +215,41 @@ def _bn_terms_kernel(
 
 @triton.jit
 def _ffn_weights_finalize_kernel(
-    red_ptr,  # fp32 sums over the shares: dW2 (CO, R) | G (R, CI) | sum dzn (R) | sum dzn z_hat (R)
+    red_ptr,  # fp32 sums over the shares: dW2 (CO, R) | G = dzn^T y (R, CI) | sum dzn (R)
+    # | (DZZ) sum dzn z_hat (R)
     vec2, mean2_ptr,  # BN2's vectors (VEC_ROWS, R): r, k read; u, w written; its batch mean (R)
     mean_in, cov_in, kin_ptr, tin_ptr,  # the FFN input's statistics; AFFINE_IN: v = kin a + tin
     w1_ptr, ref_ptr,  # W1 (R, CI) as stored; ref: a tensor of the activation dtype (never read)
     dw1_ptr, dw2_ptr, dgamma_ptr, dbeta_ptr,  # outputs in the parameters' dtypes
     R, M, COLS, ROWS_OUT,
     CI: tl.constexpr, CPI: tl.constexpr, CO: tl.constexpr, BH: tl.constexpr, BJ: tl.constexpr,
-    BO: tl.constexpr, AFFINE_IN: tl.constexpr, TRAINING: tl.constexpr,
+    BO: tl.constexpr, AFFINE_IN: tl.constexpr, DZZ: tl.constexpr, TRAINING: tl.constexpr,
 ):
-    """Program: BH hidden channels: BN2's backward terms, dW2[:, chunk], dW1[chunk] (module docstring)."""
+    """Program: BH hidden channels: BN2's backward terms, dW2[:, chunk], dW1[chunk] (module docstring).
+    BN2's dgamma, sum dzn z_hat = r2 (rowsum(W1 * G) - m2 sum dzn): z = y W1^T (W1 rounded to the
+    activation dtype, as the weights pass multiplies), so sum_m dzn z = sum_c W1[:, c] G[:, c]; DZZ: as
+    the weights pass summed it."""
     hh = tl.program_id(0) * BH + tl.arange(0, BH)
     hok = hh < R
     off_g = CO * R
     off_s = CO * R + R * CI
-    sdb = tl.load(red_ptr + off_s + hh, mask=hok, other=0.0)
-    sdg = tl.load(red_ptr + off_s + R + hh, mask=hok, other=0.0)
-    tl.store(dbeta_ptr + hh, sdb.to(dbeta_ptr.dtype.element_ty), mask=hok)
-    tl.store(dgamma_ptr + hh, sdg.to(dgamma_ptr.dtype.element_ty), mask=hok)
+    ci = tl.arange(0, CPI)
+    cok = ci < CI
+    dt = ref_ptr.dtype.element_ty
+    w = tl.load(w1_ptr + hh[:, None] * CI + ci[None, :], mask=hok[:, None] & cok[None, :], other=0.0)
+    w = w.to(dt).to(tl.float32)
     r2 = tl.load(vec2 + hh, mask=hok, other=0.0)
     k2 = tl.load(vec2 + R + hh, mask=hok, other=0.0)
+    m2 = tl.load(mean2_ptr + hh, mask=hok, other=0.0)
+    sdb = tl.load(red_ptr + off_s + hh, mask=hok, other=0.0)
+    if DZZ:
+        sdg = tl.load(red_ptr + off_s + R + hh, mask=hok, other=0.0)
+    else:
+        g = tl.load(red_ptr + off_g + hh[:, None] * CI + ci[None, :], mask=hok[:, None] & cok[None, :],
+                    other=0.0)
+        sdg = r2 * (tl.sum(w * g, axis=1) - m2 * sdb)
+    tl.store(dbeta_ptr + hh, sdb.to(dbeta_ptr.dtype.element_ty), mask=hok)
+    tl.store(dgamma_ptr + hh, sdg.to(dgamma_ptr.dtype.element_ty), mask=hok)
     mf = tl.cast(M, tl.float32)
     if TRAINING:
         u2 = sdb * (-1.0 / mf) * k2
@@ -249,17 +264,12 @@ def _ffn_weights_finalize_kernel(
         msk = (o < CO)[:, None] & hok[None, :]
         d = tl.load(red_ptr + o[:, None] * R + hh[None, :], mask=msk, other=0.0)
         tl.store(dw2_ptr + o[:, None] * R + hh[None, :], d.to(dw2_ptr.dtype.element_ty), mask=msk)
-    ci = tl.arange(0, CPI)
-    cok = ci < CI
-    dt = ref_ptr.dtype.element_ty
     if TRAINING:
-        w = tl.load(w1_ptr + hh[:, None] * CI + ci[None, :], mask=hok[:, None] & cok[None, :], other=0.0)
-        w = w.to(dt).to(tl.float32)
         mu = tl.load(mean_in + ci, mask=cok, other=0.0)
         if AFFINE_IN:
             kin = tl.load(kin_ptr + ci, mask=cok, other=0.0)
             mu = kin * mu + tl.load(tin_ptr + ci, mask=cok, other=0.0)
-        wmu = tl.sum(w * mu[None, :], axis=1) - tl.load(mean2_ptr + hh, mask=hok, other=0.0)
+        wmu = tl.sum(w * mu[None, :], axis=1) - m2
     for j0 in range(0, COLS, BJ):  # COLS = CPI at run time: a loop, not unrolled (registers)
         cj = j0 + tl.arange(0, BJ)
         jok = cj < CI

@@ -24,7 +24,13 @@ Backward (dout given)
      each stored once in the activation dtype (narrow): the two inputs of the FFN's backward passes.
   7. ``_ffn_bwd_weights_kernel``, grid (shares, hidden chunks): per tile of the share, recompute z and
      h of the chunk; dh = dp W2[:, chunk]; dzn = dh [zn > 0]; accumulate dW2[:, chunk] += dp^T h,
-     G[chunk] += dzn^T y, and the chunk's sums of dzn and dzn z_hat (BN2's dbeta, dgamma). The weight
+     G[chunk] += dzn^T y, and the chunk's sum of dzn (BN2's dbeta). BN2's dgamma, the sum of dzn z_hat,
+     needs no reduction of its own: z = y W1^T, so sum_m dzn (z - m2) = rowsum(W1 * G) - m2 sum dzn,
+     which the finalize forms from G (whose dzn are rounded to the activation dtype, as a layer-wise
+     network's BatchNorm backward receives them; the sum of dzn is of the fp32 values). Its per-tile
+     reduction cost the pass 110 us of Small's 505-564 at C = 64 (static estimate, batch 128, sm_90). DZZ
+     (two-part inputs, C = 96, whose pass sits at 255 registers and spilled 16 B without the sum, and at
+     BH = 16 was predicted slower): the sum in the loop as before. The weight
      gradient partials are written per share (fp32, one row per share), summed in a fixed order by the
      gconv wgrad reduction and finished by ``_ffn_weights_finalize_kernel``. dW1 needs
      dz = k2 dzn + u2 + w2 (z - m2), whose u2, w2 need the sums over the whole batch; it is linear in
@@ -70,7 +76,7 @@ benchmarks/static/small_b128_sm90_train.md: the static cost model's low-high end
     kernel                   registers  shared KB  MMA
     _moments_kernel           92-221     <= 128    wgmma (C = 32: mma.sync)
     _ffn_fwd_kernel          184-254     <= 75     wgmma (8 warps at C = 96 stride 1, else 4)
-    _ffn_bwd_weights_kernel  165-255     <= 198    wgmma (C = 32 and 32-channel parts: M = 32 weight
+    _ffn_bwd_weights_kernel  119-255     <= 198    wgmma (C = 32 and 32-channel parts: M = 32 weight
                                                   dots on mma.sync)
     _ffn_bwd_input_kernel    162-252     <= 114    wgmma
     finalize (finalize.py)    31-196     <= 65     mma.sync (the tf32x3 W1 Cov products)
@@ -437,13 +443,15 @@ def _prep_kernel(
 def _ffn_bwd_weights_kernel(
     y_ptr, dp_ptr, w1_ptr, w2_ptr,  # y (M, CI), dp (M, CO) contiguous; w1 (R, CI), w2 (CO, R) as stored
     k2_ptr, t2_ptr, m2_ptr, r2_ptr,  # BN2: affine, mean, 1/std (R)
-    part_ptr,  # fp32 partials, one row of TOTAL per share: dW2 (CO, R) | dzn^T y (R, CI) | sums (2, R)
+    part_ptr,  # fp32 partials, one row of TOTAL per share: dW2 (CO, R) | dzn^T y (R, CI) | sum dzn (R)
+    # | (DZZ) sum dzn z_hat (R)
     M, R, TILES, TILES_PER_SHARE, TOTAL,
     CI: tl.constexpr, CIA: tl.constexpr, CIB: tl.constexpr, CO: tl.constexpr, COA: tl.constexpr,
-    COB: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr,
+    COB: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr, DZZ: tl.constexpr,
 ):
     """Program (share, hidden chunk): the share's contributions to dW2[:, chunk], (dzn^T y)[chunk] and
-    the chunk's sums of dzn and dzn z_hat, from z, h and dh recomputed tile by tile. Rows past M load as
+    the chunk's sum of dzn, from z, h and dh recomputed tile by tile; the sum of dzn z_hat follows from
+    dzn^T y in the finalize (module docstring), or with DZZ is summed here. Rows past M load as
     zero (y = dp = 0), which adds nothing to any sum. Channels in two parts (module docstring: CIA + CIB
     input, COA + COB output; a part of width 0 is absent)."""
     share = tl.program_id(0)
@@ -461,9 +469,11 @@ def _ffn_bwd_weights_kernel(
         w2b = _w2c_part(w2_ptr, hh, hok, R, CO, COA, COB).to(dt)
         acc_w2b = tl.zeros((COB, BH), tl.float32)
     k2, t2 = _vec(k2_ptr, hh, R), _vec(t2_ptr, hh, R)
-    m2, r2 = _vec(m2_ptr, hh, R), _vec(r2_ptr, hh, R)
+    if DZZ:
+        m2, r2 = _vec(m2_ptr, hh, R), _vec(r2_ptr, hh, R)
     s_dzn = tl.zeros((BH,), tl.float32)
-    s_dzz = tl.zeros((BH,), tl.float32)
+    if DZZ:
+        s_dzz = tl.zeros((BH,), tl.float32)
     t0 = share * TILES_PER_SHARE
     for t in range(t0, tl.minimum(t0 + TILES_PER_SHARE, TILES)):
         rows, rok = _rows_of(t, M, BM)
@@ -481,7 +491,8 @@ def _ffn_bwd_weights_kernel(
         h = tl.maximum(zn, 0.0).to(dt)
         dzn = tl.where(zn > 0.0, dh, 0.0)
         s_dzn += tl.sum(dzn, axis=0)
-        s_dzz += tl.sum(dzn * (z - m2[None, :]), axis=0)
+        if DZZ:
+            s_dzz += tl.sum(dzn * (z - m2[None, :]), axis=0)
         dznd = dzn.to(dt)
         acc_w2a = tl.dot(tl.trans(dpa), h, acc_w2a, input_precision=PRECISION)
         acc_ga = tl.dot(tl.trans(ya), dznd, acc_ga, input_precision=PRECISION)
@@ -497,7 +508,8 @@ def _ffn_bwd_weights_kernel(
     if CIB > 0:
         _store_w1_part(base + CO * R, acc_gb, hh, hok, CI, CIA, CIB)
     _store_vec(base + CO * R + R * CI, s_dzn, hh, R)
-    _store_vec(base + CO * R + R * CI + R, s_dzz * r2, hh, R)
+    if DZZ:
+        _store_vec(base + CO * R + R * CI + R, s_dzz * r2, hh, R)
 
 
 @triton.jit

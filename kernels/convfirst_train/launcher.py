@@ -362,14 +362,15 @@ def ffn_backward(y, dp, a, w1, w2, vec1, mean1, vec2, mean2, gamma2, mean_in, co
     chunks = cdiv(r, cfg.block_h_weights)
     wtiles = cdiv(m, cfg.block_m_weights)
     per, shares = weight_shares(wtiles, chunks, ci, co, r, cfg, eb, interpreter)
-    total = co * r + r * ci + 2 * r
+    dzz = cfg.parts_in[1] > 0  # kernel.py: the sum of dzn z_hat in the weights pass (C = 96)
+    total = co * r + r * ci + (2 if dzz else 1) * r
     part = _f32(shares, total, like=y)
     launch(_ffn_bwd_weights_kernel, (shares, chunks), y, dp, w1, w2, vec2[VEC_K], vec2[VEC_T], mean2,
            vec2[VEC_R], part, m, r, wtiles, per, total, CI=ci, CIA=cfg.parts_in[0], CIB=cfg.parts_in[1],
            CO=co, COA=cfg.parts_out[0], COB=cfg.parts_out[1], BM=cfg.block_m_weights, BH=cfg.block_h_weights,
-           PRECISION=cfg.precision, num_warps=8,
+           PRECISION=cfg.precision, DZZ=dzz, num_warps=8,
            num_stages=cfg.stages_weights,
-           cost=lambda: ffn_bwd_weights_cost(cfg, m, ci, co, r, eb, shares, per, chunks))
+           cost=lambda: ffn_bwd_weights_cost(cfg, m, ci, co, r, eb, shares, per, chunks, total))
     red = _f32(total, like=y)
     block, sb = fin["reduce_block"], fin["reduce_sb"]
     reduce_partials(part, red, shares, total, block=block, sb=sb)
@@ -379,7 +380,7 @@ def ffn_backward(y, dp, a, w1, w2, vec1, mean1, vec2, mean2, gamma2, mean_in, co
     launch(_ffn_weights_finalize_kernel, (cdiv(r, fin["bh"]),), red, vec2, mean2, mean_in, cov_in,
            vec1[VEC_K] if affine_in else mean_in, vec1[VEC_T] if affine_in else mean_in, w1, y, dw1, dw2,
            dgamma2, dbeta2, r, m, cpi, co, CI=ci, CPI=cpi, CO=co, BH=fin["bh"], BJ=fin["bj"], BO=fin["bj"],
-           AFFINE_IN=affine_in,
+           AFFINE_IN=affine_in, DZZ=dzz,
            TRAINING=training, num_warps=fin["warps"],
            cost=lambda: finalize_cost("FFN weights", 4 * (2 * total + ci * ci * cdiv(r, fin["bh"])),
                                       (Loop("output blocks", cdiv(co, fin["bj"])),
@@ -653,7 +654,7 @@ def sums_cost(cfg: TrainConfig, m: int, c: int, eb: int, shares: int, per: int) 
 
 
 def ffn_bwd_weights_cost(cfg: TrainConfig, m: int, ci: int, co: int, r: int, eb: int, shares: int, per: int,
-                         chunks: int) -> KernelCost:
+                         chunks: int, total: int) -> KernelCost:
     tiles = cdiv(m, cfg.block_m_weights)
     # per tile and chunk: z and dh (recomputed), dW2 and dzn^T y
     return KernelCost(
@@ -661,7 +662,7 @@ def ffn_bwd_weights_cost(cfg: TrainConfig, m: int, ci: int, co: int, r: int, eb:
         mma_macs=tiles * chunks * 2 * cfg.block_m_weights * (sum(cfg.parts_in) + sum(cfg.parts_out))
         * cfg.block_h_weights * _passes(cfg),
         # y and dp read once from DRAM (the chunks of a share run side by side and share them in L2)
-        dram_bytes=(eb * m * (ci + co) + 4 * shares * ((ci + co) * r + 2 * r)
+        dram_bytes=(eb * m * (ci + co) + 4 * shares * total
                     + chunks * eb * (ci + co) * cfg.block_h_weights),
         l2_bytes=(chunks - 1) * eb * m * (ci + co),
         loops=(Loop("tiles", per),),
