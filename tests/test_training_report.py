@@ -101,6 +101,22 @@ def test_mbconv_recompute_counts_its_forward_twice_and_stores_its_input(pico):
     assert seen == {1, 2}
 
 
+def test_training_recordings_take_the_target_geometry():
+    """The training report records each block for its target, arch and shared memory included: at
+    Small's 16x16 MBConv shape the moments launch keeps x resident in shared memory on sm_90 and takes
+    the tiled form below it (with only the SM count and L2 passed, sm_80 recorded sm_90's)."""
+    from convfirstnet.analysis.targets import target
+    from convfirstnet.analysis.training import record_mbconv_forward
+
+    block = MBConv(256, 256, 1)
+    resident = {}
+    for arch in (90, 80):
+        launches, _ = record_mbconv_forward(block, (1, 256, 16, 16), 128, torch.float16, target(arch))
+        assert launches[3].meta["MOMENTS"] is True
+        resident[arch] = launches[3].meta["RESIDENT"]
+    assert resident == {90: True, 80: False}
+
+
 @pytest.mark.parametrize("stride", [1, 2])
 def test_mbconv_fused_forward_recording(stride):
     """An MBConv block's training forward through the fused kernels on meta tensors (the report's count):

@@ -322,6 +322,13 @@ class _CountLaunches(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _gpu(tgt) -> dict:
+    """The recording's target (``kernels._cost.recording``), all of it: the launchers size their tiles,
+    grids and shared memory by the SM count, the L2, the shared memory per program and the arch (with
+    the first two only, an sm_80 report recorded the H100's geometry)."""
+    return dict(sms=tgt.sms, l2_bytes=tgt.l2_bytes, shared_per_block=tgt.smem_per_block, arch=tgt.arch)
+
+
 def record_fused_block(block: nn.Module, in_shape: tuple, batch: int, dtype: torch.dtype, tgt
                        ) -> tuple[list, int]:
     """The Triton launches of one training step of ``block`` (forward + backward) on meta tensors, and the
@@ -332,7 +339,7 @@ def record_fused_block(block: nn.Module, in_shape: tuple, batch: int, dtype: tor
     x = torch.empty(batch, *in_shape[1:], device="meta", dtype=dtype).contiguous(
         memory_format=torch.channels_last).requires_grad_()
     counter = _CountLaunches()
-    with recording(sms=tgt.sms, l2_bytes=tgt.l2_bytes) as rec, counter:
+    with recording(**_gpu(tgt)) as rec, counter:
         out = meta(x)
         out.backward(torch.empty_like(out))
     return rec.launches, counter.count
@@ -359,7 +366,7 @@ def record_mbconv_forward(block: nn.Module, in_shape: tuple, batch: int, dtype: 
     running = tuple(t.clone() for bn in bns for t in (bn.running_mean, bn.running_var))
     drop = torch.ones(batch, device="meta")  # the caller's (training_kernels._drop_scale)
     counter = _CountLaunches()
-    with recording(sms=tgt.sms, l2_bytes=tgt.l2_bytes) as rec:
+    with recording(**_gpu(tgt)) as rec:
         if not mbconv_fused_forward.selected(x, weights[0], weights[10], meta.stride):
             return None
         with counter:
@@ -383,7 +390,7 @@ def record_mbconv_backward(block: nn.Module, in_shape: tuple, batch: int, dtype:
     stats = torch.empty(4 * r + 2 * k, device="meta")
     drop = torch.ones(batch, device="meta")
     counter = _CountLaunches()
-    with recording(sms=tgt.sms, l2_bytes=tgt.l2_bytes) as rec:
+    with recording(**_gpu(tgt)) as rec:
         if not mbconv_fused_backward.selected(x, weights[0], weights[10], meta.stride):
             return None
         with counter:
