@@ -112,6 +112,14 @@ def _merge_moments_kernel(
 
 
 @triton.jit
+def _w_rows(w_ptr, hh, hok, ci, cok, CI: tl.constexpr, dt: tl.constexpr):
+    """Rows ``hh`` of W (R, CI as stored) rounded to the activation dtype ``dt`` (as the FFN passes
+    multiply by it), in fp32: [BH, CPI]."""
+    w = tl.load(w_ptr + hh[:, None] * CI + ci[None, :], mask=hok[:, None] & cok[None, :], other=0.0)
+    return w.to(dt).to(tl.float32)
+
+
+@triton.jit
 def _linear_moments_kernel(
     mean_in, cov_in, kin_ptr, tin_ptr,  # v's statistics (CI), (CI, CI) fp32; AFFINE_IN: v = kin a + tin
     w_ptr, ref_ptr,  # W (R, CI) as stored; ref: any tensor of the activation dtype (never read)
@@ -126,8 +134,7 @@ def _linear_moments_kernel(
     ci = tl.arange(0, CPI)
     cok = ci < CI
     dt = ref_ptr.dtype.element_ty
-    w = tl.load(w_ptr + hh[:, None] * CI + ci[None, :], mask=hok[:, None] & cok[None, :], other=0.0)
-    w = w.to(dt).to(tl.float32)
+    w = _w_rows(w_ptr, hh, hok, ci, cok, CI, dt)
     mu = tl.load(mean_in + ci, mask=cok, other=0.0)
     if AFFINE_IN:
         kin = tl.load(kin_ptr + ci, mask=cok, other=0.0)
@@ -236,8 +243,7 @@ def _ffn_weights_finalize_kernel(
     ci = tl.arange(0, CPI)
     cok = ci < CI
     dt = ref_ptr.dtype.element_ty
-    w = tl.load(w1_ptr + hh[:, None] * CI + ci[None, :], mask=hok[:, None] & cok[None, :], other=0.0)
-    w = w.to(dt).to(tl.float32)
+    w = _w_rows(w1_ptr, hh, hok, ci, cok, CI, dt)
     r2 = tl.load(vec2 + hh, mask=hok, other=0.0)
     k2 = tl.load(vec2 + R + hh, mask=hok, other=0.0)
     m2 = tl.load(mean2_ptr + hh, mask=hok, other=0.0)
