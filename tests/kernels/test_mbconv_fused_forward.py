@@ -322,10 +322,10 @@ def test_small_training_forward_compiles_for_sm90():
     blur) and the SE gates, the projection without residual, BN_p's statistics, merge and apply) compile for
     sm_90 within shared memory, with no spill code in their inner loops, the expand and projection dots
     on wgmma and the grouped conv on mma.sync, the Gram product on wgmma (its pixel sums, one-hot dots
-    of M = 16, partly on mma.sync), the expand fold's split-TF32 W G on mma.sync. (Compiled: the moments
-    variants take 124-128 registers; 16x16 stride 1 keeps 8 B of stack outside the chunk loop, as its
-    inference variant does; the Gram partials 175-177 registers at 8 warps, the expand fold 80-116 at 8,
-    the narrow launches no stack.)"""
+    of M = 16, partly on mma.sync), the expand fold's split-TF32 W G on mma.sync. (Compiled, Triton 3.8:
+    the moments variants keeping u take 122-222 registers, 2-22 more than without it, no stack; the BN_d
+    pass 64-128, the SE gates 72-209, no stack; the Gram partials 175-177 registers at 8 warps, the expand
+    fold 80-116 at 8, the narrow launches no stack.)"""
     pytest.importorskip("triton")
     from convfirstnet.analysis.compiled import compile_variants, variant_of
 
