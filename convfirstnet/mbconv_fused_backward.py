@@ -1,7 +1,8 @@
 """The backward of ``mbconv_recompute_train``, pass by pass over the block's narrow
 input (kernels/mbconv/backward_reference.py states each pass): no wide activation is kept from the
-forward; the forward saves x, its projection output o (narrow) and the three BatchNorms' batch mean and
-rstd. The wide tensors of the backward (h, d, dd, dh, de) each live from one launch to the next.
+forward; the forward saves x, its projection output o (narrow), the three BatchNorms' batch mean and rstd
+and x's mean and centred Gram matrix. The wide tensors of the backward (h, d, dd, dh) each live from one
+launch to the next.
 
     do                 BN_p's backward (narrow)
     h, d               h from x (expand, BN_e, SiLU), d = gconv3x3(h)
@@ -11,11 +12,12 @@ rstd. The wide tensors of the backward (h, d, dd, dh, de) each live from one lau
     BN_d sums          from the parts, gate and dpix ((N, R) -> (R,))
     dd, dW_proj        one pass over d, dd written
     dh, dW_conv        the group-width-8 conv's dgrad and wgrad (torch.ops.convfirstnet)
-    BN_e sums          one pass over dh (z = x W_exp^T recomputed)
-    de, dW_exp         one pass over dh, de written
-    dx                 de W_exp + dout (the residual)
+    BN_e weights       one pass over dh (z = x W_exp^T recomputed): D = dv^T x and sum dv; then BN_e's
+                       dgamma, dbeta and dW_exp from D and x's moments (one finalize launch)
+    dx                 one pass over dh: de recomputed per pixel tile, dx = de W_exp + dout (the residual);
+                       de is never written
 
-Stride 2 (g = BlurPool(SiLU(v_d)), no residual): h, d, dd, dh and de at the input's resolution, g, dg and
+Stride 2 (g = BlurPool(SiLU(v_d)), no residual): h, d, dd and dh at the input's resolution, g, dg and
 do at half of it. After d, one pass recomputes g from d (``blur_gate_input``); the SE sums and dW_proj run
 on g (``gate_pool``, ``gate_grad``, which writes dg); BN_d's sums and dd come from two passes over d that
 recompute dy = Blur^T(dg) SiLU'(v_d) (``blur_bn_d_sums``, ``blur_bn_d_backward``); the rest as above.
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 
 from . import mbconv_fused_forward
 from .kernels.mbconv import backward_reference as ref
-from .mbconv_fused_forward import stats_rows
+from .mbconv_fused_forward import stats_rows, x_rows
 
 T = torch.Tensor
 
@@ -40,14 +42,14 @@ T = torch.Tensor
 def _passes(triton: bool) -> dict:
     """The implementation of each pass: the Triton launches, or their PyTorch twins."""
     names = ("bn_p_backward", "dgate_pool", "se_backward", "bn_d_sums", "bn_d_backward", "expand_hidden",
-             "bn_e_sums", "bn_e_backward", "expand_dgrad", "blur_gate_input", "gate_pool", "gate_grad",
+             "bn_e_weights", "bn_e_dx", "blur_gate_input", "gate_pool", "gate_grad",
              "blur_bn_d_sums", "blur_bn_d_backward")
     if not triton:
         return {k: getattr(ref, k + "_reference") for k in names}
     from .kernels.mbconv import blur_backward, expand_backward, gate_backward, narrow, se_backward
 
     mods = (narrow, gate_backward, se_backward, gate_backward, gate_backward, expand_backward,
-            expand_backward, expand_backward, expand_backward, blur_backward, gate_backward, gate_backward,
+            expand_backward, expand_backward, blur_backward, gate_backward, gate_backward,
             blur_backward, blur_backward)
     return {k: getattr(m, k) for k, m in zip(names, mods)}
 
@@ -135,10 +137,10 @@ def _backward(grad_out, x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1,
                                                             [0, 0], r // 8, [True, True, False])
         dh = _rows(dh4.contiguous(memory_format=cl))
     del dd, dd4, h, h4
-    sum_dv, sum_dve = p["bn_e_sums"](x2, wexp, mean_e, rstd_e, gamma_e, beta_e, dh)
-    de, dw_exp = p["bn_e_backward"](x2, wexp, mean_e, rstd_e, gamma_e, beta_e, dh, sum_dv, sum_dve)
+    bn_e = (x2, wexp, mean_e, rstd_e, gamma_e, beta_e, dh)
+    dw_exp, sum_dve, sum_dv, uw = p["bn_e_weights"](*bn_e, *x_rows(stats, c, r, k))
+    dx = p["bn_e_dx"](*bn_e, uw, dout if stride == 1 else None)
     del dh
-    dx = p["expand_dgrad"](de, wexp, dout if stride == 1 else None)
     grads = (_nchw(dx, n, hh, ww), dw_exp.reshape(w_exp.shape), sum_dve, sum_dv, dw_dw, sum_dyu, sum_dy,
              dw_se1.reshape(w_se1.shape), db_se1, dw_se2.reshape(w_se2.shape), db_se2,
              dw_proj.reshape(w_proj.shape), dgamma_p, dbeta_p)

@@ -43,10 +43,22 @@ CUDA_DTYPES = (torch.float16, torch.bfloat16)
 INTERPRETER_DTYPES = (torch.float16, torch.float32)
 
 
+def stats_size(c: int, r: int, k: int) -> int:
+    """Values in ``stats``, the flat fp32 tensor the op's forward returns for its backward: each BatchNorm's
+    batch mean and rstd (4 R + 2 K), then x's mean and centred Gram matrix (C + C^2)."""
+    return 4 * r + 2 * k + c + c * c
+
+
 def stats_rows(stats: T, r: int, k: int) -> tuple[T, T, T]:
-    """The (2, R), (2, R), (2, K) views (mean; rstd) of BN_e, BN_d and BN_p in ``stats``, the flat fp32
-    (4 R + 2 K,) tensor the op's forward returns for its backward."""
-    return stats[:2 * r].view(2, r), stats[2 * r:4 * r].view(2, r), stats[4 * r:].view(2, k)
+    """The (2, R), (2, R), (2, K) views (mean; rstd) of BN_e, BN_d and BN_p in ``stats``."""
+    return stats[:2 * r].view(2, r), stats[2 * r:4 * r].view(2, r), stats[4 * r:4 * r + 2 * k].view(2, k)
+
+
+def x_rows(stats: T, c: int, r: int, k: int) -> tuple[T, T]:
+    """The (C,) mean and (C, C) centred Gram matrix (the sum over the batch's pixels) of x in ``stats``:
+    BN_e's backward forms dW_exp from them (kernels/mbconv/expand_backward.bn_e_weights)."""
+    o = 4 * r + 2 * k
+    return stats[o:o + c], stats[o + c:o + c + c * c].view(c, c)
 
 
 def selected(x: T, w_exp: T, w_proj: T, stride: int) -> bool:
@@ -74,9 +86,9 @@ def forward(x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d: 
             stride: int, factors: tuple[float, float, float], eps: float, stats: T | None = None
             ) -> tuple[T, T]:
     """(the block's training forward output, its projection before BN_p, o); ``running`` (the six running
-    statistics, the op's copies) updated in place; ``stats`` (``stats_rows``), when given, receives each
-    BatchNorm's batch mean and rstd, which the stride-1 backward normalises by. Weights in the module's
-    shapes; ``factors``: each BatchNorm's update factor.
+    statistics, the op's copies) updated in place; ``stats`` (``stats_size``), when given, receives each
+    BatchNorm's batch mean and rstd, which the backward normalises by, and x's moments. Weights in the
+    module's shapes; ``factors``: each BatchNorm's update factor.
     Autocast, which stays on inside a custom op's body, is turned off: every dtype here is chosen."""
     dev = x.device.type
     with torch.autocast(dev, enabled=False) if dev in ("cpu", "cuda") else contextlib.nullcontext():
@@ -105,7 +117,7 @@ def _forward(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_s
                                     w_dw_x.view(r, 8, 3, 3))
     # BN_e from x's moments, folded into the expand (one launch, running statistics updated)
     rows = (None,) * 3 if stats is None else stats_rows(stats, r, k)
-    mean_x, gram = x_moments(x)
+    mean_x, gram = x_moments(x, *((None, None) if stats is None else x_rows(stats, c, r, k)))
     w_exp_f, b_exp_f = fold_expand(w_exp.reshape(r, c), mean_x, mean_x, gram, gamma_e, beta_e, rm_e, rv_e,
                                    factors[0], eps, n * h * w, dt, rows[0])
     # BN_d: the moments launch (shifted by BN_d's running mean, keeping the conv output u), then the fold

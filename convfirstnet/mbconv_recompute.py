@@ -101,11 +101,11 @@ def _forward(x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d:
 def _train(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,
            beta_p, running, drop_scale, stride, factors, eps, fused=False):
     """(out, the six updated running statistics, o, stats): o the projection before BN_p (narrow), stats
-    the batch mean and rstd of BN_e, BN_d, BN_p (mbconv_fused_forward.stats_rows): what the stride-1
+    the batch mean and rstd of BN_e, BN_d, BN_p and x's moments (mbconv_fused_forward.stats_size): what the
     backward (mbconv_fused_backward.py) starts from."""
     running = tuple(torch._foreach_add(list(running), 0))  # the six copies in one multi-tensor launch
     r, k = w_exp.shape[0], w_proj.shape[0]
-    stats = x.new_empty((4 * r + 2 * k,), dtype=torch.float32)
+    stats = x.new_empty((mbconv_fused_forward.stats_size(x.shape[1], r, k),), dtype=torch.float32)
     if fused and mbconv_fused_forward.selected(x, w_exp, w_proj, stride):  # the MBConv kernels
         out, o = mbconv_fused_forward.forward(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1,
                                               w_se2, b_se2, w_proj, gamma_p, beta_p, running, drop_scale,
@@ -115,6 +115,11 @@ def _train(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2
                 beta_p, drop_scale, stride, eps, running, factors)
     for rows, bn in zip(mbconv_fused_forward.stats_rows(stats, r, k), "edp"):
         rows[0], rows[1] = v["mean_" + bn], v["rstd_" + bn]
+    mean_x, gram_x = mbconv_fused_forward.x_rows(stats, x.shape[1], r, k)
+    xc = x.detach().to(stats.dtype).permute(0, 2, 3, 1).reshape(-1, x.shape[1])
+    mean_x.copy_(xc.mean(0))
+    xc = xc - mean_x
+    torch.mm(xc.t(), xc, out=gram_x)
     return (v["out"], *running, v["o"].contiguous(memory_format=torch.channels_last), stats)
 
 

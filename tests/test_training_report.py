@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from convfirstnet.analysis.training import _LayerWise, blocks_of, stored_bytes
+from convfirstnet.analysis.training import _LayerWise, blocks_of, stored_at, stored_bytes
 from convfirstnet.analysis.waterline import _shape_hooks
 from convfirstnet.blocks import ConvFirst, MBConv
 from convfirstnet.factory import create_model
@@ -57,6 +57,19 @@ def test_stored_bytes_fused_block_keeps_three_narrow_maps(pico):
     assert all(int(b.num_batches_tracked) == 0 for b in bns)
 
 
+def test_stored_bytes_extrapolate_to_the_batch(pico):
+    """The report's stored bytes at batch 3, extrapolated from batches 1 and 2, equal a batch-3 measurement
+    per block: the MBConv ops' statistics (x's C x C Gram matrix among them) do not grow with the batch, so
+    batch-1 bytes times the batch would overstate them."""
+    model, _ = pico
+    for fused in (True, False):
+        want = stored_bytes(model, SIZE, 2, fused=fused, batch=3)
+        got = stored_at(model, SIZE, 2, fused, 3)
+        assert {p: v for p, v in got.items() if v} == {p: v for p, v in want.items() if v}
+    one = stored_bytes(model, SIZE, 2, fused=True)
+    assert any(3 * one[p] != want_p for p, want_p in stored_bytes(model, SIZE, 2, fused=True, batch=3).items())
+
+
 def test_fused_block_recording_counts_launches_and_small_ops():
     """A fused stride-1 block's training step on meta tensors: the 20 Triton launches (forward 8: gconv,
     moments, their merge, BN2's statistics, FFN, the merge of p's moments, residual, running statistics;
@@ -77,7 +90,8 @@ def test_mbconv_recompute_counts_its_forward_twice_and_stores_its_input(pico):
     kernels run again in the backward (3 convs, 3 BatchNorms' statistics and normalise passes, the SE's
     pool, fc1, fc2 and gate, BlurPool at stride 2: the forward MACs once more), and stores narrow tensors
     only, measured through the same saved_tensors_hooks: its input and projection before BN_p, the (N,)
-    drop-path scale and the three BatchNorms' mean and rstd (4 R + 2 K values, fp32)."""
+    drop-path scale, the three BatchNorms' mean and rstd and x's mean and centred Gram matrix
+    (4 R + 2 K + C + C^2 values, fp32)."""
     model, shapes = pico
     lw = _LayerWise(shapes, batch=4, eb=2)
     fused = stored_bytes(model, SIZE, 2, fused=True)
@@ -96,8 +110,9 @@ def test_mbconv_recompute_counts_its_forward_twice_and_stores_its_input(pico):
         _, k, oh, ow = shapes[path][1]
         r = m.conv_expand.out_channels
         # x and o at 2 bytes, the drop-path scale and the statistics in fp32 (batch 1)
-        assert fused[path] == 2 * c * h * w + 2 * k * oh * ow + 4 + 4 * (4 * r + 2 * k)
-        assert layerwise[path] > 5 * fused[path]  # the layers keep wide (4C) tensors
+        assert fused[path] == 2 * c * h * w + 2 * k * oh * ow + 4 + 4 * (4 * r + 2 * k + c + c * c)
+        # the layers keep wide (4C) tensors per image; the statistics (C^2 of them) do not grow with the batch
+        assert layerwise[path] > 5 * (fused[path] - 4 * (4 * r + 2 * k + c + c * c))
     assert seen == {1, 2}
 
 

@@ -47,10 +47,11 @@ Per block of the training-form model (``stem``, ``stages.i.j``, ``head``, ``clas
     residual          backward: dx = dout + dgrad (read 2, write 1)
     head pool         forward read, backward write
 
-* stored activations: what autograd keeps for the backward, measured by ``saved_tensors_hooks`` on one
-  batch-1 forward pass on CPU of each form (tensors deduplicated by storage, parameters excluded),
-  activations counted at the report's element size and the fused ops' fp32 statistics at 4 bytes,
-  times the batch.
+* stored activations: what autograd keeps for the backward, measured by ``saved_tensors_hooks`` on a
+  batch-1 and a batch-2 forward pass on CPU of each form (tensors deduplicated by storage, parameters
+  excluded), activations counted at the report's element size and the fused ops' fp32 statistics at 4
+  bytes, and extrapolated linearly to the batch (the per-image part times the batch, plus what does not
+  grow with it: the MBConv ops' saved statistics, x's C x C Gram matrix among them).
 
 The figures are estimates from compiled code and declared work (fused) and a bound (layer-wise), not
 measurements.
@@ -249,9 +250,18 @@ def _fused_dispatch(enabled: bool):
         training_kernels.triton_selected = saved
 
 
-def stored_bytes(model: nn.Module, input_size: tuple[int, int, int], elem_bytes: int, fused: bool
-                 ) -> dict[str, int]:
-    """Bytes autograd keeps for the backward per block path, batch 1 (module docstring)."""
+def stored_at(model: nn.Module, input_size: tuple[int, int, int], elem_bytes: int, fused: bool, batch: int
+              ) -> dict[str, int]:
+    """Bytes autograd keeps for the backward per block path at ``batch``: measured at batches 1 and 2,
+    extrapolated linearly (module docstring)."""
+    one = stored_bytes(model, input_size, elem_bytes, fused)
+    two = stored_bytes(model, input_size, elem_bytes, fused, batch=2)
+    return {p: one.get(p, 0) + (batch - 1) * (two.get(p, 0) - one.get(p, 0)) for p in set(one) | set(two)}
+
+
+def stored_bytes(model: nn.Module, input_size: tuple[int, int, int], elem_bytes: int, fused: bool,
+                 batch: int = 1) -> dict[str, int]:
+    """Bytes autograd keeps for the backward per block path, at ``batch`` (module docstring)."""
     import warnings
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -279,7 +289,7 @@ def stored_bytes(model: nn.Module, input_size: tuple[int, int, int], elem_bytes:
         with _fused_dispatch(fused), warnings.catch_warnings(), torch.autograd.graph.saved_tensors_hooks(
                 pack, lambda t: t):
             warnings.simplefilter("ignore")  # the fallback lines of blocks without a fused op
-            model(torch.randn(1, *input_size))
+            model(torch.randn(batch, *input_size))
     finally:
         for h in handles:
             h.remove()
@@ -379,7 +389,7 @@ def record_mbconv_backward(block: nn.Module, in_shape: tuple, batch: int, dtype:
     """The Triton launches of an MBConv block's backward through the fused passes
     (mbconv_fused_backward.py) on meta tensors, with the forward's saved o and statistics, and the number
     of its other aten ops (the weights' casts); None where it is not selected."""
-    from convfirstnet import mbconv_fused_backward
+    from convfirstnet import mbconv_fused_backward, mbconv_fused_forward
 
     meta, x, weights = _mbconv_on_meta(block, in_shape, batch, dtype)
     r, k = weights[0].shape[0], weights[10].shape[0]
@@ -387,7 +397,7 @@ def record_mbconv_backward(block: nn.Module, in_shape: tuple, batch: int, dtype:
     o = torch.empty((n, k, -(-h // meta.stride), -(-w // meta.stride)), device="meta", dtype=x.dtype)
     o = o.contiguous(memory_format=torch.channels_last)
     grad = torch.empty_like(o)
-    stats = torch.empty(4 * r + 2 * k, device="meta")
+    stats = torch.empty(mbconv_fused_forward.stats_size(x.shape[1], r, k), device="meta")
     drop = torch.ones(batch, device="meta")
     counter = _CountLaunches()
     with recording(**_gpu(tgt)) as rec:
@@ -440,8 +450,8 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
     say(f"recorded {len(launches)} launches of {len(fused_paths)} fused blocks")
     est = estimate_launches(launches, tgt.arch, jobs=jobs, progress=progress) if launches else None
 
-    stored_lw = stored_bytes(model, input_size, eb, fused=False)
-    stored_fused = stored_bytes(model, input_size, eb, fused=True)
+    stored_lw = stored_at(model, input_size, eb, False, batch)
+    stored_fused = stored_at(model, input_size, eb, True, batch)
 
     rows, forwards = [], {}
     for path, m in blocks:
@@ -510,8 +520,8 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
             predicted_ms={k: v * 1e3 for k, v in predicted.items()},
             layerwise_ms={k: v * 1e3 for k, v in layerwise.items()}, bounds=bounds, stack_bytes=spills,
             mma_kinds=mma, layerwise_kernels=len(kernels),
-            stored_bytes=batch * stored_fused.get(path, 0),
-            layerwise_stored_bytes=batch * stored_lw.get(path, 0),
+            stored_bytes=stored_fused.get(path, 0),
+            layerwise_stored_bytes=stored_lw.get(path, 0),
         ))
         if path in forwards:  # the forward alone: the fused launches against layer-wise
             rows[-1].update(forward_ms={k: v * 1e3 for k, v in forwards[path][0].items()},
@@ -537,8 +547,8 @@ def build_training_report(model: nn.Module, input_size: tuple[int, int, int], *,
                  stored_bytes=sum(s["stored_bytes"] for s in stages.values()),
                  layerwise_stored_bytes=sum(s["layerwise_stored_bytes"] for s in stages.values()))
     # stored bytes outside any block (the input image kept by the stem's conv) go to the total
-    total["stored_bytes"] += batch * stored_fused.get("", 0)
-    total["layerwise_stored_bytes"] += batch * stored_lw.get("", 0)
+    total["stored_bytes"] += stored_fused.get("", 0)
+    total["layerwise_stored_bytes"] += stored_lw.get("", 0)
     for s in [*stages.values(), total]:
         s["step_over_layerwise"] = {e: s["predicted_ms"][e] / s["layerwise_ms"][e] for e in ENDS}
         s["stored_over_layerwise"] = s["stored_bytes"] / max(1, s["layerwise_stored_bytes"])

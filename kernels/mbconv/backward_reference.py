@@ -25,9 +25,9 @@ mean(dy y_hat)), dgamma = sum dy y_hat, dbeta = sum dy; SiLU'(v) = s (1 + v (1 -
     bn_d_backward:   dd = gamma_d rho_d (dy - sum dy / P - u_hat sum(dy u_hat) / P);  dW_proj = do^T (g gate)
     (gconv3x3_dgrad, gconv3x3_wgrad: dh, dW_conv)
     expand_hidden:   h (for the conv's recompute and its wgrad)
-    bn_e_sums:       dv = dh SiLU'(v_e);  sum dv, sum dv e_hat
-    bn_e_backward:   de = gamma_e rho_e (dv - sum dv / P - e_hat sum(dv e_hat) / P);  dW_exp = de^T x
-    expand_dgrad:    dx = de W_exp (+ dout, the residual)
+    bn_e_weights:    dv = dh SiLU'(v_e);  sum dv, sum dv e_hat;  dW_exp = de^T x with
+                     de = gamma_e rho_e (dv - sum dv / P - e_hat sum(dv e_hat) / P)
+    bn_e_dx:         dx = de W_exp (+ dout, the residual)
 
 Stride 2 (g = BlurPool(SiLU(v_d)), the conv and BN_d at the input's H x W, g and everything after it at
 HO x WO = ceil(H / 2) x ceil(W / 2), no residual, no drop-path): the SE sums and dW_proj need g itself,
@@ -150,30 +150,33 @@ def expand_hidden_reference(x: T, w_exp: T, mean_e: T, rstd_e: T, gamma_e: T, be
     return torch.nn.functional.silu(_v_e(x, w_exp, mean_e, rstd_e, gamma_e, beta_e)[1]).to(x.dtype)
 
 
-def bn_e_sums_reference(x: T, w_exp: T, mean_e: T, rstd_e: T, gamma_e: T, beta_e: T, dh: T
-                        ) -> tuple[T, T]:
-    """(sum dv (R,), sum dv e_hat (R,)), fp32."""
-    e_hat, v = _v_e(x, w_exp, mean_e, rstd_e, gamma_e, beta_e)
-    dv = _f(dh) * silu_grad(v)
-    return dv.sum(0), (dv * e_hat).sum(0)
-
-
-def bn_e_backward_reference(x: T, w_exp: T, mean_e: T, rstd_e: T, gamma_e: T, beta_e: T, dh: T, sum_dv: T,
-                            sum_dv_ehat: T) -> tuple[T, T]:
-    """(de (P, R) in x's dtype, dW_exp (R, C) fp32 from de as rounded)."""
+def bn_e_weights_reference(x: T, w_exp: T, mean_e: T, rstd_e: T, gamma_e: T, beta_e: T, dh: T,
+                           mean_x: T | None = None, gram_x: T | None = None) -> tuple[T, T, T, T]:
+    """(dW_exp = de^T x (R, C), dgamma_e = sum dv e_hat, dbeta_e = sum dv (R,), uw (2, R)), fp32 (fp64 for
+    fp64 input), with de = gamma_e rho_e (dv - sum dv / P - e_hat sum(dv e_hat) / P)
+    = k dv + u + w (z - mu_e): k = gamma_e rho_e, u = -k sum dv / P, w = -k rho_e sum(dv e_hat) / P.
+    x's moments (``mean_x``, ``gram_x``), from which the kernels form dW_exp, are not needed here: de^T x
+    directly."""
     e_hat, v = _v_e(x, w_exp, mean_e, rstd_e, gamma_e, beta_e)
     dv = _f(dh) * silu_grad(v)
     m = x.shape[0]
-    de = (_f(gamma_e) * rstd_e * (dv - sum_dv / m - e_hat * sum_dv_ehat / m)).to(x.dtype)
-    return de, _f(de).t() @ _f(x)
+    sum_dv, sum_dve = dv.sum(0), (dv * e_hat).sum(0)
+    k = _f(gamma_e) * rstd_e
+    de = k * (dv - sum_dv / m - e_hat * sum_dve / m)
+    return de.t() @ _f(x), sum_dve, sum_dv, torch.stack([-k * sum_dv / m, -k * rstd_e * sum_dve / m])
 
 
-def expand_dgrad_reference(de: T, w_exp: T, residual: T | None) -> T:
-    """dx = de W_exp (+ residual), (P, C) in de's dtype."""
-    dx = _f(de) @ _f(w_exp)
+def bn_e_dx_reference(x: T, w_exp: T, mean_e: T, rstd_e: T, gamma_e: T, beta_e: T, dh: T, uw: T,
+                      residual: T | None) -> T:
+    """dx = de W_exp (+ residual), (P, C) in x's dtype, de = k dv + u + w (z - mu_e) rounded to x's dtype
+    (as a layer-wise backward rounds it)."""
+    e_hat, v = _v_e(x, w_exp, mean_e, rstd_e, gamma_e, beta_e)
+    dv = _f(dh) * silu_grad(v)
+    de = _f(gamma_e) * rstd_e * dv + uw[0] + uw[1] * e_hat / rstd_e
+    dx = _f(de.to(x.dtype)) @ _f(w_exp)
     if residual is not None:
         dx = dx + _f(residual)
-    return dx.to(de.dtype)
+    return dx.to(x.dtype)
 
 
 # ---- stride 2 ----------------------------------------------------------------------------------
