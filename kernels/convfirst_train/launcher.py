@@ -398,6 +398,26 @@ def ffn_backward(y, dp, a, w1, w2, vec1, mean1, vec2, mean2, gamma2, mean_in, co
     return dw1, dw2, dgamma2, dbeta2, dy, (part1 if bn_sums else None)
 
 
+def expand_weights_finalize(red, vec, mean_z, mean_x, gram_x, w, ref, dw, dgamma, dbeta, m: int,
+                            block_rows: int, block_cols: int, warps: int) -> None:
+    """The FFN weights finalize for an expand without W2 whose input statistics are x's mean and centred
+    Gram matrix (summed over the m rows): the MBConv backward's BN_e (kernels/mbconv/expand_backward.py).
+    red: fp32 [G = dv^T x (R, C) | sum dv (R)]; vec (VEC_ROWS, R): r and k read, u and w written; mean_z:
+    the BatchNorm's batch mean; w (R, C) in the activation dtype (``ref``'s); outputs dw (R, C), dgamma,
+    dbeta (R)."""
+    r, c = w.shape
+    cpi = _pow2(c)
+    total = r * c + r
+    launch(_ffn_weights_finalize_kernel, (cdiv(r, block_rows),), red, vec, mean_z, mean_x, gram_x, mean_x,
+           mean_x, w, ref, dw, red, dgamma, dbeta, r, m, cpi, 0, CI=c, CPI=cpi, CO=0, BH=block_rows,
+           BJ=block_cols, BO=block_cols, AFFINE_IN=False, DZZ=False, TRAINING=True, COV_SUMMED=True,
+           num_warps=warps,
+           cost=lambda: finalize_cost("BN_e backward", 4 * (2 * total + 3 * r + c * c * cdiv(r, block_rows)),
+                                      (Loop("output blocks (no W2)", 0),
+                                       Loop("column blocks", cdiv(cpi, block_cols))),
+                                      f"{c}->{r}: dgamma, dW_exp"))
+
+
 def bn_input_grad(dy, a, vec1, mean1) -> torch.Tensor:
     n, c, h, w = a.shape
     m = n * h * w

@@ -53,7 +53,8 @@ import triton.language as tl
 from .._activations import sigmoid, silu
 from .._cost import KernelCost, Loop
 from .._launch import FLOAT_DTYPES, cdiv, device_info, launch, next_power_of_2
-from ..convfirst_train.finalize import VEC_K, VEC_R, VEC_ROWS, VEC_U, VEC_W, _ffn_weights_finalize_kernel
+from ..convfirst_train.finalize import VEC_K, VEC_R, VEC_ROWS, VEC_U, VEC_W
+from ..convfirst_train.launcher import expand_weights_finalize
 from ..gconv.launcher import reduce_partials
 from .launcher import MAX_C, kernel_settings
 from .narrow import _splits
@@ -320,14 +321,7 @@ def bn_e_weights(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rst
     vec[VEC_R].copy_(rstd_e)
     torch.mul(gamma_e.detach(), rstd_e, out=vec[VEC_K])
     dw, dgamma, dbeta = (torch.empty(shape, device=x.device, dtype=torch.float32) for shape in ((r, c), r, r))
-    bh, bj, warps = FINALIZE
-    cpi = max(16, next_power_of_2(c))
-    launch(_ffn_weights_finalize_kernel, (cdiv(r, bh),), red, vec, mean_e, mean_x, gram_x, mean_x, mean_x,
-           w_exp, x, dw, red, dgamma, dbeta, r, p, cpi, 0, CI=c, CPI=cpi, CO=0, BH=bh, BJ=bj, BO=bj,
-           AFFINE_IN=False, DZZ=False, TRAINING=True, COV_SUMMED=True, num_warps=warps,
-           cost=lambda: KernelCost(0, 0, 4 * (2 * total + 3 * r + c * c * cdiv(r, bh)),
-                                   (Loop("output blocks (no W2)", 0), Loop("column blocks", cdiv(cpi, bj))),
-                                   note=f"BN_e backward finalize ({c}->{r}): dgamma, dW_exp"))
+    expand_weights_finalize(red, vec, mean_e, mean_x, gram_x, w_exp, x, dw, dgamma, dbeta, p, *FINALIZE)
     return dw, dgamma, dbeta, vec[VEC_U:VEC_W + 1]
 
 

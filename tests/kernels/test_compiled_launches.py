@@ -66,8 +66,7 @@ def test_float_arguments_compile_as_fp64_without_fp64_arithmetic(launches):
     """Each kernel that takes a float, compiled for sm_90 with its floats typed fp64 as Inductor passes
     them: it compiles, and its PTX holds no fp64 instruction but the conversion (or a comparison) of the
     argument (fp64 arithmetic over a tile would be a silent slowdown). Without ``fp32(eps)`` in
-    ``_out_sums_kernel`` the compile fails as on the GPU; without ``fp32(inv_p)`` in ``_expand_kernel``
-    its PTX multiplies in fp64."""
+    ``_out_sums_kernel`` the compile fails as on the GPU."""
     from convfirstnet.analysis.compiled import compile_variants, variant_of
 
     picked = {}
@@ -79,7 +78,7 @@ def test_float_arguments_compile_as_fp64_without_fp64_arithmetic(launches):
     names = {name for name, _ in picked.values()}
     # the kernels known to take floats (BatchNorm eps and momenta, 1 / pixels): all must be found
     assert {"_out_sums_kernel", "_bn_terms_kernel", "_merge_moments_kernel", "_bn_running_kernel",
-            "_fold_expand_kernel", "_expand_kernel", "_grad_kernel", "_blur_bn_d_kernel"} <= names, names
+            "_fold_expand_kernel", "_grad_kernel", "_blur_bn_d_kernel"} <= names, names
     compiled = compile_variants([v for _, v in picked.values()])
     bad = {}
     for (name, _), c in zip(picked.values(), compiled):

@@ -169,8 +169,8 @@ def test_small_backward_on_gpu(monkeypatch, dtype, c, k, stride, side):
 def test_small_backward_launches_fit_an_a100(stage, index, shape):
     """The backward's launches at Small's 16x16 stride-1 shape and its two stride-2 blocks (batch 128,
     fp16) compile for sm_80 within its 163 KB of shared memory per block (the tiles are chosen for sm_90,
-    whose limit is 227 KB; the chain is selected on any CUDA GPU). Compiled: at most 160 KB; the BN_d and
-    BN_e passes keep 144-344 B of stack there (slower, not wrong)."""
+    whose limit is 227 KB; the chain is selected on any CUDA GPU). Compiled: at most 160 KB; the BN_d passes
+    (gate_backward) keep 8-344 B of stack there (slower, not wrong), the BN_e passes none."""
     pytest.importorskip("triton")
     import convfirstnet
     from convfirstnet.analysis.compiled import compile_variants, variant_of
