@@ -1,8 +1,8 @@
 """The backward of ``mbconv_recompute_train``, pass by pass over the block's narrow
 input (kernels/mbconv/backward_reference.py states each pass): no wide activation is kept from the
 forward; the forward saves x, its projection output o (narrow), the three BatchNorms' batch mean and rstd
-and x's mean and centred Gram matrix. The wide tensors of the backward (h, d, dd, dh) each live from one
-launch to the next.
+and x's mean and W_exp G (G x's centred Gram matrix). The wide tensors of the backward (h, d, dd, dh)
+live from one launch to the next.
 
     do                 BN_p's backward (narrow)
     h, d               h from x (expand, BN_e, SiLU), d = gconv3x3(h)
@@ -13,7 +13,7 @@ launch to the next.
     dd, dW_proj        one pass over d, dd written
     dh, dW_conv        the group-width-8 conv's dgrad and wgrad (torch.ops.convfirstnet)
     BN_e weights       one pass over dh (z = x W_exp^T recomputed): D = dv^T x and sum dv; then BN_e's
-                       dgamma, dbeta and dW_exp from D and x's moments (one finalize launch)
+                       dgamma, dbeta and dW_exp from D, x's mean and W_exp G (one merge launch)
     dx                 one pass over dh: de recomputed per pixel tile, dx = de W_exp + dout (the residual);
                        de is never written
 

@@ -45,8 +45,8 @@ INTERPRETER_DTYPES = (torch.float16, torch.float32)
 
 def stats_size(c: int, r: int, k: int) -> int:
     """Values in ``stats``, the flat fp32 tensor the op's forward returns for its backward: each BatchNorm's
-    batch mean and rstd (4 R + 2 K), then x's mean and centred Gram matrix (C + C^2)."""
-    return 4 * r + 2 * k + c + c * c
+    batch mean and rstd (4 R + 2 K), then x's mean (C) and W_exp G (R C), G x's centred Gram matrix."""
+    return 4 * r + 2 * k + c + r * c
 
 
 def stats_rows(stats: T, r: int, k: int) -> tuple[T, T, T]:
@@ -55,10 +55,11 @@ def stats_rows(stats: T, r: int, k: int) -> tuple[T, T, T]:
 
 
 def x_rows(stats: T, c: int, r: int, k: int) -> tuple[T, T]:
-    """The (C,) mean and (C, C) centred Gram matrix (the sum over the batch's pixels) of x in ``stats``:
-    BN_e's backward forms dW_exp from them (kernels/mbconv/expand_backward.bn_e_weights)."""
+    """x's mean (C,) and W_exp G (R, C) in ``stats`` (W_exp rounded to x's dtype, G x's centred Gram matrix,
+    summed over the batch's pixels): BN_e's backward forms dW_exp from them
+    (kernels/mbconv/expand_backward.bn_e_weights)."""
     o = 4 * r + 2 * k
-    return stats[o:o + c], stats[o + c:o + c + c * c].view(c, c)
+    return stats[o:o + c], stats[o + c:o + c + r * c].view(r, c)
 
 
 def selected(x: T, w_exp: T, w_proj: T, stride: int) -> bool:
@@ -117,9 +118,10 @@ def _forward(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_s
                                     w_dw_x.view(r, 8, 3, 3))
     # BN_e from x's moments, folded into the expand (one launch, running statistics updated)
     rows = (None,) * 3 if stats is None else stats_rows(stats, r, k)
-    mean_x, gram = x_moments(x, *((None, None) if stats is None else x_rows(stats, c, r, k)))
+    mean_x, wg = (None, None) if stats is None else x_rows(stats, c, r, k)
+    mean_x, gram = x_moments(x, mean_x)
     w_exp_f, b_exp_f = fold_expand(w_exp.reshape(r, c), mean_x, mean_x, gram, gamma_e, beta_e, rm_e, rv_e,
-                                   factors[0], eps, n * h * w, dt, rows[0])
+                                   factors[0], eps, n * h * w, dt, rows[0], wg)
     # BN_d: the moments launch (shifted by BN_d's running mean, keeping the conv output u), then the fold
     # (which updates that mean), then one pass applies BN_d + SiLU (+ BlurPool) to u, instead of a second
     # expand + conv with BN_d folded

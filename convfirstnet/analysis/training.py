@@ -51,7 +51,7 @@ Per block of the training-form model (``stem``, ``stages.i.j``, ``head``, ``clas
   batch-1 and a batch-2 forward pass on CPU of each form (tensors deduplicated by storage, parameters
   excluded), activations counted at the report's element size and the fused ops' fp32 statistics at 4
   bytes, and extrapolated linearly to the batch (the per-image part times the batch, plus what does not
-  grow with it: the MBConv ops' saved statistics, x's C x C Gram matrix among them).
+  grow with it: the MBConv ops' saved statistics, W_exp times x's Gram matrix among them).
 
 The figures are estimates from compiled code and declared work (fused) and a bound (layer-wise), not
 measurements.

@@ -231,11 +231,8 @@ def _ffn_weights_finalize_kernel(
     R, M, COLS, ROWS_OUT,
     CI: tl.constexpr, CPI: tl.constexpr, CO: tl.constexpr, BH: tl.constexpr, BJ: tl.constexpr,
     BO: tl.constexpr, AFFINE_IN: tl.constexpr, DZZ: tl.constexpr, TRAINING: tl.constexpr,
-    COV_SUMMED: tl.constexpr,
 ):
     """Program: BH hidden channels: BN2's backward terms, dW2[:, chunk], dW1[chunk] (module docstring).
-    COV_SUMMED: ``cov_in`` holds M Cov(v), the centred Gram matrix (the MBConv backward's, from its
-    forward), not Cov(v). CO may be 0 (no W2: the MBConv expand).
     BN2's dgamma, sum dzn z_hat = r2 (rowsum(W1 * G) - m2 sum dzn): z = y W1^T (W1 rounded to the
     activation dtype, as the weights pass multiplies), so sum_m dzn z = sum_c W1[:, c] G[:, c]; DZZ: as
     the weights pass summed it."""
@@ -293,9 +290,7 @@ def _ffn_weights_finalize_kernel(
                 cov = cov * kin[:, None] * kj[None, :]
                 muj = kj * muj + tl.load(tin_ptr + cj, mask=jok, other=0.0)
             a = tl.dot(w, cov, input_precision="tf32x3")  # (W1 Cov(v))[chunk, j block]
-            if not COV_SUMMED:
-                a = mf * a
-            d += mf * u2[:, None] * muj[None, :] + w2[:, None] * (a + mf * wmu[:, None] * muj[None, :])
+            d += mf * u2[:, None] * muj[None, :] + w2[:, None] * (mf * a + mf * wmu[:, None] * muj[None, :])
         tl.store(dw1_ptr + hh[:, None] * CI + cj[None, :], d.to(dw1_ptr.dtype.element_ty), mask=msk)
 
 

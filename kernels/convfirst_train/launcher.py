@@ -380,7 +380,8 @@ def ffn_backward(y, dp, a, w1, w2, vec1, mean1, vec2, mean2, gamma2, mean_in, co
     launch(_ffn_weights_finalize_kernel, (cdiv(r, fin["bh"]),), red, vec2, mean2, mean_in, cov_in,
            vec1[VEC_K] if affine_in else mean_in, vec1[VEC_T] if affine_in else mean_in, w1, y, dw1, dw2,
            dgamma2, dbeta2, r, m, cpi, co, CI=ci, CPI=cpi, CO=co, BH=fin["bh"], BJ=fin["bj"], BO=fin["bj"],
-           AFFINE_IN=affine_in, DZZ=dzz, TRAINING=training, COV_SUMMED=False, num_warps=fin["warps"],
+           AFFINE_IN=affine_in, DZZ=dzz,
+           TRAINING=training, num_warps=fin["warps"],
            cost=lambda: finalize_cost("FFN weights", 4 * (2 * total + ci * ci * cdiv(r, fin["bh"])),
                                       (Loop("output blocks", cdiv(co, fin["bj"])),
                                        Loop("column blocks", cdiv(cpi, fin["bj"]))),
@@ -396,26 +397,6 @@ def ffn_backward(y, dp, a, w1, w2, vec1, mean1, vec2, mean2, gamma2, mean_in, co
            BM=cfg.block_m, BH=cfg.block_h, PRECISION=cfg.precision, BN_SUMS=bn_sums, num_warps=cfg.num_warps,
            cost=lambda: ffn_bwd_input_cost(cfg, m, ci, co, r, eb, bn_sums, ishares, ipr))
     return dw1, dw2, dgamma2, dbeta2, dy, (part1 if bn_sums else None)
-
-
-def expand_weights_finalize(red, vec, mean_z, mean_x, gram_x, w, ref, dw, dgamma, dbeta, m: int,
-                            block_rows: int, block_cols: int, warps: int) -> None:
-    """The FFN weights finalize for an expand without W2 whose input statistics are x's mean and centred
-    Gram matrix (summed over the m rows): the MBConv backward's BN_e (kernels/mbconv/expand_backward.py).
-    red: fp32 [G = dv^T x (R, C) | sum dv (R)]; vec (VEC_ROWS, R): r and k read, u and w written; mean_z:
-    the BatchNorm's batch mean; w (R, C) in the activation dtype (``ref``'s); outputs dw (R, C), dgamma,
-    dbeta (R)."""
-    r, c = w.shape
-    cpi = _pow2(c)
-    total = r * c + r
-    launch(_ffn_weights_finalize_kernel, (cdiv(r, block_rows),), red, vec, mean_z, mean_x, gram_x, mean_x,
-           mean_x, w, ref, dw, red, dgamma, dbeta, r, m, cpi, 0, CI=c, CPI=cpi, CO=0, BH=block_rows,
-           BJ=block_cols, BO=block_cols, AFFINE_IN=False, DZZ=False, TRAINING=True, COV_SUMMED=True,
-           num_warps=warps,
-           cost=lambda: finalize_cost("BN_e backward", 4 * (2 * total + 3 * r + c * c * cdiv(r, block_rows)),
-                                      (Loop("output blocks (no W2)", 0),
-                                       Loop("column blocks", cdiv(cpi, block_cols))),
-                                      f"{c}->{r}: dgamma, dW_exp"))
 
 
 def bn_input_grad(dy, a, vec1, mean1) -> torch.Tensor:

@@ -2,13 +2,14 @@
 the block's narrow input x (P, C) with z = x W_exp^T (K = C) recomputed on the tensor cores:
 
 * ``expand_hidden``: h = SiLU(gamma_e e_hat + beta_e), e_hat = (z - mu_e) rho_e, written (P, R);
-* ``bn_e_weights``: dv = dh SiLU'(v_e); one pass accumulates D = dv^T x and sum dv per pixel split (a
-  partials launch and the fixed-order merge), then one finalize launch forms BN_e's dgamma = sum dv e_hat =
-  rho_e (rowsum(W_exp * D) - mu_e sum dv), dbeta = sum dv, dW_exp = de^T x and the dx pass's terms, from D
-  and x's mean and centred Gram matrix (saved by the forward):
+* ``bn_e_weights``: dv = dh SiLU'(v_e); one pass accumulates D = dv^T x and sum dv per pixel split, then
+  one small launch (``_bn_e_finalize_kernel``) merges the splits in a fixed order and forms BN_e's
+  dgamma = sum dv e_hat = rho_e (rowsum(W_exp * D) - mu_e sum dv), dbeta = sum dv, dW_exp = de^T x and the
+  dx pass's terms:
       de = k dv + u + w (z - mu_e),  k = gamma_e rho_e,  u = -k sum dv / P,  w = -k rho_e dgamma / P
-      de^T x = k D + u sum(x)^T + w (W_exp Gram + P (W_exp mean(x) - mu_e) mean(x)^T)
-  (the finalize is the ConvFirst FFN's, convfirst_train/finalize.py, with no W2 and the Gram matrix summed);
+      de^T x = k D + P u mean(x)^T + w (W_exp G + P (W_exp mean(x) - mu_e) mean(x)^T)
+  with G x's Gram matrix centred at its mean: the forward's BN_e fold computes W_exp G anyway and saves it
+  with mean(x) (moments.fold_expand; R C + C fp32 values per block);
 * ``bn_e_dx``: dx = de W_exp (+ the residual), de recomputed per pixel tile from x and dh, hidden chunk by
   hidden chunk, and rounded to x's dtype as a layer-wise backward rounds it: de is never written.
 
@@ -19,11 +20,10 @@ dx = de W_exp read back) read dh twice and wrote and read de, at Small's 16x16 t
 program (j, s) loads its chunk's W_exp rows [RB, C] once, before its loop, and walks the pixel tiles (BM
 rows) of split s: z = x_tile W^T (fp32 accumulation), then the mode's epilogue. The programs of one split are
 adjacent in the grid, so x's tiles are read from DRAM once and re-read by the other chunks from L2.
-Per-split partials (fp32, their own rows) are summed over the splits in a fixed order by the weight
-gradients' reduction (gconv.launcher.reduce_partials): no atomics, two identical calls give equal results.
-dv is rounded to x's dtype for D (the tensor cores' operand) and for sum dv alike, so that the two agree in
-dgamma's difference. Splits: whole pixel tiles (narrow._splits), about as many as fill the GPU's SMs with the
-chunks (twice as many where two programs share an SM).
+Per-split partials (fp32, their own rows) are summed over the splits in split order (no atomics: two
+identical calls give equal results). dv is rounded to x's dtype for D (the tensor cores' operand) and for
+sum dv alike, so that the two agree in dgamma's difference. Splits: whole pixel tiles (narrow._splits), about
+as many as fill the GPU's SMs with the chunks (twice as many where two programs share an SM).
 
 Tiles (``TILES``, ``DX_TILES``, ``FINALIZE``), compiled for sm_90 at Small's C = 256, R = 1024 in 16-bit
 (static estimate at batch 128, 16x16, low-high us):
@@ -33,13 +33,12 @@ Tiles (``TILES``, ``DX_TILES``, ``FINALIZE``), compiled for sm_90 at Small's C =
 * weights pass: 32 chunks of RB = 32 x 4 splits of 64-pixel tiles, 4 warps, 168 registers, two programs
   per SM. 122-151. RB = 64 on 8 warps (the de pass's tile) took 251 registers, one program per SM:
   132-160; RB = 64 on 4 warps spilled 40 B.
-* finalize: 64 programs of 16 hidden rows, 4 warps, 218 registers (the tf32x3 W_exp Gram dot on mma.sync).
-  18-21; on 8 warps 32-37.
+* merge and terms: 64 programs of 16 hidden rows, 4 warps, 135 registers. 3-4 (the ConvFirst FFN's
+  finalize, forming W_exp G itself from G on the tensor cores, took 18-21 plus a merge launch of 4-5).
 * dx: 64-pixel tiles, 32 hidden channels per step, 4 warps, 253 registers, two programs per SM. 85-94;
   128-pixel tiles of 64 channels on 8 warps spilled 24 B (255 registers) and took 108-121.
-Against the passes before (sums 116-136, de 128-157, dgrad 32-39 us and two merges) the three passes and
-their merge take 229-271 against 282-340 us at 16x16 and the block's backward 52-69 us less; at 8x8 7-12
-us less (the finalize's fixed 18-21 us is most of the difference there).
+Against the passes before (sums 116-136, de 128-157, dgrad 32-39 us and two merges) the three launches take
+210-248 against 282-340 us at 16x16; the block's backward 71-91 us less at 16x16, 26-34 at 8x8.
 fp32 (3xTF32: each operand split in two parts in registers, the whole C = 256 row per tile) takes smaller
 tiles that fit the shared memory and spills: correct, not fast; a K loop over C would be its fix.
 """
@@ -53,9 +52,6 @@ import triton.language as tl
 from .._activations import sigmoid, silu
 from .._cost import KernelCost, Loop
 from .._launch import FLOAT_DTYPES, cdiv, device_info, launch, next_power_of_2
-from ..convfirst_train.finalize import VEC_K, VEC_R, VEC_ROWS, VEC_U, VEC_W
-from ..convfirst_train.launcher import expand_weights_finalize
-from ..gconv.launcher import reduce_partials
 from .launcher import MAX_C, kernel_settings
 from .narrow import _splits
 
@@ -69,8 +65,9 @@ TILES = {(MODE_H, 2): (128, 64, 8, 3), (MODE_D, 2): (32, 64, 4, 2),
          (MODE_H, 4): (64, 64, 8, 1), (MODE_D, 4): (32, 64, 8, 1)}
 # bn_e_dx by element size: (pixel tile, hidden channels per step, warps).
 DX_TILES = {2: (64, 32, 4), 4: (64, 16, 4)}
-# The finalize launch (convfirst_train/finalize.py): (hidden rows per program, columns per dot, warps).
-FINALIZE = (16, 32, 4)
+# The finalize launch (merge of the weights pass's partials and BN_e's terms): (hidden rows per program,
+# warps).
+FINALIZE = (16, 4)
 # Modes whose programs fit two per SM with one pipeline stage (h in 16-bit: 128 registers, 96 KB of shared
 # memory): with twice the splits, each program's serial chain (its epilogues and the waits for its own
 # dots) is half as long while the other program's dots run. Taken where every split keeps >=
@@ -79,8 +76,6 @@ FINALIZE = (16, 32, 4)
 PAIRED = {(MODE_H, 2)}
 PAIRED_MIN_TILES = 8
 REGISTERS = 65536  # per SM (sm_80, sm_90): two programs of 8 warps take at most 128 registers a thread
-SUM_COLUMNS = 256  # columns per program of the split merge
-SUM_SPLITS = 8  # splits per step of the split merge
 
 
 @triton.jit
@@ -182,6 +177,45 @@ def _expand_dx_kernel(x_ptr, w_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, uw_
     tl.store(dx_ptr + m[:, None] * C + c[None, :], acc.to(dx_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _bn_e_finalize_kernel(part_ptr, w_ptr, wg_ptr, mean_x_ptr, mean_ptr, rstd_ptr, gamma_ptr, dw_ptr,
+                          dgamma_ptr, dbeta_ptr, uw_ptr, S, R, C, P, BH: tl.constexpr, CP: tl.constexpr):
+    """Program: BH hidden channels. D and sum dv summed over the S splits' partials in split order (fixed:
+    no atomics), then dgamma = rho (rowsum(W * D) - mu sum dv), dbeta = sum dv, u, w and dW_exp = k D +
+    P u mean(x)^T + w (W G + P (W mean(x) - mu) mean(x)^T) (module docstring), W rounded as the passes
+    multiply by it (x's dtype, as stored)."""
+    h = tl.program_id(0) * BH + tl.arange(0, BH)
+    hok = h < R
+    c = tl.arange(0, CP)
+    cok = c < C
+    msk = hok[:, None] & cok[None, :]
+    rows = h[:, None] * C + c[None, :]
+    d = tl.zeros((BH, CP), dtype=tl.float32)
+    sdv = tl.zeros((BH,), dtype=tl.float32)
+    for s in range(0, S):
+        base = part_ptr + s * (R * C + R)
+        d += tl.load(base + rows, mask=msk, other=0.0)
+        sdv += tl.load(base + R * C + h, mask=hok, other=0.0)
+    w = tl.load(w_ptr + rows, mask=msk, other=0.0).to(tl.float32)
+    mean = tl.load(mean_ptr + h, mask=hok, other=0.0)
+    rstd = tl.load(rstd_ptr + h, mask=hok, other=0.0)
+    k = tl.load(gamma_ptr + h, mask=hok, other=0.0).to(tl.float32) * rstd
+    sdg = rstd * (tl.sum(w * d, axis=1) - mean * sdv)
+    pf = tl.cast(P, tl.float32)
+    u = -k * sdv / pf
+    wv = -k * rstd * sdg / pf
+    mu = tl.load(mean_x_ptr + c, mask=cok, other=0.0)
+    wmu = tl.sum(w * mu[None, :], axis=1) - mean
+    wg = tl.load(wg_ptr + rows, mask=msk, other=0.0)
+    dw = k[:, None] * d + (pf * u[:, None]) * mu[None, :]
+    dw += wv[:, None] * (wg + (pf * wmu)[:, None] * mu[None, :])
+    tl.store(dw_ptr + rows, dw, mask=msk)
+    tl.store(dgamma_ptr + h, sdg, mask=hok)
+    tl.store(dbeta_ptr + h, sdv, mask=hok)
+    tl.store(uw_ptr + h, u, mask=hok)
+    tl.store(uw_ptr + R + h, wv, mask=hok)
+
+
 # ------------------------------------------------------------------------------------------ checks
 
 
@@ -269,14 +303,6 @@ def _expand_cost(mode: int, p: int, c: int, r: int, rb: int, cp: int, bm: int, s
                       l2_bytes=(nchunk - 1) * p * c * eb, note=note)
 
 
-def _split_sum(part: torch.Tensor, out: torch.Tensor, what: str) -> torch.Tensor:
-    """out = part (S, L) summed over its rows in a fixed order (one launch; the partials were just
-    written, read from L2)."""
-    reduce_partials(part, out, part.shape[0], part.shape[1], block=SUM_COLUMNS, sb=SUM_SPLITS,
-                    partials_in_l2=True, what=f"fixed-order merge of {what}")
-    return out
-
-
 def _size(x: torch.Tensor) -> int:
     return 4 if x.element_size() == 4 else 2
 
@@ -301,28 +327,32 @@ def expand_hidden(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rs
 
 def bn_e_weights(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rstd_e: torch.Tensor,
                  gamma_e: torch.Tensor, beta_e: torch.Tensor, dh: torch.Tensor, mean_x: torch.Tensor,
-                 gram_x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                 wg_x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """BN_e's backward without de: (dW_exp (R, C), dgamma_e = sum dv e_hat (R,), dbeta_e = sum dv (R,), uw
     (2, R): de = gamma_e rstd_e dv + u + w (z - mean_e)), all fp32. One pass over dh accumulates D = dv^T x
-    and sum dv per pixel split; after the fixed-order merge, one finalize launch forms the rest from x's
-    mean and centred Gram matrix ``mean_x`` (C,), ``gram_x`` (C, C) (the forward's, fp32):
-    sum dv e_hat = rstd_e (rowsum(W_exp * D) - mean_e sum dv) and dW_exp = de^T x = k D + u sum(x)^T +
-    w (z - mean_e)^T x, (z - mean_e)^T x = W_exp gram_x + P (W_exp mean_x - mean_e) mean_x^T."""
+    and sum dv per pixel split; one launch merges the splits in a fixed order and forms the rest from x's
+    mean ``mean_x`` (C,) and ``wg_x`` (R, C) = W_exp G, G x's centred Gram matrix (both fp32, the
+    forward's: moments.fold_expand), module docstring."""
     op = "bn_e_weights"
     p, c, r = _check_expand(op, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh)
     _check(op, "mean_x", mean_x, (c,), (torch.float32,), x.device)
-    _check(op, "gram_x", gram_x, (c, c), (torch.float32,), x.device)
+    _check(op, "wg_x", wg_x, (r, c), (torch.float32,), x.device)
     splits, ch, paired = _expand_splits(MODE_D, x, r)
     total = r * c + r
     part = torch.empty((splits, total), device=x.device, dtype=torch.float32)
     _expand_launch(MODE_D, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, x, part, splits, ch, paired)
-    red = _split_sum(part, torch.empty((total,), device=x.device, dtype=torch.float32), "D and sum dv")
-    vec = torch.empty((VEC_ROWS, r), device=x.device, dtype=torch.float32)
-    vec[VEC_R].copy_(rstd_e)
-    torch.mul(gamma_e.detach(), rstd_e, out=vec[VEC_K])
-    dw, dgamma, dbeta = (torch.empty(shape, device=x.device, dtype=torch.float32) for shape in ((r, c), r, r))
-    expand_weights_finalize(red, vec, mean_e, mean_x, gram_x, w_exp, x, dw, dgamma, dbeta, p, *FINALIZE)
-    return dw, dgamma, dbeta, vec[VEC_U:VEC_W + 1]
+    dw = torch.empty((r, c), device=x.device, dtype=torch.float32)
+    dgamma, dbeta = (torch.empty((r,), device=x.device, dtype=torch.float32) for _ in range(2))
+    uw = torch.empty((2, r), device=x.device, dtype=torch.float32)
+    bh, warps = FINALIZE
+    cp = max(16, next_power_of_2(c))
+    launch(_bn_e_finalize_kernel, (cdiv(r, bh),), part, w_exp, wg_x, mean_x, mean_e, rstd_e, gamma_e, dw,
+           dgamma, dbeta, uw, splits, r, c, p,
+           cost=lambda: KernelCost(0, 0, 4 * (2 * r * c + c + 7 * r) + r * c * x.element_size(),
+                                   (Loop("splits", splits),), l2_bytes=splits * total * 4,
+                                   note=f"BN_e backward: fixed-order merge of D, dgamma, dW_exp ({c}->{r})"),
+           BH=bh, CP=cp, num_warps=warps)
+    return dw, dgamma, dbeta, uw
 
 
 def bn_e_dx(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rstd_e: torch.Tensor,

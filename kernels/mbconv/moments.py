@@ -296,15 +296,17 @@ def bn_fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr
 
 @triton.jit
 def _fold_expand_kernel(w_ptr, mean_ptr, centre_ptr, gram_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, wf_ptr,
-                        bf_ptr, st_ptr, R, C, swr, swc, inv_m, f, unbias, eps,
-                        BR: tl.constexpr, CP: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
+                        bf_ptr, st_ptr, wg_ptr, R, C, swr, swc, inv_m, f, unbias, eps,
+                        BR: tl.constexpr, CP: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                        STORE_WG: tl.constexpr):
     """BN_e of z = W x (W rounded to x's dtype, as the layer's conv rounds it): mean = W mean_x, var =
     W (G / M - d d^T) W^T (diagonal), G the Gram matrix of x centred at ``centre`` (x's mean: d = 0 from
     narrow.x_moments), d = mean_x - centre; folded into W (rows scaled) and a bias.
     ``SPLIT`` (16-bit W): W G on the tensor cores as two TF32 products, W G_hi + W G_lo, G_hi = G with its
     low 13 mantissa bits cleared (exact in TF32), G_lo = G - G_hi (exact in fp32); W in a 16-bit dtype is
     exact in TF32, so the only rounding beyond fp32 accumulation is G_lo's to TF32 (< 2^-21 of |G|).
-    Otherwise (fp32 W) fp32 FMA (ieee)."""
+    Otherwise (fp32 W) fp32 FMA (ieee). STORE_WG: W G (R, C) fp32 is written too (the training backward
+    forms dW_exp from it: expand_backward.bn_e_weights)."""
     inv_m, f, unbias, eps = fp32(inv_m), fp32(f), fp32(unbias), fp32(eps)  # fp64 under torch.compile
     dt = wf_ptr.dtype.element_ty
     r = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -335,6 +337,8 @@ def _fold_expand_kernel(w_ptr, mean_ptr, centre_ptr, gram_ptr, gamma_ptr, beta_p
                          unbias, eps)
     tl.store(wf_ptr + r[:, None] * C + cc[None, :], (w * scale[:, None]).to(dt),
              mask=r_ok[:, None] & c_ok[None, :])
+    if STORE_WG:
+        tl.store(wg_ptr + r[:, None] * C + cc[None, :], wg, mask=r_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
@@ -392,9 +396,11 @@ def stats_out(stats: torch.Tensor | None, r: int, device) -> torch.Tensor:
 def fold_expand(w: torch.Tensor, mean_x: torch.Tensor, centre: torch.Tensor, gram: torch.Tensor,
                 gamma: torch.Tensor, beta: torch.Tensor, running_mean: torch.Tensor,
                 running_var: torch.Tensor, f: float, eps: float, pixels: int, dtype: torch.dtype,
-                stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                stats: torch.Tensor | None = None, wg: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(W_exp with BN_e folded (R, C), its bias (R,)) in ``dtype``; the running statistics updated in place,
-    the batch mean and rstd written to ``stats`` ((2, R) fp32, contiguous) when given.
+    the batch mean and rstd written to ``stats`` ((2, R) fp32, contiguous) when given, and W G (W rounded
+    to ``dtype``) to ``wg`` ((R, C) fp32, contiguous) when given.
     ``w``: (R, C), any float dtype (rounded to ``dtype`` as the layer's conv does); ``mean_x`` (C,) fp32,
     ``centre`` (C,), any float dtype, ``gram`` (C, C) fp32: sum over the M = ``pixels`` pixels of
     (x - centre)(x - centre)^T (narrow.x_moments: centre = mean_x)."""
@@ -405,10 +411,12 @@ def fold_expand(w: torch.Tensor, mean_x: torch.Tensor, centre: torch.Tensor, gra
     cp = max(16, next_power_of_2(c))
     eb = dtype.itemsize
     launch(_fold_expand_kernel, (cdiv(r, FOLD_ROWS),), w, mean_x, centre, gram.contiguous(), gamma,
-           beta, running_mean, running_var, wf, bf, st, r, c, *w.stride(), 1.0 / pixels, f,
-           pixels / (pixels - 1), eps,
-           cost=lambda: _fold_expand_cost(r, c, cp, w.element_size(), eb, dtype != torch.float32),
-           BR=FOLD_ROWS, CP=cp, BK=min(FOLD_K, cp), SPLIT=dtype != torch.float32, num_warps=EXPAND_WARPS)
+           beta, running_mean, running_var, wf, bf, st, wf if wg is None else wg, r, c, *w.stride(),
+           1.0 / pixels, f, pixels / (pixels - 1), eps,
+           cost=lambda: _fold_expand_cost(r, c, cp, w.element_size(), eb, dtype != torch.float32,
+                                          wg is not None),
+           BR=FOLD_ROWS, CP=cp, BK=min(FOLD_K, cp), SPLIT=dtype != torch.float32, STORE_WG=wg is not None,
+           num_warps=EXPAND_WARPS)
     return wf, bf
 
 
@@ -433,12 +441,13 @@ def fold_conv(parts: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, beta: t
     return wf, bf
 
 
-def _fold_expand_cost(r: int, c: int, cp: int, wb: int, eb: int, split: bool) -> KernelCost:
+def _fold_expand_cost(r: int, c: int, cp: int, wb: int, eb: int, split: bool, store_wg: bool) -> KernelCost:
     """W (read twice: rows and K steps), the Gram matrix once per program (from L2 after the first), the
-    per-channel vectors; the folded W and bias written. Split TF32: two tensor-core products as issued
-    (FOLD_ROWS x CP x CP a program each)."""
+    per-channel vectors; the folded W and bias written, and W G (fp32) where stored. Split TF32: two
+    tensor-core products as issued (FOLD_ROWS x CP x CP a program each)."""
     progs = cdiv(r, FOLD_ROWS)
     dram = 2 * r * c * wb + c * c * 4 + 2 * c * 4 + r * c * eb + r * eb + 8 * r * 4
+    dram += r * c * 4 if store_wg else 0
     mma = 2 * progs * FOLD_ROWS * cp * cp if split else 0
     return KernelCost(r * c * c + 2 * r * c, mma, dram, (Loop("Gram steps", cdiv(c, FOLD_K)),),
                       l2_bytes=progs * c * c * 4, note="BN_e from x's Gram matrix, folded into W_exp")

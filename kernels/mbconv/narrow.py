@@ -210,10 +210,9 @@ def _gram_merge_kernel(part_ptr, mean_ptr, gram_ptr, xmean_ptr, M, C, CH, S, BC:
         tl.store(xmean_ptr + ci, mi, mask=i_ok)
 
 
-def x_moments(x: torch.Tensor, mean: torch.Tensor | None = None, gram: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def x_moments(x: torch.Tensor, mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x's per-channel mean (C,), the Gram matrix of x centred there (C, C)), both fp32, for x (N, C, H, W)
-    of any strides (channels-last reads whole rows) with more than one pixel; into ``mean`` and ``gram``
+    of any strides (channels-last reads whole rows) with more than one pixel; the mean into ``mean``
     (contiguous fp32) where given."""
     n, c, h, w = x.shape
     m = n * h * w
@@ -225,7 +224,7 @@ def x_moments(x: torch.Tensor, mean: torch.Tensor | None = None, gram: torch.Ten
     splits, ch = _splits(m, GRAM_PIXELS, device_info(x.device).sms // blocks)
     part = torch.empty((splits, c, c), device=x.device, dtype=torch.float32)
     smean = torch.empty((splits, c), device=x.device, dtype=torch.float32)
-    gram = torch.empty((c, c), device=x.device, dtype=torch.float32) if gram is None else gram
+    gram = torch.empty((c, c), device=x.device, dtype=torch.float32)
     mean = torch.empty((c,), device=x.device, dtype=torch.float32) if mean is None else mean
     sn, sc, sh, sw = x.stride()
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # 16-bit operands ignore it

@@ -2,9 +2,9 @@
 PyTorch specification (kernels/mbconv/backward_reference.py) computed in fp64 from the same inputs, and the
 chain of both passes against autograd of the layers, in the interpreter at the model's widths on small maps,
 with small steps (``small_tiles``) so that every loop runs more than once: pixel splits of two 16-pixel tiles
-(the last split and tile short), the split merge in steps of 2 splits, the dx pass's hidden loop in
-32-channel steps over 16-pixel tiles, the finalize's column loop in 16-column steps, hidden chunks of 256
-channels (R = 1024: 4 chunks; R = 640: 3, the last one half masked); C = 160 pads the channel tile to 256.
+(the last split and tile short), the merge's loop over the splits, the dx pass's hidden loop in
+32-channel steps over 16-pixel tiles, hidden chunks of 256 channels (R = 1024: 4 chunks; R = 640: 3, the
+last one half masked); C = 160 pads the channel tile to 256.
 
 Tolerances, relative to each tensor's largest value. fp32: both sides accumulate in fp32 against fp64
 and differ only in summation order (over <= 192 pixels, C = 256 products per dot) and, for dW_exp and
@@ -16,9 +16,10 @@ rounding, dx also de's through K = R products (observed <= 4.1e-4): 1e-3.
 
 Planted bugs checked to fail: the pixel-tile offset dropped in the expand kernel (every tile reads the
 split's first: fails all expand tests), the hidden-step offset dropped in the dx pass (the dx and chain
-tests), sum dv keeping only the last tile (the weights and chain tests), the Gram matrix taken as a
-covariance (scaled by P again) in the finalize (the weights and chain tests), the bias beta dropped (h,
-weights, dx), the last split dropped where two programs share an SM (the paired h test).
+tests), sum dv keeping only the last tile, the merge skipping the last split, dgamma without its mu_e sum
+dv term (each: the weights and chain tests), dW_exp's P (W_exp mean(x) - mu_e) mean(x)^T term dropped (the
+weights tests), the bias beta dropped (h, weights, dx), the last split dropped where two programs share an
+SM (the paired h test).
 """
 
 from __future__ import annotations
@@ -41,9 +42,7 @@ def small_tiles(monkeypatch):
 
     monkeypatch.setattr(eb, "TILES", {key: (256, 16, 8, 1) for key in eb.TILES})
     monkeypatch.setattr(eb, "DX_TILES", {key: (16, 32, 4) for key in eb.DX_TILES})
-    monkeypatch.setattr(eb, "FINALIZE", (16, 16, 4))
-    monkeypatch.setattr(eb, "SUM_SPLITS", 2)
-    monkeypatch.setattr(eb, "SUM_COLUMNS", 8192)
+    monkeypatch.setattr(eb, "FINALIZE", (16, 4))
 
 
 # (N, C, H, W, dtype, gamma/beta dtype): Small's widths in fp16 (BN_e's gamma, beta in fp16, as the layer's
@@ -108,11 +107,12 @@ def test_expand_hidden_paired(interpreter_backend, small_tiles, monkeypatch):
     assert _rel(h, want) <= _tol(shape[4]), _rel(h, want)
 
 
-def _moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x's mean and centred Gram matrix (the forward's x_moments), fp32 from fp64."""
+def _moments(x: torch.Tensor, w_exp: torch.Tensor) -> dict:
+    """x's mean and W_exp G, G x's centred Gram matrix (the forward's x_moments and fold_expand), fp32 from
+    fp64."""
     xd = x.double()
     xc = xd - xd.mean(0)
-    return xd.mean(0).float(), (xc.t() @ xc).float()
+    return {"mean_x": xd.mean(0).float(), "wg_x": (w_exp.double() @ (xc.t() @ xc)).float()}
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
@@ -122,7 +122,7 @@ def test_bn_e_weights(interpreter_backend, small_tiles, shape):
     from convfirstnet.kernels.mbconv.expand_backward import bn_e_weights
 
     a = _inputs(shape, 1)
-    got = bn_e_weights(**a, mean_x=_moments(a["x"])[0], gram_x=_moments(a["x"])[1])
+    got = bn_e_weights(**a, **_moments(a["x"], a["w_exp"]))
     want = ref.bn_e_weights_reference(**_f64(a))
     for name, g, w in zip(("dW_exp", "dgamma", "dbeta", "uw"), got, want):
         assert g.dtype == F32 and g.shape == w.shape and g.is_contiguous(), name
@@ -164,7 +164,7 @@ def test_bn_e_chain(interpreter_backend, small_tiles, shape):
     v = g * (z - mean) / (var + 1e-5).sqrt() + b
     want = torch.autograd.grad(torch.nn.functional.silu(v), (x, w, g, b), f["dh"])
     a = dict(a, mean_e=mean.detach().float(), rstd_e=(1 / (var.detach() + 1e-5).sqrt()).float())
-    dw, dgamma, dbeta, uw = eb.bn_e_weights(**a, mean_x=_moments(a["x"])[0], gram_x=_moments(a["x"])[1])
+    dw, dgamma, dbeta, uw = eb.bn_e_weights(**a, **_moments(a["x"], a["w_exp"]))
     dx = eb.bn_e_dx(**a, uw=uw, residual=res)
     for got, w_ in ((dx, want[0] + res.double()), (dw, want[1]), (dgamma, want[2]), (dbeta, want[3])):
         assert _rel(got, w_) <= _tol(shape[4]), _rel(got, w_)
@@ -176,7 +176,8 @@ def test_bad_input_raises_before_launch(interpreter_backend):
 
     a = _inputs((1, 32, 4, 4, F32, F32))
     dh = a.pop("dh")
-    mean_x, gram_x = _moments(a["x"])
+    mom = _moments(a["x"], a["w_exp"])
+    mean_x, wg_x = mom["mean_x"], mom["wg_x"]
     uw = torch.zeros(2, a["w_exp"].shape[0])
     cases = [
         (eb.expand_hidden, dict(a, x=a["x"].t().contiguous().t()), "x must be contiguous"),
@@ -184,9 +185,9 @@ def test_bad_input_raises_before_launch(interpreter_backend):
         (eb.expand_hidden, dict(a, mean_e=a["mean_e"][:-1]), "mean_e has shape"),
         (eb.expand_hidden, dict(a, rstd_e=a["rstd_e"].double()), "rstd_e has dtype"),
         (eb.expand_hidden, dict(a, x=a["x"][None]), "x must be a 2-D"),
-        (eb.bn_e_weights, dict(a, dh=dh[:, :-1], mean_x=mean_x, gram_x=gram_x), "dh has shape"),
-        (eb.bn_e_weights, dict(a, dh=dh, mean_x=mean_x.half(), gram_x=gram_x), "mean_x has dtype"),
-        (eb.bn_e_weights, dict(a, dh=dh, mean_x=mean_x, gram_x=gram_x[:, :-1]), "gram_x has shape"),
+        (eb.bn_e_weights, dict(a, dh=dh[:, :-1], mean_x=mean_x, wg_x=wg_x), "dh has shape"),
+        (eb.bn_e_weights, dict(a, dh=dh, mean_x=mean_x.half(), wg_x=wg_x), "mean_x has dtype"),
+        (eb.bn_e_weights, dict(a, dh=dh, mean_x=mean_x, wg_x=wg_x[:, :-1]), "wg_x has shape"),
         (eb.bn_e_dx, dict(a, dh=dh, uw=uw, residual=a["x"][:, :-1]), "residual has shape"),
         (eb.bn_e_dx, dict(a, dh=dh, uw=uw.t(), residual=None), "uw must be"),
         (eb.bn_e_dx, dict(a, dh=dh, uw=uw.half(), residual=None), "uw must be"),
@@ -217,7 +218,7 @@ def record_expand_backward(side: int, n: int = 128, dtype=torch.float16) -> list
     stats = [t(r, dt=F32) for _ in range(4)]
     with recording(sms=132, l2_bytes=50 * 2**20) as rec:
         eb.expand_hidden(x, w, *stats)
-        uw = eb.bn_e_weights(x, w, *stats, dh, t(c, dt=F32), t(c, c, dt=F32))[3]
+        uw = eb.bn_e_weights(x, w, *stats, dh, t(c, dt=F32), t(r, c, dt=F32))[3]
         eb.bn_e_dx(x, w, *stats, dh, uw, x)
     return rec.launches
 
@@ -240,17 +241,15 @@ def test_small_expand_backward_compiles_for_sm90():
     for side in (16, 8):
         launches = record_expand_backward(side)
         names = [lc.kernel.fn.__name__ if hasattr(lc.kernel, "fn") else lc.kernel.__name__ for lc in launches]
-        assert names == ["_expand_kernel", "_expand_kernel", "_wgrad_reduce_kernel",
-                         "_ffn_weights_finalize_kernel", "_expand_dx_kernel"]
+        assert names == ["_expand_kernel", "_expand_kernel", "_bn_e_finalize_kernel", "_expand_dx_kernel"]
         h = launches[0]
         paired = (h.grid, h.meta["num_stages"], h.meta.get("maxnreg"))
         assert paired == (((8, 32), 1, 128) if side == 16 else ((8, 16), 3, None)), (side, paired)
         for lc, name in zip(launches, names):
-            if name != "_wgrad_reduce_kernel":
-                programs = 1
-                for g in lc.grid:
-                    programs *= g
-                assert programs >= (64 if name == "_ffn_weights_finalize_kernel" else 128), (name, lc.grid)
+            programs = 1
+            for g in lc.grid:
+                programs *= g
+            assert programs >= (64 if name == "_bn_e_finalize_kernel" else 128), (name, lc.grid)
             v = variant_of(lc, 90)
             variants.setdefault(v.key, v)
     fp32 = {}  # fp32 (3xTF32, tiles that spill: module docstring) must still fit the shared memory
@@ -261,7 +260,7 @@ def test_small_expand_backward_compiles_for_sm90():
     for v, c in zip(fp32.values(), compile_variants(list(fp32.values()))):
         if c.shared > SHARED_LIMIT[90]:
             problems.append(f"fp32 {v.name} {v.meta}: {c.shared} B shared")
-    want = {"_wgrad_reduce_kernel": "none", "_ffn_weights_finalize_kernel": "mma.sync"}
+    want = {"_bn_e_finalize_kernel": "none"}
     for v, c in zip(variants.values(), compile_variants(list(variants.values()))):
         where = f"{v.name} {v.meta}"
         if c.shared > SHARED_LIMIT[90] or _spills_in_loops(c) or c.mma_kind != want.get(v.name, "wgmma"):

@@ -46,10 +46,11 @@ def _layers(m: MBConv, x: torch.Tensor, drop: torch.Tensor):
     for rows, t in zip(stats_rows(stats, r, k), (e, d, o)):
         var, mean = torch.var_mean(t.detach().double(), (0, 2, 3), unbiased=False)
         rows[0], rows[1] = mean, (var + m.bn_expand.eps).rsqrt()
-    mean_x, gram_x = x_rows(stats, c, r, k)
+    mean_x, wg_x = x_rows(stats, c, r, k)
     xr = x.detach().double().permute(0, 2, 3, 1).reshape(-1, c)
     mean_x.copy_(xr.mean(0))
-    gram_x.copy_((xr - xr.mean(0)).t() @ (xr - xr.mean(0)))
+    xc = xr - xr.mean(0)
+    wg_x.copy_(m.conv_expand.weight.detach().double().reshape(r, c) @ (xc.t() @ xc))
     return out, o.detach().contiguous(memory_format=CL), stats
 
 

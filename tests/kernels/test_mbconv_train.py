@@ -94,8 +94,8 @@ def test_two_steps_match_the_layerwise_training_form(recompute, monkeypatch, c, 
 
 def test_stores_only_the_narrow_input(recompute):
     """Autograd keeps x and the projection before BN_p o (C channels), the (N,) drop-path scale, the three
-    BatchNorms' batch mean and rstd and x's mean and centred Gram matrix (4 R + 2 C + C + C^2 = 1632
-    values), no hidden tensor (4C channels)."""
+    BatchNorms' batch mean and rstd, x's mean and W_exp G, G x's centred Gram matrix (4 R + 2 C + C +
+    R C = 4704 values), no hidden tensor (4C channels)."""
     block = make_block(32, 32, 1, 0.2)
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
 
@@ -106,7 +106,7 @@ def test_stores_only_the_narrow_input(recompute):
         return [t for t in kept if t.untyped_storage().data_ptr() not in params]
 
     lean = saved(block)
-    assert sorted(tuple(t.shape) for t in lean) == [(4,), (4, 32, 8, 8), (4, 32, 8, 8), (1632,)]
+    assert sorted(tuple(t.shape) for t in lean) == [(4,), (4, 32, 8, 8), (4, 32, 8, 8), (4704,)]
     training_kernels.triton_selected = lambda x: False  # (restored by the fixture) the layers
     layerwise = saved(block)
     assert any(t.dim() == 4 and t.shape[1] == 128 for t in layerwise)
