@@ -30,15 +30,16 @@ Tiles (``TILES``, ``DX_TILES``, ``FINALIZE``), compiled for sm_90 at Small's C =
 * h: 8 chunks x 32 splits of 64-pixel tiles at 16x16, two programs per SM (``PAIRED``: one pipeline
   stage, at most 128 registers: 127, 96 KB) so that one program's dots run while the other's epilogue
   does; 8 x 16 at 8x8 (176 KB). 78-97.
-* weights pass: 32 chunks of RB = 32 x 4 splits of 64-pixel tiles, 4 warps, 168 registers, two programs
-  per SM. 122-151. RB = 64 on 8 warps (the de pass's tile) took 251 registers, one program per SM:
-  132-160; RB = 64 on 4 warps spilled 40 B.
+* weights pass: 32 chunks of RB = 32 x 4 splits of 64-pixel tiles, 4 warps, 3 pipeline stages (x tiles
+  in flight), 171 registers, one program per SM (its shared memory). 105-117 (8x8: 28-31). Two stages let
+  two programs share an SM (168 registers) but left the z dot's loads exposed: 122-151 (8x8: 32-40).
+  RB = 64 on 8 warps (the de pass's tile) took 251 registers: 132-160; RB = 64 on 4 warps spilled 40 B.
 * merge and terms: 64 programs of 16 hidden rows, 4 warps, 135 registers. 3-4 (the ConvFirst FFN's
   finalize, forming W_exp G itself from G on the tensor cores, took 18-21 plus a merge launch of 4-5).
 * dx: 64-pixel tiles, 32 hidden channels per step, 4 warps, 253 registers, two programs per SM. 85-94;
   128-pixel tiles of 64 channels on 8 warps spilled 24 B (255 registers) and took 108-121.
 Against the passes before (sums 116-136, de 128-157, dgrad 32-39 us and two merges) the three launches take
-210-248 against 282-340 us at 16x16; the block's backward 71-91 us less at 16x16, 26-34 at 8x8.
+193-215 against 282-340 us at 16x16; the block's backward 88-125 us less at 16x16, 31-43 at 8x8.
 fp32 (3xTF32: each operand split in two parts in registers, the whole C = 256 row per tile) takes smaller
 tiles that fit the shared memory and spills: correct, not fast; a K loop over C would be its fix.
 """
@@ -57,11 +58,11 @@ from .narrow import _splits
 
 MODE_H, MODE_D = 0, 1
 # (RB hidden channels, BM pixels, warps, pipeline stages) of the expand kernel by mode and element size.
-# 16-bit: h RB = 128 x BM = 64, 3 stages; the weights mode RB = 64 (its D^T partial [C, RB] fp32 stays in
-# registers) x BM = 128 (the z dot's M is 64 per warpgroup; the D dot's K), 2 stages (x tiles of 64 KB).
+# 16-bit: h RB = 128 x BM = 64, 3 stages; the weights mode RB = 32 (its D^T partial [C, RB] fp32 stays in
+# registers) x BM = 64 on one warpgroup, 3 stages (module docstring).
 # fp32 (3xTF32 keeps each operand as two parts): the tiles that fit the shared memory, one stage; they spill
 # (see the module docstring).
-TILES = {(MODE_H, 2): (128, 64, 8, 3), (MODE_D, 2): (32, 64, 4, 2),
+TILES = {(MODE_H, 2): (128, 64, 8, 3), (MODE_D, 2): (32, 64, 4, 3),
          (MODE_H, 4): (64, 64, 8, 1), (MODE_D, 4): (32, 64, 8, 1)}
 # bn_e_dx by element size: (pixel tile, hidden channels per step, warps).
 DX_TILES = {2: (64, 32, 4), 4: (64, 16, 4)}

@@ -227,11 +227,11 @@ def record_expand_backward(side: int, n: int = 128, dtype=torch.float16) -> list
 def test_small_expand_backward_compiles_for_sm90():
     """The launches at batch 128, 16x16 and 8x8 (hidden; weights pass, merge, finalize; dx) compile for sm_90
     within shared memory, no spill code in their loops, the pixel passes' dots on wgmma, enough programs for
-    the 132 SMs (the finalize: 64 of 16 hidden rows), h two programs per SM at 16x16 (8 x 32 programs, one
+    the 132 SMs (the merge: 64 of 16 hidden rows), h two programs per SM at 16x16 (8 x 32 programs, one
     stage, 128 registers at most) and one at 8x8; the fp32 variants within shared memory. (Compiled with
     Triton 3.8, fp16: h 127 registers and 96 KiB of shared memory at 16x16, 127 and 176 KiB at 8x8; the
-    weights pass 168 registers (two programs per SM), the finalize 218, dx 253 (two programs per SM), all
-    without stack.)"""
+    weights pass 171 registers (3 stages, one program per SM), the merge 135, dx 253 (two programs per SM),
+    all without stack.)"""
     pytest.importorskip("triton")
     from convfirstnet.analysis.compiled import compile_variants, variant_of
 
