@@ -23,13 +23,14 @@ adjacent in the grid, so x's tiles are read from DRAM once and re-read by the ot
 Per-split partials (fp32, their own rows) are summed over the splits in split order (no atomics: two
 identical calls give equal results). dv is rounded to x's dtype for D (the tensor cores' operand) and for
 sum dv alike, so that the two agree in dgamma's difference. Splits: whole pixel tiles (narrow._splits), about
-as many as fill the GPU's SMs with the chunks (twice as many where two programs share an SM).
+as many as fill the GPU's SMs with the chunks.
 
 Tiles (``TILES``, ``DX_TILES``, ``FINALIZE``), compiled for sm_90 at Small's C = 256, R = 1024 in 16-bit
 (static estimate at batch 128, 16x16, low-high us):
-* h: 8 chunks x 32 splits of 64-pixel tiles at 16x16, two programs per SM (``PAIRED``: one pipeline
-  stage, at most 128 registers: 127, 96 KB) so that one program's dots run while the other's epilogue
-  does; 8 x 16 at 8x8 (176 KB). 78-97.
+* h: 16 chunks of RB = 64 x 8 splits of 64-pixel tiles, 4 warps, 3 pipeline stages, 128 registers, 136
+  KB of shared memory, one program per SM. 48-54 (8x8: 14-16). The 8-warp tile of RB = 128 took 78-97
+  with two programs per SM (one stage, registers capped at 128) and 65-75 with one (3 stages); at 8x8
+  18-22.
 * weights pass: 32 chunks of RB = 32 x 4 splits of 64-pixel tiles, 4 warps, 3 pipeline stages (x tiles
   in flight), 171 registers, one program per SM (its shared memory). 105-117 (8x8: 28-31). Two stages let
   two programs share an SM (168 registers) but left the z dot's loads exposed: 122-151 (8x8: 32-40).
@@ -58,25 +59,17 @@ from .narrow import _splits
 
 MODE_H, MODE_D = 0, 1
 # (RB hidden channels, BM pixels, warps, pipeline stages) of the expand kernel by mode and element size.
-# 16-bit: h RB = 128 x BM = 64, 3 stages; the weights mode RB = 32 (its D^T partial [C, RB] fp32 stays in
-# registers) x BM = 64 on one warpgroup, 3 stages (module docstring).
+# 16-bit: h RB = 64 x BM = 64 on one warpgroup, 3 stages; the weights mode RB = 32 (its D^T partial
+# [C, RB] fp32 stays in registers) x BM = 64 on one warpgroup, 3 stages (module docstring).
 # fp32 (3xTF32 keeps each operand as two parts): the tiles that fit the shared memory, one stage; they spill
 # (see the module docstring).
-TILES = {(MODE_H, 2): (128, 64, 8, 3), (MODE_D, 2): (32, 64, 4, 3),
+TILES = {(MODE_H, 2): (64, 64, 4, 3), (MODE_D, 2): (32, 64, 4, 3),
          (MODE_H, 4): (64, 64, 8, 1), (MODE_D, 4): (32, 64, 8, 1)}
 # bn_e_dx by element size: (pixel tile, hidden channels per step, warps).
 DX_TILES = {2: (64, 32, 4), 4: (64, 16, 4)}
 # The finalize launch (merge of the weights pass's partials and BN_e's terms): (hidden rows per program,
 # warps).
 FINALIZE = (16, 4)
-# Modes whose programs fit two per SM with one pipeline stage (h in 16-bit: 128 registers, 96 KB of shared
-# memory): with twice the splits, each program's serial chain (its epilogues and the waits for its own
-# dots) is half as long while the other program's dots run. Taken where every split keeps >=
-# PAIRED_MIN_TILES tiles (the chunk of W_exp that each program loads stays small next to its x tiles): at
-# 16x16, not at 8x8.
-PAIRED = {(MODE_H, 2)}
-PAIRED_MIN_TILES = 8
-REGISTERS = 65536  # per SM (sm_80, sm_90): two programs of 8 warps take at most 128 registers a thread
 
 
 @triton.jit
@@ -268,7 +261,7 @@ def _check_sizes(op: str, p: int, c: int, r: int) -> None:
 # ------------------------------------------------------------------------------------------ launches
 
 
-def _expand_launch(mode: int, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, out, part, splits, ch, paired):
+def _expand_launch(mode: int, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, out, part, splits, ch):
     rb, bm, warps, stages = TILES[mode, _size(x)]
     p, c = x.shape
     r = w_exp.shape[0]
@@ -281,7 +274,7 @@ def _expand_launch(mode: int, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, out
            cost=lambda: _expand_cost(mode, p, c, r, rb, cp, bm, splits, ch, x.element_size(),
                                      gamma_e.element_size()),
            MODE=mode, RB=rb, CP=cp, BM=bm, EVEN_R=r % rb == 0, FAST=fast, PREC=prec, num_warps=warps,
-           **({"num_stages": 1, "maxnreg": REGISTERS // (64 * warps)} if paired else {"num_stages": stages}))
+           num_stages=stages)
 
 
 def _expand_cost(mode: int, p: int, c: int, r: int, rb: int, cp: int, bm: int, splits: int, ch: int,
@@ -308,12 +301,10 @@ def _size(x: torch.Tensor) -> int:
     return 4 if x.element_size() == 4 else 2
 
 
-def _expand_splits(mode: int, x: torch.Tensor, r: int) -> tuple[int, int, bool]:
-    """(splits, pixels per split, whether two programs share an SM: ``PAIRED``)."""
+def _expand_splits(mode: int, x: torch.Tensor, r: int) -> tuple[int, int]:
+    """(splits, pixels per split): about one program per SM with the chunks."""
     rb, bm = TILES[mode, _size(x)][:2]
-    per_sm = max(1, device_info(x.device).sms // cdiv(r, rb))
-    paired = (mode, _size(x)) in PAIRED and cdiv(x.shape[0], bm) >= 2 * per_sm * PAIRED_MIN_TILES
-    return (*_splits(x.shape[0], bm, 2 * per_sm if paired else per_sm), paired)
+    return _splits(x.shape[0], bm, max(1, device_info(x.device).sms // cdiv(r, rb)))
 
 
 def expand_hidden(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rstd_e: torch.Tensor,
@@ -321,8 +312,8 @@ def expand_hidden(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rs
     """h = SiLU(gamma_e (x W_exp^T - mean_e) rstd_e + beta_e), (P, R) in x's dtype."""
     p, _c, r = _check_expand("expand_hidden", x, w_exp, mean_e, rstd_e, gamma_e, beta_e)
     h = torch.empty((p, r), device=x.device, dtype=x.dtype)
-    splits, ch, paired = _expand_splits(MODE_H, x, r)
-    _expand_launch(MODE_H, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, None, h, h, splits, ch, paired)
+    splits, ch = _expand_splits(MODE_H, x, r)
+    _expand_launch(MODE_H, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, None, h, h, splits, ch)
     return h
 
 
@@ -338,10 +329,10 @@ def bn_e_weights(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rst
     p, c, r = _check_expand(op, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh)
     _check(op, "mean_x", mean_x, (c,), (torch.float32,), x.device)
     _check(op, "wg_x", wg_x, (r, c), (torch.float32,), x.device)
-    splits, ch, paired = _expand_splits(MODE_D, x, r)
+    splits, ch = _expand_splits(MODE_D, x, r)
     total = r * c + r
     part = torch.empty((splits, total), device=x.device, dtype=torch.float32)
-    _expand_launch(MODE_D, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, x, part, splits, ch, paired)
+    _expand_launch(MODE_D, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, x, part, splits, ch)
     dw = torch.empty((r, c), device=x.device, dtype=torch.float32)
     dgamma, dbeta = (torch.empty((r,), device=x.device, dtype=torch.float32) for _ in range(2))
     uw = torch.empty((2, r), device=x.device, dtype=torch.float32)
