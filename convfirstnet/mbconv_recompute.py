@@ -43,6 +43,7 @@ from . import mbconv_fused_backward, mbconv_fused_forward
 from .kernels._autograd import function_around
 from .kernels._blurpool import blur_filter
 from .kernels._launch import GROUP_WIDTH, use_triton
+from .kernels.mbconv.backward_reference import x_moments_reference
 
 aten = torch.ops.aten
 T = torch.Tensor
@@ -117,13 +118,13 @@ def _train(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2
                 beta_p, drop_scale, stride, eps, running, factors)
     for rows, bn in zip(mbconv_fused_forward.stats_rows(stats, r, k), "edp"):
         rows[0], rows[1] = v["mean_" + bn], v["rstd_" + bn]
-    mean_x, wg_x = mbconv_fused_forward.x_rows(stats, x.shape[1], r, k)
     dev = x.device.type
     with torch.autocast(dev, enabled=False) if dev in ("cpu", "cuda") else contextlib.nullcontext():
-        xc = x.detach().to(stats.dtype).permute(0, 2, 3, 1).reshape(-1, x.shape[1])
-        mean_x.copy_(xc.mean(0))
-        xc = xc - mean_x
-        torch.mm(w_exp.detach().reshape(r, -1).to(x.dtype).to(stats.dtype), xc.t() @ xc, out=wg_x)
+        rows = x.detach().to(stats.dtype).permute(0, 2, 3, 1).reshape(-1, x.shape[1])
+        w = w_exp.detach().reshape(r, -1).to(x.dtype)  # rounded as the layer's conv rounds it
+        for dst, src in zip(mbconv_fused_forward.x_rows(stats, x.shape[1], r, k),
+                            x_moments_reference(rows, w)):
+            dst.copy_(src)
     return (v["out"], *running, v["o"].contiguous(memory_format=torch.channels_last), stats)
 
 

@@ -150,13 +150,21 @@ def expand_hidden_reference(x: T, w_exp: T, mean_e: T, rstd_e: T, gamma_e: T, be
     return torch.nn.functional.silu(_v_e(x, w_exp, mean_e, rstd_e, gamma_e, beta_e)[1]).to(x.dtype)
 
 
+def x_moments_reference(x: T, w_exp: T) -> tuple[T, T]:
+    """(x's mean (C,), W_exp G (R, C)), G = the sum over x's rows of (x - mean)(x - mean)^T, in x's dtype,
+    for x (P, C) rows: what the forward saves for BN_e's backward (``bn_e_weights``' mean_x, wg_x)."""
+    mean = x.mean(0)
+    xc = x - mean
+    return mean, w_exp.to(x.dtype) @ (xc.t() @ xc)
+
+
 def bn_e_weights_reference(x: T, w_exp: T, mean_e: T, rstd_e: T, gamma_e: T, beta_e: T, dh: T,
-                           mean_x: T | None = None, gram_x: T | None = None) -> tuple[T, T, T, T]:
+                           mean_x: T | None = None, wg_x: T | None = None) -> tuple[T, T, T, T]:
     """(dW_exp = de^T x (R, C), dgamma_e = sum dv e_hat, dbeta_e = sum dv (R,), uw (2, R)), fp32 (fp64 for
     fp64 input), with de = gamma_e rho_e (dv - sum dv / P - e_hat sum(dv e_hat) / P)
     = k dv + u + w (z - mu_e): k = gamma_e rho_e, u = -k sum dv / P, w = -k rho_e sum(dv e_hat) / P.
-    x's moments (``mean_x``, ``gram_x``), from which the kernels form dW_exp, are not needed here: de^T x
-    directly."""
+    x's mean and W_exp G (``mean_x``, ``wg_x``), from which the kernels form dW_exp, are not needed here:
+    de^T x directly."""
     e_hat, v = _v_e(x, w_exp, mean_e, rstd_e, gamma_e, beta_e)
     dv = _f(dh) * silu_grad(v)
     m = x.shape[0]

@@ -354,9 +354,7 @@ def bn_e_dx(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rstd_e: 
     from x and dh, never written."""
     op = "bn_e_dx"
     p, c, r = _check_expand(op, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh)
-    if not isinstance(uw, torch.Tensor) or uw.dtype != torch.float32 or tuple(uw.shape) != (2, r) or \
-            uw.stride() != (r, 1) or uw.device != x.device:
-        raise ValueError(f"{op}: uw must be a row-major fp32 (2, {r}) tensor on {x.device}")
+    _check(op, "uw", uw, (2, r), (torch.float32,), x.device)
     if residual is not None:
         _check(op, "residual", residual, (p, c), (x.dtype,), x.device)
     dx = torch.empty((p, c), device=x.device, dtype=x.dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from convfirstnet.kernels.mbconv.backward_reference import x_moments_reference
 
 from convfirstnet import mbconv_fused_backward
 from convfirstnet.blocks import MBConv
@@ -46,11 +47,9 @@ def _layers(m: MBConv, x: torch.Tensor, drop: torch.Tensor):
     for rows, t in zip(stats_rows(stats, r, k), (e, d, o)):
         var, mean = torch.var_mean(t.detach().double(), (0, 2, 3), unbiased=False)
         rows[0], rows[1] = mean, (var + m.bn_expand.eps).rsqrt()
-    mean_x, wg_x = x_rows(stats, c, r, k)
     xr = x.detach().double().permute(0, 2, 3, 1).reshape(-1, c)
-    mean_x.copy_(xr.mean(0))
-    xc = xr - xr.mean(0)
-    wg_x.copy_(m.conv_expand.weight.detach().double().reshape(r, c) @ (xc.t() @ xc))
+    for dst, src in zip(x_rows(stats, c, r, k), x_moments_reference(xr, m.conv_expand.weight.reshape(r, c))):
+        dst.copy_(src.detach())
     return out, o.detach().contiguous(memory_format=CL), stats
 
 
