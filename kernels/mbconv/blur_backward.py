@@ -30,33 +30,32 @@ consecutive tiles, about PROGRAMS_PER_SM programs per SM, each looping over its 
 pixels, RB channels] with the channels contiguous (16-byte loads and stores: R a multiple of 8 in 16-bit
 data keeps the row starts aligned; EVEN_C (R a multiple of RB) drops the channel masks).
 
-Loads. The stencil taps are plain ``tl.load``: compiled for sm_90 (fp16 and bf16 at Small's shapes) every
-global load of the two kernels is an L1-allocating LDG (the tiles and taps LDG.E.128, the per-channel
-vectors LDG.E; no LDGSTS / cp.async, no .STRONG L2-only load: tests/kernels/test_mbconv_blur_backward.py
-checks it), so the taps of neighbouring pixels of a tile re-read d (forward) or dg (transpose) from L1,
-and the cost declarations count one tile's window per tile as L2 traffic (``l1_unique_bytes_per_program``,
-as the ConvFirst training's ``blur_cost`` does; the compile test checks that the window fits the L1 that
-the compiled occupancy leaves).
+Loads. Each program's tile loop is software-pipelined (``tl.range(num_stages=NS_GATE / NS_BN_D)``, three
+stages): the next two tiles' loads are in flight while one tile is computed. Triton issues them as 16-byte
+cp.async, which on sm_90 is always ``.cg`` (LDGSTS.E.BYPASS: L2 only, tests/kernels/test_mbconv_blur_backward
+.py checks it), so the taps' overlapping windows come from L2, not L1, and the cost declarations count
+every tap as L2 traffic (no L1 working set). The second row candidates of the transpose are masked, not
+branched over (an odd row's weights; the pipeliner takes no loads under a branch). Plain L1-allocating
+loads (the form before) kept the taps' re-reads in L1, but each tile waited for its loads: the static
+model's exposed waits were most of each launch.
 
 As compiled (sm_90, fp16, Small at 256 x 256, batch 128; the static estimate of ``convfirstnet kernels``'
-machinery, low-high, not a measurement; DRAM floor = the declared DRAM bytes at 3.35 TB/s)
+machinery, low-high, not a measurement; plain loads -> pipelined)
 
-    block, launch                 regs   grid      estimate (us)   bound    DRAM floor (us)
+    block, launch                 regs   grid      estimate (us)               bound
     stages.3.0 (32x32, R = 384)
-      blur_gate_input               56   6 x 86     38.8 - 47.7    dram     37.6
-      blur_bn_d_sums (MODE 0)      126   3 x 175    47.1 - 49.2    issue    37.7
-        + the merge                 64   3           5.8 -  8.8    latency   -
-      blur_bn_d_backward (MODE 1)   96   3 x 175    68.9 - 84.8    dram     67.6
+      blur_gate_input               64   6 x 86    132.0-198.1 -> 77.6- 82.0   latency
+      blur_bn_d_sums (MODE 0)      126   3 x 175   152.6-230.0 -> 79.8- 84.3   latency
+      blur_bn_d_backward (MODE 1)   96   3 x 175   274.7-452.2 -> 106.9-113.6  latency
     stages.4.0 (16x16, R = 1024)
-      blur_gate_input                    16 x 32    26.3 - 32.3    dram     25.0
-      blur_bn_d_sums (MODE 0)            8 x 64     31.4 - 32.8    issue    25.2
-        + the merge                      8           3.6 -  5.3    latency   -
-      blur_bn_d_backward (MODE 1)        8 x 64     46.3 - 57.0    dram     45.1
-    (at R = 768, 16x16: 20.0-24.6, 24.1-25.1 and 35.1-43.1 us with 56, 128 and 127 registers)
+      blur_gate_input                    16 x 32    -> 52.8-56.1
+      blur_bn_d_sums (MODE 0)            8 x 64     -> 58.8-62.4
+      blur_bn_d_backward (MODE 1)        8 x 64     -> 75.2-80.0
 
-No stack in any. MODE 0 is issue-bound: ~26 instructions per element (five loads converted to fp32, the
-gather's FFMAs, sigmoid's FMUL, MUFU.EX2, FADD, MUFU.RCP, SiLU', u_hat, two accumulators); with tiles of
-flat pixels (per-pixel row indices, four row candidates everywhere) it was 30 and 52-55 us at stages.3.0.
+No stack in any; 36-41 KB of shared memory for the stages (4-6 programs per SM). The L2 term rises
+(stages.3.0 MODE 1: 31-46 -> 62-91 us) and stays under the latency term. MODE 0 issues ~26 instructions
+per element (five loads converted to fp32, the gather's FFMAs, sigmoid's FMUL, MUFU.EX2, FADD, MUFU.RCP,
+SiLU', u_hat, two accumulators).
 """
 
 from __future__ import annotations
@@ -78,6 +77,8 @@ BM = 16  # pixels per tile
 RB = 128  # channels per chunk of the BN_d passes (256 bytes of a 16-bit pixel row: 16 lanes x 16 B)
 RB_GATE = 64  # blur_gate_input's: a tile's window of d (5 rows at 32x32) fits L1 (the compile test)
 WARPS = 4
+NS_GATE = 3  # pipeline stages of the tile loops (module docstring: Loads)
+NS_BN_D = 3
 PROGRAMS_PER_SM = 4
 MIN_TILES = 2  # the fewest tiles per program (each program loops over several)
 MERGE_GROUPS = 16  # groups per step of the partials' merge
@@ -100,7 +101,7 @@ def _transpose_weights(i, H: tl.constexpr):
 @triton.jit
 def _blur_gate_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, g_ptr, R, MO, TILES, PER,
                       H: tl.constexpr, W: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr,
-                      EVEN_C: tl.constexpr, FAST: tl.constexpr):
+                      EVEN_C: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr):
     """Program (c, s): g = BlurPool(SiLU(a d + b)) of channels c RB ... (c + 1) RB - 1 for the output pixels
     of tiles s PER ... (s + 1) PER - 1 (MO = N HO WO output pixels, TILES tiles of BM)."""
     HO: tl.constexpr = (H + 1) // 2
@@ -112,7 +113,7 @@ def _blur_gate_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, g_ptr, R, 
     a = a[None, :]
     b = b[None, :]
     t0 = s * PER
-    for t in range(t0, tl.minimum(t0 + PER, TILES)):
+    for t in tl.range(t0, tl.minimum(t0 + PER, TILES), num_stages=NS):
         rows = t * BM + tl.arange(0, BM)
         rok = rows < MO
         n = rows // (HO * WO)
@@ -137,7 +138,8 @@ def _blur_gate_kernel(d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, g_ptr, R, 
 @triton.jit
 def _blur_bn_d_kernel(dg_ptr, d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, s0_ptr, s1_ptr, out_ptr,
                       R, TILES, PER, inv_p, H: tl.constexpr, W: tl.constexpr, MODE: tl.constexpr,
-                      RB: tl.constexpr, BM: tl.constexpr, EVEN_C: tl.constexpr, FAST: tl.constexpr):
+                      RB: tl.constexpr, BM: tl.constexpr, EVEN_C: tl.constexpr, FAST: tl.constexpr,
+                      NS: tl.constexpr):
     """Program (c, s): channels c RB ... (c + 1) RB - 1 of the input pixels of tiles s PER ... (s + 1) PER - 1
     (TILES = N H ceil(W / BM) segments of BM pixels of an image row, masked past W). dy = Blur^T(dg)
     SiLU'(a d + b). MODE 0: out = the partials (groups, 2, R), row s: sum dy, sum dy u_hat over the
@@ -162,7 +164,7 @@ def _blur_bn_d_kernel(dg_ptr, d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, s0
         sum_dyu = (tl.load(s1_ptr + c, mask=c_ok, other=0.0) * inv_p)[None, :]
     TPR: tl.constexpr = (W + BM - 1) // BM  # tiles per image row
     t0 = s * PER
-    for t in range(t0, tl.minimum(t0 + PER, TILES)):
+    for t in tl.range(t0, tl.minimum(t0 + PER, TILES), num_stages=NS):
         g = t // TPR  # the image row n H + i: i, its two row candidates and their weights are scalars
         i = g % H
         j = (t % TPR) * BM + tl.arange(0, BM)
@@ -177,7 +179,12 @@ def _blur_bn_d_kernel(dg_ptr, d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, s0
         # even row has no second row candidate (half of them: a branch per tile)
         gy = (wr0 * wc0)[:, None] * tl.load(src, mask=m, other=0.0).to(tl.float32)
         gy += (wr0 * wc1)[:, None] * tl.load(src + R, mask=m & (wc1 > 0.0)[:, None], other=0.0).to(tl.float32)
-        if wr1 > 0.0:
+        if NS > 1:  # the second row's loads masked, not branched over: the pipeliner takes no branch
+            m1 = m & (wr1 + 0.0 * j > 0.0)[:, None]  # wr1 broadcast first (the interpreter)
+            gy += (wr1 * wc0)[:, None] * tl.load(src + WO * R, mask=m1, other=0.0).to(tl.float32)
+            gy += (wr1 * wc1)[:, None] * tl.load(src + (WO + 1) * R, mask=m1 & (wc1 > 0.0)[:, None],
+                                                 other=0.0).to(tl.float32)
+        elif wr1 > 0.0:
             gy += (wr1 * wc0)[:, None] * tl.load(src + WO * R, mask=m, other=0.0).to(tl.float32)
             gy += (wr1 * wc1)[:, None] * tl.load(src + (WO + 1) * R, mask=m & (wc1 > 0.0)[:, None],
                                                  other=0.0).to(tl.float32)
@@ -259,7 +266,8 @@ def blur_gate_input(d: torch.Tensor, mean_d: torch.Tensor, rstd_d: torch.Tensor,
     chunks, tiles, per, groups, _ = geo
     launch(_blur_gate_kernel, (chunks, groups), d, mean_d, rstd_d, gamma_d, beta_d, g, r, mo, tiles, per,
            cost=lambda: _cost(-1, n, h, w, r, geo, d.element_size(), gamma_d.element_size()),
-           H=h, W=w, RB=RB_GATE, BM=BM, EVEN_C=r % RB_GATE == 0, FAST=kernel_settings(d)[0], num_warps=WARPS)
+           H=h, W=w, RB=RB_GATE, BM=BM, EVEN_C=r % RB_GATE == 0, FAST=kernel_settings(d)[0], NS=NS_GATE,
+           num_warps=WARPS)
     return g
 
 
@@ -269,7 +277,8 @@ def _bn_d(mode: int, dg, d, mean_d, rstd_d, gamma_d, beta_d, s0, s1, out, n, h, 
     launch(_blur_bn_d_kernel, (chunks, groups), dg, d, mean_d, rstd_d, gamma_d, beta_d, s0, s1, out, r, tiles,
            per, 1.0 / p,
            cost=lambda: _cost(mode, n, h, w, r, geo, d.element_size(), gamma_d.element_size()),
-           H=h, W=w, MODE=mode, RB=RB, BM=bm, EVEN_C=r % RB == 0, FAST=kernel_settings(d)[0], num_warps=WARPS)
+           H=h, W=w, MODE=mode, RB=RB, BM=bm, EVEN_C=r % RB == 0, FAST=kernel_settings(d)[0], NS=NS_BN_D,
+           num_warps=WARPS)
 
 
 def blur_bn_d_sums(dg: torch.Tensor, d: torch.Tensor, mean_d: torch.Tensor, rstd_d: torch.Tensor,
@@ -303,31 +312,21 @@ def blur_bn_d_backward(dg: torch.Tensor, d: torch.Tensor, mean_d: torch.Tensor, 
 
 def _cost(mode: int, n: int, h: int, w: int, r: int, geo, eb: int, wb: int) -> KernelCost:
     """mode -1: blur_gate_input; 0, 1: the MODEs of _blur_bn_d_kernel. DRAM: d and dg / g once, the
-    statistics, MODE 0's partials (groups, 2, R) fp32, MODE 1's sums and dd. L1 (module docstring: every
-    load an L1-allocating LDG): per tile, L2 serves the window under its taps once. g's tile of BM flat
-    output pixels spans at most k = ceil(BM / WO) + 1 output rows (met when it starts mid-row; k =
-    ceil(BM / WO) when BM is a multiple of WO or WO of BM: the tiles start on rows), whose taps read 2 k + 1
-    rows of d and min(W, 2 min(BM, WO) + 1) columns; the transpose's tile (a segment of an image row) reads
-    its d tile and the dg pixels under its candidates, two rows (one for an even row) of at most min(WO,
-    BM / 2 + 1). Useful MACs: the transpose's 9 per output element (count_macs' BlurPool) in MODE 0; the
-    forward's (g recomputed) and MODE 1's transpose are recomputes."""
+    statistics, MODE 0's partials (groups, 2, R) fp32, MODE 1's sums and dd. L2: every tap, as compiled
+    (the pipelined loads bypass L1: module docstring). Useful MACs: the transpose's 9 per output element
+    (count_macs' BlurPool) in MODE 0; the forward's (g recomputed) and MODE 1's transpose are
+    recomputes."""
     _, _, per, groups, bm = geo
     ho, wo = (h + 1) // 2, (w + 1) // 2
     p, mo = n * h * w, n * ho * wo
     vec = 2 * r * 4 + 2 * r * wb
     dram = (p + mo) * r * eb + vec
     if mode < 0:
-        orows = cdiv(BM, wo) + (0 if BM % wo == 0 or wo % BM == 0 else 1)
-        window = min(h, 2 * orows + 1) * min(w, 2 * min(BM, wo) + 1)
         note = "stride-2 MBConv backward: g = BlurPool(SiLU(v_d)) recomputed from d"
+    elif mode == 0:
+        dram += groups * 2 * r * 4
+        note = "stride-2 BN_d backward sums: dy = Blur^T(dg) SiLU'(v_d), partials per group"
     else:
-        window = bm + 2 * min(wo, bm // 2 + 1)
-        if mode == 0:
-            dram += groups * 2 * r * 4
-            note = "stride-2 BN_d backward sums: dy = Blur^T(dg) SiLU'(v_d), partials per group"
-        else:
-            dram += p * r * eb + 2 * r * 4
-            note = "stride-2 BN_d backward: dd from dy = Blur^T(dg) SiLU'(v_d)"
-    tile = eb * (RB_GATE if mode < 0 else RB) * window
-    return KernelCost(9 * mo * r if mode == 0 else 0, 0, dram, (Loop("pixel tiles", per),),
-                      l1_unique_bytes_per_program=per * tile, l1_working_set_bytes=tile, note=note)
+        dram += p * r * eb + 2 * r * 4
+        note = "stride-2 BN_d backward: dd from dy = Blur^T(dg) SiLU'(v_d)"
+    return KernelCost(9 * mo * r if mode == 0 else 0, 0, dram, (Loop("pixel tiles", per),), note=note)

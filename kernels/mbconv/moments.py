@@ -102,6 +102,7 @@ def moments_cost(geo: MBConvGeometry, one: bool, keep_u: bool = False) -> Kernel
 
 BNS_ELEMS = 8192  # elements of u per step of the BN_d pass (16 KB of fp16: eight 16-byte loads a thread)
 BNS_WARPS = 4
+BNS_BLUR_STAGES = 3
 BNS_BLUR_WARPS = 8  # stride 2 (at 4 warps the 32x32 variant took 255 registers and 8 B of stack)
 # Stride 2 writes g at full resolution in place of u and blurs it back, one SiLU per pixel, rather than
 # recomputing BN_d + SiLU for each of the nine taps (2.25 per pixel). SiLU is two MUFU operations (ex2,
@@ -124,7 +125,7 @@ def _bn_d(u_ptr, a, hb, SILU: tl.constexpr, mask):
 @triton.jit
 def _bn_silu_pool_kernel(u_ptr, gf_ptr, g_ptr, st_ptr, gamma_ptr, beta_ptr, w1_ptr, z_ptr, H, W, OH, OW, R, S,
                          NCHUNK, sw1_s, sw1_r, RB: tl.constexpr, BP: tl.constexpr, SP: tl.constexpr,
-                         SILU: tl.constexpr, MASK_R: tl.constexpr, STRIDE: tl.constexpr):
+                         SILU: tl.constexpr, MASK_R: tl.constexpr, STRIDE: tl.constexpr, NS: tl.constexpr):
     """After the moments launch kept u (N, H W, R): one (image, RB-channel chunk) per program. g =
     SiLU(gamma rstd (u - mean) + beta) (BN_d with the batch's statistics, ``st_ptr``: mean, then rstd R
     entries on; fp32); stride 2: g = BlurPool(g) ([1, 2, 1]^2 / 16, stride 2, reflect padding folded into
@@ -150,7 +151,7 @@ def _bn_silu_pool_kernel(u_ptr, gf_ptr, g_ptr, st_ptr, gamma_ptr, beta_ptr, w1_p
         # each thread writes the elements it read), then a barrier: the blur reads it back through other
         # threads (plain ld.global: num_stages=1). gf_ptr is u's memory as an argument of its own, so that
         # the barrier check (convfirstnet.analysis.ordering) follows this round trip apart from u's reads.
-        for p0 in range(0, H * W, BP):
+        for p0 in tl.range(0, H * W, BP, num_stages=NS):
             p = p0 + tl.arange(0, BP)
             ok = (p < H * W)[:, None]
             if MASK_R:
@@ -222,6 +223,7 @@ def mbconv_from_conv_output(u: torch.Tensor, x: torch.Tensor, stats: torch.Tenso
     launch(_bn_silu_pool_kernel, (n, geo.nchunk), u, u, g, stats, gamma, beta, w_se1, zpart, h, w, geo.oh,
            geo.ow, r, s, geo.nchunk, *w_se1.stride(), cost=lambda: _bn_silu_pool_cost(geo, bp, gamma.element_size()),
            RB=geo.rb, BP=bp, SP=geo.sp, SILU=silu, MASK_R=r % geo.rb != 0, STRIDE=stride,
+           NS=BNS_BLUR_STAGES if stride == 2 else 1,
            num_warps=BNS_WARPS if stride == 1 else BNS_BLUR_WARPS, num_stages=1)
     gates = torch.empty((n, r), device=x.device, dtype=x.dtype)
     b_se1, b_se2 = b_se1.contiguous(), b_se2.contiguous()

@@ -204,18 +204,14 @@ def record_small(dtype=torch.float16, blocks=SMALL_256) -> list:
 def test_small_blur_backward_compiles_for_sm90(dtype):
     """Every launch at Small's two stride-2 blocks (256 x 256 input; fp16 also at 224 x 224) compiles for
     sm_90 with no stack (no spills, no local memory), each pass's grid fills the 132 SMs; the stencil
-    kernels' global loads are all L1-allocating LDG (the 16-byte LDG.E.128 among them; no LDGSTS /
-    cp.async, no .STRONG L2-only load), stores 16-byte, and the declared L1 working set fits in the L1
-    that the compiled shared memory leaves at the compiled occupancy (the report's rule for counting the
-    taps' re-reads as L1 hits). (Compiled, fp16 and bf16 alike: _blur_gate_kernel 56 registers,
-    _blur_bn_d_kernel MODE 0 124-128, MODE 1 96-127, the merge 64; at most 2 KB of shared memory.)"""
+    kernels' tile loops are pipelined: their taps and tiles load as 16-byte cp.async that bypasses L1
+    (LDGSTS.E.BYPASS.128, which the cost declarations count in full as L2 traffic: no L1 working set
+    declared), and their stores are 16-byte. (Compiled, fp16 and bf16 alike: _blur_gate_kernel 64
+    registers, _blur_bn_d_kernel MODE 0 126, MODE 1 96, the merge 64; 36-41 KB of shared memory.)"""
     pytest.importorskip("triton")
     from convfirstnet.analysis.compiled import compile_variants, variant_of
-    from convfirstnet.analysis.hardware import hardware
     from convfirstnet.analysis.launches import kernel_name
-    from convfirstnet.analysis.targets import target
 
-    tgt, hw = target(90), hardware(90)
     blocks = SMALL_256 + (SMALL_224 if dtype == torch.float16 else ())
     launches = record_small(dtype, blocks)
     names = [kernel_name(lc).rsplit(".", 1)[1] for lc in launches]
@@ -235,15 +231,13 @@ def test_small_blur_backward_compiles_for_sm90(dtype):
         opcodes = {i.opcode for i in comp.listing()[0]}
         if any(op.startswith(("LDL", "STL")) for op in opcodes):
             problems.append(f"{where}: local memory")
-        cost = first[comp.variant.key].cost
-        if cost.l1_working_set_bytes:
+        if comp.variant.name != "_wgrad_reduce_kernel":
+            cost = first[comp.variant.key].cost
             loads = {op for op in opcodes if op.startswith("LDG")}
-            if "LDG.E.128" not in loads or any("STRONG" in op or op.startswith("LDGSTS") for op in loads):
+            if "LDGSTS.E.BYPASS.128" not in loads:
                 problems.append(f"{where}: loads {sorted(loads)}")
+            if cost.l1_working_set_bytes or cost.l1_unique_bytes_per_program:
+                problems.append(f"{where}: an L1 working set declared for loads that bypass L1")
             if "STG.E.128" not in opcodes and comp.variant.meta.get("MODE") != 0:
                 problems.append(f"{where}: no 16-byte stores")
-            occ = tgt.occupancy(comp.num_warps, comp.regs, comp.shared)
-            l1 = hw.l1_bytes(occ * (comp.shared + tgt.smem_reserved_per_block))
-            if cost.l1_working_set_bytes > l1 / occ:
-                problems.append(f"{where}: L1 set {cost.l1_working_set_bytes} B > {l1 / occ:.0f} B")
     assert not problems, "\n".join(problems)
