@@ -12,8 +12,9 @@ Tiles (``train_config``)
   operands take three times the registers); BH = 32 hidden channels per chunk; the forward FFN on 4
   warps, the input pass on 4 up to CP = 32 and 8 above (train_config says why).
 * The weights pass (two fp32 accumulators of [channels, BH] live across its tile loop; channels in two
-  power-of-two parts where that avoids padding, ``channel_parts``): 8 warps, 128 x 32 tiles, three
-  pipeline stages (train_config says why).
+  power-of-two parts where that avoids padding, ``channel_parts``): 8 warps, 128 x 32 tiles (128 x 64 at
+  64 channels in and out), three pipeline stages (train_config says why). The input pass takes 64-row
+  tiles on 4 warps at 64 channels, stride 1.
 * Shares (reductions in a fixed order, never depending on the device): the moments pass and the
   output-gradient sums use at least MIN_SHARE_ROWS rows per share and at most SHARES programs; the
   weights pass uses at most WEIGHT_PROGRAMS programs (shares x hidden chunks) and keeps its fp32
@@ -79,6 +80,7 @@ class TrainConfig:
     block_m: int  # rows per tile
     block_h: int  # hidden channels per chunk
     block_m_weights: int  # rows per tile of the weights pass
+    block_m_input: int  # rows per tile of the input pass
     block_h_weights: int  # hidden channels per program of the weights pass
     stages_weights: int  # software pipelining of the weights pass's tile loop
     num_warps: int  # the input pass
@@ -102,7 +104,7 @@ def channel_parts(c: int) -> tuple[int, int]:
     return _pow2(c), 0
 
 
-def train_config(c_in: int, c_out: int, r: int, dtype: torch.dtype) -> TrainConfig:
+def train_config(c_in: int, c_out: int, r: int, dtype: torch.dtype, stride: int = 1) -> TrainConfig:
     """Tiles of the FFN passes for c_in -> r -> c_out channels (stride 1: c_in = c_out = C; stride 2:
     2C -> 6C -> K)."""
     cpi, cpo = _pow2(c_in), _pow2(c_out)
@@ -119,13 +121,21 @@ def train_config(c_in: int, c_out: int, r: int, dtype: torch.dtype) -> TrainConf
     # bound (C = 64: 566-617 us against 264 us), 128 x 64 spilled, 256 x 32 was slower (397 us).
     bmw, bhw, stages = (64, 16, 2) if fp32 else (128, 32, 3)
     parts_in, parts_out = channel_parts(c_in), channel_parts(c_out)
+    # 64 channels in and out (stage 2 of Small; 16-bit): the weights pass on 64 hidden channels (half the
+    # programs, each re-reading y and dp once per chunk: 451 -> 426 us at stride 1, 238 -> 230 at stride
+    # 2) and, at stride 1, the input pass on 64-row tiles with 4 warps, two programs per SM (208 registers:
+    # 458 -> 378 us; at stride 2 242 -> 298); static estimates, high end, sm_90, batch 128. At 32 and 96
+    # channels the same tiles spilled or were slower.
+    narrow64 = not fp32 and cpi == cpo == 64 and parts_in[1] == parts_out[1] == 0
+    bhw = min(64, max(16, next_power_of_2(r))) if narrow64 else min(bhw, bh)
+    narrow_input = narrow64 and stride == 1
     # the forward on 4 warps (two programs per SM), on 8 where 4 spill: a [BM, 128] accumulator (its tile
     # loop left 255 registers with 176-312 B of stack) or BN1's affine on a two-part input at CP = 128
     # (C = 96 stride 1: 48-200 B). The 64 -> 96 stride-2 FFN (output parts 64 + 32) fits on 4 warps: 73
     # -> 42 us per step, static estimate, Small at batch 128 on sm_90
     wide = sum(parts_out) >= 128 or (cp >= 128 and parts_in[1] > 0)
-    return TrainConfig(cpi, cpo, parts_in, parts_out, bm, bh, bmw, min(bhw, bh), stages,
-                       4 if cp <= 32 else 8, 8 if wide else 4, "tf32x3" if fp32 else "tf32")
+    return TrainConfig(cpi, cpo, parts_in, parts_out, bm, bh, bmw, 64 if narrow_input else bm, bhw, stages,
+                       4 if cp <= 32 or narrow_input else 8, 8 if wide else 4, "tf32x3" if fp32 else "tf32")
 
 
 def shares_of(tiles: int, block_m: int, interpreter: bool, cap: int = SHARES) -> tuple[int, int]:
@@ -387,14 +397,15 @@ def ffn_backward(y, dp, a, w1, w2, vec1, mean1, vec2, mean2, gamma2, mean_in, co
                                        Loop("column blocks", cdiv(cpi, fin["bj"]))),
                                       f"{ci}->{r}->{co}"))
     dy = _map(n, ci, h, w, y)
-    tiles = cdiv(m, cfg.block_m)
+    tiles = cdiv(m, cfg.block_m_input)
     ipr, ishares = tile_shares(tiles, interpreter)
     bn_sums = a is not None
     part1 = _f32(*((ishares, 2, ci) if bn_sums else (1,)), like=y)
     launch(_ffn_bwd_input_kernel, (ishares,), y, dp, a if bn_sums else y, w1, w2, dy,
            mean1 if bn_sums else mean2, vec1[VEC_R] if bn_sums else mean2, vec2[VEC_K], vec2[VEC_T], mean2,
            vec2[VEC_U], vec2[VEC_W], part1, m, r, tiles, ipr, CI=ci, CPI=cfg.cp_in, CO=co, CPO=cfg.cp_out,
-           BM=cfg.block_m, BH=cfg.block_h, PRECISION=cfg.precision, BN_SUMS=bn_sums, num_warps=cfg.num_warps,
+           BM=cfg.block_m_input, BH=cfg.block_h, PRECISION=cfg.precision, BN_SUMS=bn_sums,
+           num_warps=cfg.num_warps,
            cost=lambda: ffn_bwd_input_cost(cfg, m, ci, co, r, eb, bn_sums, ishares, ipr))
     return dw1, dw2, dgamma2, dbeta2, dy, (part1 if bn_sums else None)
 
@@ -509,7 +520,7 @@ def convfirst_s2_train_triton(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, g
     r, k = w1.shape[0], w2.shape[0]
     ho, wo = (h + 1) // 2, (w + 1) // 2
     m, mo = n * h * w, n * ho * wo
-    cfg = train_config(2 * c, k, r, x.dtype)
+    cfg = train_config(2 * c, k, r, x.dtype, stride=2)
     x = _flat(x)
     w1, w2 = w1.contiguous(), w2.contiguous()  # the kernels index them densely
     a = gconv3x3_triton(x, w_conv, 1)
@@ -555,7 +566,7 @@ def convfirst_s2_train_backward_triton(dout, x, a, u, p, w_conv, w1, w2, gamma1,
     r, k = w1.shape[0], w2.shape[0]
     ho, wo = (h + 1) // 2, (w + 1) // 2
     m, mo = n * h * w, n * ho * wo
-    cfg = train_config(2 * c, k, r, x.dtype)
+    cfg = train_config(2 * c, k, r, x.dtype, stride=2)
     x, dout = _flat(x), _flat(dout.to(x.dtype))
     w1, w2 = w1.contiguous(), w2.contiguous()  # the kernels index them densely
     vec1, vec2, vec3 = _vecs(c, x), _vecs(r, x), _vecs(k, x)
@@ -672,11 +683,12 @@ def ffn_bwd_weights_cost(cfg: TrainConfig, m: int, ci: int, co: int, r: int, eb:
 
 def ffn_bwd_input_cost(cfg: TrainConfig, m: int, ci: int, co: int, r: int, eb: int, bn_sums: bool,
                        shares: int, per: int) -> KernelCost:
-    tiles = cdiv(m, cfg.block_m)
+    tiles = cdiv(m, cfg.block_m_input)
     chunks = cdiv(r, cfg.block_h)
     return KernelCost(
         useful_macs=m * (ci + co) * r,
-        mma_macs=tiles * chunks * cfg.block_m * cfg.block_h * (2 * cfg.cp_in + cfg.cp_out) * _passes(cfg),
+        mma_macs=(tiles * chunks * cfg.block_m_input * cfg.block_h * (2 * cfg.cp_in + cfg.cp_out)
+                  * _passes(cfg)),
         dram_bytes=(eb * m * (2 * ci + co + (ci if bn_sums else 0)) + eb * (ci + co) * r
                     + (8 * shares * ci if bn_sums else 0)),
         loops=(Loop("tiles", per, (Loop("hidden", chunks),)),),
