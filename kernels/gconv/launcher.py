@@ -16,9 +16,17 @@ Tiles (``tile_config``)
   ConvFirstNet's widths give G = 8 for multiples of 64, G = 4 for 24 (one masked group), 32, 72 (3
   masked of 12), 96 and 288, G = 2 for 16 and 48.
 * Pixels: BM = TILE_ELEMS / G rows per program, so that the [G, BM, 16] tap-pair operand is 16 KB
-  whatever G: 64 pixels at G = 8, 128 at G = 4, 256 at G = 2 (fp32: half). The tile is TH x TW with
-  TW the map width rounded up to a power of two, at most 8 columns for 64 pixels and 16 above (halo
-  re-reads (TH + 2)(TW + 2) / (TH TW) <= 1.56, served by L1), and TH no taller than the map.
+  whatever G: 64 pixels at G = 8, 128 at G = 4, 256 at G = 2 (fp32: half). The forward kernel
+  (forward, stride-1 dgrad; ``fwd_tile_config``) and the fused backward take twice that at G >= 4
+  (FWD_TILE_ELEMS: 32 KB pairs, 128 pixels at G = 8, 256 at G = 4): each tile waits for its five tap
+  pairs in turn, and a tile of twice the pixels pays those waits once for twice the work (static
+  estimate, sm_90, fp16, batch 128, high end: the forward at 1024 channels 16 x 16 167 -> 98 us, at 32
+  channels 128 x 128 337 -> 165; the fused backward at 1024 channels 16 x 16 426 -> 236, at 384 32 x 32
+  638 -> 353; 167-254 registers, no stack). At G = 2 the larger tiles spilled (568 B): TILE_ELEMS there.
+  wgrad keeps TILE_ELEMS (at 64 channels 64 x 64 and 1024 at 16 x 16 the larger tiles were slower). The
+  tile is TH x TW with TW the map width rounded up to a power of two, at most 8 columns for 64 pixels
+  and 16 above (halo re-reads (TH + 2)(TW + 2) / (TH TW) <= 1.56, served by L1), and TH no taller than
+  the map.
 * 4 warps, no software pipelining (num_stages = 1): the tap windows are plain L1-allocating loads
   (kernel.py); latency is hidden by the other resident programs (72-168 registers: 3-7 per SM).
 
@@ -40,9 +48,9 @@ same issue per output, G_ISSUE): twice the programs, with shares of as many pixe
 
 Fused backward (``backward_config``)
 ------------------------------------
-wgrad's G, tiles and shares, with three changes found on the static estimate (sm_90, fp16, batch 128;
-kernel.py has the figures): at most 64 pixels a tile at G >= 4 and 128 at G = 2 (BACKWARD_MAX_BLOCK_M:
-the larger tiles spilled or fell to 2 programs per SM); one warp per group (G warps: 4 computed the
+wgrad's G and shares with the forward kernel's tiles (FWD_TILE_ELEMS), and three changes found on the
+static estimate (sm_90, fp16, batch 128; kernel.py has the figures): at most 128 pixels a tile
+(BACKWARD_MAX_BLOCK_M: at G = 2 256 spilled); one warp per group (G warps: 4 computed the
 wgrad dots twice at G = 2 and spilled with fp32 weights at G = 8); and where wgrad's shares make fewer
 programs than one wave of BACKWARD_PROGRAMS (3 per SM of an H100 at G >= 4, 5 at G = 2), shorter
 shares, of at least BACKWARD_MIN_SHARE_PIXELS pixels, to fill it (Small's 8 x 8 and 7 x 7 maps: 12
@@ -69,6 +77,9 @@ from .kernel import (
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TILE_ELEMS = {2: 512, 4: 256}  # G x BM by element size: a 16 KB [G, BM, 16] tap-pair operand
+# The forward kernel (forward, stride-1 dgrad) and the fused backward: 32 KB tap pairs at 16-bit (module
+# docstring: Tiles)
+FWD_TILE_ELEMS = {2: 1024, 4: 256}
 # fp32 wgrad: an eighth of that. Its five accumulators plus 3xTF32 operands (each split in two) spilled
 # 8-232 B at 256 elements and up to 32 B at 128 (sm_90 and sm_80); fp32 is the checking path.
 WGRAD_FP32_ELEMS = 64
@@ -78,7 +89,7 @@ MIN_SHARE_PIXELS = 1024  # output pixels per wgrad share at least (partials <= ~
 WGRAD_PROGRAMS = 1024  # wgrad shares x channel blocks at most, unless a share would fall below the minimum
 # Fused backward (module docstring): pixels a tile at most, pixels a share at least where shares are
 # shortened, and the programs of one wave (H100: 132 SMs x 3 or 5 programs) by G
-BACKWARD_MAX_BLOCK_M = {8: 64, 4: 64, 2: 128}
+BACKWARD_MAX_BLOCK_M = {8: 128, 4: 128, 2: 128}
 BACKWARD_MIN_SHARE_PIXELS = 256
 BACKWARD_PROGRAMS = {8: 396, 4: 396, 2: 660}
 # The order in which every kernel loads its tap pairs (kernel.py ``load_tap_pair``), which decides the
@@ -166,17 +177,25 @@ def precision_for(dtype: torch.dtype) -> str:
 
 
 def tile_config(c: int, ho: int, wo: int, dtype: torch.dtype, wgrad: bool = False, g: int | None = None,
-                max_block_m: int | None = None) -> TileConfig:
+                max_block_m: int | None = None, elems: dict[int, int] = TILE_ELEMS) -> TileConfig:
     """Tiles for a C-channel conv over HO x WO positions (output pixels; stride-2 dgrad: 2x2 quads), with
-    ``g`` groups per program (default: groups_per_program) and at most ``max_block_m`` pixels a tile."""
+    ``g`` groups per program (default: groups_per_program), at most ``max_block_m`` pixels a tile, and
+    G x BM = ``elems`` by element size (TILE_ELEMS; the forward kernel's FWD_TILE_ELEMS)."""
     g = g or groups_per_program(c)
-    elems = WGRAD_FP32_ELEMS if wgrad and dtype == torch.float32 else TILE_ELEMS[dtype.itemsize]
+    elems = WGRAD_FP32_ELEMS if wgrad and dtype == torch.float32 else elems[dtype.itemsize]
     bm = max(16, elems // g)
     if max_block_m:
         bm = min(bm, max_block_m)
     tw = min(8 if bm <= 64 else 16, max(8, next_power_of_2(wo)))
     th = min(bm // tw, max(2, next_power_of_2(ho)))
     return TileConfig(g, th, tw, NUM_WARPS, NUM_STAGES, precision_for(dtype))
+
+
+def fwd_tile_config(c: int, ho: int, wo: int, dtype: torch.dtype) -> TileConfig:
+    """The forward kernel's tiles (forward, stride-1 dgrad): FWD_TILE_ELEMS at G >= 4, TILE_ELEMS at G = 2
+    (module docstring: Tiles)."""
+    g = groups_per_program(c)
+    return tile_config(c, ho, wo, dtype, g=g, elems=FWD_TILE_ELEMS if g >= 4 else TILE_ELEMS)
 
 
 def _tiles(n: int, ho: int, wo: int, cfg: TileConfig) -> int:
@@ -235,8 +254,8 @@ def backward_config(n: int, c: int, h: int, w: int, dtype: torch.dtype, interpre
                     ) -> tuple[TileConfig, int, int]:
     """The fused backward's tiles and shares: (config, tiles per share, shares) (module docstring)."""
     cfg = wgrad_tile_config(n, c, h, w, dtype)
-    if cfg.block_m > BACKWARD_MAX_BLOCK_M[cfg.g]:
-        cfg = tile_config(c, h, w, dtype, wgrad=True, g=cfg.g, max_block_m=BACKWARD_MAX_BLOCK_M[cfg.g])
+    cfg = tile_config(c, h, w, dtype, wgrad=True, g=cfg.g, max_block_m=BACKWARD_MAX_BLOCK_M[cfg.g],
+                      elems=FWD_TILE_ELEMS)
     cfg = dataclasses.replace(cfg, num_warps=cfg.g)  # one warp per group (module docstring)
     tiles, cblocks = _tiles(n, h, w, cfg), cdiv(c, cfg.channels)
     per_share, shares = wgrad_shares(tiles, cblocks, cfg.block_m, interpreter)
@@ -316,7 +335,7 @@ def gconv3x3_triton(x: torch.Tensor, w: torch.Tensor, stride: int) -> torch.Tens
     if y.numel() == 0:
         return y
     x = _nhwc(x)
-    cfg = tile_config(c, ho, wo, x.dtype)
+    cfg = fwd_tile_config(c, ho, wo, x.dtype)
     tiles, tpp = _tiles(n, ho, wo, cfg), tiles_per_program(n, c, ho, wo, cfg, x.device.type == "cpu")
     grid = (cdiv(tiles, tpp), cdiv(c, cfg.channels))
     launch(_gconv_fwd_kernel, grid, x, w, y, None, h, wd, ho, wo, c // GROUP_WIDTH, tiles,
@@ -345,7 +364,7 @@ def gconv3x3_dgrad_triton(dy: torch.Tensor, w: torch.Tensor, h: int, wd: int, st
     strides = (*_vector_strides(dy), *w.stride())
     # stride 1: tiles of dx pixels; stride 2: tiles of positions (a, b), each the 2x2 input pixels
     # (2a + py, 2b + px), i.e. tiles over the H' x W' map
-    cfg = tile_config(c, ho, wo, dy.dtype)
+    cfg = fwd_tile_config(c, ho, wo, dy.dtype) if stride == 1 else tile_config(c, ho, wo, dy.dtype)
     tiles, cblocks = _tiles(n, ho, wo, cfg), cdiv(c, cfg.channels)
     eb, wb = dy.element_size(), w.element_size()
     if stride == 1:

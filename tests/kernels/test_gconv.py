@@ -283,7 +283,7 @@ BACKWARD_SHAPES = [
     pytest.param(2, 384, 5, 6, torch.float32, None, id="c384-fp32-2x5x6"),
     pytest.param(3, 40, 7, 10, torch.float32, None, id="c40-masked-fp32-3x7x10"),
     pytest.param(2, 200, 9, 19, torch.float16, None, id="c200-masked-fp16-2x9x19"),
-    pytest.param(2, 1024, 6, 10, torch.float16, torch.float32, id="c1024-fp16-w32-2x6x10"),
+    pytest.param(2, 1024, 9, 17, torch.float16, torch.float32, id="c1024-fp16-w32-2x9x17"),
 ]
 
 
@@ -333,17 +333,17 @@ def test_backward_gpu_shares(interpreter_backend, monkeypatch):
 
 
 def test_backward_grids_at_the_model_shapes():
-    """launcher.backward_config at the MBConv convs of Small (batch 128, fp16): wgrad's G and shares where
-    they fill a wave (16 x 16: 32 shares of 16 tiles x 16 blocks), shorter shares where they do not (8 x 8
-    and 7 x 7: 12 of 11 tiles x 32 blocks of G = 4), at most 64 pixels a tile at G >= 4 and 128 at G = 2
-    (larger tiles spilled or fell to two programs per SM)."""
+    """launcher.backward_config at the MBConv convs of Small (batch 128, fp16): wgrad's G, tiles of
+    FWD_TILE_ELEMS (128 pixels at G = 8 and G = 4, capped at 128 at G = 2: 256 spilled) and shares where
+    they fill a wave (16 x 16: 32 shares of 8 tiles x 16 blocks), shorter shares where they do not (8 x 8
+    and 7 x 7: 12 of 11 tiles x 32 blocks of G = 4, whose tiles the map caps at 64 pixels)."""
     got = {}
     for c, side in ((1024, 16), (1024, 14), (1024, 8), (1024, 7), (384, 32), (768, 16), (72, 28), (48, 28)):
         cfg, per_share, shares = L.backward_config(128, c, side, side, torch.float16)
         got[(c, side)] = (cfg.g, cfg.block_m, per_share, shares)
-    assert got == {(1024, 16): (8, 64, 16, 32), (1024, 14): (8, 64, 16, 32), (1024, 8): (4, 64, 11, 12),
-                   (1024, 7): (4, 64, 11, 12), (384, 32): (8, 64, 16, 128), (768, 16): (8, 64, 16, 32),
-                   (72, 28): (4, 64, 16, 128), (48, 28): (2, 128, 5, 205)}
+    assert got == {(1024, 16): (8, 128, 8, 32), (1024, 14): (8, 128, 8, 32), (1024, 8): (4, 64, 11, 12),
+                   (1024, 7): (4, 64, 11, 12), (384, 32): (8, 128, 8, 128), (768, 16): (8, 128, 8, 32),
+                   (72, 28): (4, 128, 8, 128), (48, 28): (2, 128, 5, 205)}
 
 
 def test_backward_bad_input_refused_before_launch(interpreter_backend, no_launch):
@@ -601,8 +601,12 @@ def test_cost_declarations(kind, stride):
         assert 10 / 9 <= cost.mma_macs / cost.useful_macs < 10 / 9 * 1.7
         assert cost.dram_bytes >= 2 * 128 * c * (hw * hw + ho * ho)
         # L1: the halo window of each tile once (taps re-read it from L1), wgrad's dy tile, the weights
-        cfg = L.wgrad_tile_config(128, c, ho, ho, torch.float16) if kind == "wgrad" else \
-            L.tile_config(c, ho, ho, torch.float16)
+        if kind == "wgrad":
+            cfg = L.wgrad_tile_config(128, c, ho, ho, torch.float16)
+        elif kind == "forward" or stride == 1:  # the forward kernel's tiles
+            cfg = L.fwd_tile_config(c, ho, ho, torch.float16)
+        else:
+            cfg = L.tile_config(c, ho, ho, torch.float16)
         assert (launches[0].meta["G"], launches[0].meta["TH"], launches[0].meta["TW"]) == \
             (cfg.g, cfg.tile_h, cfg.tile_w)
         ch, bm = cfg.channels, cfg.block_m
