@@ -49,6 +49,9 @@ VARIANTS = {  # name -> overrides of kernels/mbconv/launcher.py's constants
     # (kernels/convfirst/launcher.py TAP_ORDER None): time at a ConvFirst block (--block stages.1.1) or the
     # model
     "convfirst taps 0": {"convfirst.launcher.TAP_ORDER": 0},
+    # 128-pixel conv tiles (32 KB tap pairs) at 16x16 stride 1 and in tiled programs: the static model's
+    # high end ranks them faster through its wait term only (kernels/mbconv/launcher.py WIDE_CONV_TILES)
+    "conv tiles 128": {"WIDE_CONV_TILES": True},
 }
 
 

@@ -95,6 +95,17 @@ BMO = 64  # blur output pixels per tile
 # RB (as gconv's tiles); the batch is split further into pixel sub-tiles where G is below the warps
 # (``conv_split``).
 CONV_ELEMS = 4096
+# Not shipped, a variant for a GPU run (scripts/gpu_variants.py "conv tiles 128"): on sm_90 with 16-bit
+# data, 32 KB tap pairs (128 pixels at RB = 64) on maps of more than 64 pixels at stride 1 and in tiled
+# programs. Each conv tile waits for its five tap pairs in turn, and a tile of twice the pixels pays those
+# waits once for twice the work: the static model's high end falls (Small batch 128, the training
+# forward's hidden launch: 16x16 291 -> 207 us, 32x32 stride 2 795 -> 521; inference 15.35 -> 13.57 ms),
+# but only through its wait term, which over-credited earlier changes of this kernel's tap loads
+# (docs/cost-model.md); the sum of the L1-pipe and stall terms that tracked the H200's measurements stays
+# flat (16x16: 168-175 -> 171-179 us; 32x32: 314-327 -> 305-317). 8x8 and the RESIDENT 16x16 stride 2
+# spilled 8-16 B: excluded.
+WIDE_CONV_TILES = False
+CONV_ELEMS_WIDE = 8192
 BM = 64  # pixels per warpgroup of an expand tile (the wgmma M)
 XM = 256  # rows of a RESIDENT item's x tile (a [256, 256] fp16 tile is 128 KB of shared memory)
 # Shared memory of a RESIDENT program beside its x tile and W_exp chunk (layout conversions of the
@@ -396,8 +407,8 @@ class MBConvGeometry:
                     num_warps=P_WARPS, num_stages=P_STAGES)
 
 
-def conv_rows(rb: int) -> int:
-    return max(BM, CONV_ELEMS // rb)
+def conv_rows(rb: int, elems: int = CONV_ELEMS) -> int:
+    return max(BM, elems // rb)
 
 
 def chunk_groups(image_blocks: int, nchunk: int, programs: int) -> int:
@@ -493,7 +504,8 @@ def mbconv_config(c: int, r: int, k: int, h: int, w: int, stride: int, *, n: int
     blocks = cdiv(max(n, 1), ib)
     cg = chunk_groups(blocks, nchunk, sms) if resident else 1
     # EXACT: the conv (and tiled expand, and blur) tiles cover the map exactly, with dense pixel rows
-    cm = conv_rows(rb)
+    wide = WIDE_CONV_TILES and not fp32 and gpu.arch >= 90 and hwp > 64 and (stride == 1 or not resident)
+    cm = conv_rows(rb, CONV_ELEMS_WIDE if wide else CONV_ELEMS)
     if resident and stride == 1 and warps >= 16 and hwp > 64 and cg < nchunk:
         # half-size conv tiles on RESIDENT stride-1 maps of more than 64 pixels (Small's 16x16) whose
         # items hold part of the chunks (small batches): with 64-pixel tiles the 16-warp sm_90 compile
