@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .._cost import KernelCost, Loop
-from .._launch import cdiv, launch, next_power_of_2
+from .._launch import cdiv, device_info, launch, next_power_of_2
 from ..gconv.launcher import gconv3x3_dgrad_triton, gconv3x3_triton, gconv3x3_wgrad_triton, reduce_partials
 from .finalize import (
     VEC_C, VEC_K, VEC_R, VEC_ROWS, VEC_T, VEC_U, VEC_W,
@@ -104,7 +104,8 @@ def channel_parts(c: int) -> tuple[int, int]:
     return _pow2(c), 0
 
 
-def train_config(c_in: int, c_out: int, r: int, dtype: torch.dtype, stride: int = 1) -> TrainConfig:
+def train_config(c_in: int, c_out: int, r: int, dtype: torch.dtype, stride: int = 1, arch: int = 90
+                 ) -> TrainConfig:
     """Tiles of the FFN passes for c_in -> r -> c_out channels (stride 1: c_in = c_out = C; stride 2:
     2C -> 6C -> K)."""
     cpi, cpo = _pow2(c_in), _pow2(c_out)
@@ -125,9 +126,9 @@ def train_config(c_in: int, c_out: int, r: int, dtype: torch.dtype, stride: int 
     # programs, each re-reading y and dp once per chunk: 451 -> 426 us at stride 1, 238 -> 230 at stride
     # 2) and, at stride 1, the input pass on 64-row tiles with 4 warps, two programs per SM (208 registers:
     # 458 -> 378 us; at stride 2 242 -> 298); static estimates, high end, sm_90, batch 128. At 32 and 96
-    # channels the same tiles spilled or were slower.
+    # channels the same tiles spilled or were slower, and the 64-channel weights pass spills on sm_80.
     narrow64 = not fp32 and cpi == cpo == 64 and parts_in[1] == parts_out[1] == 0
-    bhw = min(64, max(16, next_power_of_2(r))) if narrow64 else min(bhw, bh)
+    bhw = min(64, max(16, next_power_of_2(r))) if narrow64 and arch >= 90 else min(bhw, bh)
     narrow_input = narrow64 and stride == 1
     # the forward on 4 warps (two programs per SM), on 8 where 4 spill: a [BM, 128] accumulator (its tile
     # loop left 255 registers with 176-312 B of stack) or BN1's affine on a two-part input at CP = 128
@@ -445,7 +446,7 @@ def convfirst_s1_train_triton(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, g
     n, c, h, w = x.shape
     r = w1.shape[0]
     m = n * h * w
-    cfg = train_config(c, c, r, x.dtype)
+    cfg = train_config(c, c, r, x.dtype, arch=device_info(x.device).arch)
     x = _flat(x)
     w1, w2 = w1.contiguous(), w2.contiguous()  # the kernels index them densely
     a = gconv3x3_triton(x, w_conv, 1)
@@ -484,7 +485,7 @@ def convfirst_s1_train_backward_triton(dout, x, a, p, w_conv, w1, w2, gamma1, be
     r = w1.shape[0]
     m = n * h * w
     eb = x.element_size()
-    cfg = train_config(c, c, r, x.dtype)
+    cfg = train_config(c, c, r, x.dtype, arch=device_info(x.device).arch)
     x, dout = _flat(x), _flat(dout.to(x.dtype))
     w1, w2 = w1.contiguous(), w2.contiguous()  # the kernels index them densely
     vec1, vec2, vec3 = _vecs(c, x), _vecs(r, x), _vecs(c, x)
@@ -520,7 +521,7 @@ def convfirst_s2_train_triton(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, g
     r, k = w1.shape[0], w2.shape[0]
     ho, wo = (h + 1) // 2, (w + 1) // 2
     m, mo = n * h * w, n * ho * wo
-    cfg = train_config(2 * c, k, r, x.dtype, stride=2)
+    cfg = train_config(2 * c, k, r, x.dtype, stride=2, arch=device_info(x.device).arch)
     x = _flat(x)
     w1, w2 = w1.contiguous(), w2.contiguous()  # the kernels index them densely
     a = gconv3x3_triton(x, w_conv, 1)
@@ -566,7 +567,7 @@ def convfirst_s2_train_backward_triton(dout, x, a, u, p, w_conv, w1, w2, gamma1,
     r, k = w1.shape[0], w2.shape[0]
     ho, wo = (h + 1) // 2, (w + 1) // 2
     m, mo = n * h * w, n * ho * wo
-    cfg = train_config(2 * c, k, r, x.dtype, stride=2)
+    cfg = train_config(2 * c, k, r, x.dtype, stride=2, arch=device_info(x.device).arch)
     x, dout = _flat(x), _flat(dout.to(x.dtype))
     w1, w2 = w1.contiguous(), w2.contiguous()  # the kernels index them densely
     vec1, vec2, vec3 = _vecs(c, x), _vecs(r, x), _vecs(k, x)
