@@ -12,8 +12,10 @@ each Triton case with the tap pairs in order 0 (shipped before) and in the confl
 installed Triton (``launcher.TAP_ORDER = None``, shipped on the H200's measurement of the same change in
 the MBConv conv; this run is its check), and the forward once more with one tile per program
 (``launcher.FWD_MAX_TPP = 1``, shipped before the tile loop, which the static model ranks slower in its
-wait term and faster in its L1-pipe and latency terms; this run decides), every output checked against
-cuDNN's. Per case: the median of
+wait term and faster in its L1-pipe and latency terms; this run decides), and the forward and backward
+once more on the 16 KB tap pairs shipped before ``launcher.FWD_TILE_ELEMS`` (64 pixels a tile at G = 8;
+the static model ranks the 32 KB pairs faster in its wait and stall terms; this run decides), every
+output checked against cuDNN's. Per case: the median of
 ``--iters`` timed calls (CUDA events, after ``--warmup``) and the bandwidth of its compulsory DRAM bytes
 (forward: x and y; backward: dy, x and dx, once each). Writes a JSON record to ``--out-dir``
 (default benchmarks/results/). On a machine without CUDA it says what it would run and exits 0.
@@ -28,6 +30,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+SMALL_BACKWARD_BLOCK_M = {8: 64, 4: 64, 2: 128}  # the fused backward's tiles before the 32 KB tap pairs
+KNOBS = ("TAP_ORDER", "FWD_MAX_TPP", "FWD_TILE_ELEMS", "BACKWARD_MAX_BLOCK_M")  # launcher constants a case sets
 
 
 def shapes(model: str, img: int) -> list[tuple[int, int]]:
@@ -85,19 +89,28 @@ def time_shape(args, c: int, hw: int, orders: list[int]) -> list[dict]:
     def fwd():
         return ops.gconv3x3(x, w, 1, True)
 
-    # (op, impl, tap order, FWD_MAX_TPP (None: as shipped), function, tensors moved)
-    cases = [("forward", "cudnn", None, None, cudnn_fwd, 2), ("backward", "cudnn", None, None, cudnn_bwd, 3)]
+    def bwd():
+        return ops.gconv3x3_backward(dy, x, w, True)
+
+    # (op, impl, tap order, FWD_MAX_TPP (None: as shipped), 16 KB tiles, function, tensors moved)
+    cases = [("forward", "cudnn", None, None, False, cudnn_fwd, 2),
+             ("backward", "cudnn", None, None, False, cudnn_bwd, 3)]
     for order in orders:
-        cases += [("forward", "triton", order, None, fwd, 2),
-                  ("backward", "triton", order, None, lambda: ops.gconv3x3_backward(dy, x, w, True), 3)]
-    cases.append(("forward", "triton", orders[-1], 1, fwd, 2))
+        cases += [("forward", "triton", order, None, False, fwd, 2),
+                  ("backward", "triton", order, None, False, bwd, 3)]
+    cases.append(("forward", "triton", orders[-1], 1, False, fwd, 2))
+    cases += [("forward", "triton", orders[-1], None, True, fwd, 2),
+              ("backward", "triton", orders[-1], None, True, bwd, 3)]
     rows = []
-    for op, impl, order, max_tpp, fn, tensors in cases:
-        saved = launcher.TAP_ORDER, launcher.FWD_MAX_TPP
+    for op, impl, order, max_tpp, small, fn, tensors in cases:
+        saved = {k: getattr(launcher, k) for k in KNOBS}
         if order is not None:
             launcher.TAP_ORDER = order
         if max_tpp is not None:
             launcher.FWD_MAX_TPP = max_tpp
+        if small:  # the 16 KB tap pairs shipped before FWD_TILE_ELEMS (64 pixels at G = 8)
+            launcher.FWD_TILE_ELEMS = launcher.TILE_ELEMS
+            launcher.BACKWARD_MAX_BLOCK_M = SMALL_BACKWARD_BLOCK_M
         try:
             err = 0.0
             if impl == "triton":  # a check against cuDNN, not the rounding bound (the GPU tests'): a
@@ -109,13 +122,16 @@ def time_shape(args, c: int, hw: int, orders: list[int]) -> list[dict]:
                           zip(got, want))
             ms = time_ms(fn, args.warmup, args.iters)
         finally:
-            launcher.TAP_ORDER, launcher.FWD_MAX_TPP = saved
+            for k, v in saved.items():
+                setattr(launcher, k, v)
         gbs = tensors * x.numel() * x.element_size() / (ms * 1e-3) / 1e9
-        rows.append(dict(op=op, impl=impl, tap_order=order, max_tiles_per_program=max_tpp, channels=c,
+        rows.append(dict(op=op, impl=impl, tap_order=order, max_tiles_per_program=max_tpp, tiles_16kb=small,
+                         channels=c,
                          size=hw, batch=args.batch, ms=ms, gb_per_s=gbs, max_rel_err=err,
                          status="ok" if err <= 2e-2 else "mismatch"))
         label = impl if order is None else f"{impl} taps {order}"
         label += "" if max_tpp is None else f" tpp {max_tpp}"
+        label += " 16KB" if small else ""
         print(f"  C {c:5d} {hw:3d}x{hw:<3d} {op:8s} {label:16s} {ms * 1e3:8.1f} us  {gbs:7.0f} GB/s  "
               f"err {err:.1e}", flush=True)
     return rows
@@ -141,7 +157,8 @@ def main(argv=None) -> int:
 
     if not torch.cuda.is_available():
         print(f"[gpu_gconv] no CUDA device: would time the group-width-8 conv (forward and fused backward, "
-              f"tap orders 0 and conflict-free, the forward also at one tile per program, against cuDNN) of "
+              f"tap orders 0 and conflict-free, the forward also at one tile per program, both also on the "
+              f"16 KB tap pairs shipped before, against cuDNN) of "
               f"{args.model} at "
               f"{', '.join(f'C {c} {s}x{s}' for c, s in shapes(args.model, args.img_size))}, batch "
               f"{args.batch}, fp16")
