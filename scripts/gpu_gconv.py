@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_BACKWARD_BLOCK_M = {8: 64, 4: 64, 2: 128}  # the fused backward's tiles before the 32 KB tap pairs
-KNOBS = ("TAP_ORDER", "FWD_MAX_TPP", "FWD_TILE_ELEMS", "BACKWARD_MAX_BLOCK_M")  # launcher constants a case sets
+KNOBS = ("TAP_ORDER", "FWD_MAX_TPP", "FWD_TILE_ELEMS", "BACKWARD_MAX_BLOCK_M")  # what a case sets
 
 
 def shapes(model: str, img: int) -> list[tuple[int, int]]:
