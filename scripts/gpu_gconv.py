@@ -126,8 +126,7 @@ def time_shape(args, c: int, hw: int, orders: list[int]) -> list[dict]:
                 setattr(launcher, k, v)
         gbs = tensors * x.numel() * x.element_size() / (ms * 1e-3) / 1e9
         rows.append(dict(op=op, impl=impl, tap_order=order, max_tiles_per_program=max_tpp, tiles_16kb=small,
-                         channels=c,
-                         size=hw, batch=args.batch, ms=ms, gb_per_s=gbs, max_rel_err=err,
+                         channels=c, size=hw, batch=args.batch, ms=ms, gb_per_s=gbs, max_rel_err=err,
                          status="ok" if err <= 2e-2 else "mismatch"))
         label = impl if order is None else f"{impl} taps {order}"
         label += "" if max_tpp is None else f" tpp {max_tpp}"

@@ -28,7 +28,7 @@ Tiles (``tile_config``)
   and 16 above (halo re-reads (TH + 2)(TW + 2) / (TH TW) <= 1.56, served by L1), and TH no taller than
   the map.
 * 4 warps, no software pipelining (num_stages = 1): the tap windows are plain L1-allocating loads
-  (kernel.py); latency is hidden by the other resident programs (72-168 registers: 3-7 per SM).
+  (kernel.py); latency is hidden by the other resident programs (72-254 registers: 2-7 per SM).
 
 Wgrad shares (``wgrad_shares``)
 -------------------------------

@@ -45,8 +45,8 @@ machinery, low-high, not a measurement; plain loads -> pipelined)
     block, launch                 regs   grid      estimate (us)               bound
     stages.3.0 (32x32, R = 384)
       blur_gate_input               64   6 x 86    132.0-198.1 -> 77.6- 82.0   latency
-      blur_bn_d_sums (MODE 0)      126   3 x 175   152.6-230.0 -> 79.8- 84.3   latency
-      blur_bn_d_backward (MODE 1)   96   3 x 175   274.7-452.2 -> 106.9-113.6  latency
+      blur_bn_d_sums (MODE 0)      128   3 x 175   152.6-230.0 -> 87.5- 92.3   latency
+      blur_bn_d_backward (MODE 1)   96   3 x 175   274.7-452.2 -> 101.6-107.5  latency
     stages.4.0 (16x16, R = 1024)
       blur_gate_input                    16 x 32    -> 52.8-56.1
       blur_bn_d_sums (MODE 0)            8 x 64     -> 58.8-62.4
@@ -75,7 +75,7 @@ from .launcher import kernel_settings
 
 BM = 16  # pixels per tile
 RB = 128  # channels per chunk of the BN_d passes (256 bytes of a 16-bit pixel row: 16 lanes x 16 B)
-RB_GATE = 64  # blur_gate_input's: a tile's window of d (5 rows at 32x32) fits L1 (the compile test)
+RB_GATE = 64  # channels per chunk of blur_gate_input
 WARPS = 4
 NS_GATE = 3  # pipeline stages of the tile loops (module docstring: Loads)
 NS_BN_D = 3
@@ -176,18 +176,14 @@ def _blur_bn_d_kernel(dg_ptr, d_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, s0
         wc0, wc1 = _transpose_weights(j, W)
         src = dg_ptr + ((g // H * HO + i // 2) * WO + j // 2)[:, None] * R + c[None, :]
         # Blur^T(dg): the candidates (oh, ow) = (i // 2 + eh, j // 2 + ew), weight 0 masking the load; an
-        # even row has no second row candidate (half of them: a branch per tile)
+        # even row has no second row candidate (wr1 = 0: its two loads masked off, not branched over, since
+        # the pipeliner takes no loads under a branch)
         gy = (wr0 * wc0)[:, None] * tl.load(src, mask=m, other=0.0).to(tl.float32)
         gy += (wr0 * wc1)[:, None] * tl.load(src + R, mask=m & (wc1 > 0.0)[:, None], other=0.0).to(tl.float32)
-        if NS > 1:  # the second row's loads masked, not branched over: the pipeliner takes no branch
-            m1 = m & (wr1 + 0.0 * j > 0.0)[:, None]  # wr1 broadcast first (the interpreter)
-            gy += (wr1 * wc0)[:, None] * tl.load(src + WO * R, mask=m1, other=0.0).to(tl.float32)
-            gy += (wr1 * wc1)[:, None] * tl.load(src + (WO + 1) * R, mask=m1 & (wc1 > 0.0)[:, None],
-                                                 other=0.0).to(tl.float32)
-        elif wr1 > 0.0:
-            gy += (wr1 * wc0)[:, None] * tl.load(src + WO * R, mask=m, other=0.0).to(tl.float32)
-            gy += (wr1 * wc1)[:, None] * tl.load(src + (WO + 1) * R, mask=m & (wc1 > 0.0)[:, None],
-                                                 other=0.0).to(tl.float32)
+        m1 = m & (wr1 + 0.0 * j > 0.0)[:, None]  # wr1 broadcast first (the interpreter)
+        gy += (wr1 * wc0)[:, None] * tl.load(src + WO * R, mask=m1, other=0.0).to(tl.float32)
+        gy += (wr1 * wc1)[:, None] * tl.load(src + (WO + 1) * R, mask=m1 & (wc1 > 0.0)[:, None],
+                                             other=0.0).to(tl.float32)
         x = tl.load(d_ptr + rows[:, None] * R + c[None, :], mask=m, other=0.0).to(tl.float32)
         v = x * a + b
         sg = sigmoid(v, FAST)

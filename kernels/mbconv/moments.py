@@ -102,7 +102,7 @@ def moments_cost(geo: MBConvGeometry, one: bool, keep_u: bool = False) -> Kernel
 
 BNS_ELEMS = 8192  # elements of u per step of the BN_d pass (16 KB of fp16: eight 16-byte loads a thread)
 BNS_WARPS = 4
-BNS_BLUR_STAGES = 3
+BNS_BLUR_STAGES = 3  # stride 2's full-resolution loop pipelined (cp.async); stride 1 runs 2 trips: none
 BNS_BLUR_WARPS = 8  # stride 2 (at 4 warps the 32x32 variant took 255 registers and 8 B of stack)
 # Stride 2 writes g at full resolution in place of u and blurs it back, one SiLU per pixel, rather than
 # recomputing BN_d + SiLU for each of the nine taps (2.25 per pixel). SiLU is two MUFU operations (ex2,

@@ -207,7 +207,7 @@ def test_small_blur_backward_compiles_for_sm90(dtype):
     kernels' tile loops are pipelined: their taps and tiles load as 16-byte cp.async that bypasses L1
     (LDGSTS.E.BYPASS.128, which the cost declarations count in full as L2 traffic: no L1 working set
     declared), and their stores are 16-byte. (Compiled, fp16 and bf16 alike: _blur_gate_kernel 64
-    registers, _blur_bn_d_kernel MODE 0 126, MODE 1 96, the merge 64; 36-41 KB of shared memory.)"""
+    registers, _blur_bn_d_kernel MODE 0 128, MODE 1 96, the merge 64; 36-41 KB of shared memory.)"""
     pytest.importorskip("triton")
     from convfirstnet.analysis.compiled import compile_variants, variant_of
     from convfirstnet.analysis.launches import kernel_name
