@@ -24,7 +24,8 @@ def gc():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path")
-def test_without_a_gpu_it_prints_the_plan_and_exits_0():
+def test_without_a_gpu_it_prints_the_plan_and_exits_0(gc, capsys, monkeypatch):
+    """As a script (its own process); its options in this process (an interpreter start saved)."""
     proc = subprocess.run([sys.executable, str(SCRIPT)], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -33,10 +34,11 @@ def test_without_a_gpu_it_prints_the_plan_and_exits_0():
     assert "-m pytest -m gpu" in out and "in the default mode" in out and "budget: 9 min" in out
     assert "3. a training step of small: convfirstnet bench --train small" in out
     assert "small, tiny, nano, pico" in out and "benchmarks/results/" in out
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--inductor", "inductor-max-autotune", "--budget-min",
-                           "20", "--skip-train"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "mode='max-autotune'" in proc.stdout and "budget: 20 min" in proc.stdout
-    assert "training step" not in proc.stdout
+    monkeypatch.setattr(gc, "INDUCTOR", list(gc.INDUCTOR))  # main() sets the backend for the module
+    assert gc.main(["--inductor", "inductor-max-autotune", "--budget-min", "20", "--skip-train"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("gpu_check: no CUDA device here: nothing is run.")
+    assert "mode='max-autotune'" in out and "budget: 20 min" in out and "training step" not in out
 
 
 def test_bad_model_is_one_line(gc, capsys):

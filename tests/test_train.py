@@ -460,7 +460,7 @@ def test_kernels_triton_runs_the_fused_training_blocks(tiny_data, tmp_path, caps
     monkeypatch.setattr(training_kernels, "fused_forward", lambda b, x: calls.append(b) or fused(b, x))
     out = tmp_path / "run"
     argv = [*SMALL, "--data", str(tiny_data), "--output", str(out), "--kernels", "triton"]
-    argv += "--epochs 1 --batch-size 8 --warmup-epochs 0 --aug none --max-steps 1 --no-ema".split()
+    argv += "--epochs 1 --batch-size 2 --warmup-epochs 0 --aug none --max-steps 1 --no-ema".split()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert train_imagenet.main(argv) == 0

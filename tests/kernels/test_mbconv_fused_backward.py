@@ -99,11 +99,13 @@ def _op_grads(block: MBConv, x: torch.Tensor, drop: torch.Tensor, dt: torch.dtyp
     return out, torch.autograd.grad(out, leaves, gout.to(out.dtype))
 
 
-@pytest.mark.parametrize("c, k, stride, side", [(128, 128, 1, 8), (96, 96, 1, 8), (64, 96, 2, 9)])
+# stride 1 at C = 96 only: its masked channel chunks take every path that full ones do, and each pass's
+# own tests run the model's other widths (C = 128 here took 42 s of the suite for no path of its own)
+@pytest.mark.parametrize("c, k, stride, side", [(96, 96, 1, 8), (64, 96, 2, 9)])
 def test_op_backward_through_the_fused_passes(interpreter_backend, monkeypatch, c, k, stride, side):
     """The op (fused forward and the fused backward passes in the interpreter, fp32, N = 3, 8x8 maps,
-    one image dropped and two scaled by 1.25; C = 96 has masked channel chunks; stride 2 on 9x9 -> 5x5,
-    BlurPool's reflection on both sides) against the layer-wise op in fp64 (the layers' autograd): each
+    one image dropped and two scaled by 1.25; C = 96 has masked channel chunks; stride 2, N = 2, on 9x9 ->
+    5x5, BlurPool's reflection on both sides) against the layer-wise op in fp64 (the layers' autograd): each
     gradient within 1e-4 of its maximum. fp32 rounding differs between the two forms (the folded weights,
     the summation orders); the BatchNorm backwards subtract means of the same size as the terms, which
     amplifies it (observed <= 2e-5)."""
@@ -114,10 +116,11 @@ def test_op_backward_through_the_fused_passes(interpreter_backend, monkeypatch, 
     monkeypatch.setattr(mbconv_fused_backward, "backward", lambda *a, **k: calls.append(k) or real(*a, **k))
     block = block_of(c, k, stride)
     gen = torch.Generator().manual_seed(4)
-    x = (torch.randn(3, c, side, side, generator=gen) + 0.5).contiguous(memory_format=CL)
+    n = 3 if stride == 1 else 2  # stride 2 has no residual, so no drop-path: two images are enough
+    x = (torch.randn(n, c, side, side, generator=gen) + 0.5).contiguous(memory_format=CL)
     so = -(-side // stride)
-    gout = torch.randn(3, k, so, so, generator=gen).contiguous(memory_format=CL)
-    drop = torch.tensor([0.0, 1.25, 1.25]) if stride == 1 else torch.ones(3)
+    gout = torch.randn(n, k, so, so, generator=gen).contiguous(memory_format=CL)
+    drop = torch.tensor([0.0, 1.25, 1.25]) if stride == 1 else torch.ones(n)
     _, got = _op_grads(block, x, drop, torch.float32, gout)
     assert calls == [{"triton": True}]
     monkeypatch.setenv("CONVFIRSTNET_KERNELS", "reference")
