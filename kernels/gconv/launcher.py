@@ -23,7 +23,10 @@ Tiles (``tile_config``)
   estimate, sm_90, fp16, batch 128, high end: the forward at 1024 channels 16 x 16 167 -> 98 us, at 32
   channels 128 x 128 337 -> 165; the fused backward at 1024 channels 16 x 16 426 -> 236, at 384 32 x 32
   638 -> 353; 167-254 registers, no stack). At G = 2 the larger tiles spilled (568 B): TILE_ELEMS there.
-  wgrad keeps TILE_ELEMS (at 64 channels 64 x 64 and 1024 at 16 x 16 the larger tiles were slower). The
+  wgrad keeps TILE_ELEMS (at 64 channels 64 x 64 and 1024 at 16 x 16 the larger tiles were slower)
+  except at stride 1 where C is whole groups of G = 4 (32 channels 128 x 128 268 -> 203 us, 96 at 32 x 32
+  52 -> 36; 128 -> 166 registers, no stack; at stride 2 32 channels 128 x 128 went 69 -> 74, and the
+  masked groups of 24 and 72 channels spilled 8 B on sm_80). The
   tile is TH x TW with TW the map width rounded up to a power of two, at most 8 columns for 64 pixels
   and 16 above (halo re-reads (TH + 2)(TW + 2) / (TH TW) <= 1.56, served by L1), and TH no taller than
   the map.
@@ -230,11 +233,14 @@ def wgrad_shares(tiles: int, cblocks: int, block_m: int, interpreter: bool = Fal
     return per_share, cdiv(tiles, per_share)
 
 
-def wgrad_tile_config(n: int, c: int, ho: int, wo: int, dtype: torch.dtype) -> TileConfig:
-    """Wgrad's tiles: tile_config's, or G = 4 for G = 8 where G = 8's grid of full shares (at least
-    MIN_SHARE_PIXELS pixels each) has fewer than WGRAD_MIN_PROGRAMS programs and G = 4's has more (module
-    docstring). The GPU's share rule decides, also under the interpreter: shapes alone choose the tiles."""
+def wgrad_tile_config(n: int, c: int, ho: int, wo: int, dtype: torch.dtype, stride: int = 1) -> TileConfig:
+    """Wgrad's tiles: tile_config's (the forward kernel's at stride 1 where C is whole groups of G = 4),
+    or G = 4 for G = 8 where G = 8's grid of full shares (at least MIN_SHARE_PIXELS pixels each) has fewer
+    than WGRAD_MIN_PROGRAMS programs and G = 4's has more (module docstring). The GPU's share rule decides,
+    also under the interpreter: shapes alone choose the tiles."""
     cfg = tile_config(c, ho, wo, dtype, wgrad=True)
+    if cfg.g == 4 and stride == 1 and c % cfg.channels == 0:
+        return tile_config(c, ho, wo, dtype, wgrad=True, elems=FWD_TILE_ELEMS)
 
     def programs(cfg: TileConfig) -> tuple[int, int]:
         cblocks = cdiv(c, cfg.channels)
@@ -393,7 +399,7 @@ def gconv3x3_wgrad_triton(
     if n * ho * wo == 0:
         return torch.zeros((c, GROUP_WIDTH, 3, 3), dtype=out_dtype, device=x.device)
     x, dy = _nhwc(x), _nhwc(dy)
-    cfg = wgrad_tile_config(n, c, ho, wo, x.dtype)
+    cfg = wgrad_tile_config(n, c, ho, wo, x.dtype, stride)
     tiles = _tiles(n, ho, wo, cfg)
     cblocks = cdiv(c, cfg.channels)
     interpreter = x.device.type == "cpu"

@@ -142,6 +142,16 @@ def test_fp16_matches_autograd(interpreter_backend, n, c, h, w, stride):
     check_all(*make_case(n, c, h, w, stride, torch.float16), stride)
 
 
+def test_fp16_wgrad_whole_groups_of_four_take_the_forward_tiles(interpreter_backend):
+    """Wgrad at stride 1 where C is whole groups of G = 4 (ConvFirst's 32 and 96 channels) tiles as the
+    forward kernel does, 16 x 16 pixels (stride 2 and masked groups keep 8 x 16): 2 x 2 tiles an image,
+    the last row and column partial, shares of two tiles, against autograd."""
+    assert (L.wgrad_tile_config(2, 32, 20, 19, torch.float16).tile_h,
+            L.wgrad_tile_config(2, 32, 20, 19, torch.float16, 2).tile_h,
+            L.wgrad_tile_config(2, 24, 20, 19, torch.float16).tile_h) == (16, 8, 8)
+    check_all(*make_case(2, 32, 20, 19, 1, torch.float16), 1)
+
+
 def test_fp32_weight_with_fp16_activations(interpreter_backend):
     """Autocast's form: fp32 master weight, fp16 activations. The kernels round the weight to fp16 as
     they load it (the reference does the same) and return dw in fp32, summed in fp32."""
@@ -602,7 +612,7 @@ def test_cost_declarations(kind, stride):
         assert cost.dram_bytes >= 2 * 128 * c * (hw * hw + ho * ho)
         # L1: the halo window of each tile once (taps re-read it from L1), wgrad's dy tile, the weights
         if kind == "wgrad":
-            cfg = L.wgrad_tile_config(128, c, ho, ho, torch.float16)
+            cfg = L.wgrad_tile_config(128, c, ho, ho, torch.float16, stride)
         elif kind == "forward" or stride == 1:  # the forward kernel's tiles
             cfg = L.fwd_tile_config(c, ho, ho, torch.float16)
         else:
