@@ -148,8 +148,9 @@ at 4 per clock per SM on 132 SMs at 1.83 GHz; tests/kernels/_recorded.py ``bound
 Every fp16/bf16 variant of the four models' shapes (stride 1 and 2, 224 and 256 inputs, forward,
 dgrad, wgrad, reduction) compiles without stack for sm_90 and sm_80, all dots as mma.sync, shared
 memory <= 18 KB (the dot operands' layout conversion), 63-180 registers. (The table's tiles are the
-16 KB ones; the forward kernel and the fused backward now take 32 KB tap pairs at G >= 4, launcher.py
-FWD_TILE_ELEMS: 167-254 registers on sm_90, no stack.) At the models' stride-1
+16 KB ones; the forward kernel and the fused backward now take 32 KB tap pairs at G >= 4, and wgrad at
+stride 1 where C is whole groups of four, launcher.py FWD_TILE_ELEMS: 165-254 registers on sm_90, no
+stack.) At the models' stride-1
 shapes t_tensor is 13-24 % of t_dram on sm_90 (25-46 % on sm_80), and t_issue stays under t_dram
 except where the per-pixel work is shared by few channels: dgrad (~20 % more instructions than the
 forward, its transposed weight loads) at G = 2 and with masked groups, and Tiny's 72-channel layer
