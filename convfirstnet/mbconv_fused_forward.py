@@ -1,18 +1,19 @@
 """The forward of ``mbconv_recompute_train`` through the fused MBConv kernels (kernels/mbconv), with the
-three BatchNorms normalising by the batch's statistics, folded into the kernels' weights per step
-(kernels/mbconv/moments.py):
+three BatchNorms normalising by the batch's statistics (kernels/mbconv/moments.py):
 
     BN_e (after the expand, R channels): mean and variance of z = W_exp x follow from the mean and the
          C x C covariance of the narrow x (kernels/mbconv/narrow.py ``x_moments``: one read of x, Gram
          blocks per pixel split centred at a shift, fp32 accumulation, merged by Chan's rule in a second
          launch): mean_z = W mean_x, var_z = diag(W cov W^T), in the fold launch. No pass over a wide
-         tensor.
-    BN_d (after the grouped conv, before SiLU and, for stride 2, the BlurPool): one moments launch of the
-         hidden kernel (per-image sums of u - shift and its square, shift = BN_d's running mean), merged
-         in a fixed order by the fold launch. That launch also keeps u, and one pass applies BN_d + SiLU
-         (+ BlurPool) to it, with the pool and the SE partials; a small launch computes the gates.
-    BN_p (after the projection, K channels): the launch pair with BN_e and BN_d folded writes the
-         projection without bias and residual; then (narrow.py ``bn_residual``) its per-channel
+         tensor for the statistics; then h = SiLU(BN_e(W_exp x)) by the expand kernel
+         (expand_backward.py ``expand_hidden``) and u = gconv3x3(h) by the group-width-8 conv
+         (kernels/gconv): the launches the backward recomputes them with, so its d is this u bit for bit.
+    BN_d (after the grouped conv, before SiLU and, for stride 2, the BlurPool): one moments launch over u
+         (per-image sums of u - shift and its square, shift = BN_d's running mean), merged in a fixed
+         order by the fold launch; one pass applies BN_d + SiLU (+ BlurPool) to u, with the pool and the
+         SE partials; a small launch computes the gates.
+    BN_p (after the projection, K channels): the projection kernel writes W_proj (g * gate) without
+         bias and residual; then (narrow.py ``bn_residual``) its per-channel
          statistics per pixel split, their merge (Chan's rule; scale, bias and the running update) and
          one pass that normalises, applies drop-path and adds the residual, over the projection.
 
@@ -20,8 +21,7 @@ Running statistics: BN_e's and BN_d's updated by the fold launches, BN_p's by it
 nn.BatchNorm2d's rule (running = (1 - f) running + f batch, the unbiased variance):
 the same update as the layer-wise forward, in place on the op's copies. The backward is unchanged
 (mbconv_recompute.py recomputes the layer-wise forward). Numerics: the fused form rounds where the
-kernels round (h, g, the gate, the projection, x centred for the Gram product, the folded weights and
-biases in x's dtype) instead of
+kernels round (h, u, g, the gate, the projection, x centred for the Gram product) instead of
 after each layer, so it matches the layer-wise forward within the rounding of x's dtype
 (tests/kernels/test_mbconv_fused_forward.py).
 
@@ -99,36 +99,42 @@ def forward(x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d: 
 
 def _forward(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,
              beta_p, running, drop_scale, stride, factors, eps, stats):
-    from .kernels.mbconv.moments import fold_conv, fold_expand, mbconv_from_conv_output, moment_partials
+    from .kernels.mbconv.expand_backward import expand_hidden
+    from .kernels.mbconv.moments import conv_moments, fold_conv, fold_expand, mbconv_from_conv_output
     from .kernels.mbconv.narrow import bn_residual, x_moments
 
     dt = x.dtype
     n, c, h, w = x.shape
     r, k, s = w_exp.shape[0], w_proj.shape[0], w_se1.shape[0]
     rm_e, rv_e, rm_d, rv_d, rm_p, rv_p = running
-    # the SE, projection and grouped-conv weights in x's dtype by one copy (autocast keeps them in fp32), and
-    # the projection's zero bias (BN_p follows) after them
-    parts = (w_se1, w_se2, w_proj, b_se1, b_se2, w_dw)
+    # the SE, projection and expand weights in x's dtype by one copy (autocast keeps them in fp32), and the
+    # projection's zero bias (BN_p follows) after them
+    parts = (w_se1, w_se2, w_proj, b_se1, b_se2, w_exp)
     sizes = [t.numel() for t in parts]
     buf = torch.empty(sum(sizes) + k, device=x.device, dtype=dt)
     torch.cat([t.detach().reshape(-1) for t in parts], out=buf[:sum(sizes)])
     zero_bias = buf[sum(sizes):].zero_()
-    w_se1, w_se2, w_proj, b_se1, b_se2, w_dw_x = buf[:sum(sizes)].split(sizes)
-    w_se1, w_se2, w_proj, w_dw_x = (w_se1.view(s, r), w_se2.view(r, s), w_proj.view(k, r),
-                                    w_dw_x.view(r, 8, 3, 3))
-    # BN_e from x's moments, folded into the expand (one launch, running statistics updated)
+    w_se1, w_se2, w_proj, b_se1, b_se2, w_exp_x = buf[:sum(sizes)].split(sizes)
+    w_se1, w_se2, w_proj, w_exp_x = w_se1.view(s, r), w_se2.view(r, s), w_proj.view(k, r), w_exp_x.view(r, c)
+    # BN_e's batch statistics from x's moments (one launch, running statistics updated; its folded weights
+    # are not used here)
     rows = (None,) * 3 if stats is None else stats_rows(stats, r, k)
     mean_x, wg = (None, None) if stats is None else x_rows(stats, c, r, k)
     mean_x, gram = x_moments(x, mean_x)
-    w_exp_f, b_exp_f = fold_expand(w_exp.reshape(r, c), mean_x, mean_x, gram, gamma_e, beta_e, rm_e, rv_e,
-                                   factors[0], eps, n * h * w, dt, rows[0], wg)
-    # BN_d: the moments launch (shifted by BN_d's running mean, keeping the conv output u), then the fold
-    # (which updates that mean), then one pass applies BN_d + SiLU (+ BlurPool) to u, instead of a second
-    # expand + conv with BN_d folded
-    u = torch.empty((n, h * w, r), device=x.device, dtype=dt)
+    # h = SiLU(BN_e(W_exp x)) and the conv's output u = gconv3x3(h) (kernels/gconv), as the backward
+    # recomputes them (the same launches: its d is this u bit for bit); BN_d's moment rows from u (shifted
+    # by BN_d's running mean), the fold (which updates that mean), then one pass applies BN_d + SiLU
+    # (+ BlurPool) to u
+    st_e = rows[0] if rows[0] is not None else torch.empty((2, r), device=x.device, dtype=torch.float32)
+    fold_expand(w_exp.reshape(r, c), mean_x, mean_x, gram, gamma_e, beta_e, rm_e, rv_e, factors[0], eps,
+                n * h * w, dt, st_e, wg)
+    x2 = x.permute(0, 2, 3, 1).reshape(n * h * w, c)
+    hid = expand_hidden(x2, w_exp_x, st_e[0], st_e[1], gamma_e, beta_e)
+    u4 = torch.ops.convfirstnet.gconv3x3(hid.view(n, h, w, r).permute(0, 3, 1, 2), w_dw, 1, True)
+    del hid
+    u = u4.permute(0, 2, 3, 1).reshape(n, h * w, r)
     st_d = rows[1] if rows[1] is not None else torch.empty((2, r), device=x.device, dtype=torch.float32)
-    parts = moment_partials(x, w_exp_f, b_exp_f, w_dw_x, rm_d, w_se1, k, stride, u=u)
-    fold_conv(parts, w_dw, gamma_d, beta_d, rm_d, rv_d, factors[1], eps, h * w, dt, st_d)
+    fold_conv(conv_moments(u, rm_d), w_dw, gamma_d, beta_d, rm_d, rv_d, factors[1], eps, h * w, dt, st_d)
     o = mbconv_from_conv_output(u, x, st_d, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, zero_bias,
                                 stride)
     del u

@@ -121,27 +121,31 @@ def test_mbconv_recompute_counts_its_forward_twice_and_stores_its_input(pico):
 
 def test_training_recordings_take_the_target_geometry():
     """The training report records each block for its target, arch and shared memory included: at
-    Small's 16x16 MBConv shape the moments launch keeps x resident in shared memory on sm_90 and takes
-    the tiled form below it (with only the SM count and L2 passed, sm_80 recorded sm_90's)."""
+    Small's 16x16 MBConv shape the projection takes 128-row tiles on sm_90 and 64-row tiles below it,
+    and the expand's pixel splits follow the SM count (with only the SM count and L2 passed, sm_80
+    recorded sm_90's)."""
     from convfirstnet.analysis.targets import target
     from convfirstnet.analysis.training import record_mbconv_forward
 
     block = MBConv(256, 256, 1)
-    resident = {}
+    rows, grids = {}, {}
     for arch in (90, 80):
         launches, _ = record_mbconv_forward(block, (1, 256, 16, 16), 128, torch.float16, target(arch))
-        assert launches[3].meta["MOMENTS"] is True
-        resident[arch] = launches[3].meta["RESIDENT"]
-    assert resident == {90: True, 80: False}
+        assert launches[9].kernel.fn.__name__ == "_mbconv_project_kernel"
+        rows[arch] = launches[9].meta["BM"]
+        grids[arch] = launches[3].grid
+    assert rows == {90: 128, 80: 64}
+    assert grids[90] != grids[80]
 
 
 @pytest.mark.parametrize("stride", [1, 2])
 def test_mbconv_fused_forward_recording(stride):
     """An MBConv block's training forward through the fused kernels on meta tensors (the report's count):
-    Triton launches (x's Gram partials and merge, BN_e's fold, the moments variant of the hidden kernel,
-    BN_d's fold, the BN_d pass over the kept conv output (stride 2: with the blur), the SE gates, the
-    projection without residual, BN_p's statistics, merge and apply) and two aten ops: the six
-    weights' copy to fp16 (autocast keeps them in fp32) and the projection's zero bias; the forward's and
+    Triton launches (x's Gram partials and merge, BN_e's fold, h by the expand kernel, the conv's output u
+    by the group-width-8 conv, BN_d's moments over u and its fold, the BN_d pass over u (stride 2: with the
+    blur), the SE gates, the projection without residual, BN_p's statistics, merge and apply) and two aten
+    ops: the six weights' copy to fp16 (autocast keeps them in fp32) and the projection's zero bias; the
+    forward's and
     backward's layer-wise kernels split the block's kernels."""
     from convfirstnet.analysis.targets import target
     from convfirstnet.analysis.training import _is_forward, record_mbconv_forward
@@ -150,11 +154,10 @@ def test_mbconv_fused_forward_recording(stride):
     launches, small = record_mbconv_forward(MBConv(c, k, stride), (1, c, side, side), 8, torch.float16,
                                             target(90))
     names = [lc.kernel.fn.__name__ if hasattr(lc.kernel, "fn") else lc.kernel.__name__ for lc in launches]
-    assert names == ["_gram_partials_kernel", "_gram_merge_kernel", "_fold_expand_kernel",
-                     "_mbconv_hidden_kernel", "_fold_conv_kernel", "_bn_silu_pool_kernel", "_se_gates_kernel",
-                     "_mbconv_project_kernel", "_channel_partials_kernel", "_bn_merge_kernel",
-                     "_bn_apply_kernel"]
-    assert launches[3].meta["MOMENTS"] is True and launches[3].meta["KEEP_U"] is True
+    assert names == ["_gram_partials_kernel", "_gram_merge_kernel", "_fold_expand_kernel", "_expand_kernel",
+                     "_gconv_fwd_kernel", "_conv_moments_kernel", "_fold_conv_kernel", "_bn_silu_pool_kernel",
+                     "_se_gates_kernel", "_mbconv_project_kernel", "_channel_partials_kernel",
+                     "_bn_merge_kernel", "_bn_apply_kernel"]
     assert launches[-4].meta["RESIDUAL"] is False and launches[-1].meta["RESIDUAL"] is (stride == 1)
     assert small == 2, small
     model = torch.nn.Sequential(MBConv(c, k, stride)).train()

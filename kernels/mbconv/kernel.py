@@ -53,10 +53,6 @@ written once in the input dtype (``gbuf``, (N, H'W', R)) and read back once. Two
    own (``noinline``): inlined, its code took registers that the chunk loop then spilled (the barrier
    check follows the call, convfirstnet.analysis.ordering).
 
-MOMENTS (the training forward, moments.py): the conv's per-image sums of ``u - shift`` and its square
-instead of g, the pool and the SE; with KEEP_U u itself is also stored, (N, H W, R) at the conv's
-resolution, where the stride-1 g would go.
-
 Every reduction runs in a fixed order, so the output is bit-reproducible.
 
 Scratch
@@ -218,7 +214,7 @@ def _mbconv_hidden_kernel(
     EXACT: tl.constexpr, RESIDENT: tl.constexpr, XM: tl.constexpr, HWP: tl.constexpr,
     ZB: tl.constexpr, SILU: tl.constexpr, PREC: tl.constexpr, CS: tl.constexpr, SEB: tl.constexpr,
     NS: tl.constexpr, GATE: tl.constexpr, GB: tl.constexpr, NCP: tl.constexpr,
-    MOMENTS: tl.constexpr, ONE: tl.constexpr, AHEAD: tl.constexpr, TAPS: tl.constexpr, KEEP_U: tl.constexpr,
+    ONE: tl.constexpr, AHEAD: tl.constexpr, TAPS: tl.constexpr,
 ):
     G: tl.constexpr = RB // 8
     GS: tl.constexpr = G * CS  # conv batch: each group's pixel tile split in CS sub-tiles
@@ -352,9 +348,6 @@ def _mbconv_hidden_kernel(
                 # ---- grouped conv (+ SiLU), 64-pixel tiles
                 if STRIDE == 1:
                     pool = tl.zeros((GS, MS, 8), dtype=tl.float32)
-                if MOMENTS:  # BatchNorm statistics pass (kernels/mbconv/moments.py): no g, no pool, no SE
-                    mom1 = tl.zeros((GS, MS, 8), dtype=tl.float32)
-                    mom2 = tl.zeros((GS, MS, 8), dtype=tl.float32)
                 for t in tl.range(0, ntile, num_stages=1):
                     y, xx_, yc, xc, ok = _tile(t, ncol, H, W, m, TW, TH, EXACT)
                     qp = (yc + 1) * ROWE + (xc + 1) * 8
@@ -376,48 +369,30 @@ def _mbconv_hidden_kernel(
                         acc = tl.dot(_conv_pair_h(hi, qp, PW, 3, G, CS, TAPS), w3, acc, input_precision=PREC)
                         acc = tl.dot(_conv_pair_h(hi, qp, PW, 4, G, CS, TAPS), w4, acc, input_precision=PREC)
                     v = _silu(acc, hb_c, SILU)
-                    if MOMENTS:  # u = the conv output minus a shift (b_conv = the shift): sums of u and u^2
-                        u = acc - 2.0 * hb_c
-                        if not EXACT:
-                            u = tl.where(ok[:, :, None], u, 0.0)
-                        mom1 += u
-                        mom2 += u * u
                     pix = (y * W + xx_)[:, :, None]
                     ok3 = ok[:, :, None]
-                    if KEEP_U or (STRIDE == 1 and not MOMENTS):
-                        if KEEP_U:  # the conv output before BN_d, at the conv's resolution (moments.py)
-                            v = acc
-                            row0 = n * (H * W)
-                        else:
-                            row0 = n * OHW
+                    if STRIDE == 1:
+                        row0 = n * OHW
                         if RESIDENT and HWP > 64:  # 16x16: the row index (>= 0) zero-extended; sign-
                             # extended, its high word took a uniform register that spilled in the chunk loop
                             gp = g_ptr + (row0 + pix).to(tl.uint32).to(tl.int64) * R + r3
                         else:
                             gp = g_ptr + (row0 + pix).to(tl.int64) * R + r3
                         if EXACT:
-                            if not MOMENTS:
-                                pool += v
+                            pool += v
                             if MASK_R:
                                 tl.store(gp, v.to(dtype), mask=r3 < R)
                             else:
                                 tl.store(gp, v.to(dtype))
                         else:
-                            if not MOMENTS:
-                                pool += tl.where(ok3, v, 0.0)
+                            pool += tl.where(ok3, v, 0.0)
                             tl.store(gp, v.to(dtype), mask=ok3 & (r3 < R))
-                    elif not MOMENTS:  # the full-resolution g into its own slot, [H W pixels][RB]
+                    else:  # the full-resolution g into its own slot, [H W pixels][RB]
                         if EXACT:
                             tl.store(gs + pix * RB + g3 * 8 + c3, v.to(dtype))
                         else:
                             tl.store(gs + pix * RB + g3 * 8 + c3, v.to(dtype), mask=ok3)
-                if MOMENTS:  # per (image, pixel sub-tile) partials, fp32, into z_ptr: [N][2][CS][R]
-                    r2 = ((bs % CS) * R + r0 + (bs // CS) * 8)[:, None] + tl.arange(0, 8)[None, :]
-                    r2_ok = (r0 + (bs // CS) * 8)[:, None] + tl.arange(0, 8)[None, :] < R
-                    mrow = z_ptr + tl.cast(n, tl.int64) * (2 * CS * R)
-                    tl.store(mrow + r2, tl.sum(mom1, axis=1), mask=r2_ok)
-                    tl.store(mrow + CS * R + r2, tl.sum(mom2, axis=1), mask=r2_ok)
-                elif STRIDE == 1:
+                if STRIDE == 1:
                     if NS == CS:  # each pixel sub-tile's sums as a row of its own ([CS][RB]),
                         # added by _se_partial (the sum over the sub-tiles here takes a layout conversion)
                         r2 = ((bs % CS) * RB + (bs // CS) * 8)[:, None] + tl.arange(0, 8)[None, :]
@@ -433,10 +408,8 @@ def _mbconv_hidden_kernel(
                     _blur(gs, g_ptr, ms, n, r0, rr, r_ok, H, W, OH, OW, R, ncol_o, ntile_o, mo, RB, TWO, THO,
                           EXACT, MASK_R)
                 tl.debug_barrier()
-                if not MOMENTS:
-                    _se_partial(ms, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, sw1_r, RB, SP, SEB,
-                                NS)
-    if GATE and not MOMENTS:  # every item held all the chunks of its images: their SE gates, once per image,
+                _se_partial(ms, w1_ptr, z_ptr, n, ch, NCHUNK, r0, rr, r_ok, S, sw1_s, sw1_r, RB, SP, SEB, NS)
+    if GATE:  # every item held all the chunks of its images: their SE gates, once per image,
         # in a loop of their own after the work items
         tl.debug_barrier()  # the SE partials (stored by other threads) are complete
         for item in range(pid, item_end, item_step):

@@ -391,7 +391,7 @@ class MBConvGeometry:
                     # every constexpr passed, none left to a default: torch.compile's wrapper of a user
                     # kernel drops defaulted arguments from the launch it generates
                     GATE=self.gate, GB=GATE_ROWS if self.gate else 128,
-                    NCP=next_power_of_2(self.nchunk) if self.gate else 1, MOMENTS=False, KEEP_U=False,
+                    NCP=next_power_of_2(self.nchunk) if self.gate else 1,
                     num_warps=self.hidden_warps, num_stages=1, **self.hidden_options)
 
     @property

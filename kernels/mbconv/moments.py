@@ -1,30 +1,27 @@
-"""The MBConv kernels (kernel.py) in a training step's forward, where the three BatchNorms normalise with
-the batch's statistics (convfirstnet/mbconv_fused_forward.py folds them per step):
+"""The MBConv kernels in a training step's forward, where the three BatchNorms normalise with the batch's
+statistics (convfirstnet/mbconv_fused_forward.py runs them per step):
 
-* ``moment_partials``: the hidden kernel in its moments mode (``MOMENTS``): expand (BN_e folded) + SiLU
-  + grouped conv as in inference, then, instead of g, the pool and the SE partials, per image and pixel
-  sub-tile of the conv the fp32 sums of ``u - shift`` and of its square per hidden channel (``u`` the
-  conv output before BN_d, the shift passed as the conv bias: BN_d's running mean, which keeps the
-  per-image sums of squares from cancelling when the mean is large against the spread), written to
-  their own rows ([N][2][CS][R], no atomics).
+* ``conv_moments`` (``_conv_moments_kernel``): BN_d's statistics from the grouped conv's output u (N, H W,
+  R), written by the group-width-8 conv (kernels/gconv) from h = SiLU(BN_e(W_exp x)) (expand_backward.py
+  ``expand_hidden``): per image the fp32 sums of ``u - shift`` and of its square per hidden channel (the
+  shift BN_d's running mean, which keeps the per-image sums of squares from cancelling when the mean is
+  large against the spread), written to their own rows ([N][2][1][R], no atomics). Against the hidden
+  kernel computing expand, conv and these sums in one launch (x resident in shared memory, one program
+  per image): its 174 KB of shared memory left one 8-warp program per SM, whose load waits bound it
+  (static estimate, Small, batch 128, sm_90, high end: 16x16 stride 1 291 us against 54 + 98 + 33 us for
+  the expand, conv and moments launches; 32x32 stride 2, 96 channels, 795 against 232).
 * ``fold_expand`` and ``fold_conv`` (``_fold_expand_kernel``, ``_fold_conv_kernel``): one small launch
   each that turns a BatchNorm's batch statistics into the folded weights and bias of the kernels (in
   x's dtype) and updates its running statistics in place (nn.BatchNorm2d's rule, unbiased variance).
   BN_e: mean and variance of W x from x's mean and Gram matrix (narrow.py ``x_moments``); BN_d: the
   moment rows merged in a fixed order (per image, then Chan's rule over the images, in tiles of images).
   They replace ~60 per-channel torch ops, each a launch of its own.
-* ``KEEP_U``: the moments launch also writes u (before the shift, rounded to x's dtype, where the
-  layer-wise conv rounds its output) to a (N, H W, R) buffer, and ``mbconv_from_conv_output`` finishes
-  the block from it: ``_bn_silu_pool_kernel`` (g = SiLU(BN_d(u)), stride 1 in place, stride 2 blurred;
-  the pool, the SE partials), ``_se_gates_kernel`` (the gates, one image per program) and the projection
-  without the residual: ``W_proj (g * gate) + b_proj``, whose BatchNorm the caller applies. Against a
-  second launch of the hidden kernel (expand + conv again with BN_d folded): one read of u (and one
-  write of g) instead of the recompute (Small, batch 128, sm_90, predicted: 16x16 stride 1 226-337 ->
-  47-60 us with the gates launch).
+* ``mbconv_from_conv_output`` finishes the block from u: ``_bn_silu_pool_kernel`` (g = SiLU(BN_d(u)),
+  stride 1 in place, stride 2 blurred; the pool, the SE partials), ``_se_gates_kernel`` (the gates, one
+  image per program) and the projection without the residual: ``W_proj (g * gate) + b_proj``, whose
+  BatchNorm the caller applies.
 
-The geometry, buffers and cost declarations are launcher.py's (``geometry_of``, ``hidden_buffers``,
-``hidden_cost``, ``launch_project``); the moments launch declares the hidden kernel's work less what it
-skips.
+The geometry and the projection's launch are launcher.py's (``geometry_of``, ``launch_project``).
 """
 
 from __future__ import annotations
@@ -38,66 +35,56 @@ import triton.language as tl
 from .._cost import KernelCost, Loop
 from .._launch import cdiv, launch, next_power_of_2
 from .._scalars import fp32
-from .kernel import _mbconv_hidden_kernel, _silu, se_gates
-from .launcher import (BMO, GATE_ROWS, MBConvGeometry, geometry_of, hidden_buffers, hidden_cost,
-                       kernel_settings, launch_project)
+from .kernel import _silu, se_gates
+from .launcher import (GATE_ROWS, MBConvGeometry, geometry_of, kernel_settings, launch_project)
 
 
-def moment_partials(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tensor, w_conv: torch.Tensor,
-                    shift: torch.Tensor, w_se1: torch.Tensor, k: int, stride: int,
-                    u: torch.Tensor | None = None) -> torch.Tensor:
-    """The moments launch: [N, 2, CS, R] fp32, [n, 0, j] the sums of ``u - shift`` over pixel sub-tile j of
-    image n, [n, 1, j] the sums of its square. ``w_exp``, ``b_exp``: the expand with BN_e folded;
-    ``w_conv``: the raw grouped-conv weights (R, 8, 3, 3); ``w_se1`` and ``k`` only size the geometry
-    (the same one as the launch pair that follows). ``u`` (KEEP_U): (N, H W, R) in x's dtype, receives the
-    conv output before BN_d, at the conv's resolution (``mbconv_from_conv_output`` finishes the block)."""
-    n, c, h, w = x.shape
-    r = w_exp.shape[0]
-    geo = dataclasses.replace(geometry_of(x, r, k, w_se1.shape[0], stride), gate=False)  # no SE in this pass
-    cs = geo.conv_split
-    parts = torch.empty((n, 2, cs, r), device=x.device, dtype=torch.float32)
+CM_PIXELS, CM_CHANNELS, CM_WARPS, CM_STAGES = 32, 128, 4, 3  # conv_moments' tile: pixels x channels a step
+
+
+@triton.jit
+def _conv_moments_kernel(u_ptr, shift_ptr, parts_ptr, HW, R, BP: tl.constexpr, BR: tl.constexpr):
+    """Image n, BR channels: the sums of u - shift and of its square over the image's HW pixels (fp32,
+    u read in its dtype), to parts[n, 0, 0] and parts[n, 1, 0] (``fold_conv``'s rows, CS = 1).
+    Per-lane accumulators, reduced over the pixels once at the end."""
+    n = tl.program_id(0)
+    r = tl.program_id(1) * BR + tl.arange(0, BR)
+    r_ok = r < R
+    shift = tl.load(shift_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+    base = u_ptr + n.to(tl.int64) * HW * R
+    s1 = tl.zeros((BP, BR), dtype=tl.float32)
+    s2 = tl.zeros((BP, BR), dtype=tl.float32)
+    for p0 in range(0, HW, BP):
+        p = p0 + tl.arange(0, BP)
+        ok = (p < HW)[:, None] & r_ok[None, :]
+        v = tl.load(base + p[:, None] * R + r[None, :], mask=ok, other=0.0).to(tl.float32)
+        d = tl.where(ok, v - shift[None, :], 0.0)
+        s1 += d
+        s2 += d * d
+    row = parts_ptr + n * (2 * R) + r
+    tl.store(row, tl.sum(s1, axis=0), mask=r_ok)
+    tl.store(row + R, tl.sum(s2, axis=0), mask=r_ok)
+
+
+def conv_moments(u: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """BN_d's moment rows ([N, 2, 1, R] fp32, ``fold_conv``'s input) from the conv output ``u`` (N, H W, R)
+    contiguous, as written by the group-width-8 conv (NHWC), shifted by ``shift`` (BN_d's running mean)."""
+    n, hw, r = u.shape
+    if not u.is_contiguous() or shift.shape != (r,):
+        raise ValueError(f"conv_moments: u must be a contiguous (N, H W, R) tensor and shift ({r},), got "
+                         f"{tuple(u.shape)} (contiguous: {u.is_contiguous()}) and {tuple(shift.shape)}")
+    parts = torch.empty((n, 2, 1, r), device=u.device, dtype=torch.float32)
     if n == 0:
         return parts
-    keep = u is not None
-    if keep and (u.shape != (n, h * w, r) or u.dtype != x.dtype or not u.is_contiguous()):
-        raise ValueError(f"moment_partials: u must be a contiguous ({n}, {h * w}, {r}) {x.dtype} tensor, "
-                         f"got {tuple(u.shape)} {u.dtype}")
-    scratch, gscratch, mslot = hidden_buffers(geo, x)
-    silu, prec = kernel_settings(x)
-    unused = torch.empty((1,), device=x.device, dtype=x.dtype)  # g_ptr: no g is written
-    one = geo.items == geo.programs  # a program per item (ONE), stride 2 included
-    launch(_mbconv_hidden_kernel, (geo.programs,), x, w_exp, b_exp.contiguous(), w_conv, shift, w_se1,
-           u if keep else unused, parts, scratch, gscratch, mslot, n, h, w, geo.oh, geo.ow, c, r,
-           w_se1.shape[0], geo.nchunk, geo.groups, geo.chunks_per_group, geo.items, geo.ib, geo.slot,
-           *x.stride(), *w_exp.stride(), *w_conv.stride(), *w_se1.stride(), *(unused,) * 4, 0, 0,  # no gates
-           cost=lambda: moments_cost(geo, one, keep),
-           **dict(geo.hidden_constexprs(silu, prec), ONE=one, MOMENTS=True, KEEP_U=keep))
+    br = min(CM_CHANNELS, max(16, next_power_of_2(r)))
+    bp = min(CM_PIXELS, next_power_of_2(hw))
+    eb = u.element_size()
+    launch(_conv_moments_kernel, (n, cdiv(r, br)), u, shift, parts, hw, r,
+           cost=lambda: KernelCost(0, 0, n * hw * r * eb + r * 4 + n * 2 * r * 4,
+                                   (Loop("pixel steps", cdiv(hw, bp), fixed=True),),
+                                   note="BN_d's moment rows from the conv output"),
+           BP=bp, BR=br, num_warps=CM_WARPS, num_stages=CM_STAGES)
     return parts
-
-
-def moments_cost(geo: MBConvGeometry, one: bool, keep_u: bool = False) -> KernelCost:
-    """The hidden kernel's declaration (launcher.hidden_cost) less what the moments mode skips: the g
-    store (stride 1: to DRAM; stride 2: its slot round trip and the blur), the pool and the SE partial
-    (its MACs, W_se1 and the partials' writes); plus the moment rows (fp32) written, and with ``keep_u``
-    u at the conv's resolution. ``one``: the launch's ONE."""
-    full = hidden_cost(geo, one)
-    n, r, eb, hw, ohw = geo.n, geo.r, geo.elem, geo.hw, geo.ohw
-    useful = full.useful_macs - n * ((ohw * r * 9 if geo.stride == 2 else 0) + r * geo.s)
-    rows = n * 2 * geo.conv_split * r * 4
-    dram = (full.dram_bytes - (geo.s * r + n * ohw * r) * eb - n * geo.nchunk * geo.sp * 4 + rows
-            + (n * hw * r * eb if keep_u else 0))
-    l2 = full.l2_bytes - geo.nchunk * n * geo.rb * 8
-    if geo.stride == 2:
-        l2 -= geo.nchunk * (n * hw * geo.rb + n * geo.tiles_o * 9 * BMO * geo.rb) * eb
-
-    def strip(loops: tuple[Loop, ...]) -> tuple[Loop, ...]:
-        return tuple(dataclasses.replace(lp, body=strip(lp.body)) for lp in loops
-                     if lp.name != "blur tiles")
-
-    return dataclasses.replace(full, useful_macs=useful, dram_bytes=dram, l2_bytes=l2,
-                               loops=strip(full.loops),
-                               note=full.note + "; moments: per-image sums of u and u^2, "
-                               + ("u stored" if keep_u else "no g"))
 
 
 BNS_ELEMS = 8192  # elements of u per step of the BN_d pass (16 KB of fp16: eight 16-byte loads a thread)
@@ -126,7 +113,7 @@ def _bn_d(u_ptr, a, hb, SILU: tl.constexpr, mask):
 def _bn_silu_pool_kernel(u_ptr, gf_ptr, g_ptr, st_ptr, gamma_ptr, beta_ptr, w1_ptr, z_ptr, H, W, OH, OW, R, S,
                          NCHUNK, sw1_s, sw1_r, RB: tl.constexpr, BP: tl.constexpr, SP: tl.constexpr,
                          SILU: tl.constexpr, MASK_R: tl.constexpr, STRIDE: tl.constexpr, NS: tl.constexpr):
-    """After the moments launch kept u (N, H W, R): one (image, RB-channel chunk) per program. g =
+    """Over the conv output u (N, H W, R): one (image, RB-channel chunk) per program. g =
     SiLU(gamma rstd (u - mean) + beta) (BN_d with the batch's statistics, ``st_ptr``: mean, then rstd R
     entries on; fp32); stride 2: g = BlurPool(g) ([1, 2, 1]^2 / 16, stride 2, reflect padding folded into
     the indices, as kernel.py ``_blur``: first g at full resolution, rounded, in place of u, then the taps
@@ -205,7 +192,7 @@ def mbconv_from_conv_output(u: torch.Tensor, x: torch.Tensor, stats: torch.Tenso
                             b_se2: torch.Tensor, w_proj: torch.Tensor, b_proj: torch.Tensor, stride: int
                             ) -> torch.Tensor:
     """``W_proj (g * gate) + b_proj`` (NHWC, x's dtype) from the conv output ``u`` (N, H W, R) that the
-    moments launch kept: the BN_d pass (``_bn_silu_pool_kernel``: g, stride 1 in place over u, stride 2
+    group-width-8 conv wrote: the BN_d pass (``_bn_silu_pool_kernel``: g, stride 1 in place over u, stride 2
     blurred into a buffer of its own; the SE partials), the SE gates, then the projection (no residual).
     ``stats``: BN_d's batch (mean; rstd), (2, R) fp32 (``fold_conv``'s); ``gamma``, ``beta``: BN_d's
     affine."""
@@ -426,7 +413,7 @@ def fold_conv(parts: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, beta: t
               running_mean: torch.Tensor, running_var: torch.Tensor, f: float, eps: float, pixels: int,
               dtype: torch.dtype, stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the grouped conv's weights with BN_d folded (R, 8, 3, 3), its bias (R,)) in ``dtype``, from
-    ``moment_partials``' rows over ``pixels`` pixels per image, whose shift was ``running_mean``; the
+    ``conv_moments``' rows over ``pixels`` pixels per image, whose shift was ``running_mean``; the
     running statistics updated in place, the batch mean and rstd written to ``stats`` ((2, R) fp32) when
     given."""
     n, _, cs, r = parts.shape
