@@ -8,9 +8,10 @@ three BatchNorms normalising by the batch's statistics (kernels/mbconv/moments.p
          tensor for the statistics; then h = SiLU(BN_e(W_exp x)) by the expand kernel
          (expand_backward.py ``expand_hidden``) and u = gconv3x3(h) by the group-width-8 conv
          (kernels/gconv): the launches the backward recomputes them with, so its d is this u bit for bit.
-    BN_d (after the grouped conv, before SiLU and, for stride 2, the BlurPool): one moments launch over u
-         (per-image sums of u - shift and its square, shift = BN_d's running mean), merged in a fixed
-         order by the fold launch; one pass applies BN_d + SiLU (+ BlurPool) to u, with the pool and the
+    BN_d (after the grouped conv, before SiLU and, for stride 2, the BlurPool): the sums of u - shift
+         and its square (shift = BN_d's running mean), per conv program as the conv stores u where its
+         tiles cover the map exactly, else per image by one pass over u; merged in a fixed order by the
+         fold launch; one pass applies BN_d + SiLU (+ BlurPool) to u, with the pool and the
          SE partials; a small launch computes the gates.
     BN_p (after the projection, K channels): the projection kernel writes W_proj (g * gate) without
          bias and residual; then (narrow.py ``bn_residual``) its per-channel
@@ -99,6 +100,7 @@ def forward(x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d: 
 
 def _forward(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,
              beta_p, running, drop_scale, stride, factors, eps, stats):
+    from .kernels.gconv.launcher import gconv3x3_moments_triton, moments_rows
     from .kernels.mbconv.expand_backward import expand_hidden
     from .kernels.mbconv.moments import conv_moments, fold_conv, fold_expand, mbconv_from_conv_output
     from .kernels.mbconv.narrow import bn_residual, x_moments
@@ -130,11 +132,19 @@ def _forward(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_s
                 n * h * w, dt, st_e, wg)
     x2 = x.permute(0, 2, 3, 1).reshape(n * h * w, c)
     hid = expand_hidden(x2, w_exp_x, st_e[0], st_e[1], gamma_e, beta_e)
-    u4 = torch.ops.convfirstnet.gconv3x3(hid.view(n, h, w, r).permute(0, 3, 1, 2), w_dw, 1, True)
-    del hid
+    hid4 = hid.view(n, h, w, r).permute(0, 3, 1, 2)
+    pixels = moments_rows(n, r, h, w, dt, x.device.type == "cpu")
+    if pixels is not None:  # the conv's programs sum BN_d's moments over their tiles as they store u
+        u4, parts = gconv3x3_moments_triton(hid4, w_dw, rm_d)
+    else:  # tiles with masked pixels: one pass over u, per image
+        u4 = torch.ops.convfirstnet.gconv3x3(hid4, w_dw, 1, True)
+        parts, pixels = None, h * w
+    del hid, hid4
     u = u4.permute(0, 2, 3, 1).reshape(n, h * w, r)
+    if parts is None:
+        parts = conv_moments(u, rm_d)
     st_d = rows[1] if rows[1] is not None else torch.empty((2, r), device=x.device, dtype=torch.float32)
-    fold_conv(conv_moments(u, rm_d), w_dw, gamma_d, beta_d, rm_d, rv_d, factors[1], eps, h * w, dt, st_d)
+    fold_conv(parts, w_dw, gamma_d, beta_d, rm_d, rv_d, factors[1], eps, pixels, dt, st_d)
     o = mbconv_from_conv_output(u, x, st_d, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, zero_bias,
                                 stride)
     del u

@@ -131,8 +131,8 @@ def test_training_recordings_take_the_target_geometry():
     rows, grids = {}, {}
     for arch in (90, 80):
         launches, _ = record_mbconv_forward(block, (1, 256, 16, 16), 128, torch.float16, target(arch))
-        assert launches[9].kernel.fn.__name__ == "_mbconv_project_kernel"
-        rows[arch] = launches[9].meta["BM"]
+        assert launches[8].kernel.fn.__name__ == "_mbconv_project_kernel"
+        rows[arch] = launches[8].meta["BM"]
         grids[arch] = launches[3].grid
     assert rows == {90: 128, 80: 64}
     assert grids[90] != grids[80]
@@ -142,7 +142,7 @@ def test_training_recordings_take_the_target_geometry():
 def test_mbconv_fused_forward_recording(stride):
     """An MBConv block's training forward through the fused kernels on meta tensors (the report's count):
     Triton launches (x's Gram partials and merge, BN_e's fold, h by the expand kernel, the conv's output u
-    by the group-width-8 conv, BN_d's moments over u and its fold, the BN_d pass over u (stride 2: with the
+    by the group-width-8 conv with BN_d's moments, BN_d's fold, the BN_d pass over u (stride 2: with the
     blur), the SE gates, the projection without residual, BN_p's statistics, merge and apply) and two aten
     ops: the six weights' copy to fp16 (autocast keeps them in fp32) and the projection's zero bias; the
     forward's and
@@ -155,9 +155,10 @@ def test_mbconv_fused_forward_recording(stride):
                                             target(90))
     names = [lc.kernel.fn.__name__ if hasattr(lc.kernel, "fn") else lc.kernel.__name__ for lc in launches]
     assert names == ["_gram_partials_kernel", "_gram_merge_kernel", "_fold_expand_kernel", "_expand_kernel",
-                     "_gconv_fwd_kernel", "_conv_moments_kernel", "_fold_conv_kernel", "_bn_silu_pool_kernel",
-                     "_se_gates_kernel", "_mbconv_project_kernel", "_channel_partials_kernel",
-                     "_bn_merge_kernel", "_bn_apply_kernel"]
+                     "_gconv_fwd_kernel", "_fold_conv_kernel", "_bn_silu_pool_kernel", "_se_gates_kernel",
+                     "_mbconv_project_kernel", "_channel_partials_kernel", "_bn_merge_kernel",
+                     "_bn_apply_kernel"]
+    assert launches[4].meta["MOMENTS"] is True
     assert launches[-4].meta["RESIDUAL"] is False and launches[-1].meta["RESIDUAL"] is (stride == 1)
     assert small == 2, small
     model = torch.nn.Sequential(MBConv(c, k, stride)).train()

@@ -21,9 +21,9 @@ Per block of the training-form model (``stem``, ``stages.i.j``, ``head``, ``clas
   statistics' copies). Where the op's forward runs through the fused MBConv kernels
   (convfirstnet/mbconv_fused_forward.py: the BatchNorms folded with the batch statistics), the forward
   is counted instead as its recorded launches (``record_mbconv_forward``: x's Gram partials and their
-  merge, BN_e's fold, h by the expand kernel, the conv's output by the group-width-8 conv, BN_d's
-  moments over that output and its fold, the BN_d pass (+ BlurPool, the pool), the SE gates, the
-  projection without residual, BN_p's statistics, merge and normalise + drop-path + residual
+  merge, BN_e's fold, h by the expand kernel, the conv's output and BN_d's moments by the group-width-8
+  conv (or a moments pass over that output), BN_d's fold, the BN_d pass (+ BlurPool, the pool), the SE
+  gates, the projection without residual, BN_p's statistics, merge and normalise + drop-path + residual
   (kernels/mbconv/narrow.py); estimated like the fused blocks') and one launch gap per other aten op.
   The backward runs the fused passes over the narrow input (convfirstnet/mbconv_fused_backward.py) and
   is counted the same way (``record_mbconv_backward``: BN_p's backward, h and the conv's output
@@ -635,10 +635,12 @@ def to_markdown(rep: dict) -> str:
             def fsum(key, end):
                 return sum(b[key][end] for b in ff)
             lines[-1] += (
-                f" The forward of {len(ff)} of them runs through the fused MBConv kernels (BatchNorms folded "
-                f"with the batch statistics: x's Gram matrix, BN_e's fold, the expand, the grouped conv, "
-                f"BN_d's moments over its output and fold, BN_d + SiLU (+ BlurPool) + pool over that output, "
-                f"SE gates, projection and BN_p + residual launches): predicted {fsum('forward_ms', 'low'):.3f}-"
+                f" The forward of {len(ff)} of them runs through the fused MBConv kernels (with the "
+                f"BatchNorms' batch statistics: x's Gram matrix, BN_e's fold, the expand, the grouped conv "
+                f"with BN_d's moments (or a pass over its output where its tiles do not cover the map), "
+                f"BN_d's "
+                f"fold, BN_d + SiLU (+ BlurPool) + pool over that output, SE gates, projection and BN_p + "
+                f"residual launches): predicted {fsum('forward_ms', 'low'):.3f}-"
                 f"{fsum('forward_ms', 'high'):.3f} ms "
                 f"against {fsum('layerwise_forward_ms', 'low'):.3f}-"
                 f"{fsum('layerwise_forward_ms', 'high'):.3f} ms for their layer-wise forward.")

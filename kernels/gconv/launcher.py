@@ -9,6 +9,11 @@ units of 8 elements, so that the compiler can prove each group's 8 channels one 
 (``tl.multiple_of`` on a scalar argument has no effect in Triton 3.8: C = 24 compiled to 2-byte
 loads and stores and spilled).
 
+``gconv3x3_moments_triton``: the stride-1 forward of a conv that a BatchNorm follows (the MBConv
+training forward, kernels/mbconv/moments.py), whose programs also sum y - shift and its square over their
+tiles, from y as stored: taken where the tiles cover the map exactly (``moments_rows``), so that every
+row of sums counts the same pixels. Its y is the plain forward's bit for bit (tests/kernels/test_gconv.py).
+
 Tiles (``tile_config``)
 -----------------------
 * Channel block: G groups (8G channels) per program, G chosen by ``groups_per_program`` from the
@@ -344,12 +349,53 @@ def gconv3x3_triton(x: torch.Tensor, w: torch.Tensor, stride: int) -> torch.Tens
     cfg = fwd_tile_config(c, ho, wo, x.dtype)
     tiles, tpp = _tiles(n, ho, wo, cfg), tiles_per_program(n, c, ho, wo, cfg, x.device.type == "cpu")
     grid = (cdiv(tiles, tpp), cdiv(c, cfg.channels))
-    launch(_gconv_fwd_kernel, grid, x, w, y, None, h, wd, ho, wo, c // GROUP_WIDTH, tiles,
+    launch(_gconv_fwd_kernel, grid, x, w, y, None, None, None, h, wd, ho, wo, c // GROUP_WIDTH, tiles,
            *_vector_strides(x), *w.stride(), STRIDE=stride, FLIP=False, RESIDUAL=False, TPP=tpp,
-           **_meta(cfg, c),
+           MOMENTS=False, **_meta(cfg, c),
            cost=lambda: conv_cost("forward", cfg, n, c, h, wd, stride, x.element_size(), w.element_size(),
                                   tpp=tpp))
     return y
+
+
+def moments_rows(n: int, c: int, h: int, w: int, dtype: torch.dtype, interpreter: bool = False) -> int | None:
+    """Pixels per row of ``gconv3x3_moments_triton``'s moments (each program's tiles, all full), or None
+    where a program's tiles would hold masked pixels (a map its tiles do not cover exactly)."""
+    cfg = fwd_tile_config(c, h, w, dtype)
+    if h % cfg.tile_h or w % cfg.tile_w:
+        return None
+    return cfg.block_m * tiles_per_program(n, c, h, w, cfg, interpreter)
+
+
+def gconv3x3_moments_triton(x: torch.Tensor, w: torch.Tensor, shift: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stride-1 forward with a following BatchNorm's moments: (y, parts), parts (rows, 2, 1, C) fp32, row
+    i the sums of y - shift and of its square (y as stored) over program i's ``moments_rows`` pixels
+    (kernels/mbconv/moments.py ``fold_conv`` takes them as it takes one image's). y is the forward's, bit
+    for bit. Only where ``moments_rows`` is not None."""
+    check_supported("gconv3x3", x)
+    n, c, h, wd = x.shape
+    cpu = x.device.type == "cpu"
+    if moments_rows(n, c, h, wd, x.dtype, cpu) is None or shift.shape != (c,):
+        raise ValueError(f"gconv3x3 moments: a {h} x {wd} map its tiles cover exactly and a ({c},) shift, "
+                         f"got shift {tuple(shift.shape)}")
+    y = torch.empty((n, c, h, wd), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
+    x = _nhwc(x)
+    cfg = fwd_tile_config(c, h, wd, x.dtype)
+    tiles, tpp = _tiles(n, h, wd, cfg), tiles_per_program(n, c, h, wd, cfg, cpu)
+    grid = (cdiv(tiles, tpp), cdiv(c, cfg.channels))
+    parts = torch.empty((grid[0], 2, 1, c), dtype=torch.float32, device=x.device)
+    if y.numel() == 0:
+        return y, parts
+
+    def cost() -> KernelCost:
+        base = conv_cost("forward", cfg, n, c, h, wd, 1, x.element_size(), w.element_size(), tpp=tpp)
+        return dataclasses.replace(base, dram_bytes=base.dram_bytes + c * 4 + grid[0] * 2 * c * 4,
+                                   note=base.note + "; a BatchNorm's moments per program")
+
+    launch(_gconv_fwd_kernel, grid, x, w, y, None, shift, parts, h, wd, h, wd, c // GROUP_WIDTH, tiles,
+           *_vector_strides(x), *w.stride(), STRIDE=1, FLIP=False, RESIDUAL=False, TPP=tpp, MOMENTS=True,
+           **_meta(cfg, c), cost=cost)
+    return y, parts
 
 
 def gconv3x3_dgrad_triton(dy: torch.Tensor, w: torch.Tensor, h: int, wd: int, stride: int,
@@ -377,8 +423,9 @@ def gconv3x3_dgrad_triton(dy: torch.Tensor, w: torch.Tensor, h: int, wd: int, st
         tpp = tiles_per_program(n, c, ho, wo, cfg, dy.device.type == "cpu")
         kind = "dgrad s1" if residual is None else "dgrad s1 + residual"
         # residual None: a constexpr (RESIDUAL), never read
-        launch(_gconv_fwd_kernel, (cdiv(tiles, tpp), cblocks), dy, w, dx, residual, *sizes, tiles, *strides,
-               STRIDE=1, FLIP=True, RESIDUAL=residual is not None, TPP=tpp, **_meta(cfg, c),
+        launch(_gconv_fwd_kernel, (cdiv(tiles, tpp), cblocks), dy, w, dx, residual, None, None, *sizes, tiles,
+               *strides, STRIDE=1, FLIP=True, RESIDUAL=residual is not None, TPP=tpp, MOMENTS=False,
+               **_meta(cfg, c),
                cost=lambda: conv_cost(kind, cfg, n, c, h, wd, 1, eb, wb, residual=residual is not None,
                                       tpp=tpp))
     else:

@@ -1,20 +1,23 @@
 """The MBConv kernels in a training step's forward, where the three BatchNorms normalise with the batch's
 statistics (convfirstnet/mbconv_fused_forward.py runs them per step):
 
-* ``conv_moments`` (``_conv_moments_kernel``): BN_d's statistics from the grouped conv's output u (N, H W,
-  R), written by the group-width-8 conv (kernels/gconv) from h = SiLU(BN_e(W_exp x)) (expand_backward.py
-  ``expand_hidden``): per image the fp32 sums of ``u - shift`` and of its square per hidden channel (the
-  shift BN_d's running mean, which keeps the per-image sums of squares from cancelling when the mean is
-  large against the spread), written to their own rows ([N][2][1][R], no atomics). Against the hidden
-  kernel computing expand, conv and these sums in one launch (x resident in shared memory, one program
-  per image): its 174 KB of shared memory left one 8-warp program per SM, whose load waits bound it
-  (static estimate, Small, batch 128, sm_90, high end: 16x16 stride 1 291 us against 54 + 98 + 33 us for
-  the expand, conv and moments launches; 32x32 stride 2, 96 channels, 795 against 232).
+* BN_d's statistics from the grouped conv's output u (N, H W, R), which the group-width-8 conv (kernels/gconv)
+  writes from h = SiLU(BN_e(W_exp x)) (expand_backward.py ``expand_hidden``): fp32 sums of ``u - shift`` and
+  of its square per hidden channel (the shift BN_d's running mean, which keeps the sums of squares from
+  cancelling when the mean is large against the spread), in rows of their own ([rows][2][1][R], no atomics).
+  Where the conv's tiles cover the map exactly (every map of Small at 256 x 256), the conv's programs sum them
+  over their own tiles as they store u (gconv.launcher.gconv3x3_moments_triton: a row per program; 16x16
+  stride 1 98 + 33 -> 94 us, static, sm_90, high end); elsewhere ``conv_moments`` (``_conv_moments_kernel``)
+  makes one pass over u, a row per image. Against the hidden kernel computing expand, conv and these sums in
+  one launch (x resident in shared memory, one program per image): its 174 KB of shared memory left one 8-warp
+  program per SM, whose load waits bound it (static estimate, Small, batch 128, sm_90, high end: 16x16 stride
+  1 291 us against 54 + 94 us for the expand and the conv with the moments; 32x32 stride 2, 96 channels, 795
+  against 60 + 140).
 * ``fold_expand`` and ``fold_conv`` (``_fold_expand_kernel``, ``_fold_conv_kernel``): one small launch
   each that turns a BatchNorm's batch statistics into the folded weights and bias of the kernels (in
   x's dtype) and updates its running statistics in place (nn.BatchNorm2d's rule, unbiased variance).
   BN_e: mean and variance of W x from x's mean and Gram matrix (narrow.py ``x_moments``); BN_d: the
-  moment rows merged in a fixed order (per image, then Chan's rule over the images, in tiles of images).
+  moment rows merged in a fixed order (per row, then Chan's rule over the rows, in tiles of rows).
   They replace ~60 per-channel torch ops, each a launch of its own.
 * ``mbconv_from_conv_output`` finishes the block from u: ``_bn_silu_pool_kernel`` (g = SiLU(BN_d(u)),
   stride 1 in place, stride 2 blurred; the pool, the SE partials), ``_se_gates_kernel`` (the gates, one
@@ -68,7 +71,8 @@ def _conv_moments_kernel(u_ptr, shift_ptr, parts_ptr, HW, R, BP: tl.constexpr, B
 
 def conv_moments(u: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """BN_d's moment rows ([N, 2, 1, R] fp32, ``fold_conv``'s input) from the conv output ``u`` (N, H W, R)
-    contiguous, as written by the group-width-8 conv (NHWC), shifted by ``shift`` (BN_d's running mean)."""
+    contiguous, as written by the group-width-8 conv (NHWC), shifted by ``shift`` (BN_d's running mean):
+    the pass for maps the conv's tiles do not cover exactly (module docstring)."""
     n, hw, r = u.shape
     if not u.is_contiguous() or shift.shape != (r,):
         raise ValueError(f"conv_moments: u must be a contiguous (N, H W, R) tensor and shift ({r},), got "
@@ -333,10 +337,11 @@ def _fold_expand_kernel(w_ptr, mean_ptr, centre_ptr, gram_ptr, gamma_ptr, beta_p
 @triton.jit
 def _fold_conv_kernel(parts_ptr, w_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, wf_ptr, bf_ptr, st_ptr, N, R, P,
                       f, unbias, eps, CS: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
-    """BN_d from the moment rows ([N][2][CS][R]: sums of u - shift and its square per image and pixel
-    sub-tile, shift = the running mean, read before its update): per image mean_i and M2_i; per tile of
-    BN images their mean and M2 = sum M2_i + P (mean_i - mean)^2; the tiles merged in order into the
-    batch's (Chan's rule, one pass); folded into the grouped conv's weights (R, 72) and a bias."""
+    """BN_d from the moment rows ([N][2][CS][R]: sums of u - shift and its square per row of P pixels (an
+    image, or a conv program's tiles) and sub-row, shift = the running mean, read before its update): per
+    row mean_i and M2_i; per tile of BN rows their mean and M2 = sum M2_i + P (mean_i - mean)^2; the tiles
+    merged in order into the batch's (Chan's rule, one pass); folded into the grouped conv's weights (R,
+    72) and a bias."""
     f, unbias, eps = fp32(f), fp32(unbias), fp32(eps)  # fp64 under torch.compile
     dt = wf_ptr.dtype.element_ty
     r = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -412,10 +417,10 @@ def fold_expand(w: torch.Tensor, mean_x: torch.Tensor, centre: torch.Tensor, gra
 def fold_conv(parts: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
               running_mean: torch.Tensor, running_var: torch.Tensor, f: float, eps: float, pixels: int,
               dtype: torch.dtype, stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the grouped conv's weights with BN_d folded (R, 8, 3, 3), its bias (R,)) in ``dtype``, from
-    ``conv_moments``' rows over ``pixels`` pixels per image, whose shift was ``running_mean``; the
-    running statistics updated in place, the batch mean and rstd written to ``stats`` ((2, R) fp32) when
-    given."""
+    """(the grouped conv's weights with BN_d folded (R, 8, 3, 3), its bias (R,)) in ``dtype``, from moment
+    rows (``conv_moments``' or the conv's) over ``pixels`` pixels per row, whose shift was
+    ``running_mean``; the running statistics updated in place, the batch mean and rstd written to
+    ``stats`` ((2, R) fp32) when given."""
     n, _, cs, r = parts.shape
     w = w.contiguous()
     wf = torch.empty((r, 8, 3, 3), device=w.device, dtype=dtype)

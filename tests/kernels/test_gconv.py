@@ -152,6 +152,35 @@ def test_fp16_wgrad_whole_groups_of_four_take_the_forward_tiles(interpreter_back
     check_all(*make_case(2, 32, 20, 19, 1, torch.float16), 1)
 
 
+@pytest.mark.parametrize("n,c,side,dtype", [(4, 1024, 8, torch.float16), (4, 96, 8, torch.float32),
+                                              (4, 72, 16, torch.float16)])
+def test_forward_with_moments(interpreter_backend, n, c, side, dtype):
+    """The forward with a following BatchNorm's moments (MBConv training, kernels/mbconv/moments.py): y is
+    the plain forward's bit for bit; row i holds the sums of y - shift and of its square over program i's
+    pixels (tiles 2i and 2i + 1 under the interpreter: the tile loop runs twice), per channel, from y as
+    stored. 1024 channels: 16 channel blocks of G = 8; 96: 3 of G = 4 in fp32; 72: masked groups (G = 4,
+    the last block one group wide) on 16x16 maps of one tile each. fp32 sums of <= 512 terms per
+    lane: within 1e-5 of each row's largest sum of squares; a dropped tile or shift moves a
+    row by a whole term (a dropped tile of the sums fails every case)."""
+    gen = torch.Generator().manual_seed(3)
+    mean = 2 + torch.randn(c, generator=gen)
+    x = (torch.randn(n, c, side, side, generator=gen) + 0.5).to(dtype).contiguous(memory_format=CL)
+    w = torch.randn(c, 8, 3, 3, generator=gen) / 72**0.5
+    shift = mean + 0.3 * torch.randn(c, generator=gen)
+    rows = L.moments_rows(n, c, side, side, dtype, interpreter=True)
+    assert rows is not None
+    y, parts = L.gconv3x3_moments_triton(x, w, shift)
+    assert torch.equal(y, L.gconv3x3_triton(x, w, 1))
+    assert parts.shape == (n * side * side // rows, 2, 1, c) and parts.shape[0] > 1
+    u = y.permute(0, 2, 3, 1).reshape(-1, rows, c).double() - shift.double()
+    for k, want in enumerate((u.sum(1), u.square().sum(1))):
+        err = (parts[:, k, 0].double() - want).abs().max() / u.square().sum(1).abs().max()
+        assert err <= 1e-5, (k, err.item())
+    assert L.moments_rows(n, c, 7, 7, dtype, interpreter=True) is None  # masked pixels: not taken
+    with pytest.raises(ValueError, match="exactly"):
+        L.gconv3x3_moments_triton(x[:, :, :7, :7], w, shift)
+
+
 def test_fp32_weight_with_fp16_activations(interpreter_backend):
     """Autocast's form: fp32 master weight, fp16 activations. The kernels round the weight to fp16 as
     they load it (the reference does the same) and return dw in fp32, summed in fp32."""
@@ -859,6 +888,25 @@ def test_wgrad_bitwise_deterministic_gpu(triton_backend):
     a = OPS.gconv3x3_wgrad(dy, x, torch.float32, 1)
     b = OPS.gconv3x3_wgrad(dy, x, torch.float32, 1)
     assert torch.equal(a, b)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("c,side", [(1024, 16), (1024, 8), (384, 32)])
+def test_forward_with_moments_gpu(triton_backend, c, side):
+    """Compiled for the GPU, the MOMENTS variant of the forward stores the plain forward's y bit for bit
+    (the MBConv backward recomputes u with the plain forward), and its moment rows match fp64 sums of y."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(16, c, side, side, generator=gen).half().cuda().contiguous(memory_format=CL)
+    w = (torch.randn(c, 8, 3, 3, generator=gen) / 72**0.5).cuda()
+    shift = (0.1 * torch.randn(c, generator=gen)).cuda()
+    rows = L.moments_rows(16, c, side, side, torch.float16)
+    y, parts = L.gconv3x3_moments_triton(x, w, shift)
+    assert torch.equal(y, L.gconv3x3_triton(x, w, 1))
+    u = y.permute(0, 2, 3, 1).reshape(-1, rows, c).double() - shift.double()
+    for k, want in enumerate((u.sum(1), u.square().sum(1))):
+        err = (parts[:, k, 0].double() - want).abs().max() / u.square().sum(1).abs().max()
+        assert err <= 1e-5, (k, err.item())
 
 
 @cuda
