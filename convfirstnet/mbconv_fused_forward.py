@@ -19,12 +19,11 @@ three BatchNorms normalising by the batch's statistics (kernels/mbconv/moments.p
          one pass that normalises, applies drop-path and adds the residual, over the projection.
 
 Running statistics: BN_e's and BN_d's updated by the fold launches, BN_p's by its merge launch, all with
-nn.BatchNorm2d's rule (running = (1 - f) running + f batch, the unbiased variance):
-the same update as the layer-wise forward, in place on the op's copies. The backward is unchanged
-(mbconv_recompute.py recomputes the layer-wise forward). Numerics: the fused form rounds where the
-kernels round (h, u, g, the gate, the projection, x centred for the Gram product) instead of
-after each layer, so it matches the layer-wise forward within the rounding of x's dtype
-(tests/kernels/test_mbconv_fused_forward.py).
+nn.BatchNorm2d's rule (running = (1 - f) running + f batch, the unbiased variance): the same update as the
+layer-wise forward, in place on the op's copies. The backward (mbconv_fused_backward.py, where selected)
+recomputes h and u from x with the same expand and conv. Numerics: the fused form rounds where the kernels
+round (h, u, g, the gate, the projection, x centred for the Gram product) instead of after each layer, so it
+matches the layer-wise forward within the rounding of x's dtype (tests/kernels/test_mbconv_fused_forward.py).
 
 Selected where the MBConv kernels run (``kernels._launch.use_triton``: CUDA, or the interpreter and the
 cost recording), for 16-bit data on CUDA (fp16 and fp32 in the interpreter), within the kernels' limits
