@@ -337,24 +337,37 @@ def _meta(cfg: TileConfig, c: int) -> dict:
                 TAPS=tap_order(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def gconv3x3_triton(x: torch.Tensor, w: torch.Tensor, stride: int) -> torch.Tensor:
-    """Forward: (N, C, H, W) -> (N, C, H', W') NHWC in x's dtype."""
-    check_supported("gconv3x3", x)
+def _forward(x: torch.Tensor, w: torch.Tensor, stride: int, shift: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The forward kernel's launch: (y, None), or with ``shift`` (MOMENTS) (y, the moment rows)."""
     n, c, h, wd = x.shape
     ho, wo = _out_hw(h, wd, stride)
     y = torch.empty((n, c, ho, wo), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
     if y.numel() == 0:
-        return y
+        return y, None if shift is None else torch.empty((0, 2, 1, c), dtype=torch.float32, device=x.device)
     x = _nhwc(x)
     cfg = fwd_tile_config(c, ho, wo, x.dtype)
     tiles, tpp = _tiles(n, ho, wo, cfg), tiles_per_program(n, c, ho, wo, cfg, x.device.type == "cpu")
     grid = (cdiv(tiles, tpp), cdiv(c, cfg.channels))
-    launch(_gconv_fwd_kernel, grid, x, w, y, None, None, None, h, wd, ho, wo, c // GROUP_WIDTH, tiles,
+    parts = None if shift is None else torch.empty((grid[0], 2, 1, c), dtype=torch.float32, device=x.device)
+
+    def cost() -> KernelCost:
+        base = conv_cost("forward", cfg, n, c, h, wd, stride, x.element_size(), w.element_size(), tpp=tpp)
+        if shift is None:
+            return base
+        return dataclasses.replace(base, dram_bytes=base.dram_bytes + c * 4 + grid[0] * 2 * c * 4,
+                                   note=base.note + "; a BatchNorm's moments per program")
+
+    launch(_gconv_fwd_kernel, grid, x, w, y, None, shift, parts, h, wd, ho, wo, c // GROUP_WIDTH, tiles,
            *_vector_strides(x), *w.stride(), STRIDE=stride, FLIP=False, RESIDUAL=False, TPP=tpp,
-           MOMENTS=False, **_meta(cfg, c),
-           cost=lambda: conv_cost("forward", cfg, n, c, h, wd, stride, x.element_size(), w.element_size(),
-                                  tpp=tpp))
-    return y
+           MOMENTS=shift is not None, **_meta(cfg, c), cost=cost)
+    return y, parts
+
+
+def gconv3x3_triton(x: torch.Tensor, w: torch.Tensor, stride: int) -> torch.Tensor:
+    """Forward: (N, C, H, W) -> (N, C, H', W') NHWC in x's dtype."""
+    check_supported("gconv3x3", x)
+    return _forward(x, w, stride, None)[0]
 
 
 def moments_rows(n: int, c: int, h: int, w: int, dtype: torch.dtype, interpreter: bool = False) -> int | None:
@@ -374,28 +387,10 @@ def gconv3x3_moments_triton(x: torch.Tensor, w: torch.Tensor, shift: torch.Tenso
     for bit. Only where ``moments_rows`` is not None."""
     check_supported("gconv3x3", x)
     n, c, h, wd = x.shape
-    cpu = x.device.type == "cpu"
-    if moments_rows(n, c, h, wd, x.dtype, cpu) is None or shift.shape != (c,):
+    if moments_rows(n, c, h, wd, x.dtype, x.device.type == "cpu") is None or shift.shape != (c,):
         raise ValueError(f"gconv3x3 moments: a {h} x {wd} map its tiles cover exactly and a ({c},) shift, "
                          f"got shift {tuple(shift.shape)}")
-    y = torch.empty((n, c, h, wd), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
-    x = _nhwc(x)
-    cfg = fwd_tile_config(c, h, wd, x.dtype)
-    tiles, tpp = _tiles(n, h, wd, cfg), tiles_per_program(n, c, h, wd, cfg, cpu)
-    grid = (cdiv(tiles, tpp), cdiv(c, cfg.channels))
-    parts = torch.empty((grid[0], 2, 1, c), dtype=torch.float32, device=x.device)
-    if y.numel() == 0:
-        return y, parts
-
-    def cost() -> KernelCost:
-        base = conv_cost("forward", cfg, n, c, h, wd, 1, x.element_size(), w.element_size(), tpp=tpp)
-        return dataclasses.replace(base, dram_bytes=base.dram_bytes + c * 4 + grid[0] * 2 * c * 4,
-                                   note=base.note + "; a BatchNorm's moments per program")
-
-    launch(_gconv_fwd_kernel, grid, x, w, y, None, shift, parts, h, wd, h, wd, c // GROUP_WIDTH, tiles,
-           *_vector_strides(x), *w.stride(), STRIDE=1, FLIP=False, RESIDUAL=False, TPP=tpp, MOMENTS=True,
-           **_meta(cfg, c), cost=cost)
-    return y, parts
+    return _forward(x, w, 1, shift)
 
 
 def gconv3x3_dgrad_triton(dy: torch.Tensor, w: torch.Tensor, h: int, wd: int, stride: int,

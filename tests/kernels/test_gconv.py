@@ -152,6 +152,15 @@ def test_fp16_wgrad_whole_groups_of_four_take_the_forward_tiles(interpreter_back
     check_all(*make_case(2, 32, 20, 19, 1, torch.float16), 1)
 
 
+def assert_moment_rows(y, parts, shift, rows):
+    """Row i of ``parts`` holds the sums of y - shift and of its square over y's pixels i rows ... (i + 1)
+    rows - 1, per channel, within 1e-5 of the rows' largest sum of squares (fp64 reference)."""
+    u = y.permute(0, 2, 3, 1).reshape(-1, rows, y.shape[1]).double() - shift.double()
+    for k, want in enumerate((u.sum(1), u.square().sum(1))):
+        err = (parts[:, k, 0].double() - want).abs().max() / u.square().sum(1).abs().max()
+        assert err <= 1e-5, (k, err.item())
+
+
 @pytest.mark.parametrize("n,c,side,dtype", [(4, 1024, 8, torch.float16), (4, 96, 8, torch.float32),
                                               (4, 72, 16, torch.float16)])
 def test_forward_with_moments(interpreter_backend, n, c, side, dtype):
@@ -172,10 +181,7 @@ def test_forward_with_moments(interpreter_backend, n, c, side, dtype):
     y, parts = L.gconv3x3_moments_triton(x, w, shift)
     assert torch.equal(y, L.gconv3x3_triton(x, w, 1))
     assert parts.shape == (n * side * side // rows, 2, 1, c) and parts.shape[0] > 1
-    u = y.permute(0, 2, 3, 1).reshape(-1, rows, c).double() - shift.double()
-    for k, want in enumerate((u.sum(1), u.square().sum(1))):
-        err = (parts[:, k, 0].double() - want).abs().max() / u.square().sum(1).abs().max()
-        assert err <= 1e-5, (k, err.item())
+    assert_moment_rows(y, parts, shift, rows)
     assert L.moments_rows(n, c, 7, 7, dtype, interpreter=True) is None  # masked pixels: not taken
     with pytest.raises(ValueError, match="exactly"):
         L.gconv3x3_moments_triton(x[:, :, :7, :7], w, shift)
@@ -903,10 +909,7 @@ def test_forward_with_moments_gpu(triton_backend, c, side):
     rows = L.moments_rows(16, c, side, side, torch.float16)
     y, parts = L.gconv3x3_moments_triton(x, w, shift)
     assert torch.equal(y, L.gconv3x3_triton(x, w, 1))
-    u = y.permute(0, 2, 3, 1).reshape(-1, rows, c).double() - shift.double()
-    for k, want in enumerate((u.sum(1), u.square().sum(1))):
-        err = (parts[:, k, 0].double() - want).abs().max() / u.square().sum(1).abs().max()
-        assert err <= 1e-5, (k, err.item())
+    assert_moment_rows(y, parts, shift, rows)
 
 
 @cuda
