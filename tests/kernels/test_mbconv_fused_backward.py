@@ -103,12 +103,12 @@ def _op_grads(block: MBConv, x: torch.Tensor, drop: torch.Tensor, dt: torch.dtyp
 # own tests run the model's other widths (C = 128 here took 42 s of the suite for no path of its own)
 @pytest.mark.parametrize("c, k, stride, side", [(96, 96, 1, 8), (64, 96, 2, 9)])
 def test_op_backward_through_the_fused_passes(interpreter_backend, monkeypatch, c, k, stride, side):
-    """The op (fused forward and the fused backward passes in the interpreter, fp32, N = 3, 8x8 maps,
-    one image dropped and two scaled by 1.25; C = 96 has masked channel chunks; stride 2, N = 2, on 9x9 ->
-    5x5, BlurPool's reflection on both sides) against the layer-wise op in fp64 (the layers' autograd): each
-    gradient within 1e-4 of its maximum. fp32 rounding differs between the two forms (the BatchNorm statistics,
-    the summation orders); the BatchNorm backwards subtract means of the same size as the terms, which
-    amplifies it (observed <= 2e-5)."""
+    """The op (fused forward and the fused backward passes in the interpreter, fp32, N = 3, 8x8 maps, one
+    image dropped and two scaled by 1.25; C = 96 has masked channel chunks; stride 2, N = 2, on 9x9 -> 5x5,
+    BlurPool's reflection on both sides) against the layer-wise op in fp64 (the layers' autograd): each
+    gradient within 1e-4 of its maximum. fp32 rounding differs between the two forms (the BatchNorm
+    statistics, the summation orders); the BatchNorm backwards subtract means of the same size as the terms,
+    which amplifies it (observed <= 2e-5)."""
     from .test_mbconv_fused_forward import _block as block_of
 
     calls = []
