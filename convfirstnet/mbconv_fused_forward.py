@@ -4,23 +4,23 @@ three BatchNorms normalising by the batch's statistics (kernels/mbconv/moments.p
     BN_e (after the expand, R channels): mean and variance of z = W_exp x follow from the mean and the
          C x C covariance of the narrow x (kernels/mbconv/narrow.py ``x_moments``: one read of x, Gram
          blocks per pixel split centred at a shift, fp32 accumulation, merged by Chan's rule in a second
-         launch): mean_z = W mean_x, var_z = diag(W cov W^T), in the fold launch. No pass over a wide
+         launch): mean_z = W mean_x, var_z = diag(W cov W^T), in one small launch. No pass over a wide
          tensor for the statistics; then h = SiLU(BN_e(W_exp x)) by the expand kernel
          (expand_backward.py ``expand_hidden``) and u = gconv3x3(h) by the group-width-8 conv
          (kernels/gconv): the launches the backward recomputes them with, so its d is this u bit for bit.
     BN_d (after the grouped conv, before SiLU and, for stride 2, the BlurPool): the sums of u - shift
          and its square (shift = BN_d's running mean), per conv program as the conv stores u where its
          tiles cover the map exactly, else per image by one pass over u; merged in a fixed order by the
-         fold launch; one pass applies BN_d + SiLU (+ BlurPool) to u, with the pool and the
+         statistics launch; one pass applies BN_d + SiLU (+ BlurPool) to u, with the pool and the
          SE partials; a small launch computes the gates.
     BN_p (after the projection, K channels): the projection kernel writes W_proj (g * gate) without
          bias and residual; then (narrow.py ``bn_residual``) its per-channel
          statistics per pixel split, their merge (Chan's rule; scale, bias and the running update) and
          one pass that normalises, applies drop-path and adds the residual, over the projection.
 
-Running statistics: BN_e's and BN_d's updated by the fold launches, BN_p's by its merge launch, all with
-nn.BatchNorm2d's rule (running = (1 - f) running + f batch, the unbiased variance): the same update as the
-layer-wise forward, in place on the op's copies. The backward (mbconv_fused_backward.py, where selected)
+Running statistics: BN_e's and BN_d's updated by their statistics launches, BN_p's by its merge launch, all
+with nn.BatchNorm2d's rule (running = (1 - f) running + f batch, the unbiased variance): the same update as
+the layer-wise forward, in place on the op's copies. The backward (mbconv_fused_backward.py, where selected)
 recomputes h and u from x with the same expand and conv. Numerics: the fused form rounds where the kernels
 round (h, u, g, the gate, the projection, x centred for the Gram product) instead of after each layer, so it
 matches the layer-wise forward within the rounding of x's dtype (tests/kernels/test_mbconv_fused_forward.py).
@@ -101,7 +101,7 @@ def _forward(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_s
              beta_p, running, drop_scale, stride, factors, eps, stats):
     from .kernels.gconv.launcher import gconv3x3_moments_triton, moments_rows
     from .kernels.mbconv.expand_backward import expand_hidden
-    from .kernels.mbconv.moments import conv_moments, fold_conv, fold_expand, mbconv_from_conv_output
+    from .kernels.mbconv.moments import bn_d_stats, bn_e_stats, conv_moments, mbconv_from_conv_output
     from .kernels.mbconv.narrow import bn_residual, x_moments
 
     dt = x.dtype
@@ -117,18 +117,16 @@ def _forward(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_s
     zero_bias = buf[sum(sizes):].zero_()
     w_se1, w_se2, w_proj, b_se1, b_se2, w_exp_x = buf[:sum(sizes)].split(sizes)
     w_se1, w_se2, w_proj, w_exp_x = w_se1.view(s, r), w_se2.view(r, s), w_proj.view(k, r), w_exp_x.view(r, c)
-    # BN_e's batch statistics from x's moments (one launch, running statistics updated; its folded weights
-    # are not used here)
+    # BN_e's batch statistics from x's moments (one launch, running statistics updated)
     rows = (None,) * 3 if stats is None else stats_rows(stats, r, k)
     mean_x, wg = (None, None) if stats is None else x_rows(stats, c, r, k)
     mean_x, gram = x_moments(x, mean_x)
     # h = SiLU(BN_e(W_exp x)) and the conv's output u = gconv3x3(h) (kernels/gconv), as the backward
     # recomputes them (the same launches: its d is this u bit for bit); BN_d's moment rows from u (shifted
-    # by BN_d's running mean), the fold (which updates that mean), then one pass applies BN_d + SiLU
+    # by BN_d's running mean), its statistics (which update that mean), then one pass applies BN_d + SiLU
     # (+ BlurPool) to u
     st_e = rows[0] if rows[0] is not None else torch.empty((2, r), device=x.device, dtype=torch.float32)
-    fold_expand(w_exp.reshape(r, c), mean_x, mean_x, gram, gamma_e, beta_e, rm_e, rv_e, factors[0], eps,
-                n * h * w, dt, st_e, wg)
+    bn_e_stats(w_exp_x, mean_x, mean_x, gram, rm_e, rv_e, factors[0], eps, n * h * w, st_e, wg)
     x2 = x.permute(0, 2, 3, 1).reshape(n * h * w, c)
     hid = expand_hidden(x2, w_exp_x, st_e[0], st_e[1], gamma_e, beta_e)
     hid4 = hid.view(n, h, w, r).permute(0, 3, 1, 2)
@@ -143,7 +141,7 @@ def _forward(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_s
     if parts is None:
         parts = conv_moments(u, rm_d)
     st_d = rows[1] if rows[1] is not None else torch.empty((2, r), device=x.device, dtype=torch.float32)
-    fold_conv(parts, w_dw, gamma_d, beta_d, rm_d, rv_d, factors[1], eps, pixels, dt, st_d)
+    bn_d_stats(parts, rm_d, rv_d, factors[1], eps, pixels, st_d)
     o = mbconv_from_conv_output(u, x, st_d, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, zero_bias,
                                 stride)
     del u

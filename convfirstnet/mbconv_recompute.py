@@ -19,7 +19,7 @@ the factor of ``nn.BatchNorm2d`` (``momenta``: each one's momentum, or -1 for No
 num_batches_tracked, which the caller has already counted), by the same kernel and rule, and returned:
 the caller copies them back (a differentiable op must not mutate its inputs). Only ``out`` is
 differentiable. Where the MBConv kernels run (mbconv_fused_forward.selected) the forward is theirs,
-the BatchNorms folded per step with the batch statistics (mbconv_fused_forward.py); elsewhere, and on
+the BatchNorms normalising by the batch statistics (mbconv_fused_forward.py); elsewhere, and on
 fake tensors, the layers below. Autograd saves x, the weights and drop_scale;
 ``mbconv_recompute_train_backward`` reruns the layer-wise forward without touching any running statistic
 (running stats None, the same batch statistics, deterministically) and applies aten's backward of each

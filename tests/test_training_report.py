@@ -141,12 +141,11 @@ def test_training_recordings_take_the_target_geometry():
 @pytest.mark.parametrize("stride", [1, 2])
 def test_mbconv_fused_forward_recording(stride):
     """An MBConv block's training forward through the fused kernels on meta tensors (the report's count):
-    Triton launches (x's Gram partials and merge, BN_e's fold, h by the expand kernel, the conv's output u
-    by the group-width-8 conv with BN_d's moments, BN_d's fold, the BN_d pass over u (stride 2: with the
-    blur), the SE gates, the projection without residual, BN_p's statistics, merge and apply) and two aten
+    Triton launches (x's Gram partials and merge, BN_e's statistics, h by the expand kernel, the conv's output
+    u by the group-width-8 conv with BN_d's moments, BN_d's statistics, the BN_d pass over u (stride 2: with
+    the blur), the SE gates, the projection without residual, BN_p's statistics, merge and apply) and two aten
     ops: the six weights' copy to fp16 (autocast keeps them in fp32) and the projection's zero bias; the
-    forward's and
-    backward's layer-wise kernels split the block's kernels."""
+    forward's and backward's layer-wise kernels split the block's kernels."""
     from convfirstnet.analysis.targets import target
     from convfirstnet.analysis.training import _is_forward, record_mbconv_forward
 
@@ -154,8 +153,8 @@ def test_mbconv_fused_forward_recording(stride):
     launches, small = record_mbconv_forward(MBConv(c, k, stride), (1, c, side, side), 8, torch.float16,
                                             target(90))
     names = [lc.kernel.fn.__name__ if hasattr(lc.kernel, "fn") else lc.kernel.__name__ for lc in launches]
-    assert names == ["_gram_partials_kernel", "_gram_merge_kernel", "_fold_expand_kernel", "_expand_kernel",
-                     "_gconv_fwd_kernel", "_fold_conv_kernel", "_bn_silu_pool_kernel", "_se_gates_kernel",
+    assert names == ["_gram_partials_kernel", "_gram_merge_kernel", "_bn_e_stats_kernel", "_expand_kernel",
+                     "_gconv_fwd_kernel", "_bn_d_stats_kernel", "_bn_silu_pool_kernel", "_se_gates_kernel",
                      "_mbconv_project_kernel", "_channel_partials_kernel", "_bn_merge_kernel",
                      "_bn_apply_kernel"]
     assert launches[4].meta["MOMENTS"] is True

@@ -19,10 +19,10 @@ Per block of the training-form model (``stem``, ``stages.i.j``, ``head``, ``clas
   grouped conv, BatchNorm, BlurPool, SE pool, fc1, fc2, gate, project, BatchNorm: ``_LayerWise.recompute``),
   plus one launch gap per small op of the path (``mbconv_recompute.SMALL_OPS_PER_STEP``: the running
   statistics' copies). Where the op's forward runs through the fused MBConv kernels
-  (convfirstnet/mbconv_fused_forward.py: the BatchNorms folded with the batch statistics), the forward
+  (convfirstnet/mbconv_fused_forward.py: the BatchNorms with the batch statistics), the forward
   is counted instead as its recorded launches (``record_mbconv_forward``: x's Gram partials and their
-  merge, BN_e's fold, h by the expand kernel, the conv's output and BN_d's moments by the group-width-8
-  conv (or a moments pass over that output), BN_d's fold, the BN_d pass (+ BlurPool, the pool), the SE
+  merge, BN_e's statistics, h by the expand kernel, the conv's output and BN_d's moments by the group-width-8
+  conv (or a moments pass over that output), BN_d's statistics, the BN_d pass (+ BlurPool, the pool), the SE
   gates, the projection without residual, BN_p's statistics, merge and normalise + drop-path + residual
   (kernels/mbconv/narrow.py); estimated like the fused blocks') and one launch gap per other aten op.
   The backward runs the fused passes over the narrow input (convfirstnet/mbconv_fused_backward.py) and
@@ -590,7 +590,7 @@ def to_markdown(rep: dict) -> str:
         "forward, dgrad, wgrad, the BatchNorm passes, stored activations written and read back; "
         "convfirstnet/analysis/training.py). MBConv blocks (only narrow tensors stored: the input, the "
         "projection before BN_p, the BatchNorms' statistics): the forward as the fused MBConv kernels' "
-        "launches where they run (BatchNorms folded with the batch statistics), else layer-wise; the "
+        "launches where they run (the BatchNorms with the batch statistics), else layer-wise; the "
         "backward as the launches of the fused passes over the narrow input "
         "(convfirstnet/mbconv_fused_backward.py) where they run, else the layer-wise bound's backward "
         "kernels plus the forward kernels recomputed; other blocks without a fused training op at their "
@@ -636,11 +636,10 @@ def to_markdown(rep: dict) -> str:
                 return sum(b[key][end] for b in ff)
             lines[-1] += (
                 f" The forward of {len(ff)} of them runs through the fused MBConv kernels (with the "
-                f"BatchNorms' batch statistics: x's Gram matrix, BN_e's fold, the expand, the grouped conv "
-                f"with BN_d's moments (or a pass over its output where its tiles do not cover the map), "
-                f"BN_d's "
-                f"fold, BN_d + SiLU (+ BlurPool) + pool over that output, SE gates, projection and BN_p + "
-                f"residual launches): predicted {fsum('forward_ms', 'low'):.3f}-"
+                f"BatchNorms' batch statistics: x's Gram matrix, BN_e's statistics, the expand, the "
+                f"grouped conv with BN_d's moments (or a pass over its output where its tiles do not cover "
+                f"the map), BN_d's statistics, BN_d + SiLU (+ BlurPool) + pool over that output, SE gates, "
+                f"projection and BN_p + residual launches): predicted {fsum('forward_ms', 'low'):.3f}-"
                 f"{fsum('forward_ms', 'high'):.3f} ms "
                 f"against {fsum('layerwise_forward_ms', 'low'):.3f}-"
                 f"{fsum('layerwise_forward_ms', 'high'):.3f} ms for their layer-wise forward.")

@@ -344,12 +344,12 @@ def _forward(x: torch.Tensor, w: torch.Tensor, stride: int, shift: torch.Tensor 
     ho, wo = _out_hw(h, wd, stride)
     y = torch.empty((n, c, ho, wo), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
     if y.numel() == 0:
-        return y, None if shift is None else torch.empty((0, 2, 1, c), dtype=torch.float32, device=x.device)
+        return y, None if shift is None else torch.empty((0, 2, c), dtype=torch.float32, device=x.device)
     x = _nhwc(x)
     cfg = fwd_tile_config(c, ho, wo, x.dtype)
     tiles, tpp = _tiles(n, ho, wo, cfg), tiles_per_program(n, c, ho, wo, cfg, x.device.type == "cpu")
     grid = (cdiv(tiles, tpp), cdiv(c, cfg.channels))
-    parts = None if shift is None else torch.empty((grid[0], 2, 1, c), dtype=torch.float32, device=x.device)
+    parts = None if shift is None else torch.empty((grid[0], 2, c), dtype=torch.float32, device=x.device)
 
     def cost() -> KernelCost:
         base = conv_cost("forward", cfg, n, c, h, wd, stride, x.element_size(), w.element_size(), tpp=tpp)
@@ -381,9 +381,9 @@ def moments_rows(n: int, c: int, h: int, w: int, dtype: torch.dtype, interpreter
 
 def gconv3x3_moments_triton(x: torch.Tensor, w: torch.Tensor, shift: torch.Tensor
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stride-1 forward with a following BatchNorm's moments: (y, parts), parts (rows, 2, 1, C) fp32, row
+    """Stride-1 forward with a following BatchNorm's moments: (y, parts), parts (rows, 2, C) fp32, row
     i the sums of y - shift and of its square (y as stored) over program i's ``moments_rows`` pixels
-    (kernels/mbconv/moments.py ``fold_conv`` takes them as it takes one image's). y is the forward's, bit
+    (kernels/mbconv/moments.py ``bn_d_stats`` takes them as it takes one image's). y is the forward's, bit
     for bit. Only where ``moments_rows`` is not None."""
     check_supported("gconv3x3", x)
     n, c, h, wd = x.shape

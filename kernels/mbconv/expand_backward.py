@@ -8,8 +8,8 @@ the block's narrow input x (P, C) with z = x W_exp^T (K = C) recomputed on the t
   dx pass's terms:
       de = k dv + u + w (z - mu_e),  k = gamma_e rho_e,  u = -k sum dv / P,  w = -k rho_e dgamma / P
       de^T x = k D + P u mean(x)^T + w (W_exp G + P (W_exp mean(x) - mu_e) mean(x)^T)
-  with G x's Gram matrix centred at its mean: the forward's BN_e fold computes W_exp G anyway and saves it
-  with mean(x) (moments.fold_expand; R C + C fp32 values per block);
+  with G x's Gram matrix centred at its mean: the forward's BN_e statistics launch computes W_exp G and saves
+  it with mean(x) (moments.bn_e_stats; R C + C fp32 values per block);
 * ``bn_e_dx``: dx = de W_exp (+ the residual), de recomputed per pixel tile from x and dh, hidden chunk by
   hidden chunk, and rounded to x's dtype as a layer-wise backward rounds it: de is never written.
 
@@ -324,7 +324,7 @@ def bn_e_weights(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rst
     (2, R): de = gamma_e rstd_e dv + u + w (z - mean_e)), all fp32. One pass over dh accumulates D = dv^T x
     and sum dv per pixel split; one launch merges the splits in a fixed order and forms the rest from x's
     mean ``mean_x`` (C,) and ``wg_x`` (R, C) = W_exp G, G x's centred Gram matrix (both fp32, the
-    forward's: moments.fold_expand), module docstring."""
+    forward's: moments.bn_e_stats), module docstring."""
     op = "bn_e_weights"
     p, c, r = _check_expand(op, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh)
     _check(op, "mean_x", mean_x, (c,), (torch.float32,), x.device)

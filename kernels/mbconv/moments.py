@@ -4,7 +4,7 @@ statistics (convfirstnet/mbconv_fused_forward.py runs them per step):
 * BN_d's statistics from the grouped conv's output u (N, H W, R), which the group-width-8 conv (kernels/gconv)
   writes from h = SiLU(BN_e(W_exp x)) (expand_backward.py ``expand_hidden``): fp32 sums of ``u - shift`` and
   of its square per hidden channel (the shift BN_d's running mean, which keeps the sums of squares from
-  cancelling when the mean is large against the spread), in rows of their own ([rows][2][1][R], no atomics).
+  cancelling when the mean is large against the spread), in rows of their own ([rows][2][R], no atomics).
   Where the conv's tiles cover the map exactly (every map of Small at 256 x 256), the conv's programs sum them
   over their own tiles as they store u (gconv.launcher.gconv3x3_moments_triton: a row per program; 16x16
   stride 1 98 + 33 -> 94 us, static, sm_90, high end); elsewhere ``conv_moments`` (``_conv_moments_kernel``)
@@ -13,12 +13,13 @@ statistics (convfirstnet/mbconv_fused_forward.py runs them per step):
   program per SM, whose load waits bound it (static estimate, Small, batch 128, sm_90, high end: 16x16 stride
   1 291 us against 54 + 94 us for the expand and the conv with the moments; 32x32 stride 2, 96 channels, 795
   against 60 + 140).
-* ``fold_expand`` and ``fold_conv`` (``_fold_expand_kernel``, ``_fold_conv_kernel``): one small launch
-  each that turns a BatchNorm's batch statistics into the folded weights and bias of the kernels (in
-  x's dtype) and updates its running statistics in place (nn.BatchNorm2d's rule, unbiased variance).
-  BN_e: mean and variance of W x from x's mean and Gram matrix (narrow.py ``x_moments``); BN_d: the
-  moment rows merged in a fixed order (per row, then Chan's rule over the rows, in tiles of rows).
-  They replace ~60 per-channel torch ops, each a launch of its own.
+* ``bn_e_stats`` and ``bn_d_stats`` (``_bn_e_stats_kernel``, ``_bn_d_stats_kernel``): one small launch
+  each that writes a BatchNorm's batch mean and rstd, which the kernels after it normalise by, and updates
+  its running statistics in place (nn.BatchNorm2d's rule, unbiased variance). BN_e: mean and variance of
+  W x from x's mean and Gram matrix (narrow.py ``x_moments``), and W G, which the backward forms dW_exp
+  from; BN_d: the moment rows merged in a fixed order (per row, then Chan's rule over the rows, in tiles of
+  rows). They replace ~60 per-channel torch ops, each a launch of its own. No weights are folded: the
+  expand and the BN_d pass apply gamma rstd and beta themselves.
 * ``mbconv_from_conv_output`` finishes the block from u: ``_bn_silu_pool_kernel`` (g = SiLU(BN_d(u)),
   stride 1 in place, stride 2 blurred; the pool, the SE partials), ``_se_gates_kernel`` (the gates, one
   image per program) and the projection without the residual: ``W_proj (g * gate) + b_proj``, whose
@@ -42,13 +43,13 @@ from .kernel import _silu, se_gates
 from .launcher import (GATE_ROWS, MBConvGeometry, geometry_of, kernel_settings, launch_project)
 
 
-CM_PIXELS, CM_CHANNELS, CM_WARPS, CM_STAGES = 32, 128, 4, 3  # conv_moments' tile: pixels x channels a step
+CM_PIXELS, CM_CHANNELS, CM_WARPS = 32, 128, 4  # conv_moments' tile: pixels x channels a step
 
 
 @triton.jit
 def _conv_moments_kernel(u_ptr, shift_ptr, parts_ptr, HW, R, BP: tl.constexpr, BR: tl.constexpr):
     """Image n, BR channels: the sums of u - shift and of its square over the image's HW pixels (fp32,
-    u read in its dtype), to parts[n, 0, 0] and parts[n, 1, 0] (``fold_conv``'s rows, CS = 1).
+    u read in its dtype), to parts[n, 0] and parts[n, 1] (``bn_d_stats``' rows).
     Per-lane accumulators, reduced over the pixels once at the end."""
     n = tl.program_id(0)
     r = tl.program_id(1) * BR + tl.arange(0, BR)
@@ -70,14 +71,14 @@ def _conv_moments_kernel(u_ptr, shift_ptr, parts_ptr, HW, R, BP: tl.constexpr, B
 
 
 def conv_moments(u: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """BN_d's moment rows ([N, 2, 1, R] fp32, ``fold_conv``'s input) from the conv output ``u`` (N, H W, R)
+    """BN_d's moment rows ([N, 2, R] fp32, ``bn_d_stats``' input) from the conv output ``u`` (N, H W, R)
     contiguous, as written by the group-width-8 conv (NHWC), shifted by ``shift`` (BN_d's running mean):
     the pass for maps the conv's tiles do not cover exactly (module docstring)."""
     n, hw, r = u.shape
     if not u.is_contiguous() or shift.shape != (r,):
         raise ValueError(f"conv_moments: u must be a contiguous (N, H W, R) tensor and shift ({r},), got "
                          f"{tuple(u.shape)} (contiguous: {u.is_contiguous()}) and {tuple(shift.shape)}")
-    parts = torch.empty((n, 2, 1, r), device=u.device, dtype=torch.float32)
+    parts = torch.empty((n, 2, r), device=u.device, dtype=torch.float32)
     if n == 0:
         return parts
     br = min(CM_CHANNELS, max(16, next_power_of_2(r)))
@@ -87,7 +88,7 @@ def conv_moments(u: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
            cost=lambda: KernelCost(0, 0, n * hw * r * eb + r * 4 + n * 2 * r * 4,
                                    (Loop("pixel steps", cdiv(hw, bp), fixed=True),),
                                    note="BN_d's moment rows from the conv output"),
-           BP=bp, BR=br, num_warps=CM_WARPS, num_stages=CM_STAGES)
+           BP=bp, BR=br, num_warps=CM_WARPS)
     return parts
 
 
@@ -198,7 +199,7 @@ def mbconv_from_conv_output(u: torch.Tensor, x: torch.Tensor, stats: torch.Tenso
     """``W_proj (g * gate) + b_proj`` (NHWC, x's dtype) from the conv output ``u`` (N, H W, R) that the
     group-width-8 conv wrote: the BN_d pass (``_bn_silu_pool_kernel``: g, stride 1 in place over u, stride 2
     blurred into a buffer of its own; the SE partials), the SE gates, then the projection (no residual).
-    ``stats``: BN_d's batch (mean; rstd), (2, R) fp32 (``fold_conv``'s); ``gamma``, ``beta``: BN_d's
+    ``stats``: BN_d's batch (mean; rstd), (2, R) fp32 (``bn_d_stats``'); ``gamma``, ``beta``: BN_d's
     affine."""
     n, c, h, w = x.shape
     r, k, s = w_proj.shape[1], w_proj.shape[0], w_se1.shape[0]
@@ -258,56 +259,49 @@ def _se_gates_cost(geo: MBConvGeometry) -> KernelCost:
                       note="the SE gates, one image per program")
 
 
-# ------------------------------------------------------------------------------------------ folding
+# ------------------------------------------------------------------------------ batch statistics
 
-FOLD_ROWS = 16  # output channels per program of the expand fold (a tl.dot M)
-FOLD_K = 32  # Gram rows per step
-FOLD_CHANNELS, FOLD_IMAGES = 8, 128  # the conv fold's tile: channels per program x images per step
-FOLD_WARPS = 4  # the conv fold's
-EXPAND_WARPS = 8  # the expand fold's (two warps a 16-row tile: its W G steps are shorter chains)
+STATS_ROWS = 16  # output channels per program of BN_e's statistics (a tl.dot M)
+STATS_K = 32  # Gram rows per step
+STATS_CHANNELS, STATS_IMAGES = 8, 128  # BN_d's statistics: channels per program x moment rows per step
+STATS_WARPS = 4  # BN_d's
+EXPAND_WARPS = 8  # BN_e's (two warps a 16-row tile: its W G steps are shorter chains)
 
 
 @triton.jit
-def bn_fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, st_ptr, R, f, unbias, eps):
-    """scale = gamma / sqrt(var + eps); stores the folded bias beta - mean scale, the batch statistics the
-    backward normalises by (``st_ptr``: mean, then rstd = 1 / sqrt(var + eps) R entries on) and the running
-    update (1 - f) running + f (mean, unbiased var); returns the scale (fp32). The BN_e and BN_d folds here
-    and BN_p's merge (narrow.py) end with it."""
-    gamma = tl.load(gamma_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+def bn_batch_tail(r, r_ok, mean, var, rm_ptr, rv_ptr, st_ptr, R, f, unbias, eps):
+    """rstd = 1 / sqrt(var + eps); stores the batch statistics the kernels normalise by (``st_ptr``: mean,
+    then rstd R entries on) and the running update (1 - f) running + f (mean, unbiased var); returns rstd
+    (fp32). BN_e's and BN_d's statistics here and BN_p's merge (narrow.py) end with it."""
     rstd = 1.0 / tl.sqrt(var + eps)
-    scale = gamma * rstd
     tl.store(st_ptr + r, mean, mask=r_ok)
     tl.store(st_ptr + R + r, rstd, mask=r_ok)
-    tl.store(bf_ptr + r, (beta - mean * scale).to(bf_ptr.dtype.element_ty), mask=r_ok)
     rm = tl.load(rm_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
     rv = tl.load(rv_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
     tl.store(rm_ptr + r, (1.0 - f) * rm + f * mean, mask=r_ok)
     tl.store(rv_ptr + r, (1.0 - f) * rv + f * (var * unbias), mask=r_ok)
-    return scale
+    return rstd
 
 
 @triton.jit
-def _fold_expand_kernel(w_ptr, mean_ptr, centre_ptr, gram_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, wf_ptr,
-                        bf_ptr, st_ptr, wg_ptr, R, C, swr, swc, inv_m, f, unbias, eps,
-                        BR: tl.constexpr, CP: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                        STORE_WG: tl.constexpr):
-    """BN_e of z = W x (W rounded to x's dtype, as the layer's conv rounds it): mean = W mean_x, var =
+def _bn_e_stats_kernel(w_ptr, mean_ptr, centre_ptr, gram_ptr, rm_ptr, rv_ptr, st_ptr, wg_ptr, R, C, swr, swc,
+                       inv_m, f, unbias, eps, BR: tl.constexpr, CP: tl.constexpr, BK: tl.constexpr,
+                       SPLIT: tl.constexpr, STORE_WG: tl.constexpr):
+    """BN_e of z = W x (W in x's dtype, as the expand multiplies by it): mean = W mean_x, var =
     W (G / M - d d^T) W^T (diagonal), G the Gram matrix of x centred at ``centre`` (x's mean: d = 0 from
-    narrow.x_moments), d = mean_x - centre; folded into W (rows scaled) and a bias.
+    narrow.x_moments), d = mean_x - centre.
     ``SPLIT`` (16-bit W): W G on the tensor cores as two TF32 products, W G_hi + W G_lo, G_hi = G with its
     low 13 mantissa bits cleared (exact in TF32), G_lo = G - G_hi (exact in fp32); W in a 16-bit dtype is
     exact in TF32, so the only rounding beyond fp32 accumulation is G_lo's to TF32 (< 2^-21 of |G|).
     Otherwise (fp32 W) fp32 FMA (ieee). STORE_WG: W G (R, C) fp32 is written too (the training backward
     forms dW_exp from it: expand_backward.bn_e_weights)."""
     inv_m, f, unbias, eps = fp32(inv_m), fp32(f), fp32(unbias), fp32(eps)  # fp64 under torch.compile
-    dt = wf_ptr.dtype.element_ty
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     r_ok = r < R
     cc = tl.arange(0, CP)
     c_ok = cc < C
-    w = tl.load(w_ptr + r[:, None] * swr + cc[None, :] * swc, mask=r_ok[:, None] & c_ok[None, :], other=0.0)
-    w = w.to(dt).to(tl.float32)
+    w = tl.load(w_ptr + r[:, None] * swr + cc[None, :] * swc, mask=r_ok[:, None] & c_ok[None, :],
+                other=0.0).to(tl.float32)
     mean_x = tl.load(mean_ptr + cc, mask=c_ok, other=0.0)
     d = mean_x - tl.load(centre_ptr + cc, mask=c_ok, other=0.0).to(tl.float32)
     wg = tl.zeros((BR, CP), dtype=tl.float32)
@@ -315,7 +309,7 @@ def _fold_expand_kernel(w_ptr, mean_ptr, centre_ptr, gram_ptr, gamma_ptr, beta_p
         kk = k0 + tl.arange(0, BK)
         k_ok = kk < C
         wk = tl.load(w_ptr + r[:, None] * swr + kk[None, :] * swc, mask=r_ok[:, None] & k_ok[None, :],
-                     other=0.0).to(dt).to(tl.float32)
+                     other=0.0).to(tl.float32)
         g = tl.load(gram_ptr + kk[:, None] * C + cc[None, :], mask=k_ok[:, None] & c_ok[None, :], other=0.0)
         if SPLIT:
             g_hi = (g.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
@@ -326,24 +320,19 @@ def _fold_expand_kernel(w_ptr, mean_ptr, centre_ptr, gram_ptr, gamma_ptr, beta_p
     wd = tl.sum(w * d[None, :], axis=1)
     var = tl.maximum(tl.sum(wg * w, axis=1) * inv_m - wd * wd, 0.0)
     mean = tl.sum(w * mean_x[None, :], axis=1)
-    scale = bn_fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, st_ptr, R, f,
-                         unbias, eps)
-    tl.store(wf_ptr + r[:, None] * C + cc[None, :], (w * scale[:, None]).to(dt),
-             mask=r_ok[:, None] & c_ok[None, :])
+    bn_batch_tail(r, r_ok, mean, var, rm_ptr, rv_ptr, st_ptr, R, f, unbias, eps)
     if STORE_WG:
         tl.store(wg_ptr + r[:, None] * C + cc[None, :], wg, mask=r_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
-def _fold_conv_kernel(parts_ptr, w_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, wf_ptr, bf_ptr, st_ptr, N, R, P,
-                      f, unbias, eps, CS: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
-    """BN_d from the moment rows ([N][2][CS][R]: sums of u - shift and its square per row of P pixels (an
-    image, or a conv program's tiles) and sub-row, shift = the running mean, read before its update): per
-    row mean_i and M2_i; per tile of BN rows their mean and M2 = sum M2_i + P (mean_i - mean)^2; the tiles
-    merged in order into the batch's (Chan's rule, one pass); folded into the grouped conv's weights (R,
-    72) and a bias."""
+def _bn_d_stats_kernel(parts_ptr, rm_ptr, rv_ptr, st_ptr, N, R, P, f, unbias, eps, BR: tl.constexpr,
+                       BN: tl.constexpr):
+    """BN_d from the moment rows ([N][2][R]: sums of u - shift and its square per row of P pixels (an
+    image, or a conv program's tiles), shift = the running mean, read before its update): per row mean_i
+    and M2_i; per tile of BN rows their mean and M2 = sum M2_i + P (mean_i - mean)^2; the tiles merged in
+    order into the batch's (Chan's rule, one pass)."""
     f, unbias, eps = fp32(f), fp32(unbias), fp32(eps)  # fp64 under torch.compile
-    dt = wf_ptr.dtype.element_ty
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     r_ok = r < R
     pf = tl.cast(P, tl.float32)
@@ -352,33 +341,25 @@ def _fold_conv_kernel(parts_ptr, w_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, wf_
     for n0 in range(0, N, BN):  # one pass: each tile's mean and M2, merged into the running pair (Chan)
         nn = n0 + tl.arange(0, BN)
         ok = (nn < N)[:, None] & r_ok[None, :]
-        rows = parts_ptr + (nn * (2 * CS * R))[:, None] + r[None, :]
-        s1 = tl.zeros((BN, BR), dtype=tl.float32)
-        s2 = tl.zeros((BN, BR), dtype=tl.float32)
-        for j in tl.static_range(CS):
-            s1 += tl.load(rows + j * R, mask=ok, other=0.0)
-            s2 += tl.load(rows + (CS + j) * R, mask=ok, other=0.0)
+        rows = parts_ptr + (nn * (2 * R))[:, None] + r[None, :]
+        s1 = tl.load(rows, mask=ok, other=0.0)
+        s2 = tl.load(rows + R, mask=ok, other=0.0)
         mi = s1 / pf
         nb = tl.minimum(N - n0, BN).to(tl.float32)
         mean_b = tl.sum(mi, axis=0) / nb
         dev = mi - mean_b[None, :]
         m2_b = tl.sum(tl.where(ok, s2 - s1 * mi + pf * dev * dev, 0.0), axis=0)
-        na = nb * 0.0 + n0  # images merged so far
+        na = nb * 0.0 + n0  # rows merged so far
         delta = mean_b - mean_s
         mean_s += delta * (nb / (na + nb))
         m2 += m2_b + delta * delta * (pf * na * nb / (na + nb))
     var = tl.maximum(m2 / (N * P), 0.0)
     mean = mean_s + tl.load(rm_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
-    scale = bn_fold_tail(r, r_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, bf_ptr, st_ptr, R, f,
-                         unbias, eps)
-    k = tl.arange(0, 128)
-    wm = r_ok[:, None] & (k < 72)[None, :]
-    w = tl.load(w_ptr + r[:, None] * 72 + k[None, :], mask=wm, other=0.0).to(dt).to(tl.float32)
-    tl.store(wf_ptr + r[:, None] * 72 + k[None, :], (w * scale[:, None]).to(dt), mask=wm)
+    bn_batch_tail(r, r_ok, mean, var, rm_ptr, rv_ptr, st_ptr, R, f, unbias, eps)
 
 
 def stats_out(stats: torch.Tensor | None, r: int, device) -> torch.Tensor:
-    """Where a fold writes the batch mean and rstd: ``stats`` ((2, R) fp32, contiguous), or a scratch."""
+    """Where a BatchNorm's batch mean and rstd go: ``stats`` ((2, R) fp32, contiguous), or a new tensor."""
     if stats is None:
         return torch.empty((2, r), device=device, dtype=torch.float32)
     if stats.shape != (2, r) or stats.dtype != torch.float32 or not stats.is_contiguous():
@@ -387,69 +368,55 @@ def stats_out(stats: torch.Tensor | None, r: int, device) -> torch.Tensor:
     return stats
 
 
-def fold_expand(w: torch.Tensor, mean_x: torch.Tensor, centre: torch.Tensor, gram: torch.Tensor,
-                gamma: torch.Tensor, beta: torch.Tensor, running_mean: torch.Tensor,
-                running_var: torch.Tensor, f: float, eps: float, pixels: int, dtype: torch.dtype,
-                stats: torch.Tensor | None = None, wg: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W_exp with BN_e folded (R, C), its bias (R,)) in ``dtype``; the running statistics updated in place,
-    the batch mean and rstd written to ``stats`` ((2, R) fp32, contiguous) when given, and W G (W rounded
-    to ``dtype``) to ``wg`` ((R, C) fp32, contiguous) when given.
-    ``w``: (R, C), any float dtype (rounded to ``dtype`` as the layer's conv does); ``mean_x`` (C,) fp32,
-    ``centre`` (C,), any float dtype, ``gram`` (C, C) fp32: sum over the M = ``pixels`` pixels of
-    (x - centre)(x - centre)^T (narrow.x_moments: centre = mean_x)."""
+def bn_e_stats(w: torch.Tensor, mean_x: torch.Tensor, centre: torch.Tensor, gram: torch.Tensor,
+               running_mean: torch.Tensor, running_var: torch.Tensor, f: float, eps: float, pixels: int,
+               stats: torch.Tensor | None = None, wg: torch.Tensor | None = None) -> torch.Tensor:
+    """BN_e's batch mean and rstd ((2, R) fp32: ``stats`` when given) of z = W x; the running statistics
+    updated in place, and W G to ``wg`` ((R, C) fp32, contiguous) when given.
+    ``w``: (R, C) in x's dtype (the expand's operand); ``mean_x`` (C,) fp32, ``centre`` (C,), any float
+    dtype, ``gram`` (C, C) fp32: sum over the M = ``pixels`` pixels of (x - centre)(x - centre)^T
+    (narrow.x_moments: centre = mean_x)."""
     r, c = w.shape
-    wf = torch.empty((r, c), device=w.device, dtype=dtype)
-    bf = torch.empty((r,), device=w.device, dtype=dtype)
     st = stats_out(stats, r, w.device)
     cp = max(16, next_power_of_2(c))
-    eb = dtype.itemsize
-    launch(_fold_expand_kernel, (cdiv(r, FOLD_ROWS),), w, mean_x, centre, gram.contiguous(), gamma,
-           beta, running_mean, running_var, wf, bf, st, wf if wg is None else wg, r, c, *w.stride(),
-           1.0 / pixels, f, pixels / (pixels - 1), eps,
-           cost=lambda: _fold_expand_cost(r, c, cp, w.element_size(), eb, dtype != torch.float32,
-                                          wg is not None),
-           BR=FOLD_ROWS, CP=cp, BK=min(FOLD_K, cp), SPLIT=dtype != torch.float32, STORE_WG=wg is not None,
+    split = w.dtype != torch.float32
+    launch(_bn_e_stats_kernel, (cdiv(r, STATS_ROWS),), w, mean_x, centre, gram.contiguous(), running_mean,
+           running_var, st, st if wg is None else wg, r, c, *w.stride(), 1.0 / pixels, f,
+           pixels / (pixels - 1), eps,
+           cost=lambda: _bn_e_stats_cost(r, c, cp, w.element_size(), split, wg is not None),
+           BR=STATS_ROWS, CP=cp, BK=min(STATS_K, cp), SPLIT=split, STORE_WG=wg is not None,
            num_warps=EXPAND_WARPS)
-    return wf, bf
+    return st
 
 
-def fold_conv(parts: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
-              running_mean: torch.Tensor, running_var: torch.Tensor, f: float, eps: float, pixels: int,
-              dtype: torch.dtype, stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the grouped conv's weights with BN_d folded (R, 8, 3, 3), its bias (R,)) in ``dtype``, from moment
-    rows (``conv_moments``' or the conv's) over ``pixels`` pixels per row, whose shift was
-    ``running_mean``; the running statistics updated in place, the batch mean and rstd written to
-    ``stats`` ((2, R) fp32) when given."""
-    n, _, cs, r = parts.shape
-    w = w.contiguous()
-    wf = torch.empty((r, 8, 3, 3), device=w.device, dtype=dtype)
-    bf = torch.empty((r,), device=w.device, dtype=dtype)
+def bn_d_stats(parts: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, f: float,
+               eps: float, pixels: int, stats: torch.Tensor | None = None) -> torch.Tensor:
+    """BN_d's batch mean and rstd ((2, R) fp32: ``stats`` when given) from moment rows (``conv_moments``'
+    or the conv's, (rows, 2, R) fp32) over ``pixels`` pixels per row, whose shift was ``running_mean``; the
+    running statistics updated in place."""
+    n, _, r = parts.shape
     count = n * pixels
-    st = stats_out(stats, r, w.device)
-    eb = dtype.itemsize
-    launch(_fold_conv_kernel, (cdiv(r, FOLD_CHANNELS),), parts, w, gamma, beta, running_mean,
-           running_var, wf, bf, st, n, r, pixels, f, count / (count - 1), eps,
-           cost=lambda: _fold_conv_cost(n, cs, r, w.element_size(), eb),
-           CS=cs, BR=FOLD_CHANNELS, BN=FOLD_IMAGES, num_warps=FOLD_WARPS)
-    return wf, bf
+    st = stats_out(stats, r, parts.device)
+    launch(_bn_d_stats_kernel, (cdiv(r, STATS_CHANNELS),), parts.contiguous(), running_mean, running_var, st,
+           n, r, pixels, f, count / (count - 1), eps, cost=lambda: _bn_d_stats_cost(n, r),
+           BR=STATS_CHANNELS, BN=STATS_IMAGES, num_warps=STATS_WARPS)
+    return st
 
 
-def _fold_expand_cost(r: int, c: int, cp: int, wb: int, eb: int, split: bool, store_wg: bool) -> KernelCost:
+def _bn_e_stats_cost(r: int, c: int, cp: int, wb: int, split: bool, store_wg: bool) -> KernelCost:
     """W (read twice: rows and K steps), the Gram matrix once per program (from L2 after the first), the
-    per-channel vectors; the folded W and bias written, and W G (fp32) where stored. Split TF32: two
-    tensor-core products as issued (FOLD_ROWS x CP x CP a program each)."""
-    progs = cdiv(r, FOLD_ROWS)
-    dram = 2 * r * c * wb + c * c * 4 + 2 * c * 4 + r * c * eb + r * eb + 8 * r * 4
+    per-channel vectors; the statistics written, and W G (fp32) where stored. Split TF32: two
+    tensor-core products as issued (STATS_ROWS x CP x CP a program each)."""
+    progs = cdiv(r, STATS_ROWS)
+    dram = 2 * r * c * wb + c * c * 4 + 2 * c * 4 + 6 * r * 4
     dram += r * c * 4 if store_wg else 0
-    mma = 2 * progs * FOLD_ROWS * cp * cp if split else 0
-    return KernelCost(r * c * c + 2 * r * c, mma, dram, (Loop("Gram steps", cdiv(c, FOLD_K)),),
-                      l2_bytes=progs * c * c * 4, note="BN_e from x's Gram matrix, folded into W_exp")
+    mma = 2 * progs * STATS_ROWS * cp * cp if split else 0
+    return KernelCost(r * c * c + 2 * r * c, mma, dram, (Loop("Gram steps", cdiv(c, STATS_K)),),
+                      l2_bytes=progs * c * c * 4, note="BN_e's statistics from x's Gram matrix")
 
 
-def _fold_conv_cost(n: int, cs: int, r: int, wb: int, eb: int) -> KernelCost:
-    """The moment rows read once, W_conv read, folded W_conv written."""
-    steps = cdiv(n, FOLD_IMAGES)
-    dram = n * 2 * cs * r * 4 + r * 72 * (wb + eb) + r * eb + 8 * r * 4
-    return KernelCost(r * 72 + 4 * n * r, 0, dram, (Loop("images", steps),),
-                      note="BN_d from the moment rows (Chan's merge), folded into W_conv")
+def _bn_d_stats_cost(n: int, r: int) -> KernelCost:
+    """The moment rows read once, the statistics and running statistics written."""
+    steps = cdiv(n, STATS_IMAGES)
+    return KernelCost(4 * n * r, 0, n * 2 * r * 4 + 6 * r * 4, (Loop("images", steps),),
+                      note="BN_d's statistics from the moment rows (Chan's merge)")

@@ -39,7 +39,7 @@ from .._cost import KernelCost, Loop
 from .._launch import cdiv, device_info, launch, next_power_of_2
 from .._scalars import fp32
 from ..gconv.launcher import reduce_partials
-from .moments import bn_fold_tail, stats_out
+from .moments import bn_batch_tail, stats_out
 
 GRAM_BLOCK = 128  # Gram block side of a program (channels; C <= 256: at most 2 x 2 blocks, 3 computed)
 GRAM_PIXELS = 64  # pixels per step (the dot's K)
@@ -332,10 +332,12 @@ def _bn_merge_kernel(part_ptr, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, ss_ptr, st_p
         mean += delta * (nb / (na + nb))
         m2 += m2_b + delta * delta * (na * nb / (na + nb))
     var = tl.maximum(m2 / mf, 0.0)
-    # the bias into ss[1], the running update: as the folds of BN_e and BN_d do it
-    scale = bn_fold_tail(k, k_ok, mean, var, gamma_ptr, beta_ptr, rm_ptr, rv_ptr, ss_ptr + K, st_ptr, K, f,
-                         mf / (mf - 1.0), eps)
+    # the batch statistics and the running update as BN_e's and BN_d's; scale and bias for the apply pass
+    rstd = bn_batch_tail(k, k_ok, mean, var, rm_ptr, rv_ptr, st_ptr, K, f, mf / (mf - 1.0), eps)
+    scale = tl.load(gamma_ptr + k, mask=k_ok, other=0.0).to(tl.float32) * rstd
     tl.store(ss_ptr + k, scale, mask=k_ok)
+    tl.store(ss_ptr + K + k, tl.load(beta_ptr + k, mask=k_ok, other=0.0).to(tl.float32) - mean * scale,
+             mask=k_ok)
 
 
 @triton.jit

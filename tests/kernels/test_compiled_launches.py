@@ -78,7 +78,7 @@ def test_float_arguments_compile_as_fp64_without_fp64_arithmetic(launches):
     names = {name for name, _ in picked.values()}
     # the kernels known to take floats (BatchNorm eps and momenta, 1 / pixels): all must be found
     assert {"_out_sums_kernel", "_bn_terms_kernel", "_merge_moments_kernel", "_bn_running_kernel",
-            "_fold_expand_kernel", "_grad_kernel", "_blur_bn_d_kernel"} <= names, names
+            "_bn_e_stats_kernel", "_grad_kernel", "_blur_bn_d_kernel"} <= names, names
     compiled = compile_variants([v for _, v in picked.values()])
     bad = {}
     for (name, _), c in zip(picked.values(), compiled):

@@ -92,7 +92,7 @@ def test_expand_hidden(interpreter_backend, small_tiles, shape):
 
 
 def _moments(x: torch.Tensor, w_exp: torch.Tensor) -> dict:
-    """x's mean and W_exp G, G x's centred Gram matrix (the forward's x_moments and fold_expand), fp32 from
+    """x's mean and W_exp G, G x's centred Gram matrix (the forward's x_moments and bn_e_stats), fp32 from
     fp64."""
     mean, wg = ref.x_moments_reference(x.double(), w_exp)
     return {"mean_x": mean.float(), "wg_x": wg.float()}

@@ -1,17 +1,18 @@
 """The forward of mbconv_recompute_train through the fused MBConv kernels
 (convfirstnet/mbconv_fused_forward.py, kernels/mbconv/moments.py), in the interpreter at the model's
 widths on small maps: every loop of the kernels runs more than once (pixel steps and channel blocks of the
-moments launch, exact and masked; the fold's image steps; the narrow passes' splits; both strides).
+moments launch, exact and masked; BN_d's statistics' row steps; the narrow passes' splits; both strides).
 
 * BN_d's moments launch against fp64 torch on a conv output u: the per-image sums of u - shift and of its
-  square; then BN_d's fold launch (factor 1): running mean and variance = the batch mean and unbiased
-  variance, the folded weights and bias.
+  square; then BN_d's statistics launch (factor 1): running mean and variance = the batch mean and
+  unbiased variance, and the batch mean and rstd the kernels normalise by.
 * The narrow passes (kernels/mbconv/narrow.py) against fp64 torch, with small steps (``small_tiles``) so
   that there are several pixel splits and merge steps: x's mean and centred Gram matrix (C = 256: two
   Gram blocks, the lower one read transposed; C = 96 padded), BN_p + drop-path + residual with the running
   statistics (and without the residual, as at stride 2).
 * The whole forward (output and the six running statistics) against the layer-wise training forward
-  (mbconv_recompute._layers, the same op with the kernels off); BN_e's fold is checked through it.
+  (mbconv_recompute._layers, the same op with the kernels off); BN_e's statistics launch is checked
+  through it and on its own.
 * The launches fused Small's training forward adds, compiled for sm_90 (``compile``), and a GPU check.
 
 Tolerances. fp32: both sides accumulate in fp32 and differ in summation order (over <= 81 pixels per
@@ -19,16 +20,14 @@ image, R <= 512 channels, the C x C Gram matrix against a pass over e, BN_d's su
 per image against one reduction): ~1e-7 relative to each tensor's maximum; compared within 1e-5.
 fp16: the kernels round h, u, g, the gate and the projection to fp16 (u = 2^-11 = 4.9e-4 each), so the
 output carries a few u against the fp64 forward (observed 7e-4 of its maximum): 3e-3; the running
-statistics come from fp32 sums of those values (observed <= 3e-5): 2e-4; folded weights and bias
-rounded to fp16 once: 2^-10. Planted bugs checked to fail (each fails 3 to 7 of these tests): the moments
-launch's pixel-step offset dropped (every step reads the first 32 pixels), the biased variance in the running
-update, a wrong divisor in the merge (N P - 1 for N P), the last tile of images skipped in the merge's second
-pass, the Gram step offset dropped in BN_e's fold; each changes a compared tensor by >= 5e-4 of its
-maximum. The narrow passes' own tolerances are stated at their tests; planted there (each fails 5 to 7 of
-the narrow and forward tests): the last split skipped in the Gram merge or in BN_p's merge, the biased
-variance in BN_p's running update, the drop-path scale dropped, M - 1 for M in BN_p's variance or x's
-mean, the split's rank-1 correction dropped from its Gram block.
-"""
+statistics come from fp32 sums of those values (observed <= 3e-5): 2e-4. Planted bugs checked to fail (each
+fails 3 to 7 of these tests): the moments launch's pixel-step offset dropped (every step reads the first 32
+pixels), the biased variance in the running update, a wrong divisor in the merge (N P - 1 for N P), the last
+tile of images skipped in the merge's second pass, the Gram step offset dropped in BN_e's statistics; each
+changes a compared tensor by >= 5e-4 of its maximum. The narrow passes' own tolerances are stated at their
+tests; planted there (each fails 5 to 7 of the narrow and forward tests): the last split skipped in the Gram
+merge or in BN_p's merge, the biased variance in BN_p's running update, the drop-path scale dropped, M - 1 for
+M in BN_p's variance or x's mean, the split's rank-1 correction dropped from its Gram block. """
 
 from __future__ import annotations
 
@@ -57,47 +56,41 @@ MOMENT_SHAPES = [(3, 512, 8, 8, torch.float32), (3, 640, 9, 9, torch.float16), (
 
 @pytest.fixture
 def small_fold_steps(monkeypatch):
-    """The conv fold's image loop in steps of 2 images (of 128), and the stride-1 BN_d pass in steps of 512
+    """BN_d's statistics' row loop in steps of 2 rows (of 128), and the stride-1 BN_d pass in steps of 512
     elements (8 or 16 pixels, of 64 or 81), so that they run more than once here."""
     from convfirstnet.kernels.mbconv import moments
 
-    monkeypatch.setattr(moments, "FOLD_IMAGES", 2)
+    monkeypatch.setattr(moments, "STATS_IMAGES", 2)
     monkeypatch.setattr(moments, "BNS_ELEMS", 512)
 
 
 @pytest.mark.parametrize("shape", MOMENT_SHAPES, ids=lambda s: f"n{s[0]}-r{s[1]}-{s[2]}x{s[3]}-"
                          f"{str(s[4])[6:]}")
-def test_moments_and_fold_of_the_conv_output(interpreter_backend, small_fold_steps, shape):
+def test_moments_and_statistics_of_the_conv_output(interpreter_backend, small_fold_steps, shape):
     """The moment rows of the conv output u (per image: sums of u - shift and of its square, fp32), then
-    the fold launch with factor 1, whose running mean and variance are then the batch mean and unbiased
-    variance, and whose folded weights and bias are gamma / sqrt(var + eps) W and beta - mean gamma /
-    sqrt(var + eps). u has a channel mean of ~3 against a spread of 1, as BN_d's input can: the shift
-    (the running mean) keeps the sums of squares from cancelling."""
-    from convfirstnet.kernels.mbconv.moments import conv_moments, fold_conv
+    BN_d's statistics launch with factor 1: the batch mean and rstd = 1 / sqrt(var + eps), and the running
+    mean and variance then the batch mean and unbiased variance. u has a channel mean of ~3 against a spread
+    of 1, as BN_d's input can: the shift (the running mean) keeps the sums of squares from cancelling."""
+    from convfirstnet.kernels.mbconv.moments import bn_d_stats, conv_moments
 
     n, r, h, w, dt = shape
     gen = torch.Generator().manual_seed(0)
     mean = 3 + torch.randn(r, generator=gen)
     u = (torch.randn(n, h * w, r, generator=gen) * (0.5 + torch.rand(r, generator=gen)) + mean).to(dt)
-    w_dw = torch.randn(r, 8, 3, 3, generator=gen) / 72**0.5  # fp32 master weights
     shift = mean + 0.2 * torch.randn(r, generator=gen)
-    gamma, beta = torch.rand(r, generator=gen) + 0.5, 0.3 * torch.randn(r, generator=gen)
     parts = conv_moments(u, shift)
-    assert parts.shape == (n, 2, 1, r) and parts.dtype == torch.float32
+    assert parts.shape == (n, 2, r) and parts.dtype == torch.float32
     us = u.double() - shift.double()
     # fp32 sums of <= 81 values per lane and image: ~1e-7 relative
-    assert _rel(parts[:, 0, 0].double(), us.sum(1)) <= 1e-5
-    assert _rel(parts[:, 1, 0].double(), us.square().sum(1)) <= 1e-5
+    assert _rel(parts[:, 0].double(), us.sum(1)) <= 1e-5
+    assert _rel(parts[:, 1].double(), us.square().sum(1)) <= 1e-5
     rm, rv = shift.clone(), torch.ones(r)
-    wf, bf = fold_conv(parts, w_dw, gamma, beta, rm, rv, 1.0, 1e-5, h * w, dt)
+    st = bn_d_stats(parts, rm, rv, 1.0, 1e-5, h * w)
     var_ref, mean_ref = torch.var_mean(u.double(), (0, 1), unbiased=False)
     count = n * h * w
     assert _rel(rm, mean_ref) <= 1e-5 and _rel(rv, var_ref * count / (count - 1)) <= 1e-5
-    scale = gamma.double() / (var_ref + 1e-5).sqrt()
-    tol = 1e-5 if dt == torch.float32 else 2**-10  # the folded weights and bias rounded to x's dtype
-    assert wf.dtype == bf.dtype == dt
-    assert _rel(wf, w_dw.to(dt).double() * scale[:, None, None, None]) <= tol
-    assert _rel(bf, beta.double() - mean_ref * scale) <= tol
+    assert st.shape == (2, r) and st.dtype == torch.float32
+    assert _rel(st[0], mean_ref) <= 1e-5 and _rel(st[1], (var_ref + 1e-5).rsqrt()) <= 1e-5
 
 
 def test_conv_moments_refuses_a_strided_u():
@@ -111,33 +104,29 @@ def test_conv_moments_refuses_a_strided_u():
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_fold_expand(interpreter_backend, dt):
-    """BN_e's fold from x's mean and centred Gram matrix against fp64 (factor 1: the running mean and
-    variance become the batch mean and unbiased variance of z = W x). C = 128: the Gram steps run 4 times;
-    R = 40: the last program of 16 rows masked. fp16 takes the split product W G_hi + W G_lo (TF32 on a
-    GPU, exact fp32 here): the statistics within 1e-5 (observed 1.5e-7; G_hi alone, G with its low 13 bits
-    cleared, misses by 4e-4); fp32 the ieee dot. The folded weights and bias rounded to x's dtype."""
-    from convfirstnet.kernels.mbconv.moments import fold_expand
+def test_bn_e_stats(interpreter_backend, dt):
+    """BN_e's statistics from x's mean and centred Gram matrix against fp64 (factor 1: the running mean and
+    variance become the batch mean and unbiased variance of z = W x), the batch mean and rstd, and W G.
+    C = 128: the Gram steps run 4 times; R = 40: the last program of 16 rows masked. fp16 takes the split
+    product W G_hi + W G_lo (TF32 on a GPU, exact fp32 here): the statistics within 1e-5 (observed 1.5e-7;
+    G_hi alone, G with its low 13 bits cleared, misses by 4e-4); fp32 the ieee dot."""
+    from convfirstnet.kernels.mbconv.moments import bn_e_stats
 
     c, r, m = 128, 40, 300
     gen = torch.Generator().manual_seed(3)
     x = 0.7 * torch.randn(m, c, generator=gen, dtype=torch.float64) + 2.0
     x = x + 0.3 * x[:, :1]  # correlated channels
     w = (torch.randn(r, c, generator=gen) / c**0.5).to(dt)
-    gamma, beta = torch.rand(r, generator=gen) + 0.5, 0.3 * torch.randn(r, generator=gen)
     mean_x = x.mean(0)
     gram = (x - mean_x).t() @ (x - mean_x)
     rm, rv = torch.zeros(r), torch.ones(r)
-    wf, bf = fold_expand(w, mean_x.float(), mean_x.float(), gram.float(), gamma, beta, rm, rv, 1.0, 1e-5, m,
-                         dt)
+    wg = torch.empty(r, c)
+    st = bn_e_stats(w, mean_x.float(), mean_x.float(), gram.float(), rm, rv, 1.0, 1e-5, m, wg=wg)
     z = x @ w.double().t()
     var_ref, mean_ref = torch.var_mean(z, 0, unbiased=False)
     assert _rel(rm, mean_ref) <= 1e-5 and _rel(rv, var_ref * m / (m - 1)) <= 1e-5
-    scale = gamma.double() / (var_ref + 1e-5).sqrt()
-    tol = 1e-5 if dt == torch.float32 else 2**-10
-    assert wf.dtype == bf.dtype == dt
-    assert _rel(wf, w.double() * scale[:, None]) <= tol
-    assert _rel(bf, beta.double() - mean_ref * scale) <= tol
+    assert _rel(st[0], mean_ref) <= 1e-5 and _rel(st[1], (var_ref + 1e-5).rsqrt()) <= 1e-5
+    assert _rel(wg, w.double() @ gram) <= 1e-5
 
 
 # ------------------------------------------------------------------------------------------------ narrow
@@ -317,22 +306,23 @@ def record_forward(c: int, k: int, stride: int, side: int, n: int = 128, dtype=t
     return rec.launches
 
 
-FORWARD_LAUNCHES = ("_gram_partials_kernel", "_gram_merge_kernel", "_fold_expand_kernel", "_expand_kernel",
-                    "_gconv_fwd_kernel", "_fold_conv_kernel", "_bn_silu_pool_kernel", "_se_gates_kernel",
+FORWARD_LAUNCHES = ("_gram_partials_kernel", "_gram_merge_kernel", "_bn_e_stats_kernel", "_expand_kernel",
+                    "_gconv_fwd_kernel", "_bn_d_stats_kernel", "_bn_silu_pool_kernel", "_se_gates_kernel",
                     "_mbconv_project_kernel", "_channel_partials_kernel", "_bn_merge_kernel",
                     "_bn_apply_kernel")
 
 
 @pytest.mark.compile
 def test_small_training_forward_compiles_for_sm90():
-    """The launches of fused Small's MBConv training forward (x's Gram partials and merge, BN_e's fold, h by
-    the expand kernel, u and BN_d's moments by the group-width-8 conv, BN_d's fold, the BN_d pass (stride 2:
-    with the blur) and the SE gates, the projection without residual, BN_p's statistics, merge and apply)
-    compile for sm_90 within shared memory, with no spill code in their inner loops, the expand and projection
-    dots on wgmma and the grouped conv on mma.sync, the Gram product on wgmma (its pixel sums, one-hot dots of
-    M = 16, partly on mma.sync), the expand fold's split-TF32 W G on mma.sync, and no stack anywhere.
+    """The launches of fused Small's MBConv training forward (x's Gram partials and merge, BN_e's statistics,
+    h by the expand kernel, u and BN_d's moments by the group-width-8 conv, BN_d's statistics, the BN_d pass
+    (stride 2: with the blur) and the SE gates, the projection without residual, BN_p's statistics, merge and
+    apply) compile for sm_90 within shared memory, with no spill code in their inner loops, the expand and
+    projection dots on wgmma and the grouped conv on mma.sync, the Gram product on wgmma (its pixel sums,
+    one-hot dots of
+    M = 16, partly on mma.sync), BN_e's split-TF32 W G on mma.sync, and no stack anywhere.
     (Compiled, Triton 3.8: the expand 101-128 registers, the conv with the moments 126-254, the BN_d pass
-    64-128, the SE gates 72-209, the Gram partials 175-177 at 8 warps, the expand fold 80-116 at 8.)"""
+    64-128, the SE gates 72-209, the Gram partials 175-177 at 8 warps, BN_e's statistics 80-116 at 8.)"""
     pytest.importorskip("triton")
     from convfirstnet.analysis.compiled import compile_variants, variant_of
 
@@ -351,7 +341,7 @@ def test_small_training_forward_compiles_for_sm90():
             variants.setdefault(v.key, v)
     problems = []
     expected = {"_expand_kernel": "wgmma", "_gconv_fwd_kernel": "mma.sync", "_mbconv_project_kernel": "wgmma",
-                "_gram_partials_kernel": "wgmma+mma.sync", "_fold_expand_kernel": "mma.sync"}
+                "_gram_partials_kernel": "wgmma+mma.sync", "_bn_e_stats_kernel": "mma.sync"}
     for v, c in zip(variants.values(), compile_variants(list(variants.values()))):
         if c.stack or c.shared > SHARED_LIMIT[90] or c.mma_kind != expected.get(v.name, c.mma_kind):
             problems.append(f"{v.name}: {c.stack} B of stack, {c.shared} B shared, {c.mma_kind}")
