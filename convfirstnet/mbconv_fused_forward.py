@@ -6,7 +6,7 @@ three BatchNorms normalising by the batch's statistics (kernels/mbconv/moments.p
          blocks per pixel split centred at a shift, fp32 accumulation, merged by Chan's rule in a second
          launch): mean_z = W mean_x, var_z = diag(W cov W^T), in one small launch. No pass over a wide
          tensor for the statistics; then h = SiLU(BN_e(W_exp x)) by the expand kernel
-         (expand_backward.py ``expand_hidden``) and u = gconv3x3(h) by the group-width-8 conv
+         (expand_backward.py ``expand_forward``) and u = gconv3x3(h) by the group-width-8 conv
          (kernels/gconv): the launches the backward recomputes them with, so its d is this u bit for bit.
     BN_d (after the grouped conv, before SiLU and, for stride 2, the BlurPool): the sums of u - shift
          and its square (shift = BN_d's running mean), per conv program as the conv stores u where its
@@ -100,7 +100,7 @@ def forward(x: T, w_exp: T, gamma_e: T, beta_e: T, w_dw: T, gamma_d: T, beta_d: 
 def _forward(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, gamma_p,
              beta_p, running, drop_scale, stride, factors, eps, stats):
     from .kernels.gconv.launcher import gconv3x3_moments_triton, moments_rows
-    from .kernels.mbconv.expand_backward import expand_hidden
+    from .kernels.mbconv.expand_backward import expand_forward
     from .kernels.mbconv.moments import bn_d_stats, bn_e_stats, conv_moments, mbconv_from_conv_output
     from .kernels.mbconv.narrow import bn_residual, x_moments
 
@@ -128,7 +128,7 @@ def _forward(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_s
     st_e = rows[0] if rows[0] is not None else torch.empty((2, r), device=x.device, dtype=torch.float32)
     bn_e_stats(w_exp_x, mean_x, mean_x, gram, rm_e, rv_e, factors[0], eps, n * h * w, st_e, wg)
     x2 = x.permute(0, 2, 3, 1).reshape(n * h * w, c)
-    hid = expand_hidden(x2, w_exp_x, st_e[0], st_e[1], gamma_e, beta_e)
+    hid = expand_forward(x2, w_exp_x, st_e[0], st_e[1], gamma_e, beta_e)
     hid4 = hid.view(n, h, w, r).permute(0, 3, 1, 2)
     pixels = moments_rows(n, r, h, w, dt, x.device.type == "cpu")
     if pixels is not None:  # the conv's programs sum BN_d's moments over their tiles as they store u

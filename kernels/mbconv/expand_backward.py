@@ -1,7 +1,9 @@
 """The expand passes of the fused MBConv training backward (backward_reference.py states each one), over
 the block's narrow input x (P, C) with z = x W_exp^T (K = C) recomputed on the tensor cores:
 
-* ``expand_hidden``: h = SiLU(gamma_e e_hat + beta_e), e_hat = (z - mu_e) rho_e, written (P, R);
+* ``expand_hidden``: h = SiLU(gamma_e e_hat + beta_e), e_hat = (z - mu_e) rho_e, written (P, R) (the
+  backward's recompute; ``expand_forward``, the same launch, for the forwards, whose cost declaration
+  counts the expand's MACs);
 * ``bn_e_weights``: dv = dh SiLU'(v_e); one pass accumulates D = dv^T x and sum dv per pixel split, then
   one small launch (``_bn_e_finalize_kernel``) merges the splits in a fixed order and forms BN_e's
   dgamma = sum dv e_hat = rho_e (rowsum(W_exp * D) - mu_e sum dv), dbeta = sum dv, dW_exp = de^T x and the
@@ -261,7 +263,8 @@ def _check_sizes(op: str, p: int, c: int, r: int) -> None:
 # ------------------------------------------------------------------------------------------ launches
 
 
-def _expand_launch(mode: int, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, out, part, splits, ch):
+def _expand_launch(mode: int, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, out, part, splits, ch,
+                   forward: bool = False):
     rb, bm, warps, stages = TILES[mode, _size(x)]
     p, c = x.shape
     r = w_exp.shape[0]
@@ -272,27 +275,28 @@ def _expand_launch(mode: int, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, out
     launch(_expand_kernel, (nchunk, splits), x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh_arg, out, part, p,
            c, r, ch,
            cost=lambda: _expand_cost(mode, p, c, r, rb, cp, bm, splits, ch, x.element_size(),
-                                     gamma_e.element_size()),
+                                     gamma_e.element_size(), forward),
            MODE=mode, RB=rb, CP=cp, BM=bm, EVEN_R=r % rb == 0, FAST=fast, PREC=prec, num_warps=warps,
            num_stages=stages)
 
 
 def _expand_cost(mode: int, p: int, c: int, r: int, rb: int, cp: int, bm: int, splits: int, ch: int,
-                 eb: int, gb: int) -> KernelCost:
+                 eb: int, gb: int, forward: bool = False) -> KernelCost:
     """x read from DRAM once, re-read from L2 by the other chunks' programs of its split (adjacent in the
     grid); W_exp and the per-channel vectors once; dh read once or h written once; the partials written.
     The dots as issued: BM x RB x CP per tile (z), plus RB x CP x BM (D) in the weights mode. MACs of the
-    block's math: the recompute of z counts nothing (the forward counted it), D (dW_exp's) P R C."""
+    block's math: h P R C in a forward (``forward``), nothing for the backward's recompute (the forward
+    counted it), D (dW_exp's) P R C."""
     nchunk = cdiv(r, rb)
     tiles = splits * cdiv(ch, bm)  # tiles as issued (the last split's short tail masked)
     z = nchunk * tiles * bm * rb * cp
     dram = p * c * eb + r * c * eb + r * (2 * 4 + 2 * gb) + p * r * eb
     if mode == MODE_H:
-        note = "h = SiLU(BN_e(x W_exp^T)) recomputed for the conv's backward"
+        note = "h = SiLU(BN_e(x W_exp^T))" + ("" if forward else " recomputed for the conv's backward")
     else:
         dram += splits * (r * c + r) * 4
         note = "BN_e backward weights pass: D = dv^T x and sum dv (z recomputed), partials per pixel split"
-    return KernelCost(p * r * c if mode == MODE_D else 0, z * (2 if mode == MODE_D else 1), dram,
+    return KernelCost(p * r * c if mode == MODE_D or forward else 0, z * (2 if mode == MODE_D else 1), dram,
                       (Loop("pixel tiles", cdiv(ch, bm)),),
                       l2_bytes=(nchunk - 1) * p * c * eb, note=note)
 
@@ -309,11 +313,23 @@ def _expand_splits(mode: int, x: torch.Tensor, r: int) -> tuple[int, int]:
 
 def expand_hidden(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rstd_e: torch.Tensor,
                   gamma_e: torch.Tensor, beta_e: torch.Tensor) -> torch.Tensor:
-    """h = SiLU(gamma_e (x W_exp^T - mean_e) rstd_e + beta_e), (P, R) in x's dtype."""
-    p, _c, r = _check_expand("expand_hidden", x, w_exp, mean_e, rstd_e, gamma_e, beta_e)
+    """h = SiLU(gamma_e (x W_exp^T - mean_e) rstd_e + beta_e), (P, R) in x's dtype: the backward's
+    recompute."""
+    return _hidden("expand_hidden", x, w_exp, mean_e, rstd_e, gamma_e, beta_e, False)
+
+
+def expand_forward(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, rstd_e: torch.Tensor,
+                   gamma_e: torch.Tensor, beta_e: torch.Tensor) -> torch.Tensor:
+    """``expand_hidden`` in a forward (the training forward, the staged inference launches): the same
+    launch, whose cost declaration counts the expand's MACs."""
+    return _hidden("expand_forward", x, w_exp, mean_e, rstd_e, gamma_e, beta_e, True)
+
+
+def _hidden(op: str, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, forward: bool) -> torch.Tensor:
+    p, _c, r = _check_expand(op, x, w_exp, mean_e, rstd_e, gamma_e, beta_e)
     h = torch.empty((p, r), device=x.device, dtype=x.dtype)
     splits, ch = _expand_splits(MODE_H, x, r)
-    _expand_launch(MODE_H, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, None, h, h, splits, ch)
+    _expand_launch(MODE_H, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, None, h, h, splits, ch, forward)
     return h
 
 

@@ -2,7 +2,7 @@
 statistics (convfirstnet/mbconv_fused_forward.py runs them per step):
 
 * BN_d's statistics from the grouped conv's output u (N, H W, R), which the group-width-8 conv (kernels/gconv)
-  writes from h = SiLU(BN_e(W_exp x)) (expand_backward.py ``expand_hidden``): fp32 sums of ``u - shift`` and
+  writes from h = SiLU(BN_e(W_exp x)) (expand_backward.py ``expand_forward``): fp32 sums of ``u - shift`` and
   of its square per hidden channel (the shift BN_d's running mean, which keeps the sums of squares from
   cancelling when the mean is large against the spread), in rows of their own ([rows][2][R], no atomics).
   Where the conv's tiles cover the map exactly (every map of Small at 256 x 256), the conv's programs sum them
@@ -194,11 +194,12 @@ def _se_gates_kernel(z_ptr, b1_ptr, w2_ptr, b2_ptr, gate_ptr, N, NCHUNK, R, S, s
 
 def mbconv_from_conv_output(u: torch.Tensor, x: torch.Tensor, stats: torch.Tensor, gamma: torch.Tensor,
                             beta: torch.Tensor, w_se1: torch.Tensor, b_se1: torch.Tensor, w_se2: torch.Tensor,
-                            b_se2: torch.Tensor, w_proj: torch.Tensor, b_proj: torch.Tensor, stride: int
-                            ) -> torch.Tensor:
+                            b_se2: torch.Tensor, w_proj: torch.Tensor, b_proj: torch.Tensor, stride: int,
+                            residual: bool = False) -> torch.Tensor:
     """``W_proj (g * gate) + b_proj`` (NHWC, x's dtype) from the conv output ``u`` (N, H W, R) that the
     group-width-8 conv wrote: the BN_d pass (``_bn_silu_pool_kernel``: g, stride 1 in place over u, stride 2
-    blurred into a buffer of its own; the SE partials), the SE gates, then the projection (no residual).
+    blurred into a buffer of its own; the SE partials), the SE gates, then the projection (``residual``:
+    + x, stride 1).
     ``stats``: BN_d's batch (mean; rstd), (2, R) fp32 (``bn_d_stats``'); ``gamma``, ``beta``: BN_d's
     affine."""
     n, c, h, w = x.shape
@@ -222,7 +223,8 @@ def mbconv_from_conv_output(u: torch.Tensor, x: torch.Tensor, stats: torch.Tenso
     launch(_se_gates_kernel, (n,), zpart, b_se1, w_se2, b_se2, gates, n, geo.nchunk, r, s, *w_se2.stride(),
            cost=lambda: _se_gates_cost(geo), SP=geo.sp, NCP=next_power_of_2(geo.nchunk), GB=GATE_ROWS,
            SILU=silu, num_warps=SEG_WARPS)
-    launch_project(geo, g, zpart, gates, b_se1, w_se2, b_se2, w_proj, b_proj.contiguous(), x, out, False)
+    launch_project(geo, g, zpart, gates, b_se1, w_se2, b_se2, w_proj, b_proj.contiguous(), x, out,
+                   residual and stride == 1)
     return out
 
 

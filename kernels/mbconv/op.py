@@ -15,7 +15,8 @@ from .._launch import (
 from .reference import mbconv_reference
 
 if HAS_TRITON:
-    from .launcher import check_supported, mbconv_triton
+    from .launcher import check_supported, mbconv_triton, staged
+    from .staged import mbconv_staged_triton
 
 
 def check_mbconv(
@@ -77,9 +78,8 @@ def mbconv(
     k = w_proj.shape[0]
     if use_triton(x):
         check_supported(x, c, r, k)
-        return mbconv_triton(
-            x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj, stride
-        )
+        run = mbconv_staged_triton if x.shape[0] > 0 and staged(x) else mbconv_triton
+        return run(x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj, stride)
     return mbconv_reference(x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj, stride)
 
 

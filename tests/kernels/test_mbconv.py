@@ -48,6 +48,17 @@ TOL = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def hidden_kernel_path():
+    """This module tests the hidden kernel at every map size (launcher.STAGED = False); the tests of the
+    staged launches, which the op takes on maps of 28x28 and more, set STAGED themselves."""
+    from convfirstnet.kernels.mbconv import launcher
+
+    saved, launcher.STAGED = launcher.STAGED, False
+    yield
+    launcher.STAGED = saved
+
+
 def make_block(n, c, h, w, stride, k=None, dtype=torch.float32, device="cpu", seed=0):
     """Input and folded weights: unit-variance x, weights ~ N(0, 1/fan_in), except the SE weights,
     scaled so that the gates spread over (0, 1) instead of all sitting near 0.5 (a wrong SE then
@@ -121,6 +132,46 @@ def test_matches_reference(interpreter_backend, shape):
     n, c, k, h, w, stride, dtype = shape
     x, weights = make_block(n, c, h, w, stride, k=k, dtype=dtype)
     check(x, weights, stride)
+
+
+# The staged launches (staged.py mbconv_staged_triton: the expand, the group-width-8 conv, the BN_d pass
+# with the pool, the SE gates, the projection) on the same shapes: the same tolerances, as they round
+# where the hidden kernel rounds (h, u, g, the gate, the output), in the same dtype.
+STAGED_SHAPES = [SHAPES[0], SHAPES[1], SHAPES[2], SHAPES[4], SHAPES[5], SHAPES[6], SHAPES[8],
+                 (2, 256, 256, 16, 16, 1, torch.float16)]
+
+
+@pytest.mark.parametrize("shape", STAGED_SHAPES, ids=_id)
+def test_staged_matches_reference(interpreter_backend, monkeypatch, shape):
+    from convfirstnet.kernels.mbconv import launcher
+
+    monkeypatch.setattr(launcher, "STAGED", True)
+    n, c, k, h, w, stride, dtype = shape
+    x, weights = make_block(n, c, h, w, stride, k=k, dtype=dtype, seed=3)
+    check(x, weights, stride)
+
+
+@pytest.mark.parametrize("hw, staged", [(8, False), (16, False), (27, False), (28, True), (32, True)])
+def test_staged_where_the_map_is_28x28_or_more(monkeypatch, hw, staged):
+    """Unforced (STAGED None), the op takes the staged launches on maps of 784 pixels and more (both
+    measures of the cost report rank them faster there at every width of the four models: launcher.py)
+    and the hidden kernel below."""
+    pytest.importorskip("triton")
+    from convfirstnet.kernels._cost import recording
+    from convfirstnet.kernels.mbconv import launcher
+
+    monkeypatch.setattr(launcher, "STAGED", None)
+    x, weights = make_block(1, 128, 1, 1, 1)
+    x = torch.empty(128, 128, hw, hw, device="meta", dtype=torch.float16)
+    x = x.contiguous(memory_format=torch.channels_last)
+    weights = [t.to(device="meta", dtype=torch.float16) for t in weights]
+    with recording() as rec:
+        torch.ops.convfirstnet.mbconv(x, *weights, 1)
+    names = [lc.kernel.fn.__name__ for lc in rec.launches]
+    want = (["_expand_kernel", "_gconv_fwd_kernel", "_bn_silu_pool_kernel", "_se_gates_kernel",
+             "_mbconv_project_kernel"] if staged else ["_mbconv_hidden_kernel", "_mbconv_project_kernel"])
+    assert names == want
+    assert rec.launches[-1].meta["RESIDUAL"] is True
 
 
 # Each load order of the conv's tap pairs besides the one the other tests run (launcher.tap_order(), the
@@ -478,7 +529,8 @@ SMALL_SCRATCH = {}  # fused Small's variant key -> the L1 working set its launch
 
 
 def _variant_class(v):
-    return v.name, v.arch, dict(v.signature)["x_ptr"]
+    """(kernel, arch, the data's pointer type: its first pointer argument's)."""
+    return v.name, v.arch, next(t for _, t in v.signature if t.startswith("*"))
 
 
 def _shipped_variants():
@@ -515,6 +567,25 @@ def _shipped_variants():
                         if name == "small" and dtype == torch.float16 and size == 256:
                             small.add(v.key)
                             SMALL_SCRATCH[v.key] = launch.cost.l1_working_set_bytes
+    # the launches fused Small takes at 256x256 by default: the staged ones on its 32x32 map
+    from convfirstnet.kernels.mbconv import launcher
+
+    fused = convfirstnet.fuse(convfirstnet.create_model("small"))
+    blocks = [m.to(device="meta", dtype=torch.float16) for m in fused.modules() if isinstance(m, FusedMBConv)]
+    launcher.STAGED = None
+    try:
+        for arch in (90, 80):
+            t = target(arch)
+            x = torch.empty(2, blocks[0].w_exp.shape[1], 32, 32, device="meta", dtype=torch.float16)
+            with recording(sms=t.sms, l2_bytes=t.l2_bytes, shared_per_block=t.smem_per_block,
+                           arch=t.arch) as rec:
+                for m in blocks:
+                    x = m(x.contiguous(memory_format=torch.channels_last))
+            for launch in rec.launches:
+                v = variant_of(launch, arch)
+                small.add(found.setdefault(v.key, v).key)
+    finally:
+        launcher.STAGED = False
     if FULL_MATRIX:
         return list(found.values()), small
     widest = {}
@@ -567,13 +638,14 @@ def test_shipped_variants_compile_without_spills(mbconv_compiled):
     assert sum(small for _, _, small in mbconv_compiled) >= 8  # hidden + projection, 4 shapes, sm_90
     problems = []
     for v, c, small in mbconv_compiled:
-        where = f"{v.name} sm_{v.arch} {dict(v.signature)['x_ptr']} {v.meta}"
+        where = f"{v.name} sm_{v.arch} {_variant_class(v)[2]} {v.meta}"
         if c.shared > SHARED_LIMIT[v.arch]:
             problems.append(f"{where}: {c.shared} B of shared memory")
         if small and _spills_in_loops(c):
             problems.append(f"{where}: {_spills_in_loops(c)} spill instructions in loops ({c.stack} B stack)")
         if v.arch == 90:
-            expected = "wgmma+mma.sync" if v.name == "_mbconv_hidden_kernel" else "wgmma"
+            expected = {"_mbconv_hidden_kernel": "wgmma+mma.sync", "_gconv_fwd_kernel": "mma.sync"}.get(
+                v.name, "wgmma" if v.name in ("_mbconv_project_kernel", "_expand_kernel") else c.mma_kind)
             if c.mma_kind != expected:
                 problems.append(f"{where}: {c.mma_kind}, expected {expected}")
     assert not problems, "\n".join(problems)
@@ -845,6 +917,21 @@ def exact_fp32(monkeypatch):
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_paper_shapes_on_gpu(triton_backend, exact_fp32, shape, dtype):
+    n, c, k, h, w, stride = shape
+    x, weights = make_block(n, c, h, w, stride, k=k, dtype=dtype, device="cuda")
+    check(x, weights, stride)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [GPU_SHAPES[4], GPU_SHAPES[0], GPU_SHAPES[1], GPU_SHAPES[6]], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_staged_paper_shapes_on_gpu(triton_backend, monkeypatch, shape, dtype):
+    """The staged launches (shipped at 32x32, forced elsewhere) at the paper's shapes, same tolerances
+    (fp32 through them: the interpreter tests)."""
+    from convfirstnet.kernels.mbconv import launcher
+
+    monkeypatch.setattr(launcher, "STAGED", True)
     n, c, k, h, w, stride = shape
     x, weights = make_block(n, c, h, w, stride, k=k, dtype=dtype, device="cuda")
     check(x, weights, stride)
