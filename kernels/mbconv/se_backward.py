@@ -20,7 +20,8 @@ channels:
   x RC channels: ds = the partials' sum masked by s > 0, times W_se1's chunk) and a weight-gradient tile
   (SC columns of S x RW channels: dW_se1 and dW_se2 over all images, NW at a time in image order, ds
   re-summed from the partials for its SC columns, dt recomputed from gate and dgate; the first column
-  of tiles writes db_se1, the first row db_se2). At Small both kinds number 64 (8 x 8 and 4 x 16).
+  of tiles writes db_se1, the first row db_se2). At Small 128 dpix tiles (8 x 16) and 64 weight tiles
+  (4 x 16).
 
 The partials are summed from one load of all chunks (tl.sum over the chunk axis: a fixed tree) and every
 other sum runs in a fixed order (no atomics): two identical calls give equal bits. All in fp32: the
@@ -28,9 +29,13 @@ products by ``tl.dot`` with input_precision "ieee" (FMA, no tensor cores: the op
 work is small; tf32x3 on mma.sync estimated slower, its operand splits and layout changes), the sigmoid
 in the exact form of _activations (exp2 and a division).
 
-Static estimate (sm_90, Small, batch 128, fp32 master weights; low/high, with one graph launch gap
-each): 2.8/3.3, 3.2/3.6 and 5.8/6.3 us, all three latency-bound (the third: 64 programs of 8 warps);
-the 17 aten ops this replaces were counted at one launch gap each (~1.3 us): 21/23 us.
+Chunks of RC = 64 channels: at 128 the gate and gradient launches took 255 registers and 80 and 64 B of
+stack with Triton 3.6 (the GPU image's) at Small's R = 1024, S = 64 (Triton 3.8: 128-175 registers, no
+stack); at 64 they take 117 and 165 (3.6) and 64 and 176 (3.8), no stack. Below sm_90 RC_SM80 = 128.
+Static estimate (sm_90, Small, batch 128, fp32 master weights; us, low-high, with one graph launch gap
+each; Triton 3.8): 3.0-3.7, 4.2-5.4 and 11.2-11.7, together 18.4-20.8 against 21.3-23.2 at RC = 128
+(Triton 3.6: 27.1-28.9 against 24.2-28.3 with the spills), all latency- or L1-bound; the 17 aten ops this
+replaces were counted at one launch gap each (~1.3 us): 21/23 us.
 """
 
 from __future__ import annotations
@@ -41,11 +46,12 @@ import triton.language as tl
 
 from .._activations import sigmoid
 from .._cost import KernelCost, Loop
-from .._launch import cdiv, launch, next_power_of_2
+from .._launch import cdiv, device_info, launch, next_power_of_2
 from .._scalars import fp32
 
 BN = 16  # images per tile (the dots' M; 16 is their least)
-RC = 128  # channels per chunk of the chain (one s and one ds partial per chunk)
+RC = 64  # channels per chunk of the chain (one s and one ds partial per chunk; module docstring)
+RC_SM80 = 128  # below sm_90 (the A100's static estimate: 64 took 42-47 us against 26 at Small's R = 1024)
 SC = 16  # S columns per weight-gradient tile
 RW = 64  # channels per weight-gradient tile
 NW = 32  # images per step of a weight-gradient tile (its shared memory, the dots' layout changes, grows
@@ -228,7 +234,8 @@ def se_backward(gsum: torch.Tensor, dgate: torch.Tensor, w_se1: torch.Tensor, b_
     dev = gsum.device
     f32 = dict(device=dev, dtype=torch.float32)
     sp = max(16, next_power_of_2(s))
-    groups, chunks = cdiv(n, BN), cdiv(r, RC)
+    rc = RC if device_info(dev).arch >= 90 else RC_SM80
+    groups, chunks = cdiv(n, BN), cdiv(r, rc)
     sch = cdiv(s, SC)
     pix_tiles, w_tiles = groups * chunks, sch * cdiv(r, RW)
     spart = torch.empty((chunks, n, sp), **f32)  # rows padded to SP (aligned; the padding holds zeros)
@@ -247,7 +254,7 @@ def se_backward(gsum: torch.Tensor, dgate: torch.Tensor, w_se1: torch.Tensor, b_
            cost=lambda: KernelCost(n * r * s, 0, vec + r * s * web + part, (),
                                    l2_bytes=(groups - 1) * r * s * web,
                                    note="SE backward: s's partials over channel chunks"),
-           BN=BN, RC=RC, SP=sp, PREC=PREC, num_warps=WARPS)
+           BN=BN, RC=rc, SP=sp, PREC=PREC, num_warps=WARPS)
     chp = next_power_of_2(chunks)
     launch(_gate_kernel, (groups, chunks), dgate, b_se1, w_se2, b_se2, spart, s_val, gate, dspart, n, r, s,
            cost=lambda: KernelCost(2 * n * r * s, 0, 2 * vec + r * s * web + (r + s) * 4 + n * sp * 4 + part,
@@ -255,11 +262,11 @@ def se_backward(gsum: torch.Tensor, dgate: torch.Tensor, w_se1: torch.Tensor, b_
                                    l2_bytes=chunks * part + (groups - 1) * r * s * web,
                                    l2_footprint_bytes=part,
                                    note="SE backward: s, the gate, ds's partials over channel chunks"),
-           CH=chunks, CHP=chp, BN=BN, RC=RC, SP=sp, PREC=PREC, num_warps=WARPS)
+           CH=chunks, CHP=chp, BN=BN, RC=rc, SP=sp, PREC=PREC, num_warps=WARPS)
     launch(_grad_kernel, (max(pix_tiles, w_tiles),), gsum, dgate, w_se1, s_val, gate, dspart, dpix, dw1, db1,
            dw2, db2, n, r, s, hwf, pix_tiles, w_tiles,
            cost=lambda: _grad_cost(n, r, s, sp, web, chunks, groups, sch),
-           CH=chunks, CHP=chp, BN=BN, RC=RC, SP=sp, SCH=sch, SC=SC, RW=RW, NW=NW, PREC=PREC, num_warps=WARPS)
+           CH=chunks, CHP=chp, BN=BN, RC=rc, SP=sp, SCH=sch, SC=SC, RW=RW, NW=NW, PREC=PREC, num_warps=WARPS)
     return gate, dpix, dw1, db1, dw2, db2
 
 

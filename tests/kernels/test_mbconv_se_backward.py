@@ -1,8 +1,9 @@
 """The SE step of the fused MBConv training backward (kernels/mbconv/se_backward.py: se_backward) against
 its specification (backward_reference.se_backward_reference) computed in fp64 on the same inputs, in the
 interpreter, at the model's widths: Small's R = 1024, S = 64 and the odd widths R = 640, S = 40 and
-R = 384, S = 24 (S padded to 64 and 32: masked columns, a half-masked last column tile), and R = 192
-(a half-masked last channel chunk of 128), with weights in fp32 and fp16, as (S, R) and (S, R, 1, 1).
+R = 384, S = 24 (S padded to 64 and 32: masked columns, a half-masked last column tile), and Tiny's
+R = 288, S = 18 (a half-masked last channel chunk of 64 or 128), with weights in fp32 and fp16, as
+(S, R) and (S, R, 1, 1).
 ``small_steps`` (16 images per step of a weight tile) makes the image loop run 3 times on 37 images
 (ragged last step) and twice on 20.
 
@@ -22,7 +23,7 @@ import torch
 
 # (N, R, S, weight dtype, 4-D weights)
 SHAPES = [(37, 1024, 64, torch.float32, True), (20, 640, 40, torch.float16, False),
-          (37, 384, 24, torch.float32, False), (20, 192, 12, torch.float16, True)]
+          (37, 384, 24, torch.float32, False), (20, 288, 18, torch.float16, True)]
 NAMES = ("gate", "dpix", "dw_se1", "db_se1", "dw_se2", "db_se2")
 
 
@@ -56,10 +57,15 @@ def _inputs(shape, hw: int = 25):
     return (gsum, dgate, *(t.to(wdt) for t in (w1, b1, w2, b2)), hw)
 
 
+@pytest.mark.parametrize("rc", [64, 128], ids=["rc64", "rc128"])
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
-def test_se_backward(interpreter_backend, small_steps, shape):
+def test_se_backward(interpreter_backend, small_steps, monkeypatch, shape, rc):
+    """Channel chunks of 64 (sm_90) and of 128 (below: RC_SM80)."""
     from convfirstnet.kernels.mbconv import backward_reference as ref
+    from convfirstnet.kernels.mbconv import se_backward as module
     from convfirstnet.kernels.mbconv.se_backward import se_backward
+
+    monkeypatch.setattr(module, "RC", rc)
 
     args = _inputs(shape)
     got = se_backward(*args)
