@@ -38,7 +38,7 @@ Choices (kernel.py explains the kernels)
   217-266 against 271-392), the sum ranks the hidden kernel 2-15 % faster at 16x16 (staged 5-9 % faster at
   14x14), and the hidden kernel measured 311 us there against Inductor's 350, so it stays until a GPU times
   both (``scripts/gpu_variants.py --variants shipped,staged``). At 8x8 and below the hidden kernel (measured
-  2.5x Inductor at 8x8).
+  2.5x Inductor at 8x8). Batches whose expand output passes 2^31 elements take the hidden kernel.
 * Projection: 128-row tiles on sm_90, 64 for fp32 and below sm_90 (one image's pixels, or two whole
   images of at most half a tile), output channels in two accumulators of 128 for K <= 256 (one
   program per tile reads g and the gates once:
@@ -629,12 +629,14 @@ def mbconv_triton(
     return out
 
 
-def staged(x: torch.Tensor) -> bool:
+def staged(x: torch.Tensor, r: int) -> bool:
     """Whether the block runs as staged launches rather than the hidden kernel (``STAGED``; None: on maps
-    of STAGED_MIN_PIXELS pixels and more, module docstring)."""
+    of STAGED_MIN_PIXELS pixels and more, module docstring, while the expand's (P, R) output takes 32-bit
+    offsets; past that the hidden kernel, which takes any batch)."""
     if STAGED is not None:
         return STAGED
-    return x.shape[2] * x.shape[3] >= STAGED_MIN_PIXELS
+    n, c, h, w = x.shape
+    return h * w >= STAGED_MIN_PIXELS and n * h * w * max(r, c) < 2**31
 
 
 def launch_project(geo: MBConvGeometry, gbuf: torch.Tensor, zpart: torch.Tensor, gates: torch.Tensor,

@@ -78,7 +78,7 @@ def mbconv(
     k = w_proj.shape[0]
     if use_triton(x):
         check_supported(x, c, r, k)
-        run = mbconv_staged_triton if x.shape[0] > 0 and staged(x) else mbconv_triton
+        run = mbconv_staged_triton if x.shape[0] > 0 and staged(x, r) else mbconv_triton
         return run(x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj, stride)
     return mbconv_reference(x, w_exp, b_exp, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj, stride)
 

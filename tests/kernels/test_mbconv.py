@@ -174,6 +174,23 @@ def test_staged_where_the_map_is_28x28_or_more(monkeypatch, hw, staged):
     assert rec.launches[-1].meta["RESIDUAL"] is True
 
 
+def test_staged_falls_back_past_32_bit_offsets(monkeypatch):
+    """Unforced, a batch whose expand output (P, R) passes 2^31 elements takes the hidden kernel (any batch)
+    instead of the staged launches, whose expand kernel takes 32-bit offsets: batch 5462 at 32x32, R = 384."""
+    pytest.importorskip("triton")
+    from convfirstnet.kernels._cost import recording
+    from convfirstnet.kernels.mbconv import launcher
+
+    monkeypatch.setattr(launcher, "STAGED", None)
+    _, weights = make_block(1, 96, 1, 1, 2, k=256)
+    weights = [t.to(device="meta", dtype=torch.float16) for t in weights]
+    for n, staged in ((5461, True), (5462, False)):
+        x = torch.empty(n, 96, 32, 32, device="meta", dtype=torch.float16)
+        with recording() as rec:
+            torch.ops.convfirstnet.mbconv(x.contiguous(memory_format=torch.channels_last), *weights, 2)
+        assert (rec.launches[0].kernel.fn.__name__ == "_expand_kernel") is staged, n
+
+
 # Each load order of the conv's tap pairs besides the one the other tests run (launcher.tap_order(), the
 # conflict-free order of the installed Triton; kernel.py _conv_pair_h): stride 1 with two pixel
 # sub-tiles per group on masked tiles, exact stride 2, and Small's 16x16 width (C = 256).
