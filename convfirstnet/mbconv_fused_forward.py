@@ -125,23 +125,20 @@ def _forward(x, w_exp, gamma_e, beta_e, w_dw, gamma_d, beta_d, w_se1, b_se1, w_s
     # recomputes them (the same launches: its d is this u bit for bit); BN_d's moment rows from u (shifted
     # by BN_d's running mean), its statistics (which update that mean), then one pass applies BN_d + SiLU
     # (+ BlurPool) to u
-    st_e = rows[0] if rows[0] is not None else torch.empty((2, r), device=x.device, dtype=torch.float32)
-    bn_e_stats(w_exp_x, mean_x, mean_x, gram, rm_e, rv_e, factors[0], eps, n * h * w, st_e, wg)
+    st_e = bn_e_stats(w_exp_x, mean_x, mean_x, gram, rm_e, rv_e, factors[0], eps, n * h * w, rows[0], wg)
     x2 = x.permute(0, 2, 3, 1).reshape(n * h * w, c)
     hid = expand_forward(x2, w_exp_x, st_e[0], st_e[1], gamma_e, beta_e)
     hid4 = hid.view(n, h, w, r).permute(0, 3, 1, 2)
     pixels = moments_rows(n, r, h, w, dt, x.device.type == "cpu")
     if pixels is not None:  # the conv's programs sum BN_d's moments over their tiles as they store u
-        u4, parts = gconv3x3_moments_triton(hid4, w_dw, rm_d)
-    else:  # tiles with masked pixels: one pass over u, per image
+        u4, moments = gconv3x3_moments_triton(hid4, w_dw, rm_d)
+    else:
         u4 = torch.ops.convfirstnet.gconv3x3(hid4, w_dw, 1, True)
-        parts, pixels = None, h * w
     del hid, hid4
     u = u4.permute(0, 2, 3, 1).reshape(n, h * w, r)
-    if parts is None:
-        parts = conv_moments(u, rm_d)
-    st_d = rows[1] if rows[1] is not None else torch.empty((2, r), device=x.device, dtype=torch.float32)
-    bn_d_stats(parts, rm_d, rv_d, factors[1], eps, pixels, st_d)
+    if pixels is None:  # tiles with masked pixels: one pass over u, per image
+        moments, pixels = conv_moments(u, rm_d), h * w
+    st_d = bn_d_stats(moments, rm_d, rv_d, factors[1], eps, pixels, rows[1])
     o = mbconv_from_conv_output(u, x, st_d, gamma_d, beta_d, w_se1, b_se1, w_se2, b_se2, w_proj, zero_bias,
                                 stride)
     del u

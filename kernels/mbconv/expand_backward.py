@@ -251,12 +251,17 @@ def _check_expand(op: str, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh=None) -
     return p, c, r
 
 
+def offsets_fit(p: int, c: int, r: int) -> bool:
+    """Whether the (P, C) and (P, R) operands take the expand kernel's 32-bit offsets."""
+    return p * max(r, c) < 2**31
+
+
 def _check_sizes(op: str, p: int, c: int, r: int) -> None:
     if p < 1 or c < 1 or r < 1:
         raise ValueError(f"{op}: empty operands (P, C, R) = {(p, c, r)}")
     if c > MAX_C:  # a whole row of x (and W_exp's chunk) is one tile in shared memory
         raise ValueError(f"{op}: C = {c} channels, the kernels take at most {MAX_C}")
-    if p * max(r, c) >= 2**31:
+    if not offsets_fit(p, c, r):
         raise ValueError(f"{op}: P x max(R, C) = {p * max(r, c)} elements exceed 32-bit offsets")
 
 

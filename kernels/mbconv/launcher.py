@@ -26,8 +26,8 @@ Choices (kernel.py explains the kernels)
   DRAM traffic. Cutting the batch into slices whose ``g`` fits was predicted slower for Small at batch
   128 (16x16: 115.6 against 110.7 us per block, high end): a slice leaves too few images to keep the
   hidden kernel's programs busy without re-reading x per chunk group, and adds launches.
-* Staged launches on maps of 28x28 and more (``staged``, ``STAGED_MIN_PIXELS``: the first, stride-2 block of
-  stage 4 in the four models): the training forward's kernels with the folded weights (staged.py
+* Staged launches on maps of 28x28 and more (staged.py ``staged``, ``STAGED_MIN_PIXELS``: the first, stride-2
+  block of stage 4 in the four models): the training forward's kernels with the folded weights (staged.py
   ``mbconv_staged_triton``: the expand, the group-width-8 conv, BN_d's bias + SiLU (+ BlurPool) with the pool,
   the SE gates, the projection + residual), h and u through DRAM, in place of the hidden kernel, whose x tile
   does not stay resident there (tiled 16-warp items). Static estimate (Small, batch 128, sm_90, 32x32 stride
@@ -627,16 +627,6 @@ def mbconv_triton(
            cost=lambda: hidden_cost(geo, geo.one_item), **geo.hidden_constexprs(silu, prec))
     launch_project(geo, gbuf, zpart, gates, b_se1, w_se2, b_se2, w_proj, b_proj, x, out, residual)
     return out
-
-
-def staged(x: torch.Tensor, r: int) -> bool:
-    """Whether the block runs as staged launches rather than the hidden kernel (``STAGED``; None: on maps
-    of STAGED_MIN_PIXELS pixels and more, module docstring, while the expand's (P, R) output takes 32-bit
-    offsets; past that the hidden kernel, which takes any batch)."""
-    if STAGED is not None:
-        return STAGED
-    n, c, h, w = x.shape
-    return h * w >= STAGED_MIN_PIXELS and n * h * w * max(r, c) < 2**31
 
 
 def launch_project(geo: MBConvGeometry, gbuf: torch.Tensor, zpart: torch.Tensor, gates: torch.Tensor,

@@ -15,8 +15,8 @@ from .._launch import (
 from .reference import mbconv_reference
 
 if HAS_TRITON:
-    from .launcher import check_supported, mbconv_triton, staged
-    from .staged import mbconv_staged_triton
+    from .launcher import check_supported, mbconv_triton
+    from .staged import mbconv_staged_triton, staged
 
 
 def check_mbconv(

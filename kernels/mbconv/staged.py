@@ -7,8 +7,19 @@ from __future__ import annotations
 import torch
 
 from ..gconv.launcher import gconv3x3_triton
-from .expand_backward import expand_forward
+from . import launcher
+from .expand_backward import expand_forward, offsets_fit
 from .moments import mbconv_from_conv_output
+
+
+def staged(x: torch.Tensor, r: int) -> bool:
+    """Whether the block runs as staged launches rather than the hidden kernel (``launcher.STAGED``; None:
+    on maps of ``launcher.STAGED_MIN_PIXELS`` pixels and more, launcher.py's docstring, while the expand's
+    operands take its 32-bit offsets; past that the hidden kernel, which takes any batch)."""
+    if launcher.STAGED is not None:
+        return launcher.STAGED
+    n, c, h, w = x.shape
+    return h * w >= launcher.STAGED_MIN_PIXELS and offsets_fit(n * h * w, c, r)
 
 
 def mbconv_staged_triton(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tensor, w_conv: torch.Tensor,

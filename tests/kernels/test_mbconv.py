@@ -157,38 +157,27 @@ def test_staged_where_the_map_is_28x28_or_more(monkeypatch, hw, staged):
     measures of the cost report rank them faster there at every width of the four models: launcher.py)
     and the hidden kernel below."""
     pytest.importorskip("triton")
-    from convfirstnet.kernels._cost import recording
     from convfirstnet.kernels.mbconv import launcher
 
     monkeypatch.setattr(launcher, "STAGED", None)
-    x, weights = make_block(1, 128, 1, 1, 1)
-    x = torch.empty(128, 128, hw, hw, device="meta", dtype=torch.float16)
-    x = x.contiguous(memory_format=torch.channels_last)
-    weights = [t.to(device="meta", dtype=torch.float16) for t in weights]
-    with recording() as rec:
-        torch.ops.convfirstnet.mbconv(x, *weights, 1)
-    names = [lc.kernel.fn.__name__ for lc in rec.launches]
+    launches, _ = _record(128, 128, 128, hw, hw, 1)
+    names = [lc.kernel.fn.__name__ for lc in launches]
     want = (["_expand_kernel", "_gconv_fwd_kernel", "_bn_silu_pool_kernel", "_se_gates_kernel",
              "_mbconv_project_kernel"] if staged else ["_mbconv_hidden_kernel", "_mbconv_project_kernel"])
     assert names == want
-    assert rec.launches[-1].meta["RESIDUAL"] is True
+    assert launches[-1].meta["RESIDUAL"] is True
 
 
 def test_staged_falls_back_past_32_bit_offsets(monkeypatch):
     """Unforced, a batch whose expand output (P, R) passes 2^31 elements takes the hidden kernel (any batch)
     instead of the staged launches, whose expand kernel takes 32-bit offsets: batch 5462 at 32x32, R = 384."""
     pytest.importorskip("triton")
-    from convfirstnet.kernels._cost import recording
     from convfirstnet.kernels.mbconv import launcher
 
     monkeypatch.setattr(launcher, "STAGED", None)
-    _, weights = make_block(1, 96, 1, 1, 2, k=256)
-    weights = [t.to(device="meta", dtype=torch.float16) for t in weights]
     for n, staged in ((5461, True), (5462, False)):
-        x = torch.empty(n, 96, 32, 32, device="meta", dtype=torch.float16)
-        with recording() as rec:
-            torch.ops.convfirstnet.mbconv(x.contiguous(memory_format=torch.channels_last), *weights, 2)
-        assert (rec.launches[0].kernel.fn.__name__ == "_expand_kernel") is staged, n
+        launches, _ = _record(n, 96, 256, 32, 32, 2)
+        assert (launches[0].kernel.fn.__name__ == "_expand_kernel") is staged, n
 
 
 # Each load order of the conv's tap pairs besides the one the other tests run (launcher.tap_order(), the
