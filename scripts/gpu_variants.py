@@ -52,9 +52,8 @@ VARIANTS = {  # name -> overrides of kernels/mbconv/launcher.py's constants
     # 128-pixel conv tiles (32 KB tap pairs) at 16x16 stride 1 and in tiled programs: the static model's
     # high end ranks them faster through its wait term only (kernels/mbconv/launcher.py WIDE_CONV_TILES)
     "conv tiles 128": {"WIDE_CONV_TILES": True},
-    # the block as the staged launches (expand, group-width-8 conv, BN_d + SiLU + pool, SE gates,
-    # projection; h and u through DRAM) or as the hidden kernel at any map (launcher.STAGED; shipped:
-    # staged on maps of 28x28 and more)
+    # the block as the staged launches (kernels/mbconv/staged.py; h and g through DRAM) or as the hidden
+    # kernel (launcher.STAGED; shipped: staged wherever the expand's 32-bit offsets hold)
     "staged": {"STAGED": True},
     "hidden": {"STAGED": False},
 }

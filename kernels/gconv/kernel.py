@@ -168,6 +168,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .._activations import silu
+
 # ------------------------------------------------------------------------------------------------
 # Reusable pieces
 # ------------------------------------------------------------------------------------------------
@@ -456,8 +458,9 @@ def store_wgrad_partials(part_ptr, share, C, acc0, acc1, acc2, acc3, acc4, co0, 
 def _gconv_fwd_kernel(
     # pointers: input (N, H, W, C) through strides, weight (C, 8, 3, 3), output (N, HO, WO, C) contiguous,
     # (RESIDUAL) a contiguous (N, HO, WO, C) map added to the output; (MOMENTS) the shift (C,) fp32 and
-    # the program rows' moments (rows, 2, C) fp32
-    x_ptr, w_ptr, y_ptr, res_ptr, shift_ptr, mom_ptr,
+    # the program rows' moments (rows, 2, C) fp32; (BIAS_SILU) the bias (C,); (POOL) the tiles' pools
+    # (TILES, C) fp32
+    x_ptr, w_ptr, y_ptr, res_ptr, shift_ptr, mom_ptr, bias_ptr, pool_ptr,
     # sizes: C8 = C / 8 groups (C in groups: the compiler then knows pixel rows are whole 16-byte vectors);
     # TILES tiles of TH x TW output pixels in the batch, TPP per program
     H, W, HO, WO, C8, TILES,
@@ -466,13 +469,17 @@ def _gconv_fwd_kernel(
     # meta-parameters
     STRIDE: tl.constexpr, FLIP: tl.constexpr, G: tl.constexpr, MASK_C: tl.constexpr, TH: tl.constexpr,
     TW: tl.constexpr, PRECISION: tl.constexpr, RESIDUAL: tl.constexpr, TAPS: tl.constexpr,
-    TPP: tl.constexpr, MOMENTS: tl.constexpr,
+    TPP: tl.constexpr, MOMENTS: tl.constexpr, BIAS_SILU: tl.constexpr, POOL: tl.constexpr,
+    SILU: tl.constexpr,
 ):
     """Forward (FLIP = False) and stride-1 dgrad (FLIP = True, x = dy, y = dx). RESIDUAL: y += res, in
     fp32 before the one rounding (a block's dx = dout + dgrad: the sum never makes its own pass).
     Program (i, channel block) runs tiles i TPP .. i TPP + TPP - 1, with the weights loaded once.
     MOMENTS (a BatchNorm after the conv, kernels/mbconv/moments.py): the sums of y - shift and of its
-    square over the program's pixels, from y as stored (rounded), in fp32, to row i of ``mom_ptr``."""
+    square over the program's pixels, from y as stored (rounded), in fp32, to row i of ``mom_ptr``.
+    BIAS_SILU (the folded MBConv's conv, kernels/mbconv/staged.py): y = SiLU(conv + bias) (SILU: the
+    activation's inline-asm form, kernels/_activations.py); POOL: per tile t the sums of y over its pixels
+    (fp32, before the rounding, as the hidden kernel pools) to row t of ``pool_ptr``."""
     BM: tl.constexpr = TH * TW
     # strides passed in units of 8 elements, so that the compiler knows every 8-channel group is one
     # aligned 16-byte vector (tl.multiple_of on a scalar argument is dropped by Triton 3.8)
@@ -486,9 +493,12 @@ def _gconv_fwd_kernel(
                                                G, FLIP, TAPS)
     t_start = tl.program_id(0) * TPP
     t_end = tl.minimum(t_start + TPP, TILES)
-    if MOMENTS:
+    if MOMENTS or BIAS_SILU:
         cj = co0 + 8 * tl.arange(0, G)[:, None] + tl.arange(0, 8)[None, :]  # [G, 8] channels
         cj_ok = cj < C
+    if BIAS_SILU:
+        bias = tl.load(bias_ptr + cj, mask=cj_ok, other=0.0).to(tl.float32)
+    if MOMENTS:
         shift = tl.load(shift_ptr + cj, mask=cj_ok, other=0.0)[:, None, :]
         s1 = tl.zeros((G, 8), tl.float32)
         s2 = tl.zeros((G, 8), tl.float32)
@@ -506,7 +516,12 @@ def _gconv_fwd_kernel(
         pix_out = (n.to(tl.int64) * HO * WO + oh * WO + ow) * C + co0
         if RESIDUAL:
             acc += load_group_tile(res_ptr + pix_out, ok, gok, G, 0).to(tl.float32)
+        if BIAS_SILU:
+            acc = silu(acc + bias[:, None, :], SILU == 1)
         store_group_tile(y_ptr + pix_out, acc, ok, gok, G)
+        if POOL:
+            pooled = tl.sum(tl.where(ok[None, :, None], acc, 0.0), axis=1)
+            tl.store(pool_ptr + tl.cast(t, tl.int64) * C + cj, pooled, mask=cj_ok)
         if MOMENTS:
             u = tl.where(ok[None, :, None], acc.to(y_ptr.dtype.element_ty).to(tl.float32) - shift, 0.0)
             s1 += tl.sum(u, axis=1)

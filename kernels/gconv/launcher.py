@@ -92,6 +92,11 @@ FWD_TILE_ELEMS = {2: 1024, 4: 256}
 # 8-232 B at 256 elements and up to 32 B at 128 (sm_90 and sm_80); fp32 is the checking path.
 WGRAD_FP32_ELEMS = 64
 NUM_WARPS = 4
+# The BIAS_SILU forward's register limit: left to ptxas, a one-tile program at 8x8 (Small's blocks at batch
+# 2-8) took 128 registers and spilled 8 B in its tile loop (sm_90, Triton 3.8); at 255 it takes 240 and
+# spills nothing, and the static estimate at batch 128 is the same or lower (8x8 30.6-42.9 -> 29.2-41.5
+# us, 16x16 79.6-104.0 -> 80.6-105.0)
+BIAS_SILU_MAXNREG = 255
 NUM_STAGES = 1  # no cp.async: a 16-byte cp.async is always .cg (L2 only), the windows must hit L1
 MIN_SHARE_PIXELS = 1024  # output pixels per wgrad share at least (partials <= ~7 % of the traffic)
 WGRAD_PROGRAMS = 1024  # wgrad shares x channel blocks at most, unless a share would fall below the minimum
@@ -337,37 +342,61 @@ def _meta(cfg: TileConfig, c: int) -> dict:
                 TAPS=tap_order(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _forward(x: torch.Tensor, w: torch.Tensor, stride: int, shift: torch.Tensor | None
+def _forward(x: torch.Tensor, w: torch.Tensor, stride: int, shift: torch.Tensor | None,
+             bias: torch.Tensor | None = None, silu: int = 0, pool: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The forward kernel's launch: (y, None), or with ``shift`` (MOMENTS) (y, the moment rows)."""
+    """The forward kernel's launch: (y, None); with ``shift`` (MOMENTS) (y, the moment rows); with ``bias``
+    (BIAS_SILU) (SiLU(y + bias), None), and ``pool`` (POOL) (SiLU(y + bias), the tiles' pools)."""
     n, c, h, wd = x.shape
     ho, wo = _out_hw(h, wd, stride)
     y = torch.empty((n, c, ho, wo), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
-    if y.numel() == 0:
-        return y, None if shift is None else torch.empty((0, 2, c), dtype=torch.float32, device=x.device)
-    x = _nhwc(x)
     cfg = fwd_tile_config(c, ho, wo, x.dtype)
-    tiles, tpp = _tiles(n, ho, wo, cfg), tiles_per_program(n, c, ho, wo, cfg, x.device.type == "cpu")
+    tiles = _tiles(n, ho, wo, cfg)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    pools = torch.empty((tiles, c), **f32) if pool else None
+    if y.numel() == 0:
+        return y, pools if shift is None else torch.empty((0, 2, c), **f32)
+    x = _nhwc(x)
+    tpp = tiles_per_program(n, c, ho, wo, cfg, x.device.type == "cpu")
     grid = (cdiv(tiles, tpp), cdiv(c, cfg.channels))
-    parts = None if shift is None else torch.empty((grid[0], 2, c), dtype=torch.float32, device=x.device)
+    parts = None if shift is None else torch.empty((grid[0], 2, c), **f32)
 
     def cost() -> KernelCost:
         base = conv_cost("forward", cfg, n, c, h, wd, stride, x.element_size(), w.element_size(), tpp=tpp)
-        if shift is None:
-            return base
-        return dataclasses.replace(base, dram_bytes=base.dram_bytes + c * 4 + grid[0] * 2 * c * 4,
-                                   note=base.note + "; a BatchNorm's moments per program")
+        if shift is not None:
+            return dataclasses.replace(base, dram_bytes=base.dram_bytes + c * 4 + grid[0] * 2 * c * 4,
+                                       note=base.note + "; a BatchNorm's moments per program")
+        if bias is not None:
+            extra = c * bias.element_size() + (tiles * c * 4 if pool else 0)
+            note = "; bias + SiLU" + (", the tiles' pools" if pool else "")
+            return dataclasses.replace(base, dram_bytes=base.dram_bytes + extra, note=base.note + note)
+        return base
 
-    launch(_gconv_fwd_kernel, grid, x, w, y, None, shift, parts, h, wd, ho, wo, c // GROUP_WIDTH, tiles,
-           *_vector_strides(x), *w.stride(), STRIDE=stride, FLIP=False, RESIDUAL=False, TPP=tpp,
-           MOMENTS=shift is not None, **_meta(cfg, c), cost=cost)
-    return y, parts
+    launch(_gconv_fwd_kernel, grid, x, w, y, None, shift, parts, bias, pools, h, wd, ho, wo, c // GROUP_WIDTH,
+           tiles, *_vector_strides(x), *w.stride(), STRIDE=stride, FLIP=False, RESIDUAL=False, TPP=tpp,
+           MOMENTS=shift is not None, BIAS_SILU=bias is not None, POOL=pool, SILU=silu, **_meta(cfg, c),
+           cost=cost, **(dict(maxnreg=BIAS_SILU_MAXNREG) if bias is not None else {}))
+    return y, parts if bias is None else pools
 
 
 def gconv3x3_triton(x: torch.Tensor, w: torch.Tensor, stride: int) -> torch.Tensor:
     """Forward: (N, C, H, W) -> (N, C, H', W') NHWC in x's dtype."""
     check_supported("gconv3x3", x)
     return _forward(x, w, stride, None)[0]
+
+
+def gconv3x3_silu_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, silu: int, pool: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """Stride-1 forward with a bias and SiLU after it (the folded MBConv's conv, kernels/mbconv/staged.py):
+    (y, pools, tiles per image), y = SiLU(conv(x) + bias) in x's dtype; ``pool``: pools (N tiles per
+    image, C) fp32, row t the sums of y over tile t's pixels (before the rounding; the tiles are numbered
+    image by image), otherwise None. ``silu``: the activation's form (1: inline asm, GPU 16-bit only)."""
+    check_supported("gconv3x3", x)
+    n, c, h, wd = x.shape
+    if bias.shape != (c,):
+        raise ValueError(f"gconv3x3 + SiLU: a ({c},) bias, got {tuple(bias.shape)}")
+    y, pools = _forward(x, w, 1, None, bias, silu, pool)
+    return y, pools, _tiles(1, h, wd, fwd_tile_config(c, h, wd, x.dtype))
 
 
 def moments_rows(n: int, c: int, h: int, w: int, dtype: torch.dtype, interpreter: bool = False) -> int | None:
@@ -418,9 +447,9 @@ def gconv3x3_dgrad_triton(dy: torch.Tensor, w: torch.Tensor, h: int, wd: int, st
         tpp = tiles_per_program(n, c, ho, wo, cfg, dy.device.type == "cpu")
         kind = "dgrad s1" if residual is None else "dgrad s1 + residual"
         # residual None: a constexpr (RESIDUAL), never read
-        launch(_gconv_fwd_kernel, (cdiv(tiles, tpp), cblocks), dy, w, dx, residual, None, None, *sizes, tiles,
-               *strides, STRIDE=1, FLIP=True, RESIDUAL=residual is not None, TPP=tpp, MOMENTS=False,
-               **_meta(cfg, c),
+        launch(_gconv_fwd_kernel, (cdiv(tiles, tpp), cblocks), dy, w, dx, residual, None, None, None, None,
+               *sizes, tiles, *strides, STRIDE=1, FLIP=True, RESIDUAL=residual is not None, TPP=tpp,
+               MOMENTS=False, BIAS_SILU=False, POOL=False, SILU=0, **_meta(cfg, c),
                cost=lambda: conv_cost(kind, cfg, n, c, h, wd, 1, eb, wb, residual=residual is not None,
                                       tpp=tpp))
     else:

@@ -489,21 +489,29 @@ def se_gates(z_ptr, b1_ptr, w2_ptr, b2_ptr, gate_ptr, n0, nimg, N, NCHUNK, R, S,
     """The SE gates of images n0 ... n0 + nimg - 1, ``sigmoid(W_se2 ReLU(sum_chunk zpart + b_se1) + b_se2)``
     rounded to the data type, to ``gate_ptr`` (N, R), in steps of GB hidden channels (the arithmetic of
     the projection's own gate path)."""
-    dtype = gate_ptr.dtype.element_ty
     sv = tl.arange(0, SP)
     s_ok = sv < S
     b1 = tl.load(b1_ptr + sv, mask=s_ok, other=0.0).to(tl.float32)
     for i in range(0, nimg):
         nj = tl.minimum(n0 + i, N - 1).to(tl.int64)
         z = _se_hidden(z_ptr, b1, nj, NCHUNK, sv, tl.arange(0, NCP), SP)
-        for r0 in range(0, R, GB):
-            rg = r0 + tl.arange(0, GB)
-            rv = rg < R
-            w2 = tl.load(w2_ptr + rg[:, None] * sw2_r + sv[None, :] * sw2_s, mask=rv[:, None] & s_ok[None, :],
-                         other=0.0).to(tl.float32)
-            b2 = tl.load(b2_ptr + rg, mask=rv, other=0.0).to(tl.float32)
-            gate = _sigmoid(tl.sum(w2 * z[None, :], axis=1) + b2, SILU)
-            tl.store(gate_ptr + nj * R + rg, gate.to(dtype), mask=rv)
+        se_gate_rows(z, w2_ptr, b2_ptr, gate_ptr, nj, R, sv, s_ok, sw2_r, sw2_s, GB, SILU)
+
+
+@triton.jit
+def se_gate_rows(z, w2_ptr, b2_ptr, gate_ptr, nj, R, sv, s_ok, sw2_r, sw2_s, GB: tl.constexpr,
+                 SILU: tl.constexpr):
+    """``sigmoid(W_se2 z + b_se2)`` of image nj from its SE hidden layer z ([SP] fp32, entries ``sv``),
+    rounded to the data type, to ``gate_ptr`` (N, R), in steps of GB hidden channels."""
+    dtype = gate_ptr.dtype.element_ty
+    for r0 in range(0, R, GB):
+        rg = r0 + tl.arange(0, GB)
+        rv = rg < R
+        w2 = tl.load(w2_ptr + rg[:, None] * sw2_r + sv[None, :] * sw2_s, mask=rv[:, None] & s_ok[None, :],
+                     other=0.0).to(tl.float32)
+        b2 = tl.load(b2_ptr + rg, mask=rv, other=0.0).to(tl.float32)
+        gate = _sigmoid(tl.sum(w2 * z[None, :], axis=1) + b2, SILU)
+        tl.store(gate_ptr + nj * R + rg, gate.to(dtype), mask=rv)
 
 
 @triton.jit

@@ -26,19 +26,22 @@ Choices (kernel.py explains the kernels)
   DRAM traffic. Cutting the batch into slices whose ``g`` fits was predicted slower for Small at batch
   128 (16x16: 115.6 against 110.7 us per block, high end): a slice leaves too few images to keep the
   hidden kernel's programs busy without re-reading x per chunk group, and adds launches.
-* Staged launches on maps of 28x28 and more (staged.py ``staged``, ``STAGED_MIN_PIXELS``: the first, stride-2
-  block of stage 4 in the four models): the training forward's kernels with the folded weights (staged.py
-  ``mbconv_staged_triton``: the expand, the group-width-8 conv, BN_d's bias + SiLU (+ BlurPool) with the pool,
-  the SE gates, the projection + residual), h and u through DRAM, in place of the hidden kernel, whose x tile
-  does not stay resident there (tiled 16-warp items). Static estimate (Small, batch 128, sm_90, 32x32 stride
-  2, C 96 -> 256; us, low-high): 282-332 against 627-974, and 363-378 against 420-438 for the sum of the
-  L1-pipe and latency terms that tracked the H200's block timings (the hidden kernel measured 426 there);
-  staged faster at each 28x28 and 32x32 block of the four models by both measures (4-27 % by the sum). At
-  14x14 and 16x16 the two measures disagree: the model ranks the staged launches faster (16x16 stride 1:
-  217-266 against 271-392), the sum ranks the hidden kernel 2-15 % faster at 16x16 (staged 5-9 % faster at
-  14x14), and the hidden kernel measured 311 us there against Inductor's 350, so it stays until a GPU times
-  both (``scripts/gpu_variants.py --variants shipped,staged``). At 8x8 and below the hidden kernel (measured
-  2.5x Inductor at 8x8). Batches whose expand output passes 2^31 elements take the hidden kernel.
+* Staged launches (staged.py ``staged``): every block whose expand output takes the expand kernel's
+  32-bit offsets runs as staged launches with h and g through DRAM, in place of the hidden kernel
+  (staged.py ``mbconv_staged_triton``): the expand; the group-width-8 conv with bias + SiLU in its
+  epilogue (kernels/gconv ``BIAS_SILU``); stride 1: each tile's pool in the same epilogue (``POOL``), the
+  SE gates from the pools, the projection + residual; stride 2: BlurPool with the pool, the gates, the
+  projection. Static estimate (Small, batch 128, sm_90; us, low-high, staged against hidden; the sum =
+  the L1-pipe and latency terms that tracked the H200's block timings): 16x16 stride 1 180-225 against
+  271-392 (sum 258-269 against 270-282; the hidden kernel measured 311 there, Inductor 350); 8x8 68-89
+  against 96-137 (sum 84-88 against 94-98); 16x16 stride 2 207-271 against 300-437 (sum 259-270 against
+  279-291; measured 332, Inductor 337); 32x32 stride 2 (C 96 -> 256) 240-305 against 627-974 (sum
+  340-354 against 420-438; the hidden kernel, whose x tile does not stay resident there, measured 426,
+  Inductor 472). Staged is faster by both measures at 14x14, 7x7 and 28x28, at Pico's, Nano's and Tiny's
+  widths, and on sm_80; at batch 1 both measures rank it faster except at 16x16 stride 2, where the model
+  has it 1 us slower (36-47 against 35-46; sum 37-39 against 41-43). A GPU run decides
+  (``scripts/gpu_variants.py --variants shipped,hidden``). Batches whose expand output passes 2^31
+  elements take the hidden kernel.
 * Projection: 128-row tiles on sm_90, 64 for fp32 and below sm_90 (one image's pixels, or two whole
   images of at most half a tile), output channels in two accumulators of 128 for K <= 256 (one
   program per tile reads g and the gates once:
@@ -119,10 +122,9 @@ CONV_ELEMS = 4096
 # spilled 8-16 B: excluded.
 WIDE_CONV_TILES = False
 CONV_ELEMS_WIDE = 8192
-# The staged launches (staged.py) instead of the hidden kernel: None picks by the map's pixels
-# (module docstring), True / False forces them (tests, scripts/gpu_variants.py)
+# The staged launches (staged.py) instead of the hidden kernel: None takes them wherever the expand's
+# 32-bit offsets hold (module docstring), True / False forces them (tests, scripts/gpu_variants.py)
 STAGED: bool | None = None
-STAGED_MIN_PIXELS = 784
 BM = 64  # pixels per warpgroup of an expand tile (the wgmma M)
 XM = 256  # rows of a RESIDENT item's x tile (a [256, 256] fp16 tile is 128 KB of shared memory)
 # Shared memory of a RESIDENT program beside its x tile and W_exp chunk (layout conversions of the

@@ -117,7 +117,8 @@ def _bn_d(u_ptr, a, hb, SILU: tl.constexpr, mask):
 @triton.jit
 def _bn_silu_pool_kernel(u_ptr, gf_ptr, g_ptr, st_ptr, gamma_ptr, beta_ptr, w1_ptr, z_ptr, H, W, OH, OW, R, S,
                          NCHUNK, sw1_s, sw1_r, RB: tl.constexpr, BP: tl.constexpr, SP: tl.constexpr,
-                         SILU: tl.constexpr, MASK_R: tl.constexpr, STRIDE: tl.constexpr, NS: tl.constexpr):
+                         SILU: tl.constexpr, MASK_R: tl.constexpr, STRIDE: tl.constexpr, NS: tl.constexpr,
+                         ACTIVATED: tl.constexpr):
     """Over the conv output u (N, H W, R): one (image, RB-channel chunk) per program. g =
     SiLU(gamma rstd (u - mean) + beta) (BN_d with the batch's statistics, ``st_ptr``: mean, then rstd R
     entries on; fp32); stride 2: g = BlurPool(g) ([1, 2, 1]^2 / 16, stride 2, reflect padding folded into
@@ -125,7 +126,10 @@ def _bn_silu_pool_kernel(u_ptr, gf_ptr, g_ptr, st_ptr, gamma_ptr, beta_ptr, w1_p
     read it back, mostly from L1). g, rounded to the data type, to ``g_ptr`` (N, OH OW, R) (stride 1: in
     place over u); its pool (fp32, before the rounding, as the hidden kernel pools) and the chunk's
     first-SE-layer share ``zpart[n, chunk] = W_se1[:, chunk] @ mean[n, chunk]`` (the hidden kernel's
-    ``_se_partial`` layout, (N, chunks, SP) fp32)."""
+    ``_se_partial`` layout, (N, chunks, SP) fp32).
+    ACTIVATED (stride 2, the folded block's staged launches, staged.py): u is already g at full resolution
+    (the conv's epilogue added the bias and SiLU), so the blur reads it as it is: no BN_d, no in-place
+    pass, no barrier."""
     n = tl.program_id(0)
     ch = tl.program_id(1)
     r = ch * RB + tl.arange(0, RB)
@@ -139,10 +143,11 @@ def _bn_silu_pool_kernel(u_ptr, gf_ptr, g_ptr, st_ptr, gamma_ptr, beta_ptr, w1_p
     gfb = gf_ptr + tl.cast(n, tl.int64) * (H * W) * R + r[None, :]  # stride 2: u's memory, its own argument
     gb = g_ptr + tl.cast(n, tl.int64) * OHW * R + r[None, :]
     pool = tl.zeros((RB,), dtype=tl.float32)
-    if STRIDE == 2:  # g at full resolution, rounded, in place of u (as the hidden kernel's slot holds it;
-        # each thread writes the elements it read), then a barrier: the blur reads it back through other
-        # threads (plain ld.global: num_stages=1). gf_ptr is u's memory as an argument of its own, so that
-        # the barrier check (convfirstnet.analysis.ordering) follows this round trip apart from u's reads.
+    if STRIDE == 2 and not ACTIVATED:  # g at full resolution, rounded, in place of u (as the hidden
+        # kernel's slot holds it; each thread writes the elements it read), then a barrier: the blur reads it
+        # back through other threads (plain ld.global: num_stages=1). gf_ptr is u's memory as an argument of
+        # its own, so that the barrier check (convfirstnet.analysis.ordering) follows this round trip apart
+        # from u's reads.
         for p0 in tl.range(0, H * W, BP, num_stages=NS):
             p = p0 + tl.arange(0, BP)
             ok = (p < H * W)[:, None]
@@ -195,13 +200,14 @@ def _se_gates_kernel(z_ptr, b1_ptr, w2_ptr, b2_ptr, gate_ptr, N, NCHUNK, R, S, s
 def mbconv_from_conv_output(u: torch.Tensor, x: torch.Tensor, stats: torch.Tensor, gamma: torch.Tensor,
                             beta: torch.Tensor, w_se1: torch.Tensor, b_se1: torch.Tensor, w_se2: torch.Tensor,
                             b_se2: torch.Tensor, w_proj: torch.Tensor, b_proj: torch.Tensor, stride: int,
-                            residual: bool = False) -> torch.Tensor:
+                            residual: bool = False, activated: bool = False) -> torch.Tensor:
     """``W_proj (g * gate) + b_proj`` (NHWC, x's dtype) from the conv output ``u`` (N, H W, R) that the
     group-width-8 conv wrote: the BN_d pass (``_bn_silu_pool_kernel``: g, stride 1 in place over u, stride 2
     blurred into a buffer of its own; the SE partials), the SE gates, then the projection (``residual``:
     + x, stride 1).
     ``stats``: BN_d's batch (mean; rstd), (2, R) fp32 (``bn_d_stats``'); ``gamma``, ``beta``: BN_d's
-    affine."""
+    affine. ``activated`` (stride 2): u is already SiLU(conv + bias), blurred as it is (the BN_d arguments
+    are not read)."""
     n, c, h, w = x.shape
     r, k, s = w_proj.shape[1], w_proj.shape[0], w_se1.shape[0]
     geo = dataclasses.replace(geometry_of(x, r, k, s, stride), gate=True)  # the gates: a launch of their own
@@ -214,9 +220,10 @@ def mbconv_from_conv_output(u: torch.Tensor, x: torch.Tensor, stats: torch.Tenso
     silu, _ = kernel_settings(x)
     bp = min(next_power_of_2(geo.ohw), max(1, BNS_ELEMS // geo.rb))
     launch(_bn_silu_pool_kernel, (n, geo.nchunk), u, u, g, stats, gamma, beta, w_se1, zpart, h, w, geo.oh,
-           geo.ow, r, s, geo.nchunk, *w_se1.stride(), cost=lambda: _bn_silu_pool_cost(geo, bp, gamma.element_size()),
+           geo.ow, r, s, geo.nchunk, *w_se1.stride(),
+           cost=lambda: _bn_silu_pool_cost(geo, bp, gamma.element_size(), activated),
            RB=geo.rb, BP=bp, SP=geo.sp, SILU=silu, MASK_R=r % geo.rb != 0, STRIDE=stride,
-           NS=BNS_BLUR_STAGES if stride == 2 else 1,
+           NS=BNS_BLUR_STAGES if stride == 2 else 1, ACTIVATED=activated,
            num_warps=BNS_WARPS if stride == 1 else BNS_BLUR_WARPS, num_stages=1)
     gates = torch.empty((n, r), device=x.device, dtype=x.dtype)
     b_se1, b_se2 = b_se1.contiguous(), b_se2.contiguous()
@@ -228,26 +235,28 @@ def mbconv_from_conv_output(u: torch.Tensor, x: torch.Tensor, stats: torch.Tenso
     return out
 
 
-def _bn_silu_pool_cost(geo: MBConvGeometry, bp: int, pb: int) -> KernelCost:
+def _bn_silu_pool_cost(geo: MBConvGeometry, bp: int, pb: int, activated: bool = False) -> KernelCost:
     """u read and g written once (stride 1: in place), W_se1 once per launch (from L2 for the other
     images), the statistics and affine per program, the SE partials written. Stride 2: the full-resolution
-    g written in place of u (its dirty lines counted as written back to DRAM) and read back by the blur's
-    nine taps, mostly from L1 (unique: the image's chunk once; working set: the input rows of one step
-    of BP output pixels)."""
+    g written in place of u (its dirty lines counted as written back to DRAM; not when ``activated``) and
+    read back by the blur's nine taps, mostly from L1 (unique: the image's chunk once; working set: the
+    input rows of one step of BP output pixels)."""
     n, r, s, eb, hw, ohw, rb = geo.n, geo.r, geo.s, geo.elem, geo.hw, geo.ohw, geo.rb
-    dram = n * (hw * (2 if geo.stride == 2 else 1) + ohw) * r * eb + s * r * eb + r * (8 + 2 * pb)
+    in_place = geo.stride == 2 and not activated
+    dram = n * (hw * (2 if in_place else 1) + ohw) * r * eb + s * r * eb + r * (8 + 2 * pb)
     dram += n * geo.nchunk * geo.sp * 4
     unique = hw * rb * eb + geo.sp * rb * eb + rb * (8 + 2 * pb)
     rows = min(geo.h, 2 * cdiv(bp, geo.ow) + 1)
     working = rows * geo.w * rb * eb if geo.stride == 2 else 0
     useful = n * r * s + (n * ohw * r * 9 if geo.stride == 2 else 0)
     loops = (Loop("pixel tiles", cdiv(ohw, bp), fixed=True),)
-    if geo.stride == 2:
+    if in_place:
         loops = (Loop("full-resolution tiles", cdiv(hw, bp), fixed=True),) + loops
     return KernelCost(useful, 0, dram, loops,
                       l2_bytes=(n - 1) * s * r * eb, l1_unique_bytes_per_program=unique,
                       l1_working_set_bytes=working,
-                      note="BN_d + SiLU over u" + (" + BlurPool" if geo.stride == 2 else ", in place")
+                      note=("BlurPool of g" if activated else "BN_d + SiLU over u")
+                      + (" + BlurPool" if in_place else "" if activated else ", in place")
                       + ", the pool and the SE partials")
 
 

@@ -187,6 +187,51 @@ def test_forward_with_moments(interpreter_backend, n, c, side, dtype):
         L.gconv3x3_moments_triton(x[:, :, :7, :7], w, shift)
 
 
+def silu_pool_reference(x, w, bias, tile_h, tile_w):
+    """fp64: y = SiLU(conv(x) + bias) (N, C, H, W), the bound's scale |conv|(|x|, |w|) + |bias| (SiLU is
+    1.1-Lipschitz), each TH x TW tile's sums of y and of |y| (tiles numbered image by image, row-major)."""
+    y = F.silu(gconv3x3_reference(x.double(), w.double(), 1) + bias.double()[None, :, None, None])
+    scale = (gconv3x3_reference(x.double().abs(), w.double().abs(), 1)
+             + bias.double().abs()[None, :, None, None])
+    n, c, h, wd = y.shape
+    th, tw = math.ceil(h / tile_h), math.ceil(wd / tile_w)
+
+    def tile_sums(t):
+        t = F.pad(t, (0, tw * tile_w - wd, 0, th * tile_h - h))
+        return t.reshape(n, c, th, tile_h, tw, tile_w).sum((3, 5)).permute(0, 2, 3, 1).reshape(n * th * tw, c)
+
+    return y, scale, tile_sums(y), tile_sums(y.abs()), th * tw
+
+
+@pytest.mark.parametrize("n,c,h,w,dtype", [(4, 1024, 8, 8, torch.float16), (2, 72, 9, 10, torch.float16),
+                                           (3, 96, 16, 16, torch.float32)])
+def test_forward_with_silu_pool(interpreter_backend, n, c, h, w, dtype):
+    """The forward with bias + SiLU (BIAS_SILU) and each tile's pool (POOL) (the folded MBConv's conv,
+    kernels/mbconv/staged.py) against fp64. 1024 channels: 16 channel blocks of G = 8, two tiles per
+    program (the interpreter's TPP); 72 on a 9x10 map: masked groups and tiles with pixels outside the map,
+    which the pool must skip (there the conv reads zeros, and SiLU(bias) is not 0); 96 in fp32. y: the
+    forward's bound (the conv's K = 72 sums) through SiLU, plus 1e-6 of the scale for SiLU's own fp32
+    evaluation; pools: fp32 sums of at most 256 terms, within 1e-5 of the tile's sum of |y|. A dropped
+    bias, a pooled masked pixel or a pool row off by one tile fail by far more."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(n, c, h, w, generator=gen).to(dtype).contiguous(memory_format=CL)
+    wt = (torch.randn(c, 8, 3, 3, generator=gen) / 72**0.5).to(dtype)
+    bias = 0.5 * torch.randn(c, generator=gen)
+    y, pools, tiles = L.gconv3x3_silu_triton(x, wt, bias, 0, True)
+    cfg = L.fwd_tile_config(c, h, w, dtype)
+    ref, scale, want, want_abs, per_image = silu_pool_reference(x, wt, bias, cfg.tile_h, cfg.tile_w)
+    assert tiles == per_image and pools.shape == (n * tiles, c) and y.is_contiguous(memory_format=CL)
+    err = (y.double() - ref).abs()
+    bound = U_OUT[dtype] * ref.abs() + (1.1 * 72 * ACC["cpu"] + 1e-6) * scale
+    assert (err <= bound).all(), (err - bound).max().item()
+    perr = (pools.double() - want).abs() - 1e-5 * want_abs
+    assert (perr <= 0).all(), perr.max().item()
+    y_only, none, _ = L.gconv3x3_silu_triton(x, wt, bias, 0, False)  # the stride-2 blocks' form: no pools
+    assert none is None and torch.equal(y_only, y)
+    with pytest.raises(ValueError, match="bias"):
+        L.gconv3x3_silu_triton(x, wt, bias[1:], 0, True)
+
+
 def test_fp32_weight_with_fp16_activations(interpreter_backend):
     """Autocast's form: fp32 master weight, fp16 activations. The kernels round the weight to fp16 as
     they load it (the reference does the same) and return dw in fp32, summed in fp32."""
@@ -910,6 +955,27 @@ def test_forward_with_moments_gpu(triton_backend, c, side):
     y, parts = L.gconv3x3_moments_triton(x, w, shift)
     assert torch.equal(y, L.gconv3x3_triton(x, w, 1))
     assert_moment_rows(y, parts, shift, rows)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("c,side", [(1024, 16), (1024, 8), (384, 32)])
+def test_forward_with_silu_pool_gpu(triton_backend, c, side):
+    """Compiled for the GPU (SiLU in its inline-asm form, ~2e-6 relative error), the BIAS_SILU + POOL
+    forward at the staged MBConv blocks' shapes against fp64: y within the fp16 rounding plus the conv's
+    fp32 sums (ACC["cuda"]) and 1e-5 of the scale; the pools within 1e-5 of each tile's sum of |y|."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(16, c, side, side, generator=gen).half().contiguous(memory_format=CL)
+    wt = (torch.randn(c, 8, 3, 3, generator=gen) / 72**0.5).half()
+    bias = 0.5 * torch.randn(c, generator=gen)
+    y, pools, tiles = L.gconv3x3_silu_triton(x.cuda(), wt.cuda(), bias.cuda(), 1, True)
+    cfg = L.fwd_tile_config(c, side, side, torch.float16)
+    ref, scale, want, want_abs, per_image = silu_pool_reference(x, wt, bias, cfg.tile_h, cfg.tile_w)
+    assert tiles == per_image
+    err = (y.cpu().double() - ref).abs()
+    bound = U_OUT[torch.float16] * ref.abs() + (1.1 * 72 * ACC["cuda"] + 1e-5) * scale
+    assert (err <= bound).all(), (err - bound).max().item()
+    assert ((pools.cpu().double() - want).abs() <= 1e-5 * want_abs + 1e-6).all()
 
 
 @cuda

@@ -151,21 +151,31 @@ def test_staged_matches_reference(interpreter_backend, monkeypatch, shape):
     check(x, weights, stride)
 
 
-@pytest.mark.parametrize("hw, staged", [(8, False), (16, False), (27, False), (28, True), (32, True)])
-def test_staged_where_the_map_is_28x28_or_more(monkeypatch, hw, staged):
-    """Unforced (STAGED None), the op takes the staged launches on maps of 784 pixels and more (both
-    measures of the cost report rank them faster there at every width of the four models: launcher.py)
-    and the hidden kernel below."""
+@pytest.mark.parametrize("hw, stride", [(1, 1), (8, 1), (16, 1), (16, 2), (27, 2), (32, 2)])
+def test_staged_unless_forced(monkeypatch, hw, stride):
+    """Unforced (STAGED None), the op takes the staged launches at every map and stride (both measures of
+    the cost report rank them faster at the four models' shapes, launcher.py). The conv's epilogue adds
+    the bias and SiLU (BIAS_SILU); stride 1: it also pools (POOL), and the gates come from the pools;
+    stride 2: the BN_d pass only blurs and pools (ACTIVATED). Forced off: the hidden kernel."""
     pytest.importorskip("triton")
     from convfirstnet.kernels.mbconv import launcher
 
     monkeypatch.setattr(launcher, "STAGED", None)
-    launches, _ = _record(128, 128, 128, hw, hw, 1)
+    launches, _ = _record(128, 128, 128, hw, hw, stride)
     names = [lc.kernel.fn.__name__ for lc in launches]
-    want = (["_expand_kernel", "_gconv_fwd_kernel", "_bn_silu_pool_kernel", "_se_gates_kernel",
-             "_mbconv_project_kernel"] if staged else ["_mbconv_hidden_kernel", "_mbconv_project_kernel"])
-    assert names == want
-    assert launches[-1].meta["RESIDUAL"] is True
+    if stride == 1:
+        assert names == ["_expand_kernel", "_gconv_fwd_kernel", "_se_pool_gates_kernel",
+                         "_mbconv_project_kernel"]
+    else:
+        assert names == ["_expand_kernel", "_gconv_fwd_kernel", "_bn_silu_pool_kernel", "_se_gates_kernel",
+                         "_mbconv_project_kernel"]
+        assert launches[2].meta["ACTIVATED"] is True
+    conv = launches[1].meta
+    assert conv["BIAS_SILU"] is True and conv["POOL"] is (stride == 1) and conv["STRIDE"] == 1
+    assert launches[-1].meta["GATE"] is True and launches[-1].meta["RESIDUAL"] is (stride == 1)
+    monkeypatch.setattr(launcher, "STAGED", False)
+    launches, _ = _record(128, 128, 128, hw, hw, stride)
+    assert [lc.kernel.fn.__name__ for lc in launches] == ["_mbconv_hidden_kernel", "_mbconv_project_kernel"]
 
 
 def test_staged_falls_back_past_32_bit_offsets(monkeypatch):
@@ -178,6 +188,32 @@ def test_staged_falls_back_past_32_bit_offsets(monkeypatch):
     for n, staged in ((5461, True), (5462, False)):
         launches, _ = _record(n, 96, 256, 32, 32, 2)
         assert (launches[0].kernel.fn.__name__ == "_expand_kernel") is staged, n
+
+
+@pytest.mark.parametrize("n, tiles, r, s", [(3, 20, 640, 40), (2, 1, 1024, 64)])
+def test_se_pool_gates(interpreter_backend, n, tiles, r, s):
+    """The stride-1 staged block's SE gates from the conv tiles' pools against fp64: 20 tiles an image run
+    the pool-row loop three times (8 rows a step), R = 640 the channel loop three (256 a step, the last
+    half masked), S = 40 a masked SE width (Nano's); 1 tile an image at Small's R and S. fp16 gates:
+    2^-11 relative from the rounding, 2e-5 absolute for the fp32 sums of <= 1024 terms. A wrong divisor,
+    a skipped row or channel step, or a dropped bias moves the gates by far more."""
+    from convfirstnet.kernels.mbconv.staged import se_pool_gates
+
+    gen = torch.Generator().manual_seed(4)
+    pixels = 256
+    pools = torch.randn(n * tiles, r, generator=gen) * (pixels / tiles) ** 0.5 + 0.2 * pixels / tiles
+    w1 = torch.randn(s, r, generator=gen) * (6.0 / r**0.5)
+    b1 = 0.5 * torch.randn(s, generator=gen)
+    w2 = torch.randn(r, s, generator=gen) * (3.0 / s**0.5)
+    b2 = torch.randn(r, generator=gen)
+    w1h, b1h, w2h, b2h = (t.half() for t in (w1, b1, w2, b2))
+    gates = se_pool_gates(pools, tiles, pixels, w1h, b1h, w2h, b2h, torch.float16, 0)
+    mean = pools.double().reshape(n, tiles, r).sum(1) / pixels
+    z = F.relu(mean @ w1h.double().T + b1h.double())
+    want = torch.sigmoid(z @ w2h.double().T + b2h.double())
+    assert gates.shape == (n, r) and gates.dtype == torch.float16
+    assert 0.05 < want.std().item()  # gates spread over (0, 1)
+    torch.testing.assert_close(gates.double(), want, atol=2e-5, rtol=2.0**-11)
 
 
 # Each load order of the conv's tap pairs besides the one the other tests run (launcher.tap_order(), the
@@ -394,11 +430,12 @@ def test_torch_compile_fullgraph_reference_on_cpu(reference_backend):
 
 @pytest.mark.subprocess
 def test_torch_compile_traces_triton_branch():
-    """One graph (fullgraph=True) holding the two user-defined kernels: hidden and projection.
-    Inductor receives them as triton_kernel_wrapper_functional nodes."""
+    """One graph (fullgraph=True) holding the user-defined kernels of the staged stride-2 block (the
+    expand, the conv, the BlurPool pass, the gates, the projection; the traced subprocess takes the
+    default path). Inductor receives them as triton_kernel_wrapper_functional nodes."""
     pytest.importorskip("triton")
     targets = trace_triton_branch("mbconv", [2, 16, 24, 5, 7, 2])
-    assert targets.count("triton_kernel_wrapper_functional") == 2, targets
+    assert targets.count("triton_kernel_wrapper_functional") == 5, targets
 
 
 # ---------------------------------------------------------------------------------------------
@@ -573,7 +610,7 @@ def _shipped_variants():
                         if name == "small" and dtype == torch.float16 and size == 256:
                             small.add(v.key)
                             SMALL_SCRATCH[v.key] = launch.cost.l1_working_set_bytes
-    # the launches fused Small takes at 256x256 by default: the staged ones on its 32x32 map
+    # the launches fused Small takes at 256x256 by default: the staged ones
     from convfirstnet.kernels.mbconv import launcher
 
     fused = convfirstnet.fuse(convfirstnet.create_model("small"))

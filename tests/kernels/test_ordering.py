@@ -184,17 +184,24 @@ def _shipped_variants():
         with recording() as rec:
             fused(x.contiguous(memory_format=torch.channels_last))
         launches += rec.launches
-    # fused Small's 16x16 stride-1 MBConv block at batch 128: each hidden item holds all the chunks of
-    # its image, so the hidden kernel computes the SE gates (GATE, in a called function)
+    # fused Small's 16x16 stride-1 MBConv block at batch 128 as the hidden kernel (which takes it with
+    # launcher.STAGED False, and past the staged expand's 32-bit offsets): each hidden item holds all the
+    # chunks of its image, so the hidden kernel computes the SE gates (GATE, in a called function)
+    from convfirstnet.kernels.mbconv import launcher
+
     c, r, s = 256, 1024, 64
     x = torch.empty(128, c, 16, 16, device="meta", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
 
     def m(*shape):
         return torch.empty(shape, device="meta", dtype=torch.float16)
 
-    with recording() as rec:
-        torch.ops.convfirstnet.mbconv(x, m(r, c), m(r), m(r, 8, 3, 3), m(r), m(s, r), m(s), m(r, s), m(r), m(c, r),
-                                      m(c), 1)
+    saved, launcher.STAGED = launcher.STAGED, False
+    try:
+        with recording() as rec:
+            torch.ops.convfirstnet.mbconv(x, m(r, c), m(r), m(r, 8, 3, 3), m(r), m(s, r), m(s), m(r, s), m(r),
+                                          m(c, r), m(c), 1)
+    finally:
+        launcher.STAGED = saved
     assert rec.launches[0].meta.get("GATE")
     launches += rec.launches
     # the MBConv training forward: the stride-2 BN_d pass writes the full-resolution g in place of u and
