@@ -220,6 +220,11 @@ def test_run_orchestration_with_fake_timings(gc, tmp_path, monkeypatch, capsys):
 
     assert "small model, ConvFirst tap order 0: " in out and convfirst_launcher.TAP_ORDER is None
     assert set(blocks["gpu_check"]["convfirst_taps0"]) == {"small", "pico"}
+    # and with the MBConv blocks as the hidden kernel, the staged launches restored after
+    from convfirstnet.kernels.mbconv import launcher as mbconv_launcher
+
+    assert "small model, MBConv hidden kernel: " in out and mbconv_launcher.STAGED is None
+    assert set(blocks["gpu_check"]["mbconv_hidden"]) == {"small", "pico"}
     assert blocks["gpu_check"]["train"]["status"] == "stopped"
     assert blocks["gpu_check"]["train"]["profile"]["kernels_ms"] == 87.0 and "[gpu_check] profile: ok" in out
     # the group-width-8 conv op of the first model, its record beside the others
