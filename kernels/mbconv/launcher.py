@@ -39,7 +39,10 @@ Choices (kernel.py explains the kernels)
   340-354 against 420-438; the hidden kernel, whose x tile does not stay resident there, measured 426,
   Inductor 472). Staged is faster by both measures at 14x14, 7x7 and 28x28, at Pico's, Nano's and Tiny's
   widths, and on sm_80; at batch 1 both measures rank it faster except at 16x16 stride 2, where the model
-  has it 1 us slower (36-47 against 35-46; sum 37-39 against 41-43). A GPU run decides
+  has it 1 us slower (36-47 against 35-46; sum 37-39 against 41-43). At 16x16 stride 1 and batch 8 or
+  32 the sum ranks the hidden kernel 4-7 % faster (8: 33-35 against 36-37; 32: 86-90 against 90-94),
+  where the model has a tie (31-44 against 33-44) or staged 24 % faster (68-85 against 79-112); 8x8,
+  16x16 stride 2 and 32x32 stay staged by both at every batch. One rule for every batch: a GPU run decides
   (``scripts/gpu_variants.py --variants shipped,hidden``). Batches whose expand output passes 2^31
   elements take the hidden kernel.
 * Projection: 128-row tiles on sm_90, 64 for fp32 and below sm_90 (one image's pixels, or two whole
