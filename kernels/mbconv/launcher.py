@@ -218,6 +218,16 @@ P_BM_SMALL = 64
 # projection is DRAM bound either way). 512 rows per step: 59.9 us against 60.4 at 128; at 1024 the
 # function spilled.
 GATE_ROWS = 512
+# The standalone gate launches (moments._se_gates_kernel, staged._se_pool_gates_kernel) take GATE_ROWS
+# steps except where R > GATE_ROWS is not a multiple of 256: Nano's R = 640 (S = 40) took 255 registers
+# and spilled 488-512 B in both at 512 (sm_90); at 128 no stack, 9.1-10.2 and 11.3-13.4 us against
+# 20.0-28.0 and 21.5-30.1 (static estimate, batch 128)
+GATE_ROWS_MASKED = 128
+
+
+def gate_rows(r: int) -> int:
+    """Hidden channels per step of the standalone gate launches (GATE_ROWS_MASKED's comment)."""
+    return GATE_ROWS if r <= GATE_ROWS or r % 256 == 0 else GATE_ROWS_MASKED
 # Share of the L2 the resident programs' scratch may take (the rest holds the streamed x, g, weights).
 L2_SHARE = 0.75
 # Per-warp instruction estimates from the sm_90 SASS (a chunk of a 256-pixel item; an item's x tile),

@@ -40,7 +40,7 @@ from .._cost import KernelCost, Loop
 from .._launch import cdiv, launch, next_power_of_2
 from .._scalars import fp32
 from .kernel import _silu, se_gates
-from .launcher import (GATE_ROWS, MBConvGeometry, geometry_of, kernel_settings, launch_project)
+from .launcher import MBConvGeometry, gate_rows, geometry_of, kernel_settings, launch_project
 
 
 CM_PIXELS, CM_CHANNELS, CM_WARPS = 32, 128, 4  # conv_moments' tile: pixels x channels a step
@@ -228,7 +228,7 @@ def mbconv_from_conv_output(u: torch.Tensor, x: torch.Tensor, stats: torch.Tenso
     gates = torch.empty((n, r), device=x.device, dtype=x.dtype)
     b_se1, b_se2 = b_se1.contiguous(), b_se2.contiguous()
     launch(_se_gates_kernel, (n,), zpart, b_se1, w_se2, b_se2, gates, n, geo.nchunk, r, s, *w_se2.stride(),
-           cost=lambda: _se_gates_cost(geo), SP=geo.sp, NCP=next_power_of_2(geo.nchunk), GB=GATE_ROWS,
+           cost=lambda: _se_gates_cost(geo), SP=geo.sp, NCP=next_power_of_2(geo.nchunk), GB=gate_rows(r),
            SILU=silu, num_warps=SEG_WARPS)
     launch_project(geo, g, zpart, gates, b_se1, w_se2, b_se2, w_proj, b_proj.contiguous(), x, out,
                    residual and stride == 1)
@@ -265,7 +265,7 @@ def _se_gates_cost(geo: MBConvGeometry) -> KernelCost:
     n, r, s, eb = geo.n, geo.r, geo.s, geo.elem
     dram = (r * s + r + s + n * r) * eb + n * geo.nchunk * geo.sp * 4
     unique = (r * s + r + s) * eb + geo.nchunk * geo.sp * 4
-    return KernelCost(n * r * s, 0, dram, (Loop("gate steps", cdiv(r, GATE_ROWS), fixed=True),),
+    return KernelCost(n * r * s, 0, dram, (Loop("gate steps", cdiv(r, gate_rows(r)), fixed=True),),
                       l2_bytes=(n - 1) * (r * s + r + s) * eb, l1_unique_bytes_per_program=unique,
                       note="the SE gates, one image per program")
 

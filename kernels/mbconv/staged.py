@@ -23,7 +23,7 @@ from ..gconv.launcher import gconv3x3_silu_triton
 from . import launcher
 from .expand_backward import expand_forward, offsets_fit
 from .kernel import se_gate_rows
-from .launcher import GATE_ROWS, geometry_of, kernel_settings, launch_project
+from .launcher import gate_rows, geometry_of, kernel_settings, launch_project
 from .moments import mbconv_from_conv_output
 
 POOL_CHANNELS = 256  # hidden channels a step of the gates' first SE layer
@@ -76,7 +76,7 @@ def _se_pool_gates_cost(n: int, r: int, s: int, tiles: int, eb: int) -> KernelCo
     tb = min(POOL_TILES, next_power_of_2(tiles))
     rows = (Loop("pool rows", cdiv(tiles, tb), fixed=True),) if tiles > 1 else ()  # T = 1: a constexpr
     loops = (Loop("pool steps", cdiv(r, POOL_CHANNELS), rows, fixed=True),
-             Loop("gate steps", cdiv(r, GATE_ROWS), fixed=True))
+             Loop("gate steps", cdiv(r, gate_rows(r)), fixed=True))
     return KernelCost(2 * n * r * s, 0, dram, loops, l2_bytes=(n - 1) * weights,
                       l1_unique_bytes_per_program=weights + tiles * r * 4,
                       note="the SE gates from the tiles' pools, one image per program")
@@ -93,7 +93,7 @@ def se_pool_gates(pools: torch.Tensor, tiles: int, pixels: int, w_se1: torch.Ten
     launch(_se_pool_gates_kernel, (n,), pools, w_se1, b_se1.contiguous(), w_se2, b_se2.contiguous(), gates,
            tiles, pixels, r, s, *w_se1.stride(), *w_se2.stride(),
            cost=lambda: _se_pool_gates_cost(n, r, s, tiles, eb), SP=max(16, next_power_of_2(s)),
-           RB=POOL_CHANNELS, TB=min(POOL_TILES, next_power_of_2(tiles)), GB=GATE_ROWS, SILU=silu,
+           RB=POOL_CHANNELS, TB=min(POOL_TILES, next_power_of_2(tiles)), GB=gate_rows(r), SILU=silu,
            num_warps=POOL_WARPS)
     return gates
 

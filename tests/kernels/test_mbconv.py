@@ -721,6 +721,27 @@ def test_small_batch128_stride1_without_stack():
     assert c.stack == 0 and c.regs <= 255, f"{c.regs} registers, {c.stack} B stack"
 
 
+@pytest.mark.compile
+def test_staged_gate_launches_without_stack():
+    """The staged blocks' gate launches at Nano's and Small's stage-5 widths (batch 128, fp16, sm_90): the
+    SE gates from the pools (stride 1) and from the BlurPool pass's partials (stride 2) compile with no
+    stack. At Nano's R = 640, S = 40 in 512-row gate steps both took 255 registers and spilled 488-512 B;
+    ``launcher.gate_rows`` gives them 128-row steps."""
+    pytest.importorskip("triton")
+    from convfirstnet.analysis.compiled import compile_variants, variant_of
+    from convfirstnet.kernels.mbconv import launcher
+
+    variants = []
+    saved, launcher.STAGED = launcher.STAGED, True
+    try:
+        for c, hw, stride in ((160, 8, 1), (160, 16, 2), (256, 8, 1), (256, 16, 2)):
+            launches, _ = _record(128, c, c, hw, hw, stride)
+            variants += [variant_of(lc, 90) for lc in launches if "gates" in lc.kernel.fn.__name__]
+    finally:
+        launcher.STAGED = saved
+    assert [v.meta["GB"] for v in variants] == [128, 128, 512, 512]
+    stacks = {(v.name, v.meta["GB"]): c.stack for v, c in zip(variants, compile_variants(variants))}
+    assert not any(stacks.values()), stacks
 
 
 @pytest.fixture(scope="module")
