@@ -228,6 +228,8 @@ GATE_ROWS_MASKED = 128
 def gate_rows(r: int) -> int:
     """Hidden channels per step of the standalone gate launches (GATE_ROWS_MASKED's comment)."""
     return GATE_ROWS if r <= GATE_ROWS or r % 256 == 0 else GATE_ROWS_MASKED
+
+
 # Share of the L2 the resident programs' scratch may take (the rest holds the streamed x, g, weights).
 L2_SHARE = 0.75
 # Per-warp instruction estimates from the sm_90 SASS (a chunk of a 256-pixel item; an item's x tile),

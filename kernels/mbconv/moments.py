@@ -200,11 +200,10 @@ def _se_gates_kernel(z_ptr, b1_ptr, w2_ptr, b2_ptr, gate_ptr, N, NCHUNK, R, S, s
 def mbconv_from_conv_output(u: torch.Tensor, x: torch.Tensor, stats: torch.Tensor, gamma: torch.Tensor,
                             beta: torch.Tensor, w_se1: torch.Tensor, b_se1: torch.Tensor, w_se2: torch.Tensor,
                             b_se2: torch.Tensor, w_proj: torch.Tensor, b_proj: torch.Tensor, stride: int,
-                            residual: bool = False, activated: bool = False) -> torch.Tensor:
+                            activated: bool = False) -> torch.Tensor:
     """``W_proj (g * gate) + b_proj`` (NHWC, x's dtype) from the conv output ``u`` (N, H W, R) that the
     group-width-8 conv wrote: the BN_d pass (``_bn_silu_pool_kernel``: g, stride 1 in place over u, stride 2
-    blurred into a buffer of its own; the SE partials), the SE gates, then the projection (``residual``:
-    + x, stride 1).
+    blurred into a buffer of its own; the SE partials), the SE gates, then the projection (no residual).
     ``stats``: BN_d's batch (mean; rstd), (2, R) fp32 (``bn_d_stats``'); ``gamma``, ``beta``: BN_d's
     affine. ``activated`` (stride 2): u is already SiLU(conv + bias), blurred as it is (the BN_d arguments
     are not read)."""
@@ -230,8 +229,7 @@ def mbconv_from_conv_output(u: torch.Tensor, x: torch.Tensor, stats: torch.Tenso
     launch(_se_gates_kernel, (n,), zpart, b_se1, w_se2, b_se2, gates, n, geo.nchunk, r, s, *w_se2.stride(),
            cost=lambda: _se_gates_cost(geo), SP=geo.sp, NCP=next_power_of_2(geo.nchunk), GB=gate_rows(r),
            SILU=silu, num_warps=SEG_WARPS)
-    launch_project(geo, g, zpart, gates, b_se1, w_se2, b_se2, w_proj, b_proj.contiguous(), x, out,
-                   residual and stride == 1)
+    launch_project(geo, g, zpart, gates, b_se1, w_se2, b_se2, w_proj, b_proj.contiguous(), x, out, False)
     return out
 
 

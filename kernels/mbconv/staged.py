@@ -68,12 +68,11 @@ def _se_pool_gates_kernel(pool_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, gate_ptr, T,
     se_gate_rows(z, w2_ptr, b2_ptr, gate_ptr, n, R, sv, s_ok, sw2_r, sw2_s, GB, SILU)
 
 
-def _se_pool_gates_cost(n: int, r: int, s: int, tiles: int, eb: int) -> KernelCost:
-    """The pools read once; W_se1, W_se2 and the biases once per launch (then from L2 for the other
-    images); the gates written."""
+def _se_pool_gates_cost(n: int, r: int, s: int, tiles: int, tb: int, eb: int) -> KernelCost:
+    """The pools read once (TB rows a step); W_se1, W_se2 and the biases once per launch (then from L2 for
+    the other images); the gates written."""
     weights = (2 * r * s + r + s) * eb
     dram = weights + n * tiles * r * 4 + n * r * eb
-    tb = min(POOL_TILES, next_power_of_2(tiles))
     rows = (Loop("pool rows", cdiv(tiles, tb), fixed=True),) if tiles > 1 else ()  # T = 1: a constexpr
     loops = (Loop("pool steps", cdiv(r, POOL_CHANNELS), rows, fixed=True),
              Loop("gate steps", cdiv(r, gate_rows(r)), fixed=True))
@@ -90,10 +89,11 @@ def se_pool_gates(pools: torch.Tensor, tiles: int, pixels: int, w_se1: torch.Ten
     n = pools.shape[0] // tiles
     gates = torch.empty((n, r), device=pools.device, dtype=dtype)
     eb = gates.element_size()
+    tb = min(POOL_TILES, next_power_of_2(tiles))
     launch(_se_pool_gates_kernel, (n,), pools, w_se1, b_se1.contiguous(), w_se2, b_se2.contiguous(), gates,
            tiles, pixels, r, s, *w_se1.stride(), *w_se2.stride(),
-           cost=lambda: _se_pool_gates_cost(n, r, s, tiles, eb), SP=max(16, next_power_of_2(s)),
-           RB=POOL_CHANNELS, TB=min(POOL_TILES, next_power_of_2(tiles)), GB=gate_rows(r), SILU=silu,
+           cost=lambda: _se_pool_gates_cost(n, r, s, tiles, tb, eb), SP=max(16, next_power_of_2(s)),
+           RB=POOL_CHANNELS, TB=tb, GB=gate_rows(r), SILU=silu,
            num_warps=POOL_WARPS)
     return gates
 

@@ -51,7 +51,7 @@ TOL = {
 @pytest.fixture(scope="module", autouse=True)
 def hidden_kernel_path():
     """This module tests the hidden kernel at every map size (launcher.STAGED = False); the tests of the
-    staged launches, which the op takes on maps of 28x28 and more, set STAGED themselves."""
+    staged launches, which the op takes by default, set STAGED themselves."""
     from convfirstnet.kernels.mbconv import launcher
 
     saved, launcher.STAGED = launcher.STAGED, False
@@ -134,9 +134,10 @@ def test_matches_reference(interpreter_backend, shape):
     check(x, weights, stride)
 
 
-# The staged launches (staged.py mbconv_staged_triton: the expand, the group-width-8 conv, the BN_d pass
-# with the pool, the SE gates, the projection) on the same shapes: the same tolerances, as they round
-# where the hidden kernel rounds (h, u, g, the gate, the output), in the same dtype.
+# The staged launches (staged.py mbconv_staged_triton: the expand, the group-width-8 conv with bias and
+# SiLU (stride 1: and the pool), stride 2: the BlurPool pass, the SE gates, the projection) on the same
+# shapes: the same tolerances, as they round where the hidden kernel rounds (h, g, the gate, the output),
+# in the same dtype.
 STAGED_SHAPES = [SHAPES[0], SHAPES[1], SHAPES[2], SHAPES[4], SHAPES[5], SHAPES[6], SHAPES[8],
                  (2, 256, 256, 16, 16, 1, torch.float16)]
 
@@ -722,7 +723,7 @@ def test_small_batch128_stride1_without_stack():
 
 
 @pytest.mark.compile
-def test_staged_gate_launches_without_stack():
+def test_staged_gate_launches_without_stack(monkeypatch):
     """The staged blocks' gate launches at Nano's and Small's stage-5 widths (batch 128, fp16, sm_90): the
     SE gates from the pools (stride 1) and from the BlurPool pass's partials (stride 2) compile with no
     stack. At Nano's R = 640, S = 40 in 512-row gate steps both took 255 registers and spilled 488-512 B;
@@ -731,14 +732,11 @@ def test_staged_gate_launches_without_stack():
     from convfirstnet.analysis.compiled import compile_variants, variant_of
     from convfirstnet.kernels.mbconv import launcher
 
+    monkeypatch.setattr(launcher, "STAGED", True)
     variants = []
-    saved, launcher.STAGED = launcher.STAGED, True
-    try:
-        for c, hw, stride in ((160, 8, 1), (160, 16, 2), (256, 8, 1), (256, 16, 2)):
-            launches, _ = _record(128, c, c, hw, hw, stride)
-            variants += [variant_of(lc, 90) for lc in launches if "gates" in lc.kernel.fn.__name__]
-    finally:
-        launcher.STAGED = saved
+    for c, hw, stride in ((160, 8, 1), (160, 16, 2), (256, 8, 1), (256, 16, 2)):
+        launches, _ = _record(128, c, c, hw, hw, stride)
+        variants += [variant_of(lc, 90) for lc in launches if "gates" in lc.kernel.fn.__name__]
     assert [v.meta["GB"] for v in variants] == [128, 128, 512, 512]
     stacks = {(v.name, v.meta["GB"]): c.stack for v, c in zip(variants, compile_variants(variants))}
     assert not any(stacks.values()), stacks
@@ -991,8 +989,8 @@ def test_paper_shapes_on_gpu(triton_backend, exact_fp32, shape, dtype):
 @pytest.mark.parametrize("shape", [GPU_SHAPES[4], GPU_SHAPES[0], GPU_SHAPES[1], GPU_SHAPES[6]], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_staged_paper_shapes_on_gpu(triton_backend, monkeypatch, shape, dtype):
-    """The staged launches (shipped at 32x32, forced elsewhere) at the paper's shapes, same tolerances
-    (fp32 through them: the interpreter tests)."""
+    """The staged launches (the op's default, forced here against the module's hidden-kernel fixture) at
+    the paper's shapes, same tolerances (fp32 through them: the interpreter tests)."""
     from convfirstnet.kernels.mbconv import launcher
 
     monkeypatch.setattr(launcher, "STAGED", True)
