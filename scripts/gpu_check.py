@@ -9,9 +9,9 @@ Fits a GPU job limited to 10 minutes: the default budget is 9 minutes
 2. each fused model (CUDA graph) and each of its distinct fused blocks (CUDA graph, the block alone on
    an input of its shape), Small first, then Tiny, Nano, Pico; then each model again with its MBConv
    blocks as the hidden kernel (``kernels/mbconv/launcher.py`` ``STAGED = False``: the one-kernel form the
-   staged launches replaced on the static model's ranking, which no GPU has timed yet), with the ConvFirst
-   conv's tap pairs in order 0 (``kernels/convfirst/launcher.py`` ``TAP_ORDER``: the order shipped before
-   the bank-conflict-free one, which no GPU has timed yet), and with the L1 / shared split of every
+   staged launches replaced on the static model's ranking, which no GPU has timed yet), with its
+   stride-1 ConvFirst blocks as the fused kernel (``kernels/convfirst/launcher.py`` ``STAGED = False``:
+   the form the conv + FFN launches replaced, likewise untimed), and with the L1 / shared split of every
    kernel as Triton's loader leaves it
    (``kernels/_carveout.py`` policy ``triton``; the default fits it to the programs);
    then ``torch.compile`` of the first fused model (``fused-inductor``: every block's fused op, as users
@@ -167,8 +167,8 @@ def plan_lines(models: Sequence[str], budget_min: float, tests: bool, train: boo
         f"2. per model ({', '.join(models)}), batch {BATCH}, {IMG}x{IMG}, {DTYPE}: the fused model and each "
         f"distinct fused block in a CUDA graph, {WARMUP} warm-up and {ITERS} timed iterations (CUDA events); "
         "then each model with its MBConv blocks as the hidden kernel (kernels/mbconv/launcher.py STAGED "
-        "False), with the ConvFirst conv's tap order 0, shipped before the conflict-free one "
-        "(kernels/convfirst/launcher.py TAP_ORDER), and with every kernel's L1 / shared split as Triton "
+        "False), with its stride-1 ConvFirst blocks as the fused kernel (kernels/convfirst/launcher.py STAGED "
+        "False), and with every kernel's L1 / shared split as Triton "
         "leaves it (kernels/_carveout.py)"
     )
     jobs = autotune_jobs(models)
@@ -266,7 +266,7 @@ def _as_block(model, path: str):
 
 def _time_models_again(model_rows: list[dict], until: float, dtype, label: str) -> dict:
     """Each whole model in a CUDA graph as the kernels are now set (``time_mbconv_hidden``,
-    ``time_convfirst_taps0``, ``time_l1_triton``): {model: row}, a model past ``until`` skipped."""
+    ``time_convfirst_fused``, ``time_l1_triton``): {model: row}, a model past ``until`` skipped."""
     import torch
 
     from convfirstnet.factory import create_model
@@ -295,18 +295,17 @@ def time_mbconv_hidden(model_rows: list[dict], until: float, dtype) -> dict:
         launcher.STAGED = saved
 
 
-def time_convfirst_taps0(model_rows: list[dict], until: float, dtype) -> dict:
-    """Each whole model again, with the ConvFirst stride-1 conv's tap pairs in load order 0
-    (``kernels/convfirst/launcher.py`` ``TAP_ORDER``), the order shipped before the bank-conflict-free one
-    (``None``), which ships on the H200's measurement of the same change in the MBConv conv and no GPU has
-    timed here yet: {model: row}."""
+def time_convfirst_fused(model_rows: list[dict], until: float, dtype) -> dict:
+    """Each whole model again, with its stride-1 ConvFirst blocks as the fused kernel
+    (``kernels/convfirst/launcher.py`` ``STAGED = False``) instead of the shipped conv + FFN launches, which
+    replaced it on the static model's ranking and no GPU has timed yet: {model: row}."""
     from convfirstnet.kernels.convfirst import launcher
 
-    saved, launcher.TAP_ORDER = launcher.TAP_ORDER, 0
+    saved, launcher.STAGED = launcher.STAGED, False
     try:
-        return _time_models_again(model_rows, until, dtype, "ConvFirst tap order 0")
+        return _time_models_again(model_rows, until, dtype, "ConvFirst fused kernel")
     finally:
-        launcher.TAP_ORDER = saved
+        launcher.STAGED = saved
 
 
 def time_l1_triton(model_rows: list[dict], until: float, dtype) -> dict:
@@ -696,7 +695,7 @@ def run(args, argv, models: list[str], plan: list[str]) -> int:
         del module, train
         torch.cuda.empty_cache()
     mbconv_hidden = time_mbconv_hidden([r for r in rows if r["path"] == "model"], fused_until, dtype)
-    convfirst_taps0 = time_convfirst_taps0([r for r in rows if r["path"] == "model"], fused_until, dtype)
+    convfirst_fused = time_convfirst_fused([r for r in rows if r["path"] == "model"], fused_until, dtype)
     carveout = time_l1_triton([r for r in rows if r["path"] == "model"], fused_until, dtype)
     first = next(r for r in rows if r["model"] == models[0] and r["path"] == "model")
     print(f"\n[gpu_check] torch.compile of the fused {models[0]} ...", flush=True)
@@ -754,7 +753,7 @@ def run(args, argv, models: list[str], plan: list[str]) -> int:
         print("\nSkipped:\n" + "\n".join(f"- {s}" for s in skipped))
     extra = dict(models=models, budget_min=args.budget_min, elapsed_s=round(time.monotonic() - budget.start),
                  tests=tests, train=train, skipped=skipped, plan=plan, l1_carveout_triton=carveout,
-                 convfirst_taps0=convfirst_taps0, mbconv_hidden=mbconv_hidden,
+                 convfirst_fused=convfirst_fused, mbconv_hidden=mbconv_hidden,
                  static_reports={m: dict(created=r["created"], versions=r.get("versions"), git=r.get("git"))
                                  for m, r in static.reports.items()})
     paths = [write_record(make_record("network", network_results(rows, macs, params, peak), argv, dev, extra),

@@ -46,9 +46,12 @@ VARIANTS = {  # name -> overrides of kernels/mbconv/launcher.py's constants
     "taps 1": {"TAP_ORDER": 1},
     "taps 2": {"TAP_ORDER": 2},
     # the ConvFirst stride-1 conv's tap pairs in order 0, shipped before the conflict-free order
-    # (kernels/convfirst/launcher.py TAP_ORDER None): time at a ConvFirst block (--block stages.1.1) or the
-    # model
-    "convfirst taps 0": {"convfirst.launcher.TAP_ORDER": 0},
+    # (kernels/convfirst/launcher.py TAP_ORDER None): with "convfirst fused" at a ConvFirst block (--block
+    # stages.1.1) or the model; the shipped conv + FFN launches do not run that conv
+    "convfirst taps 0": {"convfirst.launcher.TAP_ORDER": 0, "convfirst.launcher.STAGED": False},
+    # stride-1 ConvFirst blocks as the fused kernel instead of the conv + FFN launches (kernels/convfirst/
+    # launcher.py STAGED; shipped: staged for 16-bit)
+    "convfirst fused": {"convfirst.launcher.STAGED": False},
     # 128-pixel conv tiles (32 KB tap pairs) at 16x16 stride 1 and in tiled programs: the static model's
     # high end ranks them faster through its wait term only (kernels/mbconv/launcher.py WIDE_CONV_TILES)
     "conv tiles 128": {"WIDE_CONV_TILES": True},

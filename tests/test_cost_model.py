@@ -253,7 +253,7 @@ def test_decoded_stalls_of_a_compiled_dependent_ffma_chain():
 
 
 @pytest.mark.compile
-def test_convfirst_tap_loads_allocate_in_l1():
+def test_convfirst_tap_loads_allocate_in_l1(monkeypatch):
     # issue 18: the stage-1 ConvFirst tap loads (C = 32) used to be software-pipelined into cp.async.cg,
     # SASS LDGSTS.E.BYPASS.128, which skips L1, so every tap window was fetched from L2. They are plain
     # ld.global now (LDG.E.128 without .STRONG: allocated in L1), there is no cp.async in the kernel, and
@@ -261,7 +261,9 @@ def test_convfirst_tap_loads_allocate_in_l1():
     from convfirstnet.analysis import report
     from convfirstnet.blocks import ConvFirst
     from convfirstnet.factory import fuse
+    from convfirstnet.kernels.convfirst import launcher
 
+    monkeypatch.setattr(launcher, "STAGED", False)  # the fused kernel (16-bit blocks ship as conv + FFN)
     block = fuse(torch.nn.Sequential(ConvFirst(32, 32, 1, 3))).half().to("meta")
     x = torch.empty(1, 32, 32, 32, device="meta", dtype=torch.float16).contiguous(
         memory_format=torch.channels_last

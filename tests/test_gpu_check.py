@@ -215,11 +215,12 @@ def test_run_orchestration_with_fake_timings(gc, tmp_path, monkeypatch, capsys):
         "fused-cudagraph", "inductor", "fused-inductor"}
     assert "small model, fused-inductor: 2.000 ms" in out
     assert blocks["gpu_check"]["tests"]["summary"] == "3 passed"
-    # each model again with the ConvFirst conv's tap order 0, the shipped order restored after
+    # each model again with the stride-1 ConvFirst blocks as the fused kernel, the staged launches
+    # restored after
     from convfirstnet.kernels.convfirst import launcher as convfirst_launcher
 
-    assert "small model, ConvFirst tap order 0: " in out and convfirst_launcher.TAP_ORDER is None
-    assert set(blocks["gpu_check"]["convfirst_taps0"]) == {"small", "pico"}
+    assert "small model, ConvFirst fused kernel: " in out and convfirst_launcher.STAGED is None
+    assert set(blocks["gpu_check"]["convfirst_fused"]) == {"small", "pico"}
     # and with the MBConv blocks as the hidden kernel, the staged launches restored after
     from convfirstnet.kernels.mbconv import launcher as mbconv_launcher
 

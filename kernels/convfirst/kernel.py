@@ -9,6 +9,10 @@ What is computed (reference.py is the specification; weights are BatchNorm-folde
 gconv3x3 has group width 8 (groups = C / 8), padding 1. BlurPool is [1,2,1] (x) [1,2,1] / 16,
 stride 2, reflect padding 1, output ceil(H/2) x ceil(W/2).
 
+16-bit stride-1 blocks ship as two launches instead of ``_convfirst_s1_kernel`` (staged.py: the conv,
+then ``_convfirst_ffn_kernel`` with this file's hidden chunks; launcher.py "Staged stride-1 blocks");
+the stride-1 kernel here runs fp32 blocks and forced ones (``launcher.STAGED = False``).
+
 Persistent programs and tiles
 -----------------------------
 The work is cut into TH x TW tiles of output pixels (all output channels), numbered image by image

@@ -16,6 +16,7 @@ from .reference import convfirst_reference
 
 if HAS_TRITON:
     from .launcher import check_supported, convfirst_triton
+    from .staged import convfirst_staged, staged
 
 
 @define_op("convfirstnet::convfirst")
@@ -46,6 +47,8 @@ def convfirst(
     check_weights("convfirst", x, dict(w_conv=w_conv, b_conv=b_conv, w1=w1, b1=b1, w2=w2, b2=b2))
     if use_triton(x):
         check_supported(x, c, k, stride)
+        if staged(x, stride):
+            return convfirst_staged(x, w_conv, b_conv, w1, b1, w2, b2)
         return convfirst_triton(x, w_conv, b_conv, w1, b1, w2, b2, stride)
     return convfirst_reference(x, w_conv, b_conv, w1, b1, w2, b2, stride)
 

@@ -37,11 +37,13 @@ def capture(gm, example_inputs):
 
 if op == "convfirst":
     from convfirstnet.blocks import tap_major
-    n, c, r, k, h, w, stride = args
+    n, c, r, k, h, w, stride, *dtype = args  # dtype: default float32 (the fused stride-1 kernel)
+    dt = getattr(torch, dtype[0] if dtype else "float32")
     c1 = c if stride == 1 else 2 * c
     shapes = [(r, c1), (r,), (k, r), (k,)]
-    ws = [tap_major(torch.randn(c, 8, 3, 3)), torch.randn(c), *(torch.randn(*shape) for shape in shapes)]
-    fn = lambda t: torch.ops.convfirstnet.convfirst(t, *ws, stride)
+    ws = [tap_major(torch.randn(c, 8, 3, 3).to(dt)), torch.randn(c).to(dt),
+          *(torch.randn(*shape).to(dt) for shape in shapes)]
+    fn = lambda t: torch.ops.convfirstnet.convfirst(t.to(dt), *ws, stride)
 elif op == "mbconv":
     n, c, k, h, w, stride = args
     r, s = 4 * c, c // 4

@@ -9,6 +9,10 @@ conv runs one or two channel parts (96 = 64 + 32, 48 = 32 + 16, 72 -> 64 + 16 ma
 blur/conv one, two or four channel parts, and the output one or two parts (K = 96, 72, 48); maps are
 larger than one tile (several tiles per image, partial tiles) with odd and even sizes (BlurPool's
 reflection at the bottom/right border only exists for odd sizes).
+
+Every test here is of the fused kernels: 16-bit stride-1 blocks run them only when forced
+(``launcher.STAGED = False``, set for the whole module); their shipped conv + FFN launches are
+test_convfirst_staged.py's.
 """
 
 import math
@@ -52,6 +56,14 @@ needs_cuda = pytest.mark.skipif(
 ALL_DTYPES = pytest.mark.parametrize(
     "dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"]
 )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fused_stride1():
+    """The fused stride-1 kernel for every test of this module (module scope: before gpu_builds)."""
+    saved, K.STAGED = K.STAGED, False
+    yield
+    K.STAGED = saved
 
 
 def make_block(c, r, k, stride, dtype, device="cpu", seed=0, layout="tap-major"):

@@ -1,0 +1,162 @@
+"""A stride-1 ConvFirst block (folded weights, inference) as two launches instead of the fused kernel,
+where ``staged`` takes them (launcher.py, "Staged stride-1 blocks": why and where).
+
+a = gconv3x3(x) (the group-width-8 conv, kernels/gconv: several programs per SM, no hidden chunks beside
+its windows), stored (C channels, narrow); then ``_convfirst_ffn_kernel``: per tile of BM consecutive
+pixels, y = a + b_conv rounded once, out = x + b2 + W2 ReLU(W1 y + b1) over hidden chunks, the wide
+hidden tile never leaving the chip. Its hidden chunks are the fused kernel's (kernel.py ``_ffn_chunks``):
+resident in shared memory for all of a program's tiles where they fit (C <= 64), otherwise streamed
+from L2 per tile (ld.global.cg). Without the conv's windows and registers beside them, the FFN runs
+two 4-warp programs per SM, where the fused kernel runs one of 8 (C >= 64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .._cost import KernelCost, Loop
+from .._launch import cdiv, launch
+from ..gconv.launcher import gconv3x3_triton
+from . import launcher
+from .kernel import _a_base, _a_width, _ffn_chunks, _load_part, _load_vec, _resident_weights, _store_part
+
+
+@triton.jit
+def _convfirst_ffn_kernel(
+    a_ptr, x_ptr, bc_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr,  # a, x, out: (M, C) contiguous rows
+    M, TILES, R_RUN,
+    sw1_r, sw1_c, sw2_k, sw2_r,
+    C: tl.constexpr, NPX: tl.constexpr, PW: tl.constexpr, PWL: tl.constexpr, K0: tl.constexpr,
+    K1: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BLOCK_H: tl.constexpr, RESIDENT: tl.constexpr,
+    PRECISION: tl.constexpr, ASM: tl.constexpr,
+):
+    """out = x + b2 + W2 ReLU(W1 (a + b_conv) + b1), tile by tile (persistent programs)."""
+    w1s, w2a, w2b = _resident_weights(w1_ptr, w2_ptr, sw1_r, sw1_c, sw2_k, sw2_r, NPX, 1, PW, PWL, C,
+                                      K0, K1, C, R, BLOCK_H, RESIDENT)
+    dt = a_ptr.dtype.element_ty
+    for t in tl.range(tl.program_id(0), TILES, tl.num_programs(0), num_stages=1):
+        rows = t * BM + tl.arange(0, BM)
+        m_ok = rows < M
+        a_pix = a_ptr + rows.to(tl.int64) * C
+        x_pix = x_ptr + rows.to(tl.int64) * C
+        out_pix = out_ptr + rows.to(tl.int64) * C
+        ys = ()
+        for p in tl.static_range(NPX):
+            ys = ys + ((_load_part(a_pix, m_ok, _a_base(p, NPX, PW, C), _a_width(p, NPX, PW, PWL), C)
+                        + _load_vec(bc_ptr, _a_base(p, NPX, PW, C), _a_width(p, NPX, PW, PWL), C)[None, :]
+                        ).to(dt),)
+        # the residual and b2 start the accumulators: no extra registers across the chunk loop
+        acc0 = _load_part(x_pix, m_ok, 0, K0, C) + _load_vec(b2_ptr, 0, K0, C)[None, :]
+        acc1 = acc0
+        if K1 > 0:
+            acc1 = _load_part(x_pix, m_ok, K0, K1, C) + _load_vec(b2_ptr, K0, K1, C)[None, :]
+        acc0, acc1 = _ffn_chunks(ys, acc0, acc1, w1s, w2a, w2b, w1_ptr, b1_ptr, w2_ptr, sw1_r, sw1_c,
+                                 sw2_k, sw2_r, R_RUN, NPX, 1, PW, PWL, C, K0, K1, C, R, BLOCK_H, RESIDENT,
+                                 0, PRECISION, ASM)
+        _store_part(out_pix, acc0, m_ok, 0, K0, C)
+        if K1 > 0:
+            _store_part(out_pix, acc1, m_ok, K0, K1, C)
+
+
+FFN_WARPS = 4
+FFN_PROGRAMS_PER_SM = 2
+
+
+@dataclass(frozen=True)
+class FFNConfig:
+    """One compiled variant of the FFN launch."""
+
+    c: int
+    r: int
+    parts: tuple[int, int]  # channel parts of y and of the output (second 0 if none)
+    block_m: int
+    block_h: int
+    num_warps: int
+    programs_per_sm: int
+    resident: int  # hidden chunks whose weights stay in shared memory (the others stream from L2)
+    precision: str
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.r // self.block_h)
+
+
+def staged(x: torch.Tensor, stride: int) -> bool:
+    """Whether the block runs as the conv and FFN launches rather than the fused kernel
+    (``launcher.STAGED``; None: every 16-bit stride-1 block on sm_90 and later, launcher.py "Staged
+    stride-1 blocks")."""
+    if stride != 1:
+        return False
+    if launcher.STAGED is not None:
+        return launcher.STAGED
+    return x.dtype != torch.float32 and launcher.device_arch(x.device) >= 90
+
+
+def ffn_config(c: int, r: int, dtype: torch.dtype, arch: int = 90) -> FFNConfig:
+    """The FFN launch's tiles for C -> R -> C in ``dtype`` on a GPU of compute capability ``arch`` (x 10)
+    (launcher.py, "Staged stride-1 blocks")."""
+    parts = launcher.channel_parts(c)
+    width = sum(parts)
+    bh = launcher.hidden_block(r)
+    if dtype == torch.float32:  # 3xTF32 operands triple the registers: the fused kernel's fp32 tiles
+        bm, bh, budget = 64, min(bh, 32), 0
+    elif width > 64:  # C = 72, 96: the weights (166-221 KB) stream from L2, 64 hidden channels a chunk
+        # (on mma.sync, below sm_90, 128 rows spilled 24 B at C = 96)
+        bm, bh, budget = 128 if arch >= 90 else 64, 64, 0
+    elif width > 32:  # C = 48, 64: every chunk resident (C = 64: 96 KB)
+        bm, bh, budget = 64, 64, 96 << 10
+    else:
+        bm, budget = 128, 96 << 10
+    res = launcher.resident_chunks(width, parts, bh, r, 4 if dtype == torch.float32 else 2, budget)
+    return FFNConfig(c, r, parts, bm, bh, FFN_WARPS, FFN_PROGRAMS_PER_SM, res,
+                     launcher.precision_for(dtype))
+
+
+def ffn_cost(cfg: FFNConfig, m: int, programs: int, eb: int) -> KernelCost:
+    """What one FFN launch over m pixel rows issues (see ``kernels/_cost.py``): a, x and out once each, the
+    weights once from DRAM (the streamed chunks' again from L2 by every tile: ld.global.cg, counted from
+    the SASS); L1-allocating loads: per tile its a and x rows, read once, and the biases, which every
+    thread of every tile re-reads: the working set that must stay in L1 is the biases alone."""
+    c, r, bm, bh = cfg.c, cfg.r, cfg.block_m, cfg.block_h
+    trips = cdiv(cdiv(m, bm), programs)
+    streamed = cfg.chunks - cfg.resident
+    small = 2 * c + r
+    return KernelCost(
+        useful_macs=2 * m * c * r,
+        mma_macs=programs * trips * cfg.chunks * bh * 2 * sum(cfg.parts) * bm,
+        dram_bytes=eb * (3 * m * c + 2 * c * r + r + 2 * c),
+        loops=(Loop("tiles", trips, (Loop("streamed", streamed),) if streamed else ()),),
+        l1_unique_bytes_per_program=eb * (trips * 2 * bm * c + small),
+        l1_working_set_bytes=eb * small,
+        note=f"FFN C={c} R={r} rows {bm}, {cfg.resident}/{cfg.chunks} chunks resident, "
+             f"{trips} tiles per program",
+    )
+
+
+def convfirst_staged(x: torch.Tensor, w_conv: torch.Tensor, b_conv: torch.Tensor, w1: torch.Tensor,
+                     b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
+    """The stride-1 block as the conv launch and the FFN launch; x (N, C, H, W) in any memory format,
+    validated by the op. NHWC out."""
+    n, c, h, w = x.shape
+    r = w1.shape[0]
+    x = x.contiguous(memory_format=torch.channels_last)
+    out = torch.empty_like(x)
+    if out.numel() == 0:
+        return out
+    a = gconv3x3_triton(x, w_conv, 1)
+    cfg = ffn_config(c, r, x.dtype, launcher.device_arch(x.device))
+    m = n * h * w
+    tiles = cdiv(m, cfg.block_m)
+    programs = cdiv(tiles, cdiv(tiles, cfg.programs_per_sm * launcher.device_sms(x.device)))
+    asm = x.device.type != "cpu" and x.dtype != torch.float32
+    launch(_convfirst_ffn_kernel, (programs,), a, x, b_conv.contiguous(), w1, b1.contiguous(), w2,
+           b2.contiguous(), out, m, tiles, r, *w1.stride(), *w2.stride(), C=c,
+           NPX=1 + (cfg.parts[1] > 0), PW=cfg.parts[0], PWL=cfg.parts[1] or cfg.parts[0], K0=cfg.parts[0],
+           K1=cfg.parts[1], R=r, BM=cfg.block_m, BLOCK_H=cfg.block_h, RESIDENT=cfg.resident,
+           PRECISION=cfg.precision, ASM=asm, num_warps=cfg.num_warps, num_stages=1,
+           cost=lambda: ffn_cost(cfg, m, programs, x.element_size()))
+    return out
