@@ -472,6 +472,21 @@ def _hidden_chunk(ys, acc0, acc1, w1s, OFF: tl.constexpr, w2_0, w2_1, b1_ptr, H0
 
 
 @triton.jit
+def _hidden_chunk_b1(ys, acc0, acc1, w1s, OFF: tl.constexpr, w2_0, w2_1, b1, NA: tl.constexpr,
+                     K1: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr):
+    """``_hidden_chunk`` with the chunk's b1 given as an fp32 vector (staged.py: loaded before the tile
+    loop, kept in registers)."""
+    hid = tl.dot(ys[0], w1s[OFF], input_precision=PRECISION)
+    for p in tl.static_range(1, NA):
+        hid = tl.dot(ys[p], w1s[OFF + p], hid, input_precision=PRECISION)
+    hid = _bias_relu(hid, b1[None, :], ys[0].dtype, ASM)
+    acc0 = tl.dot(hid, w2_0, acc0, input_precision=PRECISION)
+    if K1 > 0:
+        acc1 = tl.dot(hid, w2_1, acc1, input_precision=PRECISION)
+    return acc0, acc1
+
+
+@triton.jit
 def _streamed_chunks(
     ys, acc0, acc1, w1_ptr, b1_ptr, w2_ptr, sw1_r, sw1_c, sw2_k, sw2_r, H_START: tl.constexpr, H_END,
     NPX: tl.constexpr, NG: tl.constexpr, PW: tl.constexpr, PWL: tl.constexpr, CG: tl.constexpr,

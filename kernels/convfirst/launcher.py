@@ -35,25 +35,27 @@ tests/kernels/test_convfirst.py, all of them with CONVFIRSTNET_FULL_MATRIX=1.
 
 Staged stride-1 blocks (staged.py)
 ----------------------------------
-Every 16-bit stride-1 block on sm_90 runs as two launches instead of the fused kernel: the group-width-8 conv
-(kernels/gconv, a = gconv(x) stored, C channels) and ``_convfirst_ffn_kernel`` (y = a + b_conv, then
-the hidden chunks as above, the residual added in its accumulators), which stores nothing wide either.
-The fused kernel keeps the conv's halo window, its weights and the chunks on one 8-warp program per SM
-(C >= 64), whose exposed load waits bind it; apart, the conv runs 2-3 programs per SM and the FFN two
-of 4 warps. Static estimate of Small's blocks, batch 128, sm_90 (us, low-high; sum = L1 pipe +
+Every 16-bit stride-1 block on sm_90 runs as two launches instead of the fused kernel: the group-width-8
+conv (kernels/gconv, a = gconv(x) stored, C channels) and ``_convfirst_ffn_kernel`` (y = a + b_conv,
+then the hidden chunks as above, the residual added in its accumulators), which stores nothing wide
+either. The fused kernel keeps the conv's halo window, its weights and the chunks on one 8-warp program
+per SM (C >= 64), whose exposed load waits bind it; apart, the conv runs 2-3 programs per SM and the
+FFN two of 4 warps. Static estimate of Small's blocks, batch 128, sm_90 (us, low-high; sum = L1 pipe +
 latency, the terms that measured block times followed), fused -> staged:
   * C = 96 at 32^2: 188-269 -> 100-130 (sum 128-134 -> 110-115);
-  * C = 64 at 64^2: 345-483 -> 209-302 (241-252 -> 210-219);
-  * C = 32 at 128^2: 316-472 -> 303-419 (356-371 -> 348-363);
-  * the whole forward 8.12-10.89 -> 7.11-9.36 ms; faster at batch 1, 8 and 32 too, where stage 1 alone is
-    3-5 us slower; Pico's and Nano's widths (16-72) 1.06-2.2x faster, by the sum 1.0-1.7x.
+  * C = 64 at 64^2: 345-483 -> 198-266 (241-252 -> 195-203);
+  * C = 32 at 128^2: 316-472 -> 282-369 (356-371 -> 342-357);
+  * the whole forward 8.12-10.89 -> 7.03-9.12 ms; faster at batch 1, 8 and 32 too (stage 1 alone is 4 us
+    slower at batch 1); Pico's and Nano's widths (16-72) 1.2-2.2x faster, by the sum 1.0-1.7x.
 FFN tiles: 128 rows, 64 hidden channels streamed from L2 at C = 72, 96 (a resident prefix spilled, as
 did chunks cached in L1); 64 rows, every chunk resident at C = 48, 64; 128 rows, every chunk resident
-up to 32 channels (below sm_90, forced: 64 rows at C = 72, 96, where 128 spilled 24 B). fp32 (the
-checking path) keeps the fused kernel, and so does the A100: there the model and the sum disagree at
-C = 24, 32 (64^2), 72 and 96 (C = 96: 248-317 -> 244-300 us, sum 397 -> 420) and agree on staged only at
-16, 48 and 64. ``STAGED`` True or False forces one form. A GPU run must confirm the ranking
-(scripts/gpu_check.py times the fused form beside it).
+up to 32 channels. The resident chunks' b1 is loaded once, into registers: loaded per chunk and tile,
+its latency was exposed before each chunk's bias + ReLU (C = 64: 209-302 -> 198-266 us; prefetched a
+chunk ahead instead, the compiler moved the loads back to their use). Below sm_90, when forced: 64 rows
+at C = 72, 96 (128 spilled 24 B). fp32 (the checking path) keeps the fused kernel, and so does the
+A100: there the model and the sum disagree at C = 24, 32 (64^2), 72 and 96 (C = 96: 248-317 -> 244-300
+us, sum 397 -> 420) and agree on staged only at 16, 48 and 64. ``STAGED`` True or False forces one
+form. A GPU run must confirm the ranking (scripts/gpu_check.py times the fused form beside it).
 
 Under the interpreter the same single config is used (no autotuning), so launches are deterministic
 under torch.compile and CUDA-graph capture. Widths above 128 (stride 1) or 64 input channels

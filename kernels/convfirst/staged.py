@@ -5,9 +5,9 @@ a = gconv3x3(x) (the group-width-8 conv, kernels/gconv: several programs per SM,
 its windows), stored (C channels, narrow); then ``_convfirst_ffn_kernel``: per tile of BM consecutive
 pixels, y = a + b_conv rounded once, out = x + b2 + W2 ReLU(W1 y + b1) over hidden chunks, the wide
 hidden tile never leaving the chip. Its hidden chunks are the fused kernel's (kernel.py ``_ffn_chunks``):
-resident in shared memory for all of a program's tiles where they fit (C <= 64), otherwise streamed
-from L2 per tile (ld.global.cg). Without the conv's windows and registers beside them, the FFN runs
-two 4-warp programs per SM, where the fused kernel runs one of 8 (C >= 64).
+resident in shared memory for all of a program's tiles where they fit (C <= 64; their b1 in registers),
+otherwise streamed from L2 per tile (ld.global.cg). Without the conv's windows and registers beside
+them, the FFN runs two 4-warp programs per SM, where the fused kernel runs one of 8 (C >= 64).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from .._cost import KernelCost, Loop
 from .._launch import cdiv, launch
 from ..gconv.launcher import gconv3x3_triton
 from . import launcher
-from .kernel import _a_base, _a_width, _ffn_chunks, _load_part, _load_vec, _resident_weights, _store_part
+from .kernel import (_a_base, _a_width, _hidden_chunk_b1, _load_part, _load_vec, _resident_weights,
+                     _store_part, _streamed_chunks)
 
 
 @triton.jit
@@ -38,6 +39,12 @@ def _convfirst_ffn_kernel(
     w1s, w2a, w2b = _resident_weights(w1_ptr, w2_ptr, sw1_r, sw1_c, sw2_k, sw2_r, NPX, 1, PW, PWL, C,
                                       K0, K1, C, R, BLOCK_H, RESIDENT)
     dt = a_ptr.dtype.element_ty
+    # the resident chunks' b1, loaded once into registers (in x's dtype): loaded per chunk and tile, each
+    # load's latency was exposed before the chunk's bias + ReLU
+    b1s = ()
+    for i in tl.static_range(RESIDENT):
+        hh = i * BLOCK_H + tl.arange(0, BLOCK_H)
+        b1s = b1s + (tl.load(b1_ptr + hh, mask=hh < R, other=0.0),)
     for t in tl.range(tl.program_id(0), TILES, tl.num_programs(0), num_stages=1):
         rows = t * BM + tl.arange(0, BM)
         m_ok = rows < M
@@ -54,9 +61,17 @@ def _convfirst_ffn_kernel(
         acc1 = acc0
         if K1 > 0:
             acc1 = _load_part(x_pix, m_ok, K0, K1, C) + _load_vec(b2_ptr, K0, K1, C)[None, :]
-        acc0, acc1 = _ffn_chunks(ys, acc0, acc1, w1s, w2a, w2b, w1_ptr, b1_ptr, w2_ptr, sw1_r, sw1_c,
-                                 sw2_k, sw2_r, R_RUN, NPX, 1, PW, PWL, C, K0, K1, C, R, BLOCK_H, RESIDENT,
-                                 0, PRECISION, ASM)
+        for i in tl.static_range(RESIDENT):
+            if K1 > 0:
+                acc0, acc1 = _hidden_chunk_b1(ys, acc0, acc1, w1s, i * NPX, w2a[i], w2b[i],
+                                              b1s[i].to(tl.float32), NPX, K1, PRECISION, ASM)
+            else:
+                acc0, acc1 = _hidden_chunk_b1(ys, acc0, acc1, w1s, i * NPX, w2a[i], w2a[i],
+                                              b1s[i].to(tl.float32), NPX, K1, PRECISION, ASM)
+        if RESIDENT * BLOCK_H < R:  # the other chunks' weights (and b1) from L2, per tile
+            acc0, acc1 = _streamed_chunks(ys, acc0, acc1, w1_ptr, b1_ptr, w2_ptr, sw1_r, sw1_c, sw2_k,
+                                          sw2_r, RESIDENT * BLOCK_H, R_RUN, NPX, 1, PW, PWL, C, K0, K1, C, R,
+                                          BLOCK_H, ".cg", PRECISION, ASM)
         _store_part(out_pix, acc0, m_ok, 0, K0, C)
         if K1 > 0:
             _store_part(out_pix, acc1, m_ok, K0, K1, C)
