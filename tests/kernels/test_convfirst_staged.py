@@ -87,6 +87,12 @@ def test_contiguous_weights_and_strided_input(interpreter_backend):
     torch.testing.assert_close(out.double(), ref, atol=TOL[torch.float16][0], rtol=TOL[torch.float16][1])
 
 
+def test_batch_zero_returns_empty(interpreter_backend):
+    x = make_input(0, 32, 9, 9, torch.float16).contiguous(memory_format=torch.channels_last)
+    out = torch.ops.convfirstnet.convfirst(x, *make_block(32, 96, 32, 1, torch.float16).values(), 1)
+    assert out.shape == (0, 32, 9, 9) and out.is_contiguous(memory_format=torch.channels_last)
+
+
 def test_launches_and_forms(monkeypatch):
     """16-bit stride 1 on sm_90: the conv then the FFN; fp32, stride 2 and sm_80: the fused kernel; STAGED
     forces either."""
