@@ -582,15 +582,22 @@ def _mbconv_project_kernel(
     if HALVES == 2:
         acc1 = _acc_init(bproj_ptr, x_ptr, nrow, k1, k1 < K, oy, ox, pv, sxn, sxc, sxh, sxw, BM, BH, RESIDUAL)
     rb = tl.arange(0, BR)
+    if GATE:  # the first step's gates; each step loads the next one's (launcher.py, "Projection")
+        g0n = tl.load(gate_ptr + n0c * sgate + rb, mask=rb < R, other=0.0)
+        g1n = g0n
+        if IPT == 2:
+            g1n = tl.load(gate_ptr + n1c * sgate + rb, mask=rb < R, other=0.0)
     for r0 in range(0, R, BR):
         rr = r0 + rb
         rv = rr < R
         if GATE:  # the step's gates: with a row stride of unknown alignment these are 2-byte LDGs
             # (L1-allocating, not pipelined), not 16-byte cp.async copies that every thread repeats from L2
-            gsel = tl.load(gate_ptr + n0c * sgate + rr, mask=rv, other=0.0)[None, :]
+            gsel = g0n[None, :]
+            rn = rr + BR
+            g0n = tl.load(gate_ptr + n0c * sgate + rn, mask=rn < R, other=0.0)
             if IPT == 2:
-                gate1 = tl.load(gate_ptr + n1c * sgate + rr, mask=rv, other=0.0)[None, :]
-                gsel = tl.where((img == 1)[:, None], gate1, gsel)
+                gsel = tl.where((img == 1)[:, None], g1n[None, :], gsel)
+                g1n = tl.load(gate_ptr + n1c * sgate + rn, mask=rn < R, other=0.0)
         else:
             if EVEN:  # R a multiple of BR, S of SP, every row real, K a multiple of BH * HALVES: no masks
                 w2 = tl.load(w2_ptr + rr[:, None] * sw2_r + sv[None, :] * sw2_s).to(tl.float32)

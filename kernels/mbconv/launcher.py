@@ -32,24 +32,29 @@ Choices (kernel.py explains the kernels)
   epilogue (kernels/gconv ``BIAS_SILU``); stride 1: each tile's pool in the same epilogue (``POOL``), the
   SE gates from the pools, the projection + residual; stride 2: BlurPool with the pool, the gates, the
   projection. Static estimate (Small, batch 128, sm_90; us, low-high, staged against hidden; the sum =
-  the L1-pipe and latency terms that tracked the H200's block timings): 16x16 stride 1 180-225 against
-  271-392 (sum 258-269 against 270-282; the hidden kernel measured 311 there, Inductor 350); 8x8 68-89
-  against 96-137 (sum 84-88 against 94-98); 16x16 stride 2 207-271 against 300-437 (sum 259-270 against
-  279-291; measured 332, Inductor 337); 32x32 stride 2 (C 96 -> 256) 240-305 against 627-974 (sum
-  340-354 against 420-438; the hidden kernel, whose x tile does not stay resident there, measured 426,
-  Inductor 472). Staged is faster by both measures at 14x14, 7x7 and 28x28, at Pico's, Nano's and Tiny's
-  widths, and on sm_80; at batch 1 both measures rank it faster except at 16x16 stride 2, where the model
-  has it 1 us slower (36-47 against 35-46; sum 37-39 against 41-43). At 16x16 stride 1 and batch 8 or
-  32 the sum ranks the hidden kernel 4-7 % faster (8: 33-35 against 36-37; 32: 86-90 against 90-94),
-  where the model has a tie (31-44 against 33-44) or staged 24 % faster (68-85 against 79-112); 8x8,
-  16x16 stride 2 and 32x32 stay staged by both at every batch. One rule for every batch: a GPU run decides
-  (``scripts/gpu_variants.py --variants shipped,hidden``). Batches whose expand output passes 2^31
-  elements take the hidden kernel.
+  the L1-pipe and latency terms that tracked the H200's block timings; with the projection's gates
+  loaded a step ahead): 16x16 stride 1 168-208 against 258-376 (sum 239-249 against 251-262; the hidden
+  kernel measured 311 there, Inductor 350); 8x8 65-84 against 96-137 (sum 85-88 against 94-98); 16x16
+  stride 2 203-267 against 300-437 (sum 258-269 against 279-291; measured 332, Inductor 337); 32x32
+  stride 2 (C 96 -> 256) 235-298 (sum 331-345) against 627-974 (sum 420-438 before the gate change; the
+  hidden kernel, whose x tile does not stay resident there, measured 426, Inductor 472). Staged is
+  faster by both measures at 14x14, 7x7 and 28x28, at Pico's, Nano's and Tiny's widths, and on sm_80.
+  Before the gate change (both forms use the projection): at batch 1 both measures ranked it faster
+  except at 16x16 stride 2, where the model had it 1 us slower (36-47 against 35-46; sum 37-39 against
+  41-43); at 16x16 stride 1 and batch 8 or 32 the sum ranked the hidden kernel 4-7 % faster (8: 33-35
+  against 36-37; 32: 86-90 against 90-94), where the model had a tie (31-44 against 33-44) or staged
+  24 % faster (68-85 against 79-112); 8x8, 16x16 stride 2 and 32x32 stayed staged by both at every
+  batch. One rule for every batch: a GPU run decides (``scripts/gpu_variants.py --variants
+  shipped,hidden``). Batches whose expand output passes 2^31 elements take the hidden kernel.
 * Projection: 128-row tiles on sm_90, 64 for fp32 and below sm_90 (one image's pixels, or two whole
   images of at most half a tile), output channels in two accumulators of 128 for K <= 256 (one
   program per tile reads g and the gates once:
   8x8 at batch 128 runs 64 such programs, predicted faster than 128 with K split), split into grid.y
-  only when the tiles would leave three quarters of the SMs idle; 8 warps, 3 pipeline stages.
+  only when the tiles would leave three quarters of the SMs idle; 8 warps, 3 pipeline stages. The
+  gates of a stored-gate projection (GATE) are loaded one R step ahead, in registers across the step:
+  loaded in their step, each 2-byte load's latency was exposed before the gating (16x16: 44-56 -> 32-39
+  us; 8x8 18-24 -> 16-19; Nano's K = 160 variant no longer spills its 24 B; A100 forward 18.70-21.55 ->
+  14.64-17.61 ms).
 
 Predicted and measured
 ----------------------
