@@ -4,10 +4,11 @@ where ``staged`` takes them (launcher.py, "Staged stride-1 blocks": why and wher
 a = gconv3x3(x) (the group-width-8 conv, kernels/gconv: several programs per SM, no hidden chunks beside
 its windows), stored (C channels, narrow); then ``_convfirst_ffn_kernel``: per tile of BM consecutive
 pixels, y = a + b_conv rounded once, out = x + b2 + W2 ReLU(W1 y + b1) over hidden chunks, the wide
-hidden tile never leaving the chip. Its hidden chunks are the fused kernel's (kernel.py ``_ffn_chunks``):
-resident in shared memory for all of a program's tiles where they fit (C <= 64; their b1 in registers),
-otherwise streamed from L2 per tile (ld.global.cg). Without the conv's windows and registers beside
-them, the FFN runs two 4-warp programs per SM, where the fused kernel runs one of 8 (C >= 64).
+hidden tile never leaving the chip. Its hidden chunks are the fused kernel's (kernel.py
+``_resident_weights``, ``_streamed_chunks``): resident in shared memory for all of a program's tiles
+where they fit (C <= 64; their b1 in registers), otherwise streamed from L2 per tile (ld.global.cg).
+Without the conv's windows and registers beside them, the FFN runs two 4-warp programs per SM, where the
+fused kernel runs one of 8 (C >= 64).
 """
 
 from __future__ import annotations
