@@ -43,6 +43,8 @@ checkout, per pyproject.toml's mapping) and runs itself, its tests and its compi
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import os
 import subprocess
@@ -264,61 +266,61 @@ def _as_block(model, path: str):
     return nn.Sequential(model.get_submodule(path))  # fuse() and fold_batchnorm() rewrite children
 
 
-def _time_models_again(model_rows: list[dict], until: float, dtype, label: str) -> dict:
-    """Each whole model in a CUDA graph as the kernels are now set (``time_mbconv_hidden``,
-    ``time_convfirst_fused``, ``time_l1_triton``): {model: row}, a model past ``until`` skipped."""
+@contextlib.contextmanager
+def overridden(values: dict):
+    """Module constants of the kernels set to ``values`` for the duration, restored after: a key
+    "module.NAME" names kernels/<module>.py's NAME, a bare "NAME" kernels/mbconv/launcher.py's (the
+    variants of scripts/gpu_variants.py)."""
+
+    def target(key: str):
+        module, _, name = key.rpartition(".")
+        mod = importlib.import_module(f"convfirstnet.kernels.{module or 'mbconv.launcher'}")
+        if not hasattr(mod, name):
+            raise AttributeError(f"{mod.__name__} has no constant {name}")
+        return mod, name
+
+    targets = {k: target(k) for k in values}
+    saved = {k: getattr(*t) for k, t in targets.items()}
+    for k, v in values.items():
+        setattr(*targets[k], v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(*targets[k], v)
+
+
+# Each whole model timed again with one setting changed back to the form the shipped one replaced on the
+# static model's ranking, which no GPU has timed yet: record key -> (label, overrides)
+RETIMES = {
+    # the MBConv blocks as the hidden kernel instead of the staged launches
+    "mbconv_hidden": ("MBConv hidden kernel", {"mbconv.launcher.STAGED": False}),
+    # the stride-1 ConvFirst blocks as the fused kernel instead of the conv + FFN launches
+    "convfirst_fused": ("ConvFirst fused kernel", {"convfirst.launcher.STAGED": False}),
+    # every kernel's L1 / shared split as Triton's loader leaves it (28 KB of L1 to any kernel over 48 KB of
+    # shared memory) instead of the smallest carve-out that holds its programs (kernels/_carveout.py)
+    "l1_carveout_triton": ("Triton's L1 carve-out", {"_carveout.POLICY": "triton"}),
+}
+
+
+def time_models_with(model_rows: list[dict], until: float, dtype, key: str) -> dict:
+    """Each whole model in a CUDA graph again with ``RETIMES[key]``'s setting (restored after): {model:
+    row}, a model past ``until`` skipped."""
     import torch
 
     from convfirstnet.factory import create_model
 
+    label, values = RETIMES[key]
     out = {}
-    for r in model_rows:
-        if time.monotonic() > until:
-            out[r["model"]] = dict(status="skipped", reason="budget")
-            continue
-        out[r["model"]] = time_case("fused-cudagraph", create_model(r["model"]), r["shape"], dtype)
-        print(f"  {r['model']} model, {label}: {_ms(out[r['model']])} ms", flush=True)
-        torch.cuda.empty_cache()
+    with overridden(values):
+        for r in model_rows:
+            if time.monotonic() > until:
+                out[r["model"]] = dict(status="skipped", reason="budget")
+                continue
+            out[r["model"]] = time_case("fused-cudagraph", create_model(r["model"]), r["shape"], dtype)
+            print(f"  {r['model']} model, {label}: {_ms(out[r['model']])} ms", flush=True)
+            torch.cuda.empty_cache()
     return out
-
-
-def time_mbconv_hidden(model_rows: list[dict], until: float, dtype) -> dict:
-    """Each whole model again, with its MBConv blocks as the hidden kernel (``kernels/mbconv/launcher.py``
-    ``STAGED = False``) instead of the shipped staged launches, which replaced it on the static model's
-    ranking and no GPU has timed yet: {model: row}."""
-    from convfirstnet.kernels.mbconv import launcher
-
-    saved, launcher.STAGED = launcher.STAGED, False
-    try:
-        return _time_models_again(model_rows, until, dtype, "MBConv hidden kernel")
-    finally:
-        launcher.STAGED = saved
-
-
-def time_convfirst_fused(model_rows: list[dict], until: float, dtype) -> dict:
-    """Each whole model again, with its stride-1 ConvFirst blocks as the fused kernel
-    (``kernels/convfirst/launcher.py`` ``STAGED = False``) instead of the shipped conv + FFN launches, which
-    replaced it on the static model's ranking and no GPU has timed yet: {model: row}."""
-    from convfirstnet.kernels.convfirst import launcher
-
-    saved, launcher.STAGED = launcher.STAGED, False
-    try:
-        return _time_models_again(model_rows, until, dtype, "ConvFirst fused kernel")
-    finally:
-        launcher.STAGED = saved
-
-
-def time_l1_triton(model_rows: list[dict], until: float, dtype) -> dict:
-    """Each whole model again, with every kernel's L1 / shared split as Triton's loader leaves it (28 KB
-    of L1 to any kernel over 48 KB of shared memory; ``kernels/_carveout.py`` policy ``triton``) instead
-    of the shipped smallest carve-out that holds its programs (``fit``): {model: row}."""
-    from convfirstnet.kernels import _carveout
-
-    saved, _carveout.POLICY = _carveout.POLICY, "triton"
-    try:
-        return _time_models_again(model_rows, until, dtype, "Triton's L1 carve-out")
-    finally:
-        _carveout.POLICY = saved
 
 
 # -------------------------------------------------------------------------------- child processes
@@ -694,9 +696,8 @@ def run(args, argv, models: list[str], plan: list[str]) -> int:
         print(f"  {r['model']} {r['path']}: {_ms(r['fused'])} ms", flush=True)
         del module, train
         torch.cuda.empty_cache()
-    mbconv_hidden = time_mbconv_hidden([r for r in rows if r["path"] == "model"], fused_until, dtype)
-    convfirst_fused = time_convfirst_fused([r for r in rows if r["path"] == "model"], fused_until, dtype)
-    carveout = time_l1_triton([r for r in rows if r["path"] == "model"], fused_until, dtype)
+    model_rows = [r for r in rows if r["path"] == "model"]
+    retimed = {key: time_models_with(model_rows, fused_until, dtype, key) for key in RETIMES}
     first = next(r for r in rows if r["model"] == models[0] and r["path"] == "model")
     print(f"\n[gpu_check] torch.compile of the fused {models[0]} ...", flush=True)
     for backend in COMPILED_BACKENDS:
@@ -752,8 +753,7 @@ def run(args, argv, models: list[str], plan: list[str]) -> int:
     if skipped:
         print("\nSkipped:\n" + "\n".join(f"- {s}" for s in skipped))
     extra = dict(models=models, budget_min=args.budget_min, elapsed_s=round(time.monotonic() - budget.start),
-                 tests=tests, train=train, skipped=skipped, plan=plan, l1_carveout_triton=carveout,
-                 convfirst_fused=convfirst_fused, mbconv_hidden=mbconv_hidden,
+                 tests=tests, train=train, skipped=skipped, plan=plan, **retimed,
                  static_reports={m: dict(created=r["created"], versions=r.get("versions"), git=r.get("git"))
                                  for m, r in static.reports.items()})
     paths = [write_record(make_record("network", network_results(rows, macs, params, peak), argv, dev, extra),

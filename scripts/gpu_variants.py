@@ -19,11 +19,13 @@ Without a GPU it prints the predictions only. ``--out DIR`` writes one JSON reco
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check import block_inputs, overridden  # noqa: E402
 
 BATCH, IMG = 128, 256
 VARIANTS = {  # name -> overrides of kernels/mbconv/launcher.py's constants
@@ -62,29 +64,6 @@ VARIANTS = {  # name -> overrides of kernels/mbconv/launcher.py's constants
 }
 
 
-@contextlib.contextmanager
-def overridden(values: dict):
-    """The launcher's module constants set to ``values`` for the duration (restored after)."""
-    import importlib
-
-    def target(key: str):  # "NAME": kernels/mbconv/launcher.py; "module.NAME": kernels/<module>.py
-        module, _, name = key.rpartition(".")
-        mod = importlib.import_module(f"convfirstnet.kernels.{module or 'mbconv.launcher'}")
-        if not hasattr(mod, name):
-            raise AttributeError(f"{mod.__name__} has no constant {name}")
-        return mod, name
-
-    targets = {k: target(k) for k in values}
-    saved = {k: getattr(*t) for k, t in targets.items()}
-    for k, v in values.items():
-        setattr(*targets[k], v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(*targets[k], v)
-
-
 def block_of(path: str):
     """(Small's block at ``path`` as a one-block Sequential, its input shape at batch 128, 256x256);
     ``model``: the whole of Small and its input."""
@@ -94,9 +73,6 @@ def block_of(path: str):
 
     if path == "model":
         return create_model("small"), (BATCH, 3, IMG, IMG)
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from gpu_check import block_inputs
 
     model = create_model("small")
     shape = block_inputs(create_model("small"), BATCH, IMG)[path]
