@@ -455,16 +455,19 @@ def _resident_weights(
 
 
 @triton.jit
-def _hidden_chunk(ys, acc0, acc1, w1s, OFF: tl.constexpr, w2_0, w2_1, b1_ptr, H0, h_ok,
-                  NA: tl.constexpr, K1: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr,
-                  ASM: tl.constexpr):
-    """acc += ReLU(sum_p ys[p] @ w1s[OFF + p] + b1[H0:H0 + BH]) @ [w2_0 | w2_1] for one hidden chunk."""
+def _expand_chunk(ys, w1s, OFF: tl.constexpr, NA: tl.constexpr, PRECISION: tl.constexpr):
+    """sum_p ys[p] @ w1s[OFF + p]: one hidden chunk's expand, fp32."""
     hid = tl.dot(ys[0], w1s[OFF], input_precision=PRECISION)
     for p in tl.static_range(1, NA):
         hid = tl.dot(ys[p], w1s[OFF + p], hid, input_precision=PRECISION)
-    hh = H0 + tl.arange(0, BH)
-    b1 = tl.load(b1_ptr + hh, mask=h_ok, other=0.0).to(tl.float32)
-    hid = _bias_relu(hid, b1[None, :], ys[0].dtype, ASM)
+    return hid
+
+
+@triton.jit
+def _project_chunk(hid, b1, acc0, acc1, w2_0, w2_1, dt: tl.constexpr, K1: tl.constexpr,
+                   PRECISION: tl.constexpr, ASM: tl.constexpr):
+    """acc += ReLU(hid + b1) @ [w2_0 | w2_1]: one hidden chunk's projection (b1 fp32, rounded to dt once)."""
+    hid = _bias_relu(hid, b1[None, :], dt, ASM)
     acc0 = tl.dot(hid, w2_0, acc0, input_precision=PRECISION)
     if K1 > 0:
         acc1 = tl.dot(hid, w2_1, acc1, input_precision=PRECISION)
@@ -472,18 +475,23 @@ def _hidden_chunk(ys, acc0, acc1, w1s, OFF: tl.constexpr, w2_0, w2_1, b1_ptr, H0
 
 
 @triton.jit
+def _hidden_chunk(ys, acc0, acc1, w1s, OFF: tl.constexpr, w2_0, w2_1, b1_ptr, H0, h_ok,
+                  NA: tl.constexpr, K1: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr,
+                  ASM: tl.constexpr):
+    """acc += ReLU(sum_p ys[p] @ w1s[OFF + p] + b1[H0:H0 + BH]) @ [w2_0 | w2_1] for one hidden chunk."""
+    hid = _expand_chunk(ys, w1s, OFF, NA, PRECISION)
+    hh = H0 + tl.arange(0, BH)
+    b1 = tl.load(b1_ptr + hh, mask=h_ok, other=0.0).to(tl.float32)
+    return _project_chunk(hid, b1, acc0, acc1, w2_0, w2_1, ys[0].dtype, K1, PRECISION, ASM)
+
+
+@triton.jit
 def _hidden_chunk_b1(ys, acc0, acc1, w1s, OFF: tl.constexpr, w2_0, w2_1, b1, NA: tl.constexpr,
                      K1: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr):
     """``_hidden_chunk`` with the chunk's b1 given as an fp32 vector (staged.py: loaded before the tile
     loop, kept in registers)."""
-    hid = tl.dot(ys[0], w1s[OFF], input_precision=PRECISION)
-    for p in tl.static_range(1, NA):
-        hid = tl.dot(ys[p], w1s[OFF + p], hid, input_precision=PRECISION)
-    hid = _bias_relu(hid, b1[None, :], ys[0].dtype, ASM)
-    acc0 = tl.dot(hid, w2_0, acc0, input_precision=PRECISION)
-    if K1 > 0:
-        acc1 = tl.dot(hid, w2_1, acc1, input_precision=PRECISION)
-    return acc0, acc1
+    return _project_chunk(_expand_chunk(ys, w1s, OFF, NA, PRECISION), b1, acc0, acc1, w2_0, w2_1,
+                          ys[0].dtype, K1, PRECISION, ASM)
 
 
 @triton.jit

@@ -389,9 +389,10 @@ def device_arch(device: torch.device) -> int:
     return rec and rec.arch or RECORD_ARCH
 
 
-def programs_for(cfg: ConvFirstConfig, tiles: int, device: torch.device) -> int:
+def programs_for(cfg, tiles: int, device: torch.device) -> int:
     """Programs of a launch over `tiles` tiles: one per tile, or persistent programs (programs_per_sm per
-    SM), as few as give the busiest one no more tiles (each loads its resident weights once)."""
+    SM), as few as give the busiest one no more tiles (each loads its resident weights once). ``cfg``: a
+    ConvFirstConfig or a staged.FFNConfig."""
     if not cfg.programs_per_sm:
         return tiles
     trips = cdiv(tiles, cfg.programs_per_sm * device_sms(device))

@@ -167,7 +167,7 @@ def convfirst_staged(x: torch.Tensor, w_conv: torch.Tensor, b_conv: torch.Tensor
     cfg = ffn_config(c, r, x.dtype, launcher.device_arch(x.device))
     m = n * h * w
     tiles = cdiv(m, cfg.block_m)
-    programs = cdiv(tiles, cdiv(tiles, cfg.programs_per_sm * launcher.device_sms(x.device)))
+    programs = launcher.programs_for(cfg, tiles, x.device)
     asm = x.device.type != "cpu" and x.dtype != torch.float32
     launch(_convfirst_ffn_kernel, (programs,), a, x, b_conv.contiguous(), w1, b1.contiguous(), w2,
            b2.contiguous(), out, m, tiles, r, *w1.stride(), *w2.stride(), C=c,

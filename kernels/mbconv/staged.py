@@ -132,6 +132,7 @@ def mbconv_staged_triton(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tens
                                     kernel_settings(x)[0], False)
     del hid
     g = g4.permute(0, 2, 3, 1).reshape(n, h * w, r)
-    # activated: the BN_d pass only blurs and pools g (its statistics and affine are not read)
-    return mbconv_from_conv_output(g, x, torch.stack((zeros, ones)), ones, zeros, w_se1, b_se1, w_se2, b_se2,
-                                   w_proj, b_proj, stride, activated=True)
+    # activated: the BN_d pass only blurs and pools g; its statistics and affine are not read (no (2, R)
+    # stats tensor is built for them)
+    return mbconv_from_conv_output(g, x, zeros, ones, zeros, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj,
+                                   stride, activated=True)

@@ -57,7 +57,7 @@ def test_cases_run_every_loop_more_than_once():
         for dtype in (torch.float16, torch.float32):
             cfg = S.ffn_config(c, r, dtype)
             tiles = math.ceil(n * h * w / cfg.block_m)
-            programs = min(tiles, cfg.programs_per_sm * K.INTERPRETER_SMS)
+            programs = K.programs_for(cfg, tiles, torch.device("cpu"))
             assert math.ceil(tiles / programs) >= 2, (p.id, dtype)
             streamed = cfg.chunks - cfg.resident
             kind = "resident" if streamed == 0 else "streamed" if streamed > 1 else "?"
