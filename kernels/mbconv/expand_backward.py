@@ -29,10 +29,12 @@ as many as fill the GPU's SMs with the chunks.
 
 Tiles (``TILES``, ``DX_TILES``, ``FINALIZE``), compiled for sm_90 at Small's C = 256, R = 1024 in 16-bit
 (static estimate at batch 128, 16x16, low-high us):
-* h: 16 chunks of RB = 64 x 8 splits of 64-pixel tiles, 4 warps, 3 pipeline stages, 128 registers, 136
-  KB of shared memory, one program per SM. 48-54 (8x8: 14-16). The 8-warp tile of RB = 128 took 78-97
-  with two programs per SM (one stage, registers capped at 128) and 65-75 with one (3 stages); at 8x8
-  18-22.
+* h: 8 chunks of RB = 128 x 16 splits of 64-pixel tiles, 4 warps, 3 pipeline stages, 243 registers, 168
+  KB of shared memory, one program per SM. 43-49 (8x8: 12-14); sm_80 90-91. Each chunk's programs re-read
+  x from L2, so half as many chunks as at RB = 64 take the L2 traffic from 352 to 218 MB (8x8: 100 to 67).
+  RB = 64 (128 registers, 136 KB): 48-54 (8x8: 14-16; sm_80 120). The 8-warp tile of RB = 128 took 65-75
+  (3 stages) and 78-97 with two programs per SM (one stage, registers capped at 128); RB = 256 does not
+  fit one SM (255 registers and 240 KB at 3 stages).
 * weights pass: 32 chunks of RB = 32 x 4 splits of 64-pixel tiles, 4 warps, 3 pipeline stages (x tiles
   in flight), 171 registers, one program per SM (its shared memory). 105-117 (8x8: 28-31). Two stages let
   two programs share an SM (168 registers) but left the z dot's loads exposed: 122-151 (8x8: 32-40).
@@ -61,11 +63,11 @@ from .narrow import _splits
 
 MODE_H, MODE_D = 0, 1
 # (RB hidden channels, BM pixels, warps, pipeline stages) of the expand kernel by mode and element size.
-# 16-bit: h RB = 64 x BM = 64 on one warpgroup, 3 stages; the weights mode RB = 32 (its D^T partial
+# 16-bit: h RB = 128 x BM = 64 on one warpgroup, 3 stages; the weights mode RB = 32 (its D^T partial
 # [C, RB] fp32 stays in registers) x BM = 64 on one warpgroup, 3 stages (module docstring).
 # fp32 (3xTF32 keeps each operand as two parts): the tiles that fit the shared memory, one stage; they spill
 # (see the module docstring).
-TILES = {(MODE_H, 2): (64, 64, 4, 3), (MODE_D, 2): (32, 64, 4, 3),
+TILES = {(MODE_H, 2): (128, 64, 4, 3), (MODE_D, 2): (32, 64, 4, 3),
          (MODE_H, 4): (64, 64, 8, 1), (MODE_D, 4): (32, 64, 8, 1)}
 # bn_e_dx by element size: (pixel tile, hidden channels per step, warps).
 DX_TILES = {2: (64, 32, 4), 4: (64, 16, 4)}
