@@ -43,15 +43,21 @@ per SM (C >= 64), whose exposed load waits bind it; apart, the conv runs 2-3 pro
 FFN two of 4 warps. Static estimate of Small's blocks, batch 128, sm_90 (us, low-high; sum = L1 pipe +
 latency, the terms that measured block times followed), fused -> staged:
   * C = 96 at 32^2: 188-269 -> 100-130 (sum 128-134 -> 110-115);
-  * C = 64 at 64^2: 345-483 -> 198-266 (241-252 -> 195-203);
-  * C = 32 at 128^2: 316-472 -> 282-369 (356-371 -> 342-357);
+  * C = 64 at 64^2: 345-483 -> 169-203 (241-252 -> 207-216);
+  * C = 32 at 128^2: 316-472 -> 273-315 (356-371 -> 356-371);
   * the whole forward 8.12-10.89 -> 7.03-9.12 ms; faster at batch 1, 8 and 32 too (stage 1 alone is 4 us
     slower at batch 1); Pico's and Nano's widths (16-72) 1.2-2.2x faster, by the sum 1.0-1.7x.
 FFN tiles: 128 rows, 64 hidden channels streamed from L2 at C = 72, 96 (a resident prefix spilled, as
 did chunks cached in L1); 64 rows, every chunk resident at C = 48, 64; 128 rows, every chunk resident
 up to 32 channels. The resident chunks' b1 is loaded once, into registers: loaded per chunk and tile,
 its latency was exposed before each chunk's bias + ReLU (C = 64: 209-302 -> 198-266 us; prefetched a
-chunk ahead instead, the compiler moved the loads back to their use). Below sm_90, when forced: 64 rows
+chunk ahead instead, the compiler moved the loads back to their use). Where every chunk is resident the
+tile loop is the innermost loop, and Triton software-pipelines it (3 stages: each tile's a and x rows
+cp.async'd two tiles ahead, one program per SM, whose buffers and chunks two would not fit at C = 64):
+the rows' load waits had been exposed before each tile's first dot, 75 % of the FFN's waits at C = 64.
+C = 64: 198-266 -> 169-203 us, C = 48 (Nano): 213-321 -> 159-209, C = 32: 282-369 -> 273-315; the rows
+through shared memory raise the L1 pipe term, so the sum rises by 1-14 us (C = 64: 195-203 -> 207-216;
+on Triton 3.6 it falls, 67-70 -> 62-64 for the FFN launch). Below sm_90, when forced: 64 rows
 at C = 72, 96 (128 spilled 24 B). fp32 (the checking path) keeps the fused kernel, and so does the
 A100: there the model and the sum disagree at C = 24, 32 (64^2), 72 and 96 (C = 96: 248-317 -> 244-300
 us, sum 397 -> 420) and agree on staged only at 16, 48 and 64. ``STAGED`` True or False forces one

@@ -7,8 +7,9 @@ pixels, y = a + b_conv rounded once, out = x + b2 + W2 ReLU(W1 y + b1) over hidd
 hidden tile never leaving the chip. Its hidden chunks are the fused kernel's (kernel.py
 ``_resident_weights``, ``_streamed_chunks``): resident in shared memory for all of a program's tiles
 where they fit (C <= 64; their b1 in registers), otherwise streamed from L2 per tile (ld.global.cg).
-Without the conv's windows and registers beside them, the FFN runs two 4-warp programs per SM, where the
-fused kernel runs one of 8 (C >= 64).
+Without the conv's windows and registers beside them, the FFN runs 4-warp programs: with every chunk
+resident one per SM, its tile loop software-pipelined (the a and x rows of the next tiles in flight by
+cp.async), otherwise two per SM; the fused kernel runs one of 8 (C >= 64).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _convfirst_ffn_kernel(
     sw1_r, sw1_c, sw2_k, sw2_r,
     C: tl.constexpr, NPX: tl.constexpr, PW: tl.constexpr, PWL: tl.constexpr, K0: tl.constexpr,
     K1: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BLOCK_H: tl.constexpr, RESIDENT: tl.constexpr,
-    PRECISION: tl.constexpr, ASM: tl.constexpr,
+    PRECISION: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr,
 ):
     """out = x + b2 + W2 ReLU(W1 (a + b_conv) + b1), tile by tile (persistent programs)."""
     w1s, w2a, w2b = _resident_weights(w1_ptr, w2_ptr, sw1_r, sw1_c, sw2_k, sw2_r, NPX, 1, PW, PWL, C,
@@ -46,7 +47,7 @@ def _convfirst_ffn_kernel(
     for i in tl.static_range(RESIDENT):
         hh = i * BLOCK_H + tl.arange(0, BLOCK_H)
         b1s = b1s + (tl.load(b1_ptr + hh, mask=hh < R, other=0.0),)
-    for t in tl.range(tl.program_id(0), TILES, tl.num_programs(0), num_stages=1):
+    for t in tl.range(tl.program_id(0), TILES, tl.num_programs(0), num_stages=STAGES):
         rows = t * BM + tl.arange(0, BM)
         m_ok = rows < M
         a_pix = a_ptr + rows.to(tl.int64) * C
@@ -80,6 +81,7 @@ def _convfirst_ffn_kernel(
 
 FFN_WARPS = 4
 FFN_PROGRAMS_PER_SM = 2
+RESIDENT_STAGES = 3
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,7 @@ class FFNConfig:
     programs_per_sm: int
     resident: int  # hidden chunks whose weights stay in shared memory (the others stream from L2)
     precision: str
+    stages: int = 1  # software pipelining of the tile loop (its a and x rows loaded stages - 1 tiles ahead)
 
     @property
     def chunks(self) -> int:
@@ -128,6 +131,12 @@ def ffn_config(c: int, r: int, dtype: torch.dtype, arch: int = 90) -> FFNConfig:
     else:
         bm, budget = 128, 96 << 10
     res = launcher.resident_chunks(width, parts, bh, r, 4 if dtype == torch.float32 else 2, budget)
+    if res * bh >= r and dtype != torch.float32:
+        # every chunk resident: the tile loop is the innermost loop, which Triton software-pipelines (a
+        # and x rows cp.async'd RESIDENT_STAGES - 1 tiles ahead); one program per SM, whose buffers and
+        # chunks two would not fit (C = 64) and which a second program does not speed up
+        return FFNConfig(c, r, parts, bm, bh, FFN_WARPS, 1, res, launcher.precision_for(dtype),
+                         RESIDENT_STAGES)
     return FFNConfig(c, r, parts, bm, bh, FFN_WARPS, FFN_PROGRAMS_PER_SM, res,
                      launcher.precision_for(dtype))
 
@@ -135,8 +144,9 @@ def ffn_config(c: int, r: int, dtype: torch.dtype, arch: int = 90) -> FFNConfig:
 def ffn_cost(cfg: FFNConfig, m: int, programs: int, eb: int) -> KernelCost:
     """What one FFN launch over m pixel rows issues (see ``kernels/_cost.py``): a, x and out once each, the
     weights once from DRAM (the streamed chunks' again from L2 by every tile: ld.global.cg, counted from
-    the SASS); L1-allocating loads: per tile its a and x rows, read once, and the biases, which every
-    thread of every tile re-reads: the working set that must stay in L1 is the biases alone."""
+    the SASS); L1-allocating loads: per tile its a and x rows, read once (cp.async, skipping L1, where the
+    tile loop is pipelined), and the biases, which every thread of every tile re-reads: the working set
+    that must stay in L1 is the biases alone."""
     c, r, bm, bh = cfg.c, cfg.r, cfg.block_m, cfg.block_h
     trips = cdiv(cdiv(m, bm), programs)
     streamed = cfg.chunks - cfg.resident
@@ -173,6 +183,6 @@ def convfirst_staged(x: torch.Tensor, w_conv: torch.Tensor, b_conv: torch.Tensor
            b2.contiguous(), out, m, tiles, r, *w1.stride(), *w2.stride(), C=c,
            NPX=1 + (cfg.parts[1] > 0), PW=cfg.parts[0], PWL=cfg.parts[1] or cfg.parts[0], K0=cfg.parts[0],
            K1=cfg.parts[1], R=r, BM=cfg.block_m, BLOCK_H=cfg.block_h, RESIDENT=cfg.resident,
-           PRECISION=cfg.precision, ASM=asm, num_warps=cfg.num_warps, num_stages=1,
+           PRECISION=cfg.precision, ASM=asm, STAGES=cfg.stages, num_warps=cfg.num_warps, num_stages=1,
            cost=lambda: ffn_cost(cfg, m, programs, x.element_size()))
     return out
