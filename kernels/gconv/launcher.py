@@ -35,6 +35,12 @@ Tiles (``tile_config``)
   tile is TH x TW with TW the map width rounded up to a power of two, at most 8 columns for 64 pixels
   and 16 above (halo re-reads (TH + 2)(TW + 2) / (TH TW) <= 1.56, served by L1), and TH no taller than
   the map.
+* Maps smaller than the tile (8 x 8 and 7 x 7 at G = 8: 64-pixel tiles, 16 KB pairs): G = 16 where C
+  is whole blocks of 128 channels, which keeps the 32 KB pairs, and at least FWD_MIN_PROGRAMS_G16
+  programs (two resident per SM: 255 registers, 28 KB of shared memory, no stack), so two tiles per
+  program at batch 128. Static estimate of Small's BIAS_SILU + POOL forward at 1024 channels 8 x 8 (sm_90,
+  fp16, batch 128): 29-42 -> 23-30 us (L1 pipe + latency 39-41 -> 38-39); with one tile per program
+  25-33, but 42-44 by that sum.
 * 4 warps, no software pipelining (num_stages = 1): the tap windows are plain L1-allocating loads
   (kernel.py); latency is hidden by the other resident programs (72-254 registers: 2-7 per SM).
 
@@ -137,6 +143,8 @@ INTERPRETER_TPP = 2
 # long as at least FWD_MIN_PROGRAMS programs remain (132 SMs x 3 resident 4-warp programs x 2 rounds)
 FWD_MAX_TPP = 8
 FWD_MIN_PROGRAMS = 792
+# G = 16 (module docstring: Tiles; 255 registers, two resident programs per SM): 132 x 3, 1.5 rounds
+FWD_MIN_PROGRAMS_G16 = 396
 
 # The grouped 3x3 convs of the four models' training form, (channels, map side) at a 224 x 224 input
 # (tests check this against the models). All run at stride 1: the stride-2 blocks convolve at their
@@ -208,7 +216,12 @@ def fwd_tile_config(c: int, ho: int, wo: int, dtype: torch.dtype) -> TileConfig:
     """The forward kernel's tiles (forward, stride-1 dgrad): FWD_TILE_ELEMS at G >= 4, TILE_ELEMS at G = 2
     (module docstring: Tiles)."""
     g = groups_per_program(c)
-    return tile_config(c, ho, wo, dtype, g=g, elems=FWD_TILE_ELEMS if g >= 4 else TILE_ELEMS)
+    cfg = tile_config(c, ho, wo, dtype, g=g, elems=FWD_TILE_ELEMS if g >= 4 else TILE_ELEMS)
+    if (g == 8 and dtype.itemsize == 2 and 2 * cfg.block_m * g <= FWD_TILE_ELEMS[2]
+            and c % (2 * cfg.channels) == 0):
+        # a map smaller than the tile (8 x 8, 7 x 7): twice the groups keep the 32 KB tap pairs
+        return tile_config(c, ho, wo, dtype, g=2 * g, elems=FWD_TILE_ELEMS)
+    return cfg
 
 
 def _tiles(n: int, ho: int, wo: int, cfg: TileConfig) -> int:
@@ -225,9 +238,9 @@ def tiles_per_program(n: int, c: int, ho: int, wo: int, cfg: TileConfig, interpr
         return 1
     if interpreter:
         return INTERPRETER_TPP if tiles % INTERPRETER_TPP == 0 else 1
-    tpp = 1
+    tpp, least = 1, FWD_MIN_PROGRAMS_G16 if cfg.g == 16 else FWD_MIN_PROGRAMS
     while (2 * tpp <= FWD_MAX_TPP and tiles % (2 * tpp) == 0
-           and tiles // (2 * tpp) * cblocks >= FWD_MIN_PROGRAMS):
+           and tiles // (2 * tpp) * cblocks >= least):
         tpp *= 2
     return tpp
 

@@ -167,8 +167,8 @@ def test_forward_with_moments(interpreter_backend, n, c, side, dtype):
     """The forward with a following BatchNorm's moments (MBConv training, kernels/mbconv/moments.py): y is
     the plain forward's bit for bit; row i holds the sums of y - shift and of its square over program i's
     pixels (tiles 2i and 2i + 1 under the interpreter: the tile loop runs twice), per channel, from y as
-    stored. 1024 channels: 16 channel blocks of G = 8; 96: 3 of G = 4 in fp32; 72: masked groups (G = 4,
-    the last block one group wide) on 16x16 maps of one tile each. fp32 sums of <= 512 terms per
+    stored. 1024 channels on 8x8: 8 channel blocks of G = 16; 96: 3 of G = 4 in fp32; 72: masked groups
+    (G = 4, the last block one group wide) on 16x16 maps of one tile each. fp32 sums of <= 512 terms per
     lane: within 1e-5 of each row's largest sum of squares; a dropped tile or shift moves a
     row by a whole term (a dropped tile of the sums fails every case)."""
     gen = torch.Generator().manual_seed(3)
@@ -207,7 +207,7 @@ def silu_pool_reference(x, w, bias, tile_h, tile_w):
                                            (3, 96, 16, 16, torch.float32)])
 def test_forward_with_silu_pool(interpreter_backend, n, c, h, w, dtype):
     """The forward with bias + SiLU (BIAS_SILU) and each tile's pool (POOL) (the folded MBConv's conv,
-    kernels/mbconv/staged.py) against fp64. 1024 channels: 16 channel blocks of G = 8, two tiles per
+    kernels/mbconv/staged.py) against fp64. 1024 channels on 8x8: 8 channel blocks of G = 16, two tiles per
     program (the interpreter's TPP); 72 on a 9x10 map: masked groups and tiles with pixels outside the map,
     which the pool must skip (there the conv reads zeros, and SiLU(bias) is not 0); 96 in fp32. y: the
     forward's bound (the conv's K = 72 sums) through SiLU, plus 1e-6 of the scale for SiLU's own fp32
@@ -714,7 +714,8 @@ def test_cost_declarations(kind, stride):
             tpp = launches[0].meta["TPP"]
             assert tpp == L.tiles_per_program(128, c, ho, ho, cfg) and tpp in (1, 2, 4, 8)
             tiles = 128 * -(-ho // cfg.tile_h) * -(-ho // cfg.tile_w)
-            assert launches[0].grid[0] * tpp == tiles and launches[0].grid[0] * launches[0].grid[1] >= 792
+            least = L.FWD_MIN_PROGRAMS_G16 if cfg.g == 16 else L.FWD_MIN_PROGRAMS
+            assert launches[0].grid[0] * tpp == tiles and launches[0].grid[0] * launches[0].grid[1] >= least
             assert cost.loops[0].name == "tiles" and cost.loops[0].trips == tpp
             assert cost.l1_working_set_bytes == window + 2 * ch * 72
             assert cost.l1_unique_bytes_per_program == tpp * window + 2 * ch * 72
@@ -782,12 +783,15 @@ def test_deterministic_shares_do_not_depend_on_the_device():
 # Compiled for the GPU (no GPU needed): a sample of the shipped variants, sm_90 and sm_80
 # ------------------------------------------------------------------------------------------------
 
-# (kind, N, C, H, W, stride, dtype, arch): Small's widest layer (G = 8), Tiny's 72-channel layer (G = 1),
+# (kind, N, C, H, W, stride, dtype, arch): Small's widest layer (G = 8; G = 16 on its 8 x 8 and 7 x 7
+# maps), Tiny's 72-channel layer (G = 1),
 # the stride-2 dgrad and the wgrad pair in bf16 / fp32, on both targets, Small's 8 x 8 wgrad (G = 4), and
 # the fused backward (fp32 master weights) at Small's 16 x 16 (G = 8) and 8 x 8 (G = 4) MBConv convs and
 # in fp32 at G = 2.
 COMPILE_SAMPLE = [
     ("forward", 128, 1024, 14, 14, 1, torch.float16, 90),
+    ("forward", 128, 1024, 8, 8, 1, torch.float16, 80),
+    ("dgrad", 128, 1024, 7, 7, 1, torch.bfloat16, 90),
     ("dgrad", 128, 72, 28, 28, 1, torch.float16, 80),
     ("dgrad", 128, 256, 28, 28, 2, torch.bfloat16, 90),
     ("wgrad", 128, 32, 112, 112, 1, torch.float16, 90),
