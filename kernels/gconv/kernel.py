@@ -98,7 +98,8 @@ exposed load waits from 15 to 10 and its loop from 811 to 547 SASS instructions 
 per-tile STSM / LDSM staging gone; 522 -> 362 barriers per warp). The partials go to wgrad's fixed-order
 reduction (deterministic) or to fp32 atomics. DRAM: dy, x and dx once (6 bytes per element at fp16)
 against 4 + 4 for the two launches, whose dgrad has no share loop but one tile per program. One warp per
-group of the channel block (G warps): at G = 2 four warps computed the wgrad dot ([2, 16, BM], one
+group of the channel block (G warps; two groups a warp at G = 16, the small maps' blocks on sm_90,
+launcher.py): at G = 2 four warps computed the wgrad dot ([2, 16, BM], one
 16-row MMA tile per group) twice (compiled tensor-core MACs 2x the declared), and at G = 8 four warps
 took 168 registers and, with fp32 master weights (autocast), 8 B of stack on sm_90. Compiled (fp16 and
 bf16, fp32 weights, every model shape; Triton 3.6 and 3.8): sm_90 G = 8 8 x 8 tiles 126-128 registers (2

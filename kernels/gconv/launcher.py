@@ -36,7 +36,8 @@ Tiles (``tile_config``)
   and 16 above (halo re-reads (TH + 2)(TW + 2) / (TH TW) <= 1.56, served by L1), and TH no taller than
   the map.
 * Maps smaller than the tile (8 x 8 and 7 x 7 at G = 8: 64-pixel tiles, 16 KB pairs): G = 16 where C
-  is whole blocks of 128 channels, which keeps the 32 KB pairs, and at least FWD_MIN_PROGRAMS_G16
+  is whole blocks of 128 channels (``small_map_g16``; the fused backward too, below), which keeps the 32 KB
+  pairs, and at least FWD_MIN_PROGRAMS_G16
   programs (two resident per SM: 255 registers, 28 KB of shared memory, no stack), so two tiles per
   program at batch 128. Static estimate of Small's BIAS_SILU + POOL forward at 1024 channels 8 x 8 (sm_90,
   fp16, batch 128): 29-42 -> 23-30 us (L1 pipe + latency 39-41 -> 38-39); with one tile per program
@@ -68,8 +69,15 @@ static estimate (sm_90, fp16, batch 128; kernel.py has the figures): at most 128
 wgrad dots twice at G = 2 and spilled with fp32 weights at G = 8); and where wgrad's shares make fewer
 programs than one wave of BACKWARD_PROGRAMS (3 per SM of an H100 at G >= 4, 5 at G = 2), shorter
 shares, of at least BACKWARD_MIN_SHARE_PIXELS pixels, to fill it (Small's 8 x 8 and 7 x 7 maps: 12
-shares of 11 tiles instead of 8 of 16). Shapes alone decide, as for wgrad, so dw's bits do not depend
-on the device.
+shares of 11 tiles instead of 8 of 16). On sm_90, maps smaller than the G = 8 tile (8 x 8, 7 x 7) take
+G = 16 instead of wgrad's G = 4 (``small_map_g16``; two groups a warp: 8 warps, 254 registers, 52 KB of
+shared memory, one program per SM, no stack, Triton 3.6 and 3.8), in one wave of BACKWARD_PROGRAMS[16]
+(132) programs (Small's 8 x 8: 16 shares of 8 tiles x 8 blocks). Static estimate with the reduction (fp16,
+fp32 weights, batch 128, us): 1024 channels at 8 x 8 76-125 -> 48-72 (L1 pipe + latency 72-75 ->
+63-66); 512, 640, 768 at 7 x 7 41-67 -> 26-39, 48-78 -> 31-46, 55-90 -> 36-54; its exposed waits
+halve. On sm_80 the L1 pipe term rises (1024 at 8 x 8: sum 141 -> 169) while the max model falls
+(152-258 -> 119-168): G = 4 kept there. Shapes and the architecture alone decide, as for wgrad, so dw's
+bits do not depend on the particular device.
 """
 
 from __future__ import annotations
@@ -80,7 +88,8 @@ from dataclasses import dataclass
 import torch
 
 from .._cost import KernelCost, Loop
-from .._launch import FORCED_TAP_ORDER, GROUP_WIDTH, cdiv, conflict_free_tap_order, launch, next_power_of_2
+from .._launch import (FORCED_TAP_ORDER, GROUP_WIDTH, cdiv, conflict_free_tap_order, device_info, launch,
+                       next_power_of_2)
 from .kernel import (
     _gconv_backward_kernel,
     _gconv_dgrad_s2_kernel,
@@ -108,9 +117,9 @@ MIN_SHARE_PIXELS = 1024  # output pixels per wgrad share at least (partials <= ~
 WGRAD_PROGRAMS = 1024  # wgrad shares x channel blocks at most, unless a share would fall below the minimum
 # Fused backward (module docstring): pixels a tile at most, pixels a share at least where shares are
 # shortened, and the programs of one wave (H100: 132 SMs x 3 or 5 programs) by G
-BACKWARD_MAX_BLOCK_M = {8: 128, 4: 128, 2: 128}
+BACKWARD_MAX_BLOCK_M = {16: 64, 8: 128, 4: 128, 2: 128}
 BACKWARD_MIN_SHARE_PIXELS = 256
-BACKWARD_PROGRAMS = {8: 396, 4: 396, 2: 660}
+BACKWARD_PROGRAMS = {16: 132, 8: 396, 4: 396, 2: 660}
 # The order in which every kernel loads its tap pairs (kernel.py ``load_tap_pair``), which decides the
 # bank conflicts of the pair's copy to shared memory for the batched mma.sync: compiled for sm_90 at
 # Small's 1024-channel 16x16 training map (fp16, fp32 master weights), order 0 takes the forward's
@@ -215,13 +224,17 @@ def tile_config(c: int, ho: int, wo: int, dtype: torch.dtype, wgrad: bool = Fals
 def fwd_tile_config(c: int, ho: int, wo: int, dtype: torch.dtype) -> TileConfig:
     """The forward kernel's tiles (forward, stride-1 dgrad): FWD_TILE_ELEMS at G >= 4, TILE_ELEMS at G = 2
     (module docstring: Tiles)."""
+    if small_map_g16(c, ho, wo, dtype):
+        return tile_config(c, ho, wo, dtype, g=16, elems=FWD_TILE_ELEMS)
     g = groups_per_program(c)
-    cfg = tile_config(c, ho, wo, dtype, g=g, elems=FWD_TILE_ELEMS if g >= 4 else TILE_ELEMS)
-    if (g == 8 and dtype.itemsize == 2 and 2 * cfg.block_m * g <= FWD_TILE_ELEMS[2]
-            and c % (2 * cfg.channels) == 0):
-        # a map smaller than the tile (8 x 8, 7 x 7): twice the groups keep the 32 KB tap pairs
-        return tile_config(c, ho, wo, dtype, g=2 * g, elems=FWD_TILE_ELEMS)
-    return cfg
+    return tile_config(c, ho, wo, dtype, g=g, elems=FWD_TILE_ELEMS if g >= 4 else TILE_ELEMS)
+
+
+def small_map_g16(c: int, h: int, w: int, dtype: torch.dtype) -> bool:
+    """Whether a map smaller than the G = 8 tile (8 x 8, 7 x 7: 64 pixels, 16 KB pairs) takes G = 16 (128
+    channels, 32 KB pairs) in the forward kernel and the fused backward (module docstring: Tiles)."""
+    return (groups_per_program(c) == 8 and dtype.itemsize == 2 and c % 128 == 0
+            and 2 * 8 * tile_config(c, h, w, dtype, g=8, elems=FWD_TILE_ELEMS).block_m <= FWD_TILE_ELEMS[2])
 
 
 def _tiles(n: int, ho: int, wo: int, cfg: TileConfig) -> int:
@@ -279,13 +292,14 @@ def wgrad_tile_config(n: int, c: int, ho: int, wo: int, dtype: torch.dtype, stri
     return half if programs(half)[1] > count else cfg
 
 
-def backward_config(n: int, c: int, h: int, w: int, dtype: torch.dtype, interpreter: bool = False
-                    ) -> tuple[TileConfig, int, int]:
-    """The fused backward's tiles and shares: (config, tiles per share, shares) (module docstring)."""
-    cfg = wgrad_tile_config(n, c, h, w, dtype)
-    cfg = tile_config(c, h, w, dtype, wgrad=True, g=cfg.g, max_block_m=BACKWARD_MAX_BLOCK_M[cfg.g],
+def backward_config(n: int, c: int, h: int, w: int, dtype: torch.dtype, interpreter: bool = False,
+                    arch: int = 90) -> tuple[TileConfig, int, int]:
+    """The fused backward's tiles and shares on a GPU of compute capability ``arch`` (x 10): (config, tiles
+    per share, shares) (module docstring)."""
+    g = 16 if arch >= 90 and small_map_g16(c, h, w, dtype) else wgrad_tile_config(n, c, h, w, dtype).g
+    cfg = tile_config(c, h, w, dtype, wgrad=True, g=g, max_block_m=BACKWARD_MAX_BLOCK_M[g],
                       elems=FWD_TILE_ELEMS)
-    cfg = dataclasses.replace(cfg, num_warps=cfg.g)  # one warp per group (module docstring)
+    cfg = dataclasses.replace(cfg, num_warps=min(g, 8))  # one warp per group, two at G = 16 (docstring)
     tiles, cblocks = _tiles(n, h, w, cfg), cdiv(c, cfg.channels)
     per_share, shares = wgrad_shares(tiles, cblocks, cfg.block_m, interpreter)
     wave = BACKWARD_PROGRAMS[cfg.g]
@@ -519,7 +533,7 @@ def gconv3x3_backward_triton(dy: torch.Tensor, w: torch.Tensor, x: torch.Tensor,
         return dx, torch.zeros((c, GROUP_WIDTH, 3, 3), dtype=out_dtype, device=x.device)
     x, dy = _nhwc(x), _nhwc(dy)
     interpreter = x.device.type == "cpu"
-    cfg, per_share, shares = backward_config(n, c, h, wd, x.dtype, interpreter)
+    cfg, per_share, shares = backward_config(n, c, h, wd, x.dtype, interpreter, device_info(x.device).arch)
     tiles = _tiles(n, h, wd, cfg)
     cblocks = cdiv(c, cfg.channels)
     args = (h, wd, c // GROUP_WIDTH, tiles, per_share, *_vector_strides(dy), *_vector_strides(x), *w.stride())

@@ -367,13 +367,14 @@ def check_backward(x, wt, dy, deterministic=True):
 
 # (N, C, H, W, dtype, weight dtype) at the MBConv widths (384, 1024; fp32 master weights with fp16 as under
 # autocast) and odd ones whose last channel block has masked groups (40: G = 2, 3 blocks; 200: G = 4, 7
-# blocks). Under the interpreter a share is 2 tiles: each case has 2-6 shares of 2 tiles (the tile loop
-# and the reduction's share loop run more than once).
+# blocks), and a 7 x 7 map's G = 16 blocks of 128 channels. Under the interpreter a share is 2 tiles:
+# each case has 2-6 shares of 2 tiles (the tile loop and the reduction's share loop run more than once).
 BACKWARD_SHAPES = [
     pytest.param(2, 384, 5, 6, torch.float32, None, id="c384-fp32-2x5x6"),
     pytest.param(3, 40, 7, 10, torch.float32, None, id="c40-masked-fp32-3x7x10"),
     pytest.param(2, 200, 9, 19, torch.float16, None, id="c200-masked-fp16-2x9x19"),
     pytest.param(2, 1024, 9, 17, torch.float16, torch.float32, id="c1024-fp16-w32-2x9x17"),
+    pytest.param(4, 1024, 7, 7, torch.float16, torch.float32, id="c1024-g16-fp16-w32-4x7x7"),
 ]
 
 
@@ -382,6 +383,7 @@ def test_backward_matches_autograd(interpreter_backend, n, c, h, w, dtype, w_dty
     cfg, per_share, shares = L.backward_config(n, c, h, w, dtype, interpreter=True)
     assert per_share == 2 and shares >= 2, (cfg, per_share, shares)
     assert (c % cfg.channels != 0) == (c in (40, 200))
+    assert (cfg.g == 16) == (c == 1024 and h == 7)  # the small map's blocks: two groups a warp
     check_backward(*make_case(n, c, h, w, 1, dtype, w_dtype=w_dtype))
 
 
@@ -425,15 +427,19 @@ def test_backward_gpu_shares(interpreter_backend, monkeypatch):
 def test_backward_grids_at_the_model_shapes():
     """launcher.backward_config at the MBConv convs of Small (batch 128, fp16): wgrad's G, tiles of
     FWD_TILE_ELEMS (128 pixels at G = 8 and G = 4, capped at 128 at G = 2: 256 spilled) and shares where
-    they fill a wave (16 x 16: 32 shares of 8 tiles x 16 blocks), shorter shares where they do not (8 x 8
-    and 7 x 7: 12 of 11 tiles x 32 blocks of G = 4, whose tiles the map caps at 64 pixels)."""
+    they fill a wave (16 x 16: 32 shares of 8 tiles x 16 blocks), shorter shares where they do not. 8 x 8
+    and 7 x 7, whose 64-pixel tiles the map caps: on sm_90 G = 16, 16 shares of 8 tiles x 8 blocks (one
+    program per SM), below it wgrad's G = 4, 12 shares of 11 tiles x 32 blocks."""
     got = {}
     for c, side in ((1024, 16), (1024, 14), (1024, 8), (1024, 7), (384, 32), (768, 16), (72, 28), (48, 28)):
         cfg, per_share, shares = L.backward_config(128, c, side, side, torch.float16)
-        got[(c, side)] = (cfg.g, cfg.block_m, per_share, shares)
-    assert got == {(1024, 16): (8, 128, 8, 32), (1024, 14): (8, 128, 8, 32), (1024, 8): (4, 64, 11, 12),
-                   (1024, 7): (4, 64, 11, 12), (384, 32): (8, 128, 8, 128), (768, 16): (8, 128, 8, 32),
-                   (72, 28): (4, 128, 8, 128), (48, 28): (2, 128, 5, 205)}
+        got[(c, side)] = (cfg.g, cfg.block_m, per_share, shares, cfg.num_warps)
+    assert got == {(1024, 16): (8, 128, 8, 32, 8), (1024, 14): (8, 128, 8, 32, 8),
+                   (1024, 8): (16, 64, 8, 16, 8), (1024, 7): (16, 64, 8, 16, 8), (384, 32): (8, 128, 8, 128, 8),
+                   (768, 16): (8, 128, 8, 32, 8), (72, 28): (4, 128, 8, 128, 4), (48, 28): (2, 128, 5, 205, 2)}
+    for side in (8, 7):
+        cfg, per_share, shares = L.backward_config(128, 1024, side, side, torch.float16, arch=80)
+        assert (cfg.g, cfg.block_m, per_share, shares, cfg.num_warps) == (4, 64, 11, 12, 4)
 
 
 def test_backward_bad_input_refused_before_launch(interpreter_backend, no_launch):
