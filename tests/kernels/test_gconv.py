@@ -435,8 +435,9 @@ def test_backward_grids_at_the_model_shapes():
         cfg, per_share, shares = L.backward_config(128, c, side, side, torch.float16)
         got[(c, side)] = (cfg.g, cfg.block_m, per_share, shares, cfg.num_warps)
     assert got == {(1024, 16): (8, 128, 8, 32, 8), (1024, 14): (8, 128, 8, 32, 8),
-                   (1024, 8): (16, 64, 8, 16, 8), (1024, 7): (16, 64, 8, 16, 8), (384, 32): (8, 128, 8, 128, 8),
-                   (768, 16): (8, 128, 8, 32, 8), (72, 28): (4, 128, 8, 128, 4), (48, 28): (2, 128, 5, 205, 2)}
+                   (1024, 8): (16, 64, 8, 16, 8), (1024, 7): (16, 64, 8, 16, 8),
+                   (384, 32): (8, 128, 8, 128, 8), (768, 16): (8, 128, 8, 32, 8),
+                   (72, 28): (4, 128, 8, 128, 4), (48, 28): (2, 128, 5, 205, 2)}
     for side in (8, 7):
         cfg, per_share, shares = L.backward_config(128, 1024, side, side, torch.float16, arch=80)
         assert (cfg.g, cfg.block_m, per_share, shares, cfg.num_warps) == (4, 64, 11, 12, 4)
