@@ -57,7 +57,9 @@ cp.async'd two tiles ahead, one program per SM, whose buffers and chunks two wou
 the rows' load waits had been exposed before each tile's first dot, 75 % of the FFN's waits at C = 64.
 C = 64: 198-266 -> 169-203 us, C = 48 (Nano): 213-321 -> 159-209, C = 32: 282-369 -> 273-315; the rows
 through shared memory raise the L1 pipe term, so the sum rises by 1-14 us (C = 64: 195-203 -> 207-216;
-on Triton 3.6 it falls, 67-70 -> 62-64 for the FFN launch). Below sm_90, when forced: 64 rows
+on Triton 3.6 it falls, 67-70 -> 62-64 for the FFN launch), and at Nano's and Tiny's C = 24 (128^2) it
+now ranks the staged block 2 % slower than the fused kernel (359-374 against 353-368 us; the model:
+243-286 against 309-465). Below sm_90, when forced: 64 rows
 at C = 72, 96 (128 spilled 24 B). fp32 (the checking path) keeps the fused kernel, and so does the
 A100: there the model and the sum disagree at C = 24, 32 (64^2), 72 and 96 (C = 96: 248-317 -> 244-300
 us, sum 397 -> 420) and agree on staged only at 16, 48 and 64. ``STAGED`` True or False forces one
