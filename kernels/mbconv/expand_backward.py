@@ -98,10 +98,12 @@ def _dv(dh_ptr, v, m, r, ok, R, FAST: tl.constexpr):
 @triton.jit
 def _expand_kernel(x_ptr, w_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, dh_ptr, out_ptr, part_ptr,
                    P, C, R, CH, MODE: tl.constexpr, RB: tl.constexpr, CP: tl.constexpr,
-                   BM: tl.constexpr, EVEN_R: tl.constexpr, FAST: tl.constexpr, PREC: tl.constexpr):
+                   BM: tl.constexpr, EVEN_R: tl.constexpr, FAST: tl.constexpr, PREC: tl.constexpr,
+                   FOLDED: tl.constexpr = False):
     """Program (j, s): hidden channels j RB ... j RB + RB - 1 over the pixels of split s.
     MODE 0: h -> out. MODE 1: part[s] = (D = dv^T x [R, C] for the chunk's rows | sum dv [R]), dv rounded to
-    x's dtype for both (the tensor cores' operand, and the sums consistent with it)."""
+    x's dtype for both (the tensor cores' operand, and the sums consistent with it). FOLDED (MODE 0, the
+    folded inference form): v = z + beta, the other per-channel vectors not read."""
     dt = x_ptr.dtype.element_ty
     j = tl.program_id(0)
     s = tl.program_id(1)
@@ -112,7 +114,11 @@ def _expand_kernel(x_ptr, w_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, dh_ptr
     w = tl.load(w_ptr + r[:, None] * C + c[None, :], mask=r_ok[:, None] & c_ok[None, :], other=0.0)
     wt = tl.trans(w)  # [CP, RB], loop-invariant
     # per-channel vectors folded, so fewer of them stay in registers over the loop: v = z a + b
-    a, b, _mean = _v_terms(mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, r, r_ok)
+    if FOLDED:
+        a = tl.full((RB,), 1.0, tl.float32)
+        b = tl.load(beta_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+    else:
+        a, b, _mean = _v_terms(mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, r, r_ok)
     if MODE == 1:
         dacc = tl.zeros((CP, RB), dtype=tl.float32)  # D^T: the wgmma's M is C
         sdv = tl.zeros((RB,), dtype=tl.float32)
@@ -271,7 +277,7 @@ def _check_sizes(op: str, p: int, c: int, r: int) -> None:
 
 
 def _expand_launch(mode: int, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, out, part, splits, ch,
-                   forward: bool = False):
+                   forward: bool = False, folded: bool = False):
     rb, bm, warps, stages = TILES[mode, _size(x)]
     p, c = x.shape
     r = w_exp.shape[0]
@@ -282,13 +288,13 @@ def _expand_launch(mode: int, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, out
     launch(_expand_kernel, (nchunk, splits), x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh_arg, out, part, p,
            c, r, ch,
            cost=lambda: _expand_cost(mode, p, c, r, rb, cp, bm, splits, ch, x.element_size(),
-                                     gamma_e.element_size(), forward),
-           MODE=mode, RB=rb, CP=cp, BM=bm, EVEN_R=r % rb == 0, FAST=fast, PREC=prec, num_warps=warps,
-           num_stages=stages)
+                                     gamma_e.element_size(), forward, folded),
+           MODE=mode, RB=rb, CP=cp, BM=bm, EVEN_R=r % rb == 0, FAST=fast, PREC=prec, FOLDED=folded,
+           num_warps=warps, num_stages=stages)
 
 
 def _expand_cost(mode: int, p: int, c: int, r: int, rb: int, cp: int, bm: int, splits: int, ch: int,
-                 eb: int, gb: int, forward: bool = False) -> KernelCost:
+                 eb: int, gb: int, forward: bool = False, folded: bool = False) -> KernelCost:
     """x read from DRAM once, re-read from L2 by the other chunks' programs of its split (adjacent in the
     grid); W_exp and the per-channel vectors once; dh read once or h written once; the partials written.
     The dots as issued: BM x RB x CP per tile (z), plus RB x CP x BM (D) in the weights mode. MACs of the
@@ -297,7 +303,7 @@ def _expand_cost(mode: int, p: int, c: int, r: int, rb: int, cp: int, bm: int, s
     nchunk = cdiv(r, rb)
     tiles = splits * cdiv(ch, bm)  # tiles as issued (the last split's short tail masked)
     z = nchunk * tiles * bm * rb * cp
-    dram = p * c * eb + r * c * eb + r * (2 * 4 + 2 * gb) + p * r * eb
+    dram = p * c * eb + r * c * eb + (r * gb if folded else r * (2 * 4 + 2 * gb)) + p * r * eb
     if mode == MODE_H:
         note = "h = SiLU(BN_e(x W_exp^T))" + ("" if forward else " recomputed for the conv's backward")
     else:
@@ -330,6 +336,22 @@ def expand_forward(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, r
     """``expand_hidden`` in a forward (the training forward, the staged inference launches): the same
     launch, whose cost declaration counts the expand's MACs."""
     return _hidden("expand_forward", x, w_exp, mean_e, rstd_e, gamma_e, beta_e, True)
+
+
+def expand_folded(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tensor) -> torch.Tensor:
+    """h = SiLU(x W_exp^T + b_exp), (P, R) in x's dtype: the folded inference form (staged.py), whose
+    BatchNorm the weights hold; b_exp (R,) in x's dtype or fp32."""
+    op = "expand_folded"
+    p, c = x.shape
+    r = w_exp.shape[0]
+    _check(op, "x", x, (p, c), (x.dtype,), x.device)
+    _check(op, "w_exp", w_exp, (r, c), (x.dtype,), x.device)
+    _check(op, "b_exp", b_exp, (r,), tuple(dict.fromkeys((torch.float32, x.dtype))), x.device)
+    _check_sizes(op, p, c, r)
+    h = torch.empty((p, r), device=x.device, dtype=x.dtype)
+    splits, ch = _expand_splits(MODE_H, x, r)
+    _expand_launch(MODE_H, x, w_exp, b_exp, b_exp, b_exp, b_exp, None, h, h, splits, ch, True, True)
+    return h
 
 
 def _hidden(op: str, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, forward: bool) -> torch.Tensor:

@@ -241,9 +241,10 @@ def _bn_silu_pool_cost(geo: MBConvGeometry, bp: int, pb: int, activated: bool = 
     input rows of one step of BP output pixels)."""
     n, r, s, eb, hw, ohw, rb = geo.n, geo.r, geo.s, geo.elem, geo.hw, geo.ohw, geo.rb
     in_place = geo.stride == 2 and not activated
-    dram = n * (hw * (2 if in_place else 1) + ohw) * r * eb + s * r * eb + r * (8 + 2 * pb)
+    vectors = 0 if activated else 8 + 2 * pb  # BN_d's statistics and affine (activated: not read)
+    dram = n * (hw * (2 if in_place else 1) + ohw) * r * eb + s * r * eb + r * vectors
     dram += n * geo.nchunk * geo.sp * 4
-    unique = hw * rb * eb + geo.sp * rb * eb + rb * (8 + 2 * pb)
+    unique = hw * rb * eb + geo.sp * rb * eb + rb * vectors
     rows = min(geo.h, 2 * cdiv(bp, geo.ow) + 1)
     working = rows * geo.w * rb * eb if geo.stride == 2 else 0
     useful = n * r * s + (n * ohw * r * 9 if geo.stride == 2 else 0)

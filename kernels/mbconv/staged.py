@@ -21,7 +21,7 @@ from .._cost import KernelCost, Loop
 from .._launch import cdiv, launch, next_power_of_2
 from ..gconv.launcher import gconv3x3_silu_triton
 from . import launcher
-from .expand_backward import expand_forward, offsets_fit
+from .expand_backward import expand_folded, offsets_fit
 from .kernel import se_gate_rows
 from .launcher import gate_rows, geometry_of, kernel_settings, launch_project
 from .moments import mbconv_from_conv_output
@@ -122,17 +122,16 @@ def mbconv_staged_triton(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tens
     """The block as staged launches with the folded weights (module docstring)."""
     n, c, h, w = x.shape
     r = w_exp.shape[0]
-    f32 = dict(device=x.device, dtype=torch.float32)
-    zeros, ones = torch.zeros((r,), **f32), torch.ones((r,), **f32)
     x2 = x.permute(0, 2, 3, 1).reshape(n * h * w, c)
-    hid = expand_forward(x2, w_exp.contiguous(), zeros, ones, ones, b_exp.contiguous())
+    hid = expand_folded(x2, w_exp.contiguous(), b_exp.contiguous())
     if stride == 1:
         return _stride1(x, hid, w_conv, b_conv, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj)
     g4, _, _ = gconv3x3_silu_triton(hid.view(n, h, w, r).permute(0, 3, 1, 2), w_conv, b_conv.contiguous(),
                                     kernel_settings(x)[0], False)
     del hid
     g = g4.permute(0, 2, 3, 1).reshape(n, h * w, r)
-    # activated: the BN_d pass only blurs and pools g; its statistics and affine are not read (no (2, R)
-    # stats tensor is built for them)
-    return mbconv_from_conv_output(g, x, zeros, ones, zeros, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj,
-                                   stride, activated=True)
+    # activated: the BN_d pass only blurs and pools g; its statistics and affine are not read (b_conv
+    # stands in for them: no tensor is built, and no fill kernel launched, for arguments never read)
+    b = b_conv.contiguous()
+    return mbconv_from_conv_output(g, x, b, b, b, w_se1, b_se1, w_se2, b_se2, w_proj, b_proj, stride,
+                                   activated=True)

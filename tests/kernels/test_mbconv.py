@@ -179,6 +179,37 @@ def test_staged_unless_forced(monkeypatch, hw, stride):
     assert [lc.kernel.fn.__name__ for lc in launches] == ["_mbconv_hidden_kernel", "_mbconv_project_kernel"]
 
 
+def test_staged_builds_no_constant_tensors():
+    """The staged forward (both strides) creates no tensor of constants: on a GPU each would be a fill
+    kernel between the Triton launches (the expand's folded form reads b_exp alone; the stride-2 BlurPool
+    pass reads no BatchNorm vectors)."""
+    pytest.importorskip("triton")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from convfirstnet.kernels._cost import recording
+    from convfirstnet.kernels.mbconv.staged import mbconv_staged_triton
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    for stride in (1, 2):
+        _, weights = make_block(1, 128, 1, 1, stride, k=128)
+        x = torch.empty(8, 128, 16, 16, device="meta", dtype=torch.float16).contiguous(
+            memory_format=torch.channels_last)
+        weights = [t.to(device="meta", dtype=torch.float16) for t in weights]
+        with recording() as rec, Ops() as ops:
+            mbconv_staged_triton(x, *weights, stride)
+        assert rec.launches[0].kernel.fn.__name__ == "_expand_kernel"
+        fills = [n for n in ops.names if n.startswith(("fill", "zero", "ones", "full", "scalar_tensor"))]
+        assert not fills, (stride, fills)
+
+
 def test_staged_falls_back_past_32_bit_offsets(monkeypatch):
     """Unforced, a batch whose expand output (P, R) passes 2^31 elements takes the hidden kernel (any batch)
     instead of the staged launches, whose expand kernel takes 32-bit offsets: batch 5462 at 32x32, R = 384."""
