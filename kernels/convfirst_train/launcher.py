@@ -58,7 +58,11 @@ MIN_SHARE_ROWS = 1024
 SHARES = 512  # programs of the moments and sums passes at most (about 4 per SM of an H100)
 WEIGHT_PROGRAMS = 1024  # shares x hidden chunks of the weights pass at most
 PARTIAL_SHARE = 0.1  # weights pass: fp32 partials at most this share of its bytes read
-ELEMENTWISE_ELEMS = 4096  # elements per program of the elementwise passes (32 per thread, 4 warps)
+# elements per program of the elementwise passes (64 per thread, 4 warps): at 4096 (32) the residual pass
+# of Small's C = 64 block waited on its loads, 61-91 us against 61-76 (DRAM-bound) now (static model,
+# sm_90, batch 128); the BlurPool passes keep BLUR_ELEMS (at 8192 they spilled 904-912 B)
+ELEMENTWISE_ELEMS = 8192
+BLUR_ELEMS = 4096
 # Under the interpreter (CPU tensors) shares of two tiles, so that small test maps run every share
 # loop more than once (the same code as the GPU's, other sizes).
 INTERPRETER_SHARE_TILES = 2
@@ -180,8 +184,8 @@ def _map(n: int, c: int, h: int, w: int, like: torch.Tensor) -> torch.Tensor:
     return torch.empty((n, c, h, w), dtype=like.dtype, device=like.device, memory_format=torch.channels_last)
 
 
-def _elementwise_rows(c: int) -> int:
-    return ELEMENTWISE_ELEMS // _pow2(c)
+def _elementwise_rows(c: int, elems: int = 0) -> int:
+    return (elems or ELEMENTWISE_ELEMS) // _pow2(c)
 
 
 def _f32(*shape, like: torch.Tensor) -> torch.Tensor:
@@ -535,7 +539,7 @@ def convfirst_s2_train_triton(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, g
                (gamma3, beta3, running_mean3, running_var3))
         vec1, vec2, vec3 = _eval_vecs(bns, eps, x)
     u = _map(n, 2 * c, ho, wo, x)
-    rows = _elementwise_rows(c)
+    rows = _elementwise_rows(c, BLUR_ELEMS)
     launch(_blur_cat_kernel, (cdiv(mo, rows),), x, a, u, vec1[VEC_K], vec1[VEC_T], mo, h, w, ho, wo,
            C=c, CP=_pow2(c), BM=rows, num_warps=4,
            cost=lambda: blur_cost("blur(cat[x, BN1(a)])", n, c, h, w, x.element_size()))
@@ -583,7 +587,7 @@ def convfirst_s2_train_backward_triton(dout, x, a, u, p, w_conv, w1, w2, gamma1,
                                                     batch_mean_u, batch_cov_u, False, cfg, training)
     # BlurPool's transpose: x's direct gradient, dy, BN1's sums
     dxd, dy = _map(n, c, h, w, x), _map(n, c, h, w, x)
-    rows = _elementwise_rows(c)
+    rows = _elementwise_rows(c, BLUR_ELEMS)
     tiles = cdiv(m, rows)
     per, shares = tile_shares(tiles, x.device.type == "cpu")
     part1 = _f32(shares, 2, c, like=x)
