@@ -40,8 +40,8 @@ Choices (kernel.py explains the kernels)
   hidden kernel, whose x tile does not stay resident there, measured 426, Inductor 472). Staged is
   faster by both measures at 14x14, 7x7 and 28x28, at Pico's, Nano's and Tiny's widths, and on sm_80.
   Since then the expand takes 128 hidden channels a program and the 8x8 conv 16 groups (below): 16x16
-  stride 1 163-203 (sum 230-240), 8x8 58-71 (81-85), 16x16 stride 2 199-261 (249-260), 32x32 stride 2
-  235-298 (327-341).
+  stride 1 164-204 (sum 231-241), 8x8 58-71 (81-85), 16x16 stride 2 200-263 (251-261), 32x32 stride 2
+  235-299 (327-341).
   Before the gate change (both forms use the projection): at batch 1 both measures ranked it faster
   except at 16x16 stride 2, where the model had it 1 us slower (36-47 against 35-46; sum 37-39 against
   41-43); at 16x16 stride 1 and batch 8 or 32 the sum ranked the hidden kernel 4-7 % faster (8: 33-35
@@ -58,8 +58,9 @@ Choices (kernel.py explains the kernels)
   loaded in their step, each 2-byte load's latency was exposed before the gating (16x16: 44-56 -> 32-39
   us; 8x8 18-24 -> 16-19; Nano's K = 160 variant no longer spills its 24 B; A100 forward 18.70-21.55 ->
   14.64-17.61 ms).
-* The expand (expand_backward.py ``expand_forward``: 128 hidden channels a program, x re-read from L2 by
-  8 chunks, 43-49 us at 16x16) and the conv (16 groups a program on 8x8 maps, kernels/gconv/launcher.py:
+* The expand (expand_backward.py ``expand_folded``: the training kernel's FOLDED form, v = z + b_exp,
+  no identity BatchNorm vectors built per call; 128 hidden channels a program, x re-read from L2 by 8
+  chunks, 45-51 us at 16x16) and the conv (16 groups a program on 8x8 maps, kernels/gconv/launcher.py:
   8x8 29-42 -> 23-30 us) are the training kernels' launches with their inference configs.
 
 Predicted and measured
