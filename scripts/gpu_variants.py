@@ -54,6 +54,12 @@ VARIANTS = {  # name -> overrides of kernels/mbconv/launcher.py's constants
     # stride-1 ConvFirst blocks as the fused kernel instead of the conv + FFN launches (kernels/convfirst/
     # launcher.py STAGED; shipped: staged for 16-bit)
     "convfirst fused": {"convfirst.launcher.STAGED": False},
+    # the staged ConvFirst FFN where every hidden chunk is resident (C <= 64) without the software-pipelined
+    # tile loop, two programs per SM (kernels/convfirst/staged.py RESIDENT_STAGES; shipped: 3 stages, one)
+    "ffn unpipelined": {"convfirst.staged.RESIDENT_STAGES": 1},
+    # the group-width-8 conv on 8x8 and 7x7 maps with G = 8 (64-pixel tiles) instead of G = 16
+    # (kernels/gconv/launcher.py SMALL_MAP_G16): --block stages.4.1
+    "conv G 8 small maps": {"gconv.launcher.SMALL_MAP_G16": False},
     # 128-pixel conv tiles (32 KB tap pairs) at 16x16 stride 1 and in tiled programs: the static model's
     # high end ranks them faster through its wait term only (kernels/mbconv/launcher.py WIDE_CONV_TILES)
     "conv tiles 128": {"WIDE_CONV_TILES": True},

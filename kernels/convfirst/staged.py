@@ -81,7 +81,7 @@ def _convfirst_ffn_kernel(
 
 FFN_WARPS = 4
 FFN_PROGRAMS_PER_SM = 2
-RESIDENT_STAGES = 3
+RESIDENT_STAGES = 3  # 1: the tile loop not pipelined, two programs per SM (the form before; a GPU A/B)
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def ffn_config(c: int, r: int, dtype: torch.dtype, arch: int = 90) -> FFNConfig:
     else:
         bm, budget = 128, 96 << 10
     res = launcher.resident_chunks(width, parts, bh, r, 4 if dtype == torch.float32 else 2, budget)
-    if res * bh >= r and dtype != torch.float32:
+    if res * bh >= r and dtype != torch.float32 and RESIDENT_STAGES > 1:
         # every chunk resident: the tile loop is the innermost loop, which Triton software-pipelines (a
         # and x rows cp.async'd RESIDENT_STAGES - 1 tiles ahead); one program per SM, whose buffers and
         # chunks two would not fit (C = 64) and which a second program does not speed up

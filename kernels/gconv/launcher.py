@@ -154,6 +154,7 @@ FWD_MAX_TPP = 8
 FWD_MIN_PROGRAMS = 792
 # G = 16 (module docstring: Tiles; 255 registers, two resident programs per SM): 132 x 3, 1.5 rounds
 FWD_MIN_PROGRAMS_G16 = 396
+SMALL_MAP_G16 = True  # small_map_g16 (False: G = 8 forward tiles and wgrad's G in the fused backward)
 
 # The grouped 3x3 convs of the four models' training form, (channels, map side) at a 224 x 224 input
 # (tests check this against the models). All run at stride 1: the stride-2 blocks convolve at their
@@ -232,8 +233,9 @@ def fwd_tile_config(c: int, ho: int, wo: int, dtype: torch.dtype) -> TileConfig:
 
 def small_map_g16(c: int, h: int, w: int, dtype: torch.dtype) -> bool:
     """Whether a map smaller than the G = 8 tile (8 x 8, 7 x 7: 64 pixels, 16 KB pairs) takes G = 16 (128
-    channels, 32 KB pairs) in the forward kernel and the fused backward (module docstring: Tiles)."""
-    return (groups_per_program(c) == 8 and dtype.itemsize == 2 and c % 128 == 0
+    channels, 32 KB pairs) in the forward kernel and the fused backward (module docstring: Tiles;
+    SMALL_MAP_G16 False: never, the form before)."""
+    return (SMALL_MAP_G16 and groups_per_program(c) == 8 and dtype.itemsize == 2 and c % 128 == 0
             and 2 * 8 * tile_config(c, h, w, dtype, g=8, elems=FWD_TILE_ELEMS).block_m <= FWD_TILE_ELEMS[2])
 
 
