@@ -36,10 +36,9 @@ Tiles (``tile_config``)
   and 16 above (halo re-reads (TH + 2)(TW + 2) / (TH TW) <= 1.56, served by L1), and TH no taller than
   the map.
 * Maps smaller than the tile (8 x 8 and 7 x 7 at G = 8: 64-pixel tiles, 16 KB pairs): G = 16 where C
-  is whole blocks of 128 channels (``small_map_g16``; the fused backward too, below), which keeps the 32 KB
-  pairs, and at least FWD_MIN_PROGRAMS_G16
-  programs (two resident per SM: 255 registers, 28 KB of shared memory, no stack), so two tiles per
-  program at batch 128. Static estimate of Small's BIAS_SILU + POOL forward at 1024 channels 8 x 8 (sm_90,
+  is whole blocks of 128 channels (``small_map_g16``; the fused backward too, below), which keeps the
+  32 KB pairs, and at least FWD_MIN_PROGRAMS_G16 programs (two resident per SM: 255 registers, 28 KB of
+  shared memory, no stack), so two tiles per program at batch 128. Static estimate of Small's BIAS_SILU + POOL forward at 1024 channels 8 x 8 (sm_90,
   fp16, batch 128): 29-42 -> 23-30 us (L1 pipe + latency 39-41 -> 38-39); with one tile per program
   25-33, but 42-44 by that sum.
 * 4 warps, no software pipelining (num_stages = 1): the tap windows are plain L1-allocating loads
@@ -76,8 +75,8 @@ shared memory, one program per SM, no stack, Triton 3.6 and 3.8), in one wave of
 fp32 weights, batch 128, us): 1024 channels at 8 x 8 76-125 -> 48-72 (L1 pipe + latency 72-75 ->
 63-66); 512, 640, 768 at 7 x 7 41-67 -> 26-39, 48-78 -> 31-46, 55-90 -> 36-54; its exposed waits
 halve. On sm_80 the L1 pipe term rises (1024 at 8 x 8: sum 141 -> 169) while the max model falls
-(152-258 -> 119-168): G = 4 kept there. Shapes and the architecture alone decide, as for wgrad, so dw's
-bits do not depend on the particular device.
+(152-258 -> 119-168): G = 4 kept there. Shapes alone decide (and at these maps whether the GPU is
+sm_90 or later), so dw's bits do not depend on the particular device.
 """
 
 from __future__ import annotations

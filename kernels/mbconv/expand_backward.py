@@ -99,7 +99,7 @@ def _dv(dh_ptr, v, m, r, ok, R, FAST: tl.constexpr):
 def _expand_kernel(x_ptr, w_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, dh_ptr, out_ptr, part_ptr,
                    P, C, R, CH, MODE: tl.constexpr, RB: tl.constexpr, CP: tl.constexpr,
                    BM: tl.constexpr, EVEN_R: tl.constexpr, FAST: tl.constexpr, PREC: tl.constexpr,
-                   FOLDED: tl.constexpr = False):
+                   FOLDED: tl.constexpr):
     """Program (j, s): hidden channels j RB ... j RB + RB - 1 over the pixels of split s.
     MODE 0: h -> out. MODE 1: part[s] = (D = dv^T x [R, C] for the chunk's rows | sum dv [R]), dv rounded to
     x's dtype for both (the tensor cores' operand, and the sums consistent with it). FOLDED (MODE 0, the
