@@ -96,6 +96,10 @@ BNS_ELEMS = 8192  # elements of u per step of the BN_d pass (16 KB of fp16: eigh
 BNS_WARPS = 4
 BNS_BLUR_STAGES = 3  # stride 2's full-resolution loop pipelined (cp.async); stride 1 runs 2 trips: none
 BNS_BLUR_WARPS = 8  # stride 2 (at 4 warps the 32x32 variant took 255 registers and 8 B of stack)
+# stride 2 when g is given activated (the staged inference blocks: blur and pool only): 4 warps, 64-134
+# registers, no stack (sm_90 and sm_80, Triton 3.6 and 3.8). Static estimate, Small, batch 128, sm_90:
+# 16x16 56-83 -> 43-61 us, 32x32 43-60 -> 39-48 (L1 pipe + latency 49 -> 38, 44 -> 38)
+BNS_BLUR_WARPS_ACTIVATED = 4
 # Stride 2 writes g at full resolution in place of u and blurs it back, one SiLU per pixel, rather than
 # recomputing BN_d + SiLU for each of the nine taps (2.25 per pixel). SiLU is two MUFU operations (ex2,
 # rcp), which an SM issues at 16 a clock (CUDA C++ Programming Guide, arithmetic instruction throughput,
@@ -223,7 +227,8 @@ def mbconv_from_conv_output(u: torch.Tensor, x: torch.Tensor, stats: torch.Tenso
            cost=lambda: _bn_silu_pool_cost(geo, bp, gamma.element_size(), activated),
            RB=geo.rb, BP=bp, SP=geo.sp, SILU=silu, MASK_R=r % geo.rb != 0, STRIDE=stride,
            NS=BNS_BLUR_STAGES if stride == 2 else 1, ACTIVATED=activated,
-           num_warps=BNS_WARPS if stride == 1 else BNS_BLUR_WARPS, num_stages=1)
+           num_warps=BNS_WARPS if stride == 1 else BNS_BLUR_WARPS_ACTIVATED if activated else BNS_BLUR_WARPS,
+           num_stages=1)
     gates = torch.empty((n, r), device=x.device, dtype=x.dtype)
     b_se1, b_se2 = b_se1.contiguous(), b_se2.contiguous()
     launch(_se_gates_kernel, (n,), zpart, b_se1, w_se2, b_se2, gates, n, geo.nchunk, r, s, *w_se2.stride(),
