@@ -40,8 +40,8 @@ Choices (kernel.py explains the kernels)
   hidden kernel, whose x tile does not stay resident there, measured 426, Inductor 472). Staged is
   faster by both measures at 14x14, 7x7 and 28x28, at Pico's, Nano's and Tiny's widths, and on sm_80.
   Since then the expand takes 128 hidden channels a program and the 8x8 conv 16 groups (below): 16x16
-  stride 1 164-204 (sum 231-241), 8x8 58-71 (81-85), 16x16 stride 2 200-263 (251-261), 32x32 stride 2
-  235-299 (327-341).
+  stride 1 164-204 (sum 231-241), 8x8 58-71 (81-85), 16x16 stride 2 186-241 (241-251), 32x32 stride 2
+  231-287 (322-336; the last two with the BlurPool pass on 4 warps, moments.py).
   Before the gate change (both forms use the projection): at batch 1 both measures ranked it faster
   except at 16x16 stride 2, where the model had it 1 us slower (36-47 against 35-46; sum 37-39 against
   41-43); at 16x16 stride 1 and batch 8 or 32 the sum ranked the hidden kernel 4-7 % faster (8: 33-35
