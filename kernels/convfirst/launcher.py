@@ -40,13 +40,14 @@ conv (kernels/gconv, a = gconv(x) stored, C channels) and ``_convfirst_ffn_kerne
 then the hidden chunks as above, the residual added in its accumulators), which stores nothing wide
 either. The fused kernel keeps the conv's halo window, its weights and the chunks on one 8-warp program
 per SM (C >= 64), whose exposed load waits bind it; apart, the conv runs 2-3 programs per SM and the
-FFN two of 4 warps. Static estimate of Small's blocks, batch 128, sm_90 (us, low-high; sum = L1 pipe +
-latency, the terms that measured block times followed), fused -> staged:
+FFN 4-warp programs (one or two per SM, below). Static estimate of Small's blocks, batch 128, sm_90
+(us, low-high; sum = L1 pipe + latency, the terms that measured block times followed), fused -> staged:
   * C = 96 at 32^2: 188-269 -> 100-130 (sum 128-134 -> 110-115);
   * C = 64 at 64^2: 345-483 -> 169-203 (241-252 -> 207-216);
   * C = 32 at 128^2: 316-472 -> 273-315 (356-371 -> 356-371);
-  * the whole forward 8.12-10.89 -> 7.03-9.12 ms; faster at batch 1, 8 and 32 too (stage 1 alone is 4 us
-    slower at batch 1); Pico's and Nano's widths (16-72) 1.2-2.2x faster, by the sum 1.0-1.7x.
+  * when the staged form shipped (before the FFN's pipelined tile loop, below): the whole forward
+    8.12-10.89 -> 7.03-9.12 ms; faster at batch 1, 8 and 32 too (stage 1 alone 4 us slower at batch 1);
+    Pico's and Nano's widths (16-72) 1.2-2.2x faster, by the sum 1.0-1.7x.
 FFN tiles: 128 rows, 64 hidden channels streamed from L2 at C = 72, 96 (a resident prefix spilled, as
 did chunks cached in L1); 64 rows, every chunk resident at C = 48, 64; 128 rows, every chunk resident
 up to 32 channels. The resident chunks' b1 is loaded once, into registers: loaded per chunk and tile,
@@ -59,10 +60,10 @@ C = 64: 198-266 -> 169-203 us, C = 48 (Nano): 213-321 -> 159-209, C = 32: 282-36
 through shared memory raise the L1 pipe term, so the sum rises by 1-14 us (C = 64: 195-203 -> 207-216;
 on Triton 3.6 it falls, 67-70 -> 62-64 for the FFN launch), and at Nano's and Tiny's C = 24 (128^2) it
 now ranks the staged block 2 % slower than the fused kernel (359-374 against 353-368 us; the model:
-243-286 against 309-465). Below sm_90, when forced: 64 rows
-at C = 72, 96 (128 spilled 24 B). fp32 (the checking path) keeps the fused kernel, and so does the
-A100: there the model and the sum disagree at C = 24, 32 (64^2), 72 and 96 (C = 96: 248-317 -> 244-300
-us, sum 397 -> 420) and agree on staged only at 16, 48 and 64. ``STAGED`` True or False forces one
+243-286 against 309-465). Below sm_90, when forced: 64 rows at C = 72, 96 (128 spilled 24 B). fp32
+(the checking path) keeps the fused kernel, and so does the A100: there the model and the sum disagree
+at C = 24, 32 (64^2), 72 and 96 (C = 96: 248-317 -> 244-300 us, sum 397 -> 420) and agree on staged
+only at 16, 48 and 64. ``STAGED`` True or False forces one
 form. A GPU run must confirm the ranking (scripts/gpu_check.py times the fused form beside it).
 
 Under the interpreter the same single config is used (no autotuning), so launches are deterministic

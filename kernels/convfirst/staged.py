@@ -131,14 +131,12 @@ def ffn_config(c: int, r: int, dtype: torch.dtype, arch: int = 90) -> FFNConfig:
     else:
         bm, budget = 128, 96 << 10
     res = launcher.resident_chunks(width, parts, bh, r, 4 if dtype == torch.float32 else 2, budget)
-    if res * bh >= r and dtype != torch.float32 and RESIDENT_STAGES > 1:
-        # every chunk resident: the tile loop is the innermost loop, which Triton software-pipelines (a
-        # and x rows cp.async'd RESIDENT_STAGES - 1 tiles ahead); one program per SM, whose buffers and
-        # chunks two would not fit (C = 64) and which a second program does not speed up
-        return FFNConfig(c, r, parts, bm, bh, FFN_WARPS, 1, res, launcher.precision_for(dtype),
-                         RESIDENT_STAGES)
-    return FFNConfig(c, r, parts, bm, bh, FFN_WARPS, FFN_PROGRAMS_PER_SM, res,
-                     launcher.precision_for(dtype))
+    # every chunk resident: the tile loop is the innermost loop, which Triton software-pipelines (a and x
+    # rows cp.async'd RESIDENT_STAGES - 1 tiles ahead); one program per SM, whose buffers and chunks two
+    # would not fit (C = 64) and which a second program does not speed up
+    pipelined = res * bh >= r and dtype != torch.float32 and RESIDENT_STAGES > 1
+    return FFNConfig(c, r, parts, bm, bh, FFN_WARPS, 1 if pipelined else FFN_PROGRAMS_PER_SM, res,
+                     launcher.precision_for(dtype), RESIDENT_STAGES if pipelined else 1)
 
 
 def ffn_cost(cfg: FFNConfig, m: int, programs: int, eb: int) -> KernelCost:

@@ -236,8 +236,10 @@ def _check(op: str, name: str, t, shape: tuple[int, ...], dtypes: tuple[torch.dt
         raise ValueError(f"{op}: {name} must be contiguous (row-major), got strides {t.stride()}")
 
 
-def _check_expand(op: str, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh=None) -> tuple[int, int, int]:
-    """(P, C, R) after checking every argument of the expand kernel's modes."""
+def _check_expand(op: str, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh=None, folded: bool = False
+                  ) -> tuple[int, int, int]:
+    """(P, C, R) after checking every argument of the expand kernel's modes (``folded``: the FOLDED
+    form's, whose only vector is beta_e = b_exp)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"{op}: x must be a 2-D (P, C) tensor, got {getattr(x, 'shape', type(x).__name__)}")
     if x.dtype not in FLOAT_DTYPES:
@@ -249,9 +251,10 @@ def _check_expand(op: str, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh=None) -
     dev = x.device
     _check(op, "x", x, (p, c), (x.dtype,), dev)
     _check(op, "w_exp", w_exp, (r, c), (x.dtype,), dev)
-    for name, t in (("mean_e", mean_e), ("rstd_e", rstd_e)):
-        _check(op, name, t, (r,), (torch.float32,), dev)
-    for name, t in (("gamma_e", gamma_e), ("beta_e", beta_e)):
+    if not folded:
+        for name, t in (("mean_e", mean_e), ("rstd_e", rstd_e)):
+            _check(op, name, t, (r,), (torch.float32,), dev)
+    for name, t in ((("b_exp", beta_e),) if folded else (("gamma_e", gamma_e), ("beta_e", beta_e))):
         _check(op, name, t, (r,), tuple(dict.fromkeys((torch.float32, x.dtype))), dev)
     if dh is not None:
         _check(op, "dh", dh, (p, r), (x.dtype,), dev)
@@ -340,25 +343,17 @@ def expand_forward(x: torch.Tensor, w_exp: torch.Tensor, mean_e: torch.Tensor, r
 
 def expand_folded(x: torch.Tensor, w_exp: torch.Tensor, b_exp: torch.Tensor) -> torch.Tensor:
     """h = SiLU(x W_exp^T + b_exp), (P, R) in x's dtype: the folded inference form (staged.py), whose
-    BatchNorm the weights hold; b_exp (R,) in x's dtype or fp32."""
-    op = "expand_folded"
-    p, c = x.shape
-    r = w_exp.shape[0]
-    _check(op, "x", x, (p, c), (x.dtype,), x.device)
-    _check(op, "w_exp", w_exp, (r, c), (x.dtype,), x.device)
-    _check(op, "b_exp", b_exp, (r,), tuple(dict.fromkeys((torch.float32, x.dtype))), x.device)
-    _check_sizes(op, p, c, r)
-    h = torch.empty((p, r), device=x.device, dtype=x.dtype)
-    splits, ch = _expand_splits(MODE_H, x, r)
-    _expand_launch(MODE_H, x, w_exp, b_exp, b_exp, b_exp, b_exp, None, h, h, splits, ch, True, True)
-    return h
+    BatchNorm the weights hold; b_exp (R,) in x's dtype or fp32 (the kernel reads no other vector: b_exp
+    fills their arguments)."""
+    return _hidden("expand_folded", x, w_exp, b_exp, b_exp, b_exp, b_exp, True, folded=True)
 
 
-def _hidden(op: str, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, forward: bool) -> torch.Tensor:
-    p, _c, r = _check_expand(op, x, w_exp, mean_e, rstd_e, gamma_e, beta_e)
+def _hidden(op: str, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, forward: bool, folded: bool = False
+            ) -> torch.Tensor:
+    p, _c, r = _check_expand(op, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, folded=folded)
     h = torch.empty((p, r), device=x.device, dtype=x.dtype)
     splits, ch = _expand_splits(MODE_H, x, r)
-    _expand_launch(MODE_H, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, None, h, h, splits, ch, forward)
+    _expand_launch(MODE_H, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, None, h, h, splits, ch, forward, folded)
     return h
 
 
