@@ -168,3 +168,26 @@ def test_mbconv_fused_forward_recording(stride):
     assert len(forward) == 13 + (stride == 2), forward
     assert all(kn.name.endswith(("dgrad", "wgrad", "backward", "backward sums"))
                for kn in kernels if not _is_forward(kn))
+
+
+def test_launches_floor_takes_the_larger_of_tensor_and_dram_plus_the_gaps():
+    """The training step's floor: per launch max(tensor, DRAM) at the high end plus its graph launch gap
+    (the low ends, L2, the L1 pipe, latency and waits do not enter), and a launch gap per small aten op."""
+    from types import SimpleNamespace
+
+    from convfirstnet.analysis.hardware import hardware
+    from convfirstnet.analysis.training import launches_floor
+
+    def est(tensor, dram, other, gap):
+        terms = {k: {"low": 0.5 * v, "high": v} for k, v in
+                 dict(tensor=tensor, dram=dram, l2=other, lsu=other, issue=other, latency=other,
+                      waits=other).items()}
+        return SimpleNamespace(terms=terms, launch_gap={"graph": {"low": 0.0, "high": gap},
+                                                        "stream": {"low": 9.0, "high": 9.0}})
+
+    hw = hardware(90)
+    gap = hw.launch_graph_us.pick("high") * 1e-6
+    launches = [est(3e-6, 2e-6, 50e-6, 1e-6), est(1e-6, 7e-6, 50e-6, 2e-6)]
+    assert launches_floor(launches, 0, hw) == pytest.approx(3e-6 + 1e-6 + 7e-6 + 2e-6)
+    assert launches_floor(launches, 4, hw) == pytest.approx(13e-6 + 4 * gap)
+    assert launches_floor([], 2, hw) == pytest.approx(2 * gap)
