@@ -86,14 +86,22 @@ gradients (for one compiled kernel: GPU architecture and Triton version). ATOMIC
 (``deterministic=False``): the programs add their partials with fp32 atomics into a zeroed fp32
 buffer instead (one launch, no partials buffer, order-dependent rounding).
 
-Fused stride-1 backward (``_gconv_backward_kernel``), dy read once
------------------------------------------------------------------
+Fused stride-1 backward (``_gconv_backward_kernel``), dy's windows read once for both gradients
+-----------------------------------------------------------------------------------------------
 Where both gradients of a stride-1 conv are wanted (the MBConv blocks' training backward), one launch
-over wgrad's grid (shares x channel blocks) computes both: per tile of its share, dx = the flipped conv
-of dy's window (``gconv_tile`` with FLIP, as the stride-1 dgrad), stored, then dy's tile (the centre of
-the window just read: L1) and x's window feed the five wgrad accumulators (``wgrad_pair_product``).
-Dgrad's five weight operands are loaded once per program, before its share (``conv_pair_weights``,
-``gconv_tile_preloaded``), not once per tile: at Small's 1024-channel 16x16 map that took a tile's
+over wgrad's grid (shares x channel blocks) computes both: per tile of its share, each tap pair of dy's
+window is loaded once (``backward_pair_step``) and feeds dx = the flipped conv of the window (the
+stride-1 dgrad's product) and the wgrad accumulator of its pair against the tile's own x:
+
+    dW_t = sum_p dy(p) x(p + d_t)^T = sum_q dy(q - d_t) x(q)^T
+
+so window tap t of dy, dy(q + d_t) = dy(q - d_{8-t}), against x's centre gives the gradient of tap 8 - t,
+transposed within the group (``store_wgrad_pair_flipped``). x's nine windows are never loaded, only its
+tile: a tile loads 11 tap-sized tiles (10 slots of dy, x once) where it loaded 21 (static
+estimate, Small, batch 128, sm_90, high end: 1024 channels at 16x16 236 -> 149 us, at 8x8 61 -> 40, 384
+at 32x32 353 -> 223; no stack on sm_90 or sm_80, Triton 3.6 or 3.8).
+Dgrad's five weight operands are loaded once per program, before its share (``conv_pair_weights``),
+not once per tile: at Small's 1024-channel 16x16 map that took a tile's
 exposed load waits from 15 to 10 and its loop from 811 to 547 SASS instructions per warp (the weights'
 per-tile STSM / LDSM staging gone; 522 -> 362 barriers per warp). The partials go to wgrad's fixed-order
 reduction (deterministic) or to fp32 atomics. DRAM: dy, x and dx once (6 bytes per element at fp16)
@@ -422,6 +430,37 @@ def store_wgrad_pair(ptr, acc, co0, gok, T0: tl.constexpr, G: tl.constexpr, ATOM
 
 
 @triton.jit
+def backward_pair_step(dx, acc, win, H, W, sh, sw, b, xc, T0: tl.constexpr, PRECISION: tl.constexpr,
+                       TAPS: tl.constexpr):
+    """The fused backward's step of taps (T0, T0 + 1) of dy's window: one load of the pair A ([G, BM, 16],
+    ``load_tap_pair``) feeds dgrad, dx += A @ b (b: the flipped weights, ``conv_pair_weights``), and wgrad,
+    acc[g, k, i] += sum_m A[g, m, k] xc[g, m, i] with xc the tile's own x ([G, BM, 8]): since
+    dW_t = sum_p dy(p) x(p + d_t)^T = sum_q dy(q - d_t) x(q)^T, window tap T0 + k // 8 of dy (offset
+    -d_t) against x's centre gives the gradient of w[8 g + k % 8, i, 8 - T0 - k // 8]
+    (``store_wgrad_pair_flipped``)."""
+    T1: tl.constexpr = T0 + 1
+    a = load_tap_pair(win, H, W, sh, sw, T0 // 3 - 1, T0 % 3 - 1, T1 // 3 - 1, T1 % 3 - 1, T1 < 9, TAPS)
+    dx = tl.dot(a, b, dx, input_precision=PRECISION)
+    acc = tl.dot(tl.permute(a, (0, 2, 1)), xc, acc, input_precision=PRECISION)
+    return dx, acc
+
+
+@triton.jit
+def store_wgrad_pair_flipped(ptr, acc, co0, gok, T0: tl.constexpr, G: tl.constexpr, ATOMIC: tl.constexpr):
+    """``store_wgrad_pair`` for ``backward_pair_step``'s accumulator of dy's window taps (T0, T0 + 1):
+    element [g, k, i] goes to w[co0 + 8 g + k % 8, i, 8 - T0 - k // 8] (the tenth slot dropped)."""
+    g = tl.arange(0, G)[:, None, None]
+    k = tl.arange(0, 16)[None, :, None]
+    i = tl.arange(0, 8)[None, None, :]
+    t = T0 + k // 8
+    p = ptr + (co0 + 8 * g + k % 8) * 72 + i * 9 + (8 - t)
+    if ATOMIC:
+        tl.atomic_add(p, acc, mask=(t < 9) & gok, sem="relaxed")
+    else:
+        tl.store(p, acc, mask=(t < 9) & gok)
+
+
+@triton.jit
 def wgrad_tile_products(acc0, acc1, acc2, acc3, acc4, win, H, W, sh, sw, dy, PRECISION: tl.constexpr,
                         TAPS: tl.constexpr):
     """One tile's products for the five tap-pair accumulators (``wgrad_pair_product`` of taps 0-1, ...,
@@ -673,11 +712,11 @@ def _gconv_backward_kernel(
     G: tl.constexpr, MASK_C: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, PRECISION: tl.constexpr,
     ATOMIC: tl.constexpr, TAPS: tl.constexpr,
 ):
-    """Stride-1 dgrad and wgrad from one read of dy: program (share, channel block) runs its share of
-    tiles in tile order; per tile, dx = the flipped conv of dy's window (the forward kernel's FLIP),
-    stored, and the five wgrad accumulators += x's window^T dy's tile (the wgrad kernel's products; dy's
-    tile is the centre of the window just read, an L1 hit). The partials are written once per program,
-    as the wgrad kernel's (its reduction merges them)."""
+    """Stride-1 dgrad and wgrad from one read of dy's windows: program (share, channel block) runs its
+    share of tiles in tile order; per tile, each tap pair of dy's window is loaded once and feeds both
+    dx (the flipped conv, the forward kernel's FLIP) and the wgrad accumulators against the tile's own
+    x (``backward_pair_step``: x's nine windows are never loaded, only its centre tile); dx is stored
+    per tile, the partials once per program, as the wgrad kernel's (its reduction merges them)."""
     BM: tl.constexpr = TH * TW
     syn, syh, syw = 8 * syn8, 8 * syh8, 8 * syw8  # 16-byte vectors of 8 channels (see the forward)
     sxn, sxh, sxw = 8 * sxn8, 8 * sxh8, 8 * sxw8
@@ -685,6 +724,7 @@ def _gconv_backward_kernel(
     share = tl.program_id(0)
     co0 = tl.program_id(1) * (8 * G)
     gok = group_ok(co0, C, G, MASK_C)
+    dt = dy_ptr.dtype.element_ty
     acc0 = tl.zeros((G, 16, 8), tl.float32)
     acc1 = tl.zeros((G, 16, 8), tl.float32)
     acc2 = tl.zeros((G, 16, 8), tl.float32)
@@ -695,23 +735,39 @@ def _gconv_backward_kernel(
     # nor G = 2 (two warps, 8 x 16 tiles): kept, they spilled 8-24 B
     KEEP_W: tl.constexpr = (PRECISION != "tf32x3") and (G >= 4)
     if KEEP_W:
-        b0, b1, b2, b3, b4 = conv_pair_weights(w_ptr, co0, swo, swi, swh, sww, gok, dy_ptr.dtype.element_ty,
-                                               G, True, TAPS)
+        b0, b1, b2, b3, b4 = conv_pair_weights(w_ptr, co0, swo, swi, swh, sww, gok, dt, G, True, TAPS)
+    else:  # each step loads its pair's weights (``gconv_tile``'s FLIP form)
+        wbase, whi, wok = tap_weights(w_ptr, co0, swo, swi, gok, G, True)
     t_start = share * TILES_PER_SHARE
     t_end = tl.minimum(t_start + TILES_PER_SHARE, TILES)
     for t in range(t_start, t_end):
         n, oh, ow, ok = tile_pixels(t, H, W, TH, TW)
         pix_dy = dy_ptr + n.to(tl.int64) * syn + oh * syh + ow * syw + co0
-        if KEEP_W:
-            dx = gconv_tile_preloaded(pix_dy, oh, ow, ok, gok, H, W, syh, syw, b0, b1, b2, b3, b4, G, BM,
-                                      PRECISION, TAPS)
-        else:
-            dx = gconv_tile(pix_dy, oh, ow, ok, gok, H, W, syh, syw, w_ptr, co0, swo, swi, swh, sww, G, BM,
-                            True, PRECISION, TAPS)
+        win = tap_window(pix_dy, oh, ow, ok, gok, G)
+        xc = load_group_tile(x_ptr + n.to(tl.int64) * sxn + oh * sxh + ow * sxw + co0, ok, gok, G, TAPS)
+        dx = tl.zeros((G, BM, 8), tl.float32)
+        if not KEEP_W:
+            b0 = load_tap_pair_weights(wbase, whi, wok, 8, 7, swh, sww, dt, TAPS)
+        dx, acc0 = backward_pair_step(dx, acc0, win, H, W, syh, syw, b0, xc, 0, PRECISION, TAPS)
+        if not KEEP_W:
+            b1 = load_tap_pair_weights(wbase, whi, wok, 6, 5, swh, sww, dt, TAPS)
+        dx, acc1 = backward_pair_step(dx, acc1, win, H, W, syh, syw, b1, xc, 2, PRECISION, TAPS)
+        if not KEEP_W:
+            b2 = load_tap_pair_weights(wbase, whi, wok, 4, 3, swh, sww, dt, TAPS)
+        dx, acc2 = backward_pair_step(dx, acc2, win, H, W, syh, syw, b2, xc, 4, PRECISION, TAPS)
+        if not KEEP_W:
+            b3 = load_tap_pair_weights(wbase, whi, wok, 2, 1, swh, sww, dt, TAPS)
+        dx, acc3 = backward_pair_step(dx, acc3, win, H, W, syh, syw, b3, xc, 6, PRECISION, TAPS)
+        if not KEEP_W:
+            b4 = load_tap_pair_weights(wbase, whi, wok, 0, -1, swh, sww, dt, TAPS)
+        dx, acc4 = backward_pair_step(dx, acc4, win, H, W, syh, syw, b4, xc, 8, PRECISION, TAPS)
         store_group_tile(dx_ptr + (n.to(tl.int64) * H * W + oh * W + ow) * C + co0, dx, ok, gok, G)
-        dy = load_group_tile(pix_dy, ok, gok, G, TAPS)
-        pix_x = x_ptr + n.to(tl.int64) * sxn + oh * sxh + ow * sxw + co0
-        win = tap_window(pix_x, oh, ow, ok, gok, G)
-        acc0, acc1, acc2, acc3, acc4 = wgrad_tile_products(acc0, acc1, acc2, acc3, acc4, win, H, W, sxh, sxw,
-                                                           dy, PRECISION, TAPS)
-    store_wgrad_partials(part_ptr, share, C, acc0, acc1, acc2, acc3, acc4, co0, gok, G, ATOMIC)
+    if ATOMIC:
+        out = part_ptr
+    else:
+        out = part_ptr + share.to(tl.int64) * C * 72
+    store_wgrad_pair_flipped(out, acc0, co0, gok, 0, G, ATOMIC)
+    store_wgrad_pair_flipped(out, acc1, co0, gok, 2, G, ATOMIC)
+    store_wgrad_pair_flipped(out, acc2, co0, gok, 4, G, ATOMIC)
+    store_wgrad_pair_flipped(out, acc3, co0, gok, 6, G, ATOMIC)
+    store_wgrad_pair_flipped(out, acc4, co0, gok, 8, G, ATOMIC)

@@ -652,8 +652,8 @@ def backward_cost(cfg: TileConfig, n: int, c: int, h: int, w: int, eb: int, wb: 
                   shares: int, deterministic: bool) -> KernelCost:
     """The fused stride-1 backward: dy and x read once, dx written once, the weights once, the fp32
     partials written once (atomics: the fp32 dw); per tile the dgrad's five [G, BM, 16] x [G, 16, 8] steps
-    and the wgrad's five [G, 16, BM] x [G, BM, 8] dots. L1: per tile the halo windows of dy and x (dy's
-    tile, read again for the wgrad, lies inside its window), the program's weights."""
+    and the wgrad's five [G, 16, BM] x [G, BM, 8] dots, both fed by one load of each of dy's tap pairs.
+    L1: per tile dy's halo window and x's tile (read once), the program's weights."""
     tiles = _tiles(n, h, w, cfg)
     cblocks = cdiv(c, cfg.channels)
     partials = shares if deterministic else 1
@@ -662,7 +662,7 @@ def backward_cost(cfg: TileConfig, n: int, c: int, h: int, w: int, eb: int, wb: 
         mma_macs=2 * tiles * cblocks * 5 * cfg.g * cfg.block_m * 16 * 8 * _passes(cfg),
         dram_bytes=eb * n * c * 3 * h * w + wb * c * GROUP_WIDTH * 9 + 4 * partials * c * GROUP_WIDTH * 9,
         loops=(Loop("tiles", per_share, (Loop("taps", 5),)),),
-        **_l1_declaration(cfg, 2 * window_pixels(cfg, 1), 0, eb, wb, tiles=per_share),
+        **_l1_declaration(cfg, window_pixels(cfg, 1), 1, eb, wb, tiles=per_share),
         note=f"gconv3x3 backward (dgrad + wgrad) C={c} G={cfg.g} tile {cfg.tile_h}x{cfg.tile_w}, {shares} "
              f"shares of {per_share} tiles" + ("" if deterministic else " (atomics)"),
     )

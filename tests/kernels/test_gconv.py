@@ -737,7 +737,7 @@ def test_backward_cost_declaration():
     """The fused backward at Small's 16 x 16 and 8 x 8 MBConv convs (1024 channels, batch 128): dy, x and
     dx once in DRAM (dy once where dgrad and wgrad read it twice), the (fp32) weights once, the partials once
     (then wgrad's reduction); 2 x 72 useful MACs per element, 10/9 of them issued plus masked rows; L1: a
-    tile's two halo windows and the weights."""
+    tile's halo window of dy, its x (read once) and the weights."""
     for side in (16, 8):
         launches = _record("backward", 128, 1024, side, side, 1)
         names = [lc.kernel.fn.__name__ for lc in launches]
@@ -751,8 +751,9 @@ def test_backward_cost_declaration():
         assert 10 / 9 <= cost.mma_macs / cost.useful_macs < 10 / 9 * 1.7
         assert cost.dram_bytes == 3 * 2 * elems + 4 * 1024 * 72 + 4 * shares * 1024 * 72  # fp32 weights
         window = 2 * cfg.channels * (cfg.tile_h + 2) * (cfg.tile_w + 2)
-        assert cost.l1_working_set_bytes == 2 * window + 4 * cfg.channels * 72
-        assert cost.l1_unique_bytes_per_program == per_share * 2 * window + 4 * cfg.channels * 72
+        tile = window + 2 * cfg.channels * cfg.block_m  # dy's halo window, x's tile
+        assert cost.l1_working_set_bytes == tile + 4 * cfg.channels * 72
+        assert cost.l1_unique_bytes_per_program == per_share * tile + 4 * cfg.channels * 72
         assert launches[1].cost.dram_bytes == 4 * shares * 1024 * 72 + 4 * 1024 * 72  # dw in fp32
 
 
@@ -885,6 +886,29 @@ def test_backward_weights_loaded_before_the_tile_loop(compiled_sample):
             assert inside, "fp32: per-tile weight loads expected"
             continue
         assert before and not inside, (c, dtype, len(before), len(inside))
+        checked += 1
+    assert checked == 2
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+def test_backward_reads_dy_windows_once(compiled_sample):
+    """kernel.py ``backward_pair_step``: per tile the fused backward loads dy's five tap pairs once, for
+    dgrad and wgrad alike, and x's tile once (never x's windows): 10 + 1 sixteen-byte vectors per
+    (group, pixel) of the tile, each thread's share an LDG.E.128 of the tile loop. The form shipped before
+    (x's five pairs loaded again for wgrad, dy's tile besides) took 21; loading a pair twice is the
+    planted bug."""
+    checked = 0
+    for (kind, c, _, dtype, _), _, comp in compiled_sample:
+        if kind != "backward" or "reduce" in comp.variant.name or dtype == torch.float32:
+            continue
+        insns, loops = comp.listing()
+        assert len(loops) == 1, comp.variant.meta  # the share's tile loop
+        vectors = [i for i, ins in enumerate(insns) if ins.opcode == "LDG.E.128"
+                   and loops[0].start <= i <= loops[0].end]
+        meta = comp.variant.meta
+        per_thread = 11 * meta["G"] * meta["TH"] * meta["TW"] // (32 * comp.num_warps)
+        assert len(vectors) == per_thread, (c, dtype, len(vectors), per_thread)
         checked += 1
     assert checked == 2
 
