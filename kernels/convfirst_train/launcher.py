@@ -29,7 +29,7 @@ import torch
 
 from .._cost import KernelCost, Loop
 from .._launch import cdiv, device_info, launch, next_power_of_2
-from ..gconv.launcher import gconv3x3_dgrad_triton, gconv3x3_triton, gconv3x3_wgrad_triton, reduce_partials
+from ..gconv.launcher import gconv3x3_backward_triton, gconv3x3_triton, reduce_partials
 from .finalize import (
     VEC_C, VEC_K, VEC_R, VEC_ROWS, VEC_T, VEC_U, VEC_W,
     _bn_running_kernel,
@@ -506,9 +506,8 @@ def convfirst_s1_train_backward_triton(dout, x, a, p, w_conv, w1, w2, gamma1, be
                                                         batch_mean1, batch_cov1, True, cfg, training)
     dgamma1, dbeta1 = bn_terms([(gamma1, beta1, mean1, var1, vec1)], eps, m, training, sums=(0, part1))
     da = bn_input_grad(dy, a, vec1, mean1)
-    # the grouped conv
-    dx = gconv3x3_dgrad_triton(da, w_conv, h, w, 1, residual=dout)
-    dw_conv = gconv3x3_wgrad_triton(da, x, 1, w_conv.dtype)
+    # the grouped conv: dgrad (+ dout, the residual's gradient) and wgrad in one launch over da's windows
+    dx, dw_conv = gconv3x3_backward_triton(da, w_conv, x, w_conv.dtype, residual=dout)
     return (dx, dw_conv, dw1, dw2, dgamma1, dbeta1, dgamma2, dbeta2, dgamma3, dbeta3)
 
 
@@ -597,8 +596,7 @@ def convfirst_s2_train_backward_triton(dout, x, a, u, p, w_conv, w1, w2, gamma1,
                                   loops=(Loop("tiles", per),), l1=(rows, per)))
     dgamma1, dbeta1 = bn_terms([(gamma1, beta1, mean1, var1, vec1)], eps, m, training, sums=(0, part1))
     da = bn_input_grad(dy, a, vec1, mean1)
-    dx = gconv3x3_dgrad_triton(da, w_conv, h, w, 1, residual=dxd)
-    dw_conv = gconv3x3_wgrad_triton(da, x, 1, w_conv.dtype)
+    dx, dw_conv = gconv3x3_backward_triton(da, w_conv, x, w_conv.dtype, residual=dxd)
     return (dx, dw_conv, dw1, dw2, dgamma1, dbeta1, dgamma2, dbeta2, dgamma3, dbeta3)
 
 

@@ -701,22 +701,24 @@ def _wgrad_reduce_kernel(part_ptr, dw_ptr, dw2_ptr, SHARES, TOTAL, SPLIT, SB: tl
 
 @triton.jit
 def _gconv_backward_kernel(
-    # pointers: dy (N, H, W, C) and x (N, H, W, C) through strides, weight (C, 8, 3, 3), dx (N, H, W, C)
-    # contiguous; fp32 partials (shares, C, 8, 3, 3) contiguous, or (ATOMIC) one zeroed fp32 (C, 8, 3, 3)
-    dy_ptr, x_ptr, w_ptr, dx_ptr, part_ptr,
+    # pointers: dy (N, H, W, C) and x (N, H, W, C) through strides, weight (C, 8, 3, 3), dx and (RESIDUAL)
+    # res (N, H, W, C) contiguous; fp32 partials (shares, C, 8, 3, 3) contiguous, or (ATOMIC) one zeroed
+    # fp32 (C, 8, 3, 3)
+    dy_ptr, x_ptr, w_ptr, dx_ptr, res_ptr, part_ptr,
     # sizes: C8 = C / 8 groups; TILES tiles of TH x TW pixels in the batch, TILES_PER_SHARE per program
     H, W, C8, TILES, TILES_PER_SHARE,
     # strides: dy's and x's pixel strides in units of 8 elements (unit channel stride), w's in elements
     syn8, syh8, syw8, sxn8, sxh8, sxw8, swo, swi, swh, sww,
     # meta-parameters
     G: tl.constexpr, MASK_C: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, PRECISION: tl.constexpr,
-    ATOMIC: tl.constexpr, TAPS: tl.constexpr,
+    ATOMIC: tl.constexpr, TAPS: tl.constexpr, RESIDUAL: tl.constexpr,
 ):
     """Stride-1 dgrad and wgrad from one read of dy's windows: program (share, channel block) runs its
     share of tiles in tile order; per tile, each tap pair of dy's window is loaded once and feeds both
     dx (the flipped conv, the forward kernel's FLIP) and the wgrad accumulators against the tile's own
-    x (``backward_pair_step``: x's nine windows are never loaded, only its centre tile); dx is stored
-    per tile, the partials once per program, as the wgrad kernel's (its reduction merges them)."""
+    x (``backward_pair_step``: x's nine windows are never loaded, only its centre tile); dx (+ RESIDUAL:
+    res's tile, added in fp32 before the rounding, as the stride-1 dgrad's) is stored per tile, the
+    partials once per program, as the wgrad kernel's (its reduction merges them)."""
     BM: tl.constexpr = TH * TW
     syn, syh, syw = 8 * syn8, 8 * syh8, 8 * syw8  # 16-byte vectors of 8 channels (see the forward)
     sxn, sxh, sxw = 8 * sxn8, 8 * sxh8, 8 * sxw8
@@ -761,13 +763,16 @@ def _gconv_backward_kernel(
         if not KEEP_W:
             b4 = load_tap_pair_weights(wbase, whi, wok, 0, -1, swh, sww, dt, TAPS)
         dx, acc4 = backward_pair_step(dx, acc4, win, H, W, syh, syw, b4, xc, 8, PRECISION, TAPS)
-        store_group_tile(dx_ptr + (n.to(tl.int64) * H * W + oh * W + ow) * C + co0, dx, ok, gok, G)
+        out = (n.to(tl.int64) * H * W + oh * W + ow) * C + co0
+        if RESIDUAL:
+            dx += load_group_tile(res_ptr + out, ok, gok, G, TAPS).to(tl.float32)
+        store_group_tile(dx_ptr + out, dx, ok, gok, G)
     if ATOMIC:
-        out = part_ptr
+        parts = part_ptr
     else:
-        out = part_ptr + share.to(tl.int64) * C * 72
-    store_wgrad_pair_flipped(out, acc0, co0, gok, 0, G, ATOMIC)
-    store_wgrad_pair_flipped(out, acc1, co0, gok, 2, G, ATOMIC)
-    store_wgrad_pair_flipped(out, acc2, co0, gok, 4, G, ATOMIC)
-    store_wgrad_pair_flipped(out, acc3, co0, gok, 6, G, ATOMIC)
-    store_wgrad_pair_flipped(out, acc4, co0, gok, 8, G, ATOMIC)
+        parts = part_ptr + share.to(tl.int64) * C * 72
+    store_wgrad_pair_flipped(parts, acc0, co0, gok, 0, G, ATOMIC)
+    store_wgrad_pair_flipped(parts, acc1, co0, gok, 2, G, ATOMIC)
+    store_wgrad_pair_flipped(parts, acc2, co0, gok, 4, G, ATOMIC)
+    store_wgrad_pair_flipped(parts, acc3, co0, gok, 6, G, ATOMIC)
+    store_wgrad_pair_flipped(parts, acc4, co0, gok, 8, G, ATOMIC)

@@ -115,10 +115,13 @@ NUM_STAGES = 1  # no cp.async: a 16-byte cp.async is always .cg (L2 only), the w
 MIN_SHARE_PIXELS = 1024  # output pixels per wgrad share at least (partials <= ~7 % of the traffic)
 WGRAD_PROGRAMS = 1024  # wgrad shares x channel blocks at most, unless a share would fall below the minimum
 # Fused backward (module docstring): pixels a tile at most, pixels a share at least where shares are
-# shortened, and the programs of one wave (H100: 132 SMs x 3 or 5 programs) by G
+# shortened, and the programs the grid should reach (H100: 132 SMs x 3 or 5 programs) by G. G = 4 two
+# waves: at one, the ConvFirst training blocks' 72 and 96 channels at 32x32 ran 384 programs, one full
+# round and a third (static estimate, Small, batch 128, sm_90: 92 -> 75 us with 768; on sm_80 the 8x8
+# and 7x7 MBConv convs, G = 4 there, 182 -> 156 and 135 -> 108 us, the 32x32 ones 108 -> 114)
 BACKWARD_MAX_BLOCK_M = {16: 64, 8: 128, 4: 128, 2: 128}
 BACKWARD_MIN_SHARE_PIXELS = 256
-BACKWARD_PROGRAMS = {16: 132, 8: 396, 4: 396, 2: 660}
+BACKWARD_PROGRAMS = {16: 132, 8: 396, 4: 792, 2: 660}
 # The order in which every kernel loads its tap pairs (kernel.py ``load_tap_pair``), which decides the
 # bank conflicts of the pair's copy to shared memory for the batched mma.sync: compiled for sm_90 at
 # Small's 1024-channel 16x16 training map (fp16, fp32 master weights), order 0 takes the forward's
@@ -522,33 +525,40 @@ def gconv3x3_wgrad_triton(
 
 
 def gconv3x3_backward_triton(dy: torch.Tensor, w: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype,
-                             deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                             deterministic: bool = True, residual: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Both gradients of a stride-1 conv from one read of dy: (dx (N, C, H, W) NHWC in dy's dtype,
     dw (C, 8, 3, 3) in ``out_dtype``). One launch over wgrad's tiles and shares (dgrad of each tile
     stored, wgrad partials per share), then wgrad's fixed-order reduction (or, not ``deterministic``,
-    fp32 atomics into a zeroed buffer)."""
+    fp32 atomics into a zeroed buffer). ``residual`` (an (N, C, H, W) map in dy's dtype): added to dx in
+    fp32 before dx is rounded and stored, as ``gconv3x3_dgrad_triton``'s (the fused ConvFirst training
+    blocks' dx = dout + dgrad(da))."""
     check_supported("gconv3x3_backward", x)
     n, c, h, wd = x.shape
     dx = torch.empty((n, c, h, wd), dtype=dy.dtype, device=dy.device, memory_format=torch.channels_last)
     if dx.numel() == 0:
         return dx, torch.zeros((c, GROUP_WIDTH, 3, 3), dtype=out_dtype, device=x.device)
     x, dy = _nhwc(x), _nhwc(dy)
+    if residual is not None:
+        assert tuple(residual.shape) == tuple(dx.shape) and residual.dtype == dx.dtype
+        residual = residual.contiguous(memory_format=torch.channels_last)
     interpreter = x.device.type == "cpu"
     cfg, per_share, shares = backward_config(n, c, h, wd, x.dtype, interpreter, device_info(x.device).arch)
     tiles = _tiles(n, h, wd, cfg)
     cblocks = cdiv(c, cfg.channels)
     args = (h, wd, c // GROUP_WIDTH, tiles, per_share, *_vector_strides(dy), *_vector_strides(x), *w.stride())
     cost = lambda: backward_cost(cfg, n, c, h, wd, x.element_size(), w.element_size(), per_share, shares,
-                                 deterministic)
+                                 deterministic, residual is not None)
+    res = residual if residual is not None else dx  # RESIDUAL False: a constexpr, never read
     if not deterministic:
         dw32 = torch.zeros((c, GROUP_WIDTH, 3, 3), dtype=torch.float32, device=x.device)
-        launch(_gconv_backward_kernel, (shares, cblocks), dy, x, w, dx, dw32, *args, ATOMIC=True,
-               **_meta(cfg, c), cost=cost)
+        launch(_gconv_backward_kernel, (shares, cblocks), dy, x, w, dx, res, dw32, *args, ATOMIC=True,
+               RESIDUAL=residual is not None, **_meta(cfg, c), cost=cost)
         return dx, dw32.to(out_dtype)
     partials = torch.empty((shares, c, GROUP_WIDTH, 3, 3), dtype=torch.float32, device=x.device)
     dw = torch.empty((c, GROUP_WIDTH, 3, 3), dtype=out_dtype, device=x.device)
-    launch(_gconv_backward_kernel, (shares, cblocks), dy, x, w, dx, partials, *args, ATOMIC=False,
-           **_meta(cfg, c), cost=cost)
+    launch(_gconv_backward_kernel, (shares, cblocks), dy, x, w, dx, res, partials, *args, ATOMIC=False,
+           RESIDUAL=residual is not None, **_meta(cfg, c), cost=cost)
     block, sb = (INTERPRETER_REDUCE_BLOCK, INTERPRETER_REDUCE_SB) if interpreter else (REDUCE_BLOCK,
                                                                                        REDUCE_SB)
     reduce_partials(partials, dw, shares, c * GROUP_WIDTH * 9, block=block, sb=sb,
@@ -649,21 +659,22 @@ def wgrad_cost(cfg: TileConfig, n: int, c: int, h: int, w: int, stride: int, eb:
 
 
 def backward_cost(cfg: TileConfig, n: int, c: int, h: int, w: int, eb: int, wb: int, per_share: int,
-                  shares: int, deterministic: bool) -> KernelCost:
+                  shares: int, deterministic: bool, residual: bool = False) -> KernelCost:
     """The fused stride-1 backward: dy and x read once, dx written once, the weights once, the fp32
     partials written once (atomics: the fp32 dw); per tile the dgrad's five [G, BM, 16] x [G, 16, 8] steps
     and the wgrad's five [G, 16, BM] x [G, BM, 8] dots, both fed by one load of each of dy's tap pairs.
-    L1: per tile dy's halo window and x's tile (read once), the program's weights."""
+    L1: per tile dy's halo window and x's tile (and a residual's) read once, the program's weights."""
     tiles = _tiles(n, h, w, cfg)
     cblocks = cdiv(c, cfg.channels)
     partials = shares if deterministic else 1
     return KernelCost(
         useful_macs=2 * useful_macs(n, c, h, w, 1),
         mma_macs=2 * tiles * cblocks * 5 * cfg.g * cfg.block_m * 16 * 8 * _passes(cfg),
-        dram_bytes=eb * n * c * 3 * h * w + wb * c * GROUP_WIDTH * 9 + 4 * partials * c * GROUP_WIDTH * 9,
+        dram_bytes=eb * n * c * (4 if residual else 3) * h * w + wb * c * GROUP_WIDTH * 9
+        + 4 * partials * c * GROUP_WIDTH * 9,
         loops=(Loop("tiles", per_share, (Loop("taps", 5),)),),
-        **_l1_declaration(cfg, window_pixels(cfg, 1), 1, eb, wb, tiles=per_share),
-        note=f"gconv3x3 backward (dgrad + wgrad) C={c} G={cfg.g} tile {cfg.tile_h}x{cfg.tile_w}, {shares} "
+        **_l1_declaration(cfg, window_pixels(cfg, 1), 2 if residual else 1, eb, wb, tiles=per_share),
+        note=f"gconv3x3 backward (dgrad{' + residual' if residual else ''} + wgrad) C={c} G={cfg.g} tile {cfg.tile_h}x{cfg.tile_w}, {shares} "
              f"shares of {per_share} tiles" + ("" if deterministic else " (atomics)"),
     )
 

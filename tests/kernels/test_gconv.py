@@ -400,6 +400,18 @@ def test_tap_orders_match_autograd(interpreter_backend, monkeypatch, taps, n, c,
         check_backward(*make_case(2, 200, 9, 19, 1, torch.float16, w_dtype=torch.float32))
 
 
+def test_backward_residual_is_added_before_the_store(interpreter_backend):
+    """The fused backward's residual (the ConvFirst training blocks' dx = dout + dgrad(da)): in fp32 the
+    kernel adds it to the same fp32 dgrad sum it stores without one, so dx is exactly dx + residual; dw is
+    untouched. At 64 channels (G = 8, 8 x 16 tiles) on 2 x 17 x 19 maps: partial tiles, 2-tile shares."""
+    x, wt, dy = make_case(2, 64, 17, 19, 1, torch.float32)
+    res = torch.randn_like(x).contiguous(memory_format=CL)
+    dx, dw = L.gconv3x3_backward_triton(dy, wt, x, wt.dtype)
+    dx_r, dw_r = L.gconv3x3_backward_triton(dy, wt, x, wt.dtype, residual=res)
+    assert torch.equal(dx_r, dx + res) and torch.equal(dw_r, dw)
+    assert not torch.equal(dx_r, dx)
+
+
 def test_backward_is_deterministic_and_atomics_agree(interpreter_backend):
     """Two identical calls give bitwise-equal dx and dw; the atomic option gives dw to rounding."""
     x, wt, dy = make_case(2, 64, 9, 11, 1, torch.float32)
@@ -427,9 +439,10 @@ def test_backward_gpu_shares(interpreter_backend, monkeypatch):
 def test_backward_grids_at_the_model_shapes():
     """launcher.backward_config at the MBConv convs of Small (batch 128, fp16): wgrad's G, tiles of
     FWD_TILE_ELEMS (128 pixels at G = 8 and G = 4, capped at 128 at G = 2: 256 spilled) and shares where
-    they fill a wave (16 x 16: 32 shares of 8 tiles x 16 blocks), shorter shares where they do not. 8 x 8
+    they fill a wave (16 x 16: 32 shares of 8 tiles x 16 blocks; two waves at G = 4), shorter shares where
+    they do not. 8 x 8
     and 7 x 7, whose 64-pixel tiles the map caps: on sm_90 G = 16, 16 shares of 8 tiles x 8 blocks (one
-    program per SM), below it wgrad's G = 4, 12 shares of 11 tiles x 32 blocks."""
+    program per SM), below it wgrad's G = 4, 22 shares of 6 tiles x 32 blocks."""
     got = {}
     for c, side in ((1024, 16), (1024, 14), (1024, 8), (1024, 7), (384, 32), (768, 16), (72, 28), (48, 28)):
         cfg, per_share, shares = L.backward_config(128, c, side, side, torch.float16)
@@ -437,10 +450,10 @@ def test_backward_grids_at_the_model_shapes():
     assert got == {(1024, 16): (8, 128, 8, 32, 8), (1024, 14): (8, 128, 8, 32, 8),
                    (1024, 8): (16, 64, 8, 16, 8), (1024, 7): (16, 64, 8, 16, 8),
                    (384, 32): (8, 128, 8, 128, 8), (768, 16): (8, 128, 8, 32, 8),
-                   (72, 28): (4, 128, 8, 128, 4), (48, 28): (2, 128, 5, 205, 2)}
+                   (72, 28): (4, 128, 4, 256, 4), (48, 28): (2, 128, 5, 205, 2)}
     for side in (8, 7):
         cfg, per_share, shares = L.backward_config(128, 1024, side, side, torch.float16, arch=80)
-        assert (cfg.g, cfg.block_m, per_share, shares, cfg.num_warps) == (4, 64, 11, 12, 4)
+        assert (cfg.g, cfg.block_m, per_share, shares, cfg.num_warps) == (4, 64, 6, 22, 4)
 
 
 def test_backward_bad_input_refused_before_launch(interpreter_backend, no_launch):
@@ -744,7 +757,7 @@ def test_backward_cost_declaration():
         assert names == ["_gconv_backward_kernel", "_wgrad_reduce_kernel"]
         cost, meta = launches[0].cost, launches[0].meta
         cfg, per_share, shares = L.backward_config(128, 1024, side, side, torch.float16)
-        assert launches[0].grid == (shares, 1024 // cfg.channels) and launches[0].args[9] == per_share
+        assert launches[0].grid == (shares, 1024 // cfg.channels) and launches[0].args[10] == per_share
         assert (meta["G"], meta["TH"] * meta["TW"]) == (cfg.g, cfg.block_m)
         elems = 128 * 1024 * side * side
         assert cost.useful_macs == 2 * 72 * elems
@@ -838,7 +851,8 @@ def test_sample_compiles_without_spills(compiled_sample):
         insns, loops = comp.listing()
         per_program = launch.cost.mma_macs / math.prod(launch.grid)
         if "wgrad_kernel" in comp.variant.name or "backward_kernel" in comp.variant.name:  # a full share
-            tiles, per_share = launch.args[8], launch.args[9]
+            at = 9 if "backward_kernel" in comp.variant.name else 8  # the backward's residual pointer
+            tiles, per_share = launch.args[at], launch.args[at + 1]
             per_program = launch.cost.mma_macs / (tiles * launch.grid[1]) * per_share
         # the declared loops are the compiled loops, and the weighted tensor-core instructions issue
         # exactly the declared MACs
