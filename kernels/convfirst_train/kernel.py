@@ -40,8 +40,8 @@ Backward (dout given)
      dz W1[chunk]; dy stored (narrow) with the share's sums of dy and dy a_hat (BN1's dbeta, dgamma,
      finished by ``_bn_terms_kernel``).
   9. ``_bn_input_grad_kernel``: da = k1 dy + u1 + w1 (a - m1), stored (narrow).
- 10. gconv dgrad with dout added before its store (dx = dout + dgrad(da), one pass) and wgrad
-     (deterministic two-stage reduction).
+ 10. gconv dgrad and wgrad in one launch over da's windows (gconv's fused backward), dout added to dx
+     before its store (dx = dout + dgrad(da)); wgrad's deterministic two-stage reduction.
 
 Stored for the backward: x (the block's input), a and p (C channels each) and per-channel statistics.
 The wide activations (z, h, R = 3-6 C channels) never reach memory: pass 3 computes them once, passes

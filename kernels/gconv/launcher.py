@@ -674,7 +674,8 @@ def backward_cost(cfg: TileConfig, n: int, c: int, h: int, w: int, eb: int, wb: 
         + 4 * partials * c * GROUP_WIDTH * 9,
         loops=(Loop("tiles", per_share, (Loop("taps", 5),)),),
         **_l1_declaration(cfg, window_pixels(cfg, 1), 2 if residual else 1, eb, wb, tiles=per_share),
-        note=f"gconv3x3 backward (dgrad{' + residual' if residual else ''} + wgrad) C={c} G={cfg.g} tile {cfg.tile_h}x{cfg.tile_w}, {shares} "
+        note=f"gconv3x3 backward (dgrad{' + residual' if residual else ''} + wgrad) C={c} G={cfg.g} "
+             f"tile {cfg.tile_h}x{cfg.tile_w}, {shares} "
              f"shares of {per_share} tiles" + ("" if deterministic else " (atomics)"),
     )
 
