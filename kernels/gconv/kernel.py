@@ -26,7 +26,8 @@ groups of a partial channel block), ``tap_window`` + ``load_tap_pair`` (the A op
 windows of an NHWC map, zero padding by mask), ``tap_weights`` + ``load_tap_pair_weights`` (the B
 operand, transposed within the group for dgrad), ``gconv_tile`` (the five-step product of one tile),
 ``wgrad_pair_product`` (one tap pair's contribution of a tile to the weight gradient),
-``store_group_tile`` / ``load_group_tile`` and ``store_wgrad_pair``.
+``backward_pair_step`` (the fused backward's step: one dy pair for both gradients),
+``store_group_tile`` / ``load_group_tile``, ``store_wgrad_pair`` and ``store_wgrad_pair_flipped``.
 
 Forward (``_gconv_fwd_kernel``)
 -------------------------------
@@ -434,10 +435,9 @@ def backward_pair_step(dx, acc, win, H, W, sh, sw, b, xc, T0: tl.constexpr, PREC
                        TAPS: tl.constexpr):
     """The fused backward's step of taps (T0, T0 + 1) of dy's window: one load of the pair A ([G, BM, 16],
     ``load_tap_pair``) feeds dgrad, dx += A @ b (b: the flipped weights, ``conv_pair_weights``), and wgrad,
-    acc[g, k, i] += sum_m A[g, m, k] xc[g, m, i] with xc the tile's own x ([G, BM, 8]): since
-    dW_t = sum_p dy(p) x(p + d_t)^T = sum_q dy(q - d_t) x(q)^T, window tap T0 + k // 8 of dy (offset
-    -d_t) against x's centre gives the gradient of w[8 g + k % 8, i, 8 - T0 - k // 8]
-    (``store_wgrad_pair_flipped``)."""
+    acc[g, k, i] += sum_m A[g, m, k] xc[g, m, i] with xc the tile's own x ([G, BM, 8]): window tap
+    t = T0 + k // 8 of dy, dy(q + d_t) = dy(q - d_{8-t}), against x's centre gives the gradient of
+    w[8 g + k % 8, i, 8 - t] (module docstring; ``store_wgrad_pair_flipped``)."""
     T1: tl.constexpr = T0 + 1
     a = load_tap_pair(win, H, W, sh, sw, T0 // 3 - 1, T0 % 3 - 1, T1 // 3 - 1, T1 % 3 - 1, T1 < 9, TAPS)
     dx = tl.dot(a, b, dx, input_precision=PRECISION)
