@@ -63,6 +63,14 @@ PARTIAL_SHARE = 0.1  # weights pass: fp32 partials at most this share of its byt
 # sm_90, batch 128); the BlurPool passes keep BLUR_ELEMS (at 8192 they spilled 904-912 B)
 ELEMENTWISE_ELEMS = 8192
 BLUR_ELEMS = 4096
+# The BlurPool transpose (_blur_bwd_kernel, stride-2 backward), (elements, warps) a program by element
+# size. 16-bit: one warp on 1024 elements. At 4096 on 4 warps its per-pixel gather (up to four candidates
+# and their reflect weights) bound it on the stall chain: Small's 32 channels at 128x128 363-454 us and 64
+# at 64x64 179-227 against 239-329 and 111-149 now (static estimate, batch 128, sm_90); better by both the
+# model and its L1-pipe + latency sum at every stride-2 block of Nano, Tiny and Small (224 and 256), on
+# Triton 3.6 and sm_80 too; 167-192 registers, no stack (2 warps on 2048 spilled 16 B at Nano's 48
+# channels). fp32 keeps 4096 on 4 warps (one warp spilled 16-40 B)
+BLUR_BWD = {2: (1024, 1), 4: (4096, 4)}
 # Under the interpreter (CPU tensors) shares of two tiles, so that small test maps run every share
 # loop more than once (the same code as the GPU's, other sizes).
 INTERPRETER_SHARE_TILES = 2
@@ -586,12 +594,13 @@ def convfirst_s2_train_backward_triton(dout, x, a, u, p, w_conv, w1, w2, gamma1,
                                                     batch_mean_u, batch_cov_u, False, cfg, training)
     # BlurPool's transpose: x's direct gradient, dy, BN1's sums
     dxd, dy = _map(n, c, h, w, x), _map(n, c, h, w, x)
-    rows = _elementwise_rows(c, BLUR_ELEMS)
+    elems, warps = BLUR_BWD[x.element_size()]
+    rows = _elementwise_rows(c, elems)
     tiles = cdiv(m, rows)
     per, shares = tile_shares(tiles, x.device.type == "cpu")
     part1 = _f32(shares, 2, c, like=x)
     launch(_blur_bwd_kernel, (shares,), du, a, dxd, dy, mean1, vec1[VEC_R], part1, m, h, w, ho, wo, tiles,
-           per, C=c, CP=_pow2(c), BM=rows, num_warps=4,
+           per, C=c, CP=_pow2(c), BM=rows, num_warps=warps,
            cost=lambda: blur_cost("BlurPool transpose", n, c, h, w, x.element_size(), backward=True,
                                   loops=(Loop("tiles", per),), l1=(rows, per)))
     dgamma1, dbeta1 = bn_terms([(gamma1, beta1, mean1, var1, vec1)], eps, m, training, sums=(0, part1))
