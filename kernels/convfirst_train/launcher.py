@@ -361,9 +361,14 @@ def out_sums(dout, p, drop, mean3, var3, eps: float, hw: int, cfg: TrainConfig):
     tiles = cdiv(m, cfg.block_m)
     per, shares = shares_of(tiles, cfg.block_m, p.device.type == "cpu")
     part = _f32(shares, 2, co, like=p)
+    # one warp per 32 padded channels, two at least (was 4 up to 32 channels, else 8): each thread sums
+    # more of its tile between the loads, which bound it on their waits and stall chain. Static estimate,
+    # batch 128, sm_90, high end: Small's 32 channels at 128x128 130 -> 100 us, 64 at 64x64 74 -> 51, the
+    # out_sums launches of Nano, Tiny and Small's ConvFirst blocks in fp16 and fp32 2.63 -> 1.69 ms in all
+    # (sm_80 3.85 -> 2.47, Triton 3.6 2.20 -> 1.70); 111-255 registers, no stack
     launch(_out_sums_kernel, (shares,), dout, p, drop if drop is not None else mean3, mean3, var3, part, m,
            hw, tiles, per, eps, C=co, CP=cfg.cp_out, BM=cfg.block_m, DROP=drop is not None,
-           num_warps=4 if cfg.cp_out <= 32 else 8,
+           num_warps=max(2, cfg.cp_out // 32),
            cost=lambda: sums_cost(cfg, m, co, p.element_size(), shares, per))
     return part
 
