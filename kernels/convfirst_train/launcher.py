@@ -76,11 +76,14 @@ BLUR_BWD = {2: (1024, 1), 4: (4096, 4)}
 INTERPRETER_SHARE_TILES = 2
 # Finalize launches (finalize.py): SB shares per step ([SB, BLOCK] loads, 4096 elements on a GPU), BH
 # hidden channels and BJ columns per dot of the FFN statistics. Under the interpreter, two shares per step
-# and 16 columns, so that the tests' small maps and widths run those loops more than once.
+# and 16 columns, so that the tests' small maps and widths run those loops more than once. Warps: 4 (was
+# 8) for the BatchNorm terms, linear moments and FFN weights finalize (the static estimate of all such
+# launches of Pico..Small's ConvFirst blocks, fp16 and fp32, sm_90: 3.25 -> 2.44 ms with the merge's; sm_80
+# 3.61 -> 2.78; Triton 3.6 3.84 -> 3.17); the moments' merge keeps 8 (on 4, Triton 3.6 spilled 8-72 B)
 FIN = dict(sb=128, merge_block=64, terms_block=64, running_block=512, bh=16, bj=32, reduce_block=64,
-           reduce_sb=64, warps=8)
+           reduce_sb=64, warps=4, merge_warps=8)
 FIN_INTERPRETER = dict(sb=2, merge_block=256, terms_block=32, running_block=32, bh=32, bj=16,
-                       reduce_block=2048, reduce_sb=2, warps=4)
+                       reduce_block=2048, reduce_sb=2, warps=4, merge_warps=4)
 
 
 @dataclass(frozen=True)
@@ -239,7 +242,7 @@ def merge_moments(mean_part, m2_part, rows: int, rows_per_share: int, c: int, fu
            copy if mean_copy else mean, var, cov if full else mean, gamma if affine else mean,
            beta if affine else mean, vec[VEC_K] if affine else mean, vec[VEC_T] if affine else mean, shares,
            rows, rows_per_share, eps, *m2_strides, C=c, FULL=full, AFFINE=affine, COPY=mean_copy, SB=sb,
-           BLOCK=block, num_warps=fin["warps"],
+           BLOCK=block, num_warps=fin["merge_warps"],
            cost=lambda: finalize_cost("merge moments", 4 * shares * (2 * total + c) + 4 * (total + 3 * c),
                                       (Loop("shares", cdiv(shares, sb)),) * 2,
                                       f"C={c}, {shares} shares"))
