@@ -279,8 +279,11 @@ def _se_gates_cost(geo: MBConvGeometry) -> KernelCost:
 STATS_ROWS = 16  # output channels per program of BN_e's statistics (a tl.dot M)
 STATS_K = 32  # Gram rows per step
 STATS_CHANNELS, STATS_IMAGES = 8, 128  # BN_d's statistics: channels per program x moment rows per step
-STATS_WARPS = 4  # BN_d's
-EXPAND_WARPS = 8  # BN_e's (two warps a 16-row tile: its W G steps are shorter chains)
+# Warps of BN_d's and BN_e's statistics launches: 1 and 4 (were 4 and 8; static estimate of Small's 36
+# MBConv training blocks, batch 128, sm_90, high end: 0.096 -> 0.070 and 0.302 -> 0.222 ms; lower on sm_80
+# and Triton 3.6 too, no stack on any)
+STATS_WARPS = 1  # BN_d's
+EXPAND_WARPS = 4  # BN_e's
 
 
 @triton.jit

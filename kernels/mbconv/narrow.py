@@ -396,7 +396,7 @@ def bn_residual(o: torch.Tensor, x: torch.Tensor | None, drop: torch.Tensor, gam
            cost=lambda: KernelCost(0, 0, splits * 2 * k * 4 + 2 * k * 4 + 8 * k * 4,
                                    (Loop("splits", steps),),
                                    note="Chan's merge of BN_p's partials; running update"),
-           num_warps=4)
+           num_warps=1)  # one warp (was 4): a short merge, 3.1 -> 2.1 us (static, sm_90), no stack
     res = x if x is not None else o
     launch(_bn_apply_kernel, (cdiv(m, APPLY_PIXELS),), o, out, res, drop, ss, m, k, h * w, w,
            *_nhwc(o), *_nhwc(res), RESIDUAL=x is not None, BK=bk, BM=APPLY_PIXELS,
