@@ -402,7 +402,7 @@ def bn_residual(o: torch.Tensor, x: torch.Tensor | None, drop: torch.Tensor, gam
            *_nhwc(o), *_nhwc(res), RESIDUAL=x is not None, BK=bk, BM=APPLY_PIXELS,
            cost=lambda: KernelCost(0, 0, m * k * eb * (3 if x is not None else 2) + 2 * k * 4 + n * 4,
                                    note="BN_p normalise (+ drop-path and residual)"),
-           num_warps=4)
+           num_warps=2)  # two warps (was 4): Small's 36 blocks 0.546 -> 0.459 ms (static, sm_90), no stack
     return out
 
 
