@@ -27,7 +27,7 @@ windows of an NHWC map, zero padding by mask), ``tap_weights`` + ``load_tap_pair
 operand, transposed within the group for dgrad), ``gconv_tile`` (the five-step product of one tile),
 ``wgrad_pair_product`` (one tap pair's contribution of a tile to the weight gradient),
 ``backward_pair_step`` (the fused backward's step: one dy pair for both gradients),
-``store_group_tile`` / ``load_group_tile``, ``store_wgrad_pair`` and ``store_wgrad_pair_flipped``.
+``store_group_tile`` / ``load_group_tile`` and ``store_wgrad_pair``.
 
 Forward (``_gconv_fwd_kernel``)
 -------------------------------
@@ -97,10 +97,10 @@ stride-1 dgrad's product) and the wgrad accumulator of its pair against the tile
     dW_t = sum_p dy(p) x(p + d_t)^T = sum_q dy(q - d_t) x(q)^T
 
 so window tap t of dy, dy(q + d_t) = dy(q - d_{8-t}), against x's centre gives the gradient of tap 8 - t,
-transposed within the group (``store_wgrad_pair_flipped``). x's nine windows are never loaded, only its
-tile: a tile loads 11 tap-sized tiles (10 slots of dy, x once) where it loaded 21 (static
-estimate, Small, batch 128, sm_90, high end: 1024 channels at 16x16 236 -> 149 us, at 8x8 61 -> 40, 384
-at 32x32 353 -> 223; no stack on sm_90 or sm_80, Triton 3.6 or 3.8).
+transposed within the group (``store_wgrad_pair``'s FLIPPED layout). x's nine windows are never loaded,
+only its tile: a tile loads 11 tap-sized tiles (10 slots of dy, x once) where it loaded 21 (static
+estimate, Small, batch 128, sm_90, high end: 1024 channels at 16x16 236 -> 149 us, at 8x8 61 -> 40, 384 at
+32x32 353 -> 223; no stack on sm_90 or sm_80, Triton 3.6 or 3.8).
 Dgrad's five weight operands are loaded once per program, before its share (``conv_pair_weights``),
 not once per tile: at Small's 1024-channel 16x16 map that took a tile's
 exposed load waits from 15 to 10 and its loop from 811 to 547 SASS instructions per warp (the weights'
@@ -415,15 +415,21 @@ def wgrad_pair_product(acc, win, H, W, sh, sw, dy, T0: tl.constexpr, PRECISION: 
 
 
 @triton.jit
-def store_wgrad_pair(ptr, acc, co0, gok, T0: tl.constexpr, G: tl.constexpr, ATOMIC: tl.constexpr):
+def store_wgrad_pair(ptr, acc, co0, gok, T0: tl.constexpr, G: tl.constexpr, ATOMIC: tl.constexpr,
+                     FLIPPED: tl.constexpr):
     """Write a tap pair's [G, 16, 8] fp32 accumulator into a (C, 8, 3, 3)-shaped contiguous fp32 buffer
     (the tenth tap slot and the groups outside C are dropped): element [g, k, j] goes to
-    w[co0 + 8 g + j, k % 8, T0 + k // 8]. ATOMIC: added with fp32 atomics instead of stored."""
+    w[co0 + 8 g + j, k % 8, T0 + k // 8]; FLIPPED (``backward_pair_step``'s accumulator of dy's window
+    taps T0, T0 + 1) to w[co0 + 8 g + k % 8, j, 8 - T0 - k // 8]. ATOMIC: added with fp32 atomics instead
+    of stored."""
     g = tl.arange(0, G)[:, None, None]
     k = tl.arange(0, 16)[None, :, None]
     j = tl.arange(0, 8)[None, None, :]
     t = T0 + k // 8
-    p = ptr + (co0 + 8 * g + j) * 72 + (k % 8) * 9 + t
+    if FLIPPED:
+        p = ptr + (co0 + 8 * g + k % 8) * 72 + j * 9 + (8 - t)
+    else:
+        p = ptr + (co0 + 8 * g + j) * 72 + (k % 8) * 9 + t
     if ATOMIC:
         tl.atomic_add(p, acc, mask=(t < 9) & gok, sem="relaxed")
     else:
@@ -437,27 +443,12 @@ def backward_pair_step(dx, acc, win, H, W, sh, sw, b, xc, T0: tl.constexpr, PREC
     ``load_tap_pair``) feeds dgrad, dx += A @ b (b: the flipped weights, ``conv_pair_weights``), and wgrad,
     acc[g, k, i] += sum_m A[g, m, k] xc[g, m, i] with xc the tile's own x ([G, BM, 8]): window tap
     t = T0 + k // 8 of dy, dy(q + d_t) = dy(q - d_{8-t}), against x's centre gives the gradient of
-    w[8 g + k % 8, i, 8 - t] (module docstring; ``store_wgrad_pair_flipped``)."""
+    w[8 g + k % 8, i, 8 - t] (module docstring; ``store_wgrad_pair``'s FLIPPED layout)."""
     T1: tl.constexpr = T0 + 1
     a = load_tap_pair(win, H, W, sh, sw, T0 // 3 - 1, T0 % 3 - 1, T1 // 3 - 1, T1 % 3 - 1, T1 < 9, TAPS)
     dx = tl.dot(a, b, dx, input_precision=PRECISION)
     acc = tl.dot(tl.permute(a, (0, 2, 1)), xc, acc, input_precision=PRECISION)
     return dx, acc
-
-
-@triton.jit
-def store_wgrad_pair_flipped(ptr, acc, co0, gok, T0: tl.constexpr, G: tl.constexpr, ATOMIC: tl.constexpr):
-    """``store_wgrad_pair`` for ``backward_pair_step``'s accumulator of dy's window taps (T0, T0 + 1):
-    element [g, k, i] goes to w[co0 + 8 g + k % 8, i, 8 - T0 - k // 8] (the tenth slot dropped)."""
-    g = tl.arange(0, G)[:, None, None]
-    k = tl.arange(0, 16)[None, :, None]
-    i = tl.arange(0, 8)[None, None, :]
-    t = T0 + k // 8
-    p = ptr + (co0 + 8 * g + k % 8) * 72 + i * 9 + (8 - t)
-    if ATOMIC:
-        tl.atomic_add(p, acc, mask=(t < 9) & gok, sem="relaxed")
-    else:
-        tl.store(p, acc, mask=(t < 9) & gok)
 
 
 @triton.jit
@@ -475,18 +466,18 @@ def wgrad_tile_products(acc0, acc1, acc2, acc3, acc4, win, H, W, sh, sw, dy, PRE
 
 @triton.jit
 def store_wgrad_partials(part_ptr, share, C, acc0, acc1, acc2, acc3, acc4, co0, gok, G: tl.constexpr,
-                         ATOMIC: tl.constexpr):
-    """The five accumulators into the program's share of the (shares, C, 8, 3, 3) partials, or (ATOMIC)
-    added to the one (C, 8, 3, 3) buffer."""
+                         ATOMIC: tl.constexpr, FLIPPED: tl.constexpr):
+    """The five accumulators (FLIPPED: ``backward_pair_step``'s, ``store_wgrad_pair``) into the program's
+    share of the (shares, C, 8, 3, 3) partials, or (ATOMIC) added to the one (C, 8, 3, 3) buffer."""
     if ATOMIC:
         out = part_ptr
     else:
         out = part_ptr + share.to(tl.int64) * C * 72
-    store_wgrad_pair(out, acc0, co0, gok, 0, G, ATOMIC)
-    store_wgrad_pair(out, acc1, co0, gok, 2, G, ATOMIC)
-    store_wgrad_pair(out, acc2, co0, gok, 4, G, ATOMIC)
-    store_wgrad_pair(out, acc3, co0, gok, 6, G, ATOMIC)
-    store_wgrad_pair(out, acc4, co0, gok, 8, G, ATOMIC)
+    store_wgrad_pair(out, acc0, co0, gok, 0, G, ATOMIC, FLIPPED)
+    store_wgrad_pair(out, acc1, co0, gok, 2, G, ATOMIC, FLIPPED)
+    store_wgrad_pair(out, acc2, co0, gok, 4, G, ATOMIC, FLIPPED)
+    store_wgrad_pair(out, acc3, co0, gok, 6, G, ATOMIC, FLIPPED)
+    store_wgrad_pair(out, acc4, co0, gok, 8, G, ATOMIC, FLIPPED)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -672,7 +663,7 @@ def _gconv_wgrad_kernel(
         win = tap_window(pix, r, c, ok, gok, G)
         acc0, acc1, acc2, acc3, acc4 = wgrad_tile_products(acc0, acc1, acc2, acc3, acc4, win, H, W, sxh, sxw,
                                                            dy, PRECISION, TAPS)
-    store_wgrad_partials(part_ptr, share, C, acc0, acc1, acc2, acc3, acc4, co0, gok, G, ATOMIC)
+    store_wgrad_partials(part_ptr, share, C, acc0, acc1, acc2, acc3, acc4, co0, gok, G, ATOMIC, False)
 
 
 @triton.jit
@@ -767,12 +758,4 @@ def _gconv_backward_kernel(
         if RESIDUAL:
             dx += load_group_tile(res_ptr + out, ok, gok, G, TAPS).to(tl.float32)
         store_group_tile(dx_ptr + out, dx, ok, gok, G)
-    if ATOMIC:
-        parts = part_ptr
-    else:
-        parts = part_ptr + share.to(tl.int64) * C * 72
-    store_wgrad_pair_flipped(parts, acc0, co0, gok, 0, G, ATOMIC)
-    store_wgrad_pair_flipped(parts, acc1, co0, gok, 2, G, ATOMIC)
-    store_wgrad_pair_flipped(parts, acc2, co0, gok, 4, G, ATOMIC)
-    store_wgrad_pair_flipped(parts, acc3, co0, gok, 6, G, ATOMIC)
-    store_wgrad_pair_flipped(parts, acc4, co0, gok, 8, G, ATOMIC)
+    store_wgrad_partials(part_ptr, share, C, acc0, acc1, acc2, acc3, acc4, co0, gok, G, ATOMIC, True)

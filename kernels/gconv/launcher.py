@@ -38,9 +38,9 @@ Tiles (``tile_config``)
 * Maps smaller than the tile (8 x 8 and 7 x 7 at G = 8: 64-pixel tiles, 16 KB pairs): G = 16 where C
   is whole blocks of 128 channels (``small_map_g16``; the fused backward too, below), which keeps the
   32 KB pairs, and at least FWD_MIN_PROGRAMS_G16 programs (two resident per SM: 255 registers, 28 KB of
-  shared memory, no stack), so two tiles per program at batch 128. Static estimate of Small's BIAS_SILU + POOL forward at 1024 channels 8 x 8 (sm_90,
-  fp16, batch 128): 29-42 -> 23-30 us (L1 pipe + latency 39-41 -> 38-39); with one tile per program
-  25-33, but 42-44 by that sum.
+  shared memory, no stack), so two tiles per program at batch 128. Static estimate of Small's BIAS_SILU +
+  POOL forward at 1024 channels 8 x 8 (sm_90, fp16, batch 128): 29-42 -> 23-30 us (L1 pipe + latency
+  39-41 -> 38-39); with one tile per program 25-33, but 42-44 by that sum.
 * 4 warps, no software pipelining (num_stages = 1): the tap windows are plain L1-allocating loads
   (kernel.py); latency is hidden by the other resident programs (72-254 registers: 2-7 per SM).
 
@@ -352,6 +352,12 @@ def _vector_strides(x: torch.Tensor) -> tuple[int, int, int]:
     return x.stride(0) // 8, x.stride(2) // 8, x.stride(3) // 8
 
 
+def _residual_map(residual: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
+    """A residual added to dx (the fused training blocks' dout): dx's shape and dtype, channels-last."""
+    assert tuple(residual.shape) == tuple(dx.shape) and residual.dtype == dx.dtype
+    return residual.contiguous(memory_format=torch.channels_last)
+
+
 def _out_hw(h: int, w: int, stride: int) -> tuple[int, int]:
     return (h + stride - 1) // stride, (w + stride - 1) // stride
 
@@ -465,8 +471,8 @@ def gconv3x3_dgrad_triton(dy: torch.Tensor, w: torch.Tensor, h: int, wd: int, st
         return dx
     dy = _nhwc(dy)
     if residual is not None:
-        assert stride == 1 and tuple(residual.shape) == tuple(dx.shape) and residual.dtype == dx.dtype
-        residual = residual.contiguous(memory_format=torch.channels_last)
+        assert stride == 1
+        residual = _residual_map(residual, dx)
     sizes = (h, wd, ho, wo, c // GROUP_WIDTH)
     strides = (*_vector_strides(dy), *w.stride())
     # stride 1: tiles of dx pixels; stride 2: tiles of positions (a, b), each the 2x2 input pixels
@@ -540,8 +546,7 @@ def gconv3x3_backward_triton(dy: torch.Tensor, w: torch.Tensor, x: torch.Tensor,
         return dx, torch.zeros((c, GROUP_WIDTH, 3, 3), dtype=out_dtype, device=x.device)
     x, dy = _nhwc(x), _nhwc(dy)
     if residual is not None:
-        assert tuple(residual.shape) == tuple(dx.shape) and residual.dtype == dx.dtype
-        residual = residual.contiguous(memory_format=torch.channels_last)
+        residual = _residual_map(residual, dx)
     interpreter = x.device.type == "cpu"
     cfg, per_share, shares = backward_config(n, c, h, wd, x.dtype, interpreter, device_info(x.device).arch)
     tiles = _tiles(n, h, wd, cfg)
