@@ -106,11 +106,18 @@ FWD_TILE_ELEMS = {2: 1024, 4: 256}
 # 8-232 B at 256 elements and up to 32 B at 128 (sm_90 and sm_80); fp32 is the checking path.
 WGRAD_FP32_ELEMS = 64
 NUM_WARPS = 4
-# The BIAS_SILU forward's register limit: left to ptxas, a one-tile program at 8x8 (Small's blocks at batch
-# 2-8) took 128 registers and spilled 8 B in its tile loop (sm_90, Triton 3.8); at 255 it takes 240 and
-# spills nothing, and the static estimate at batch 128 is the same or lower (8x8 30.6-42.9 -> 29.2-41.5
-# us, 16x16 79.6-104.0 -> 80.6-105.0)
-BIAS_SILU_MAXNREG = 255
+# The register limit of the forward kernel's plain and BIAS_SILU launches (not MOMENTS'). BIAS_SILU: left
+# to ptxas, a one-tile program at 8x8 (Small's blocks at batch 2-8) took 128 registers and spilled 8 B in
+# its tile loop (sm_90, Triton 3.8); at 255 it takes 240 and spills nothing, and the static estimate at
+# batch 128 is the same or lower (8x8 30.6-42.9 -> 29.2-41.5 us, 16x16 79.6-104.0 -> 80.6-105.0). Plain
+# (the MBConv training backward's recompute of d): Triton 3.8 gave the 1024-channel 16x16 and 8x8 convs
+# 167 registers for three programs per SM, whose SASS waits longer on its loads (latency term 48 -> 40
+# and 18 -> 11 us); at 255 they take 254-255, as Triton 3.6 does unasked. Static estimate, fp16, batch 128,
+# sm_90, high end: 97.3 -> 81.3 and 36.0 -> 22.8 us; over the four models' 44 shapes 3.27 -> 3.04 ms
+# (sm_80 4.63 -> 4.56, Triton 3.6 3.18 -> 3.14, fp32 22.6 -> 21.1), no stack. Not for MOMENTS or the
+# stride-1 dgrad, already at 254-255 registers: there the limit only reorders ptxas' schedule, and their
+# estimates rose (the moments at 16x16 93.8 -> 102.6 us, Triton 3.6's dgrad 81.3 -> 92.8).
+FWD_MAXNREG = 255
 NUM_STAGES = 1  # no cp.async: a 16-byte cp.async is always .cg (L2 only), the windows must hit L1
 MIN_SHARE_PIXELS = 1024  # output pixels per wgrad share at least (partials <= ~7 % of the traffic)
 WGRAD_PROGRAMS = 1024  # wgrad shares x channel blocks at most, unless a share would fall below the minimum
@@ -412,7 +419,7 @@ def _forward(x: torch.Tensor, w: torch.Tensor, stride: int, shift: torch.Tensor 
     launch(_gconv_fwd_kernel, grid, x, w, y, None, shift, parts, bias, pools, h, wd, ho, wo, c // GROUP_WIDTH,
            tiles, *_vector_strides(x), *w.stride(), STRIDE=stride, FLIP=False, RESIDUAL=False, TPP=tpp,
            MOMENTS=shift is not None, BIAS_SILU=bias is not None, POOL=pool, SILU=silu, **_meta(cfg, c),
-           cost=cost, **(dict(maxnreg=BIAS_SILU_MAXNREG) if bias is not None else {}))
+           cost=cost, **(dict(maxnreg=FWD_MAXNREG) if shift is None else {}))
     return y, parts if bias is None else pools
 
 
