@@ -36,6 +36,12 @@ BACKENDS = ("auto", "triton", "reference")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the Triton kernels run
 REFERENCE_DTYPES = (torch.float64,)  # runs the PyTorch reference only (gradient checks, numerics)
 GROUP_WIDTH = 8  # every grouped 3x3 conv of ConvFirstNet has 8 channels per group (SPEC 1)
+# ``maxnreg`` for the launches that take it (each says why): without a limit ptxas may keep registers
+# low for more resident programs and serialize loads to do so; with it, register pressure alone decides.
+# A launch option like num_warps, passed through to triton.compile by torch.compile's Inductor from torch
+# 2.14 (pytorch PR 187028: backend options of user-defined kernels); earlier releases can drop it there,
+# which only changes the compiled schedule, not the results.
+MAXNREG = 255
 
 
 def cdiv(a: int, b: int) -> int:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .._cost import KernelCost, Loop
-from .._launch import cdiv, device_info, launch, next_power_of_2
+from .._launch import MAXNREG, cdiv, device_info, launch, next_power_of_2
 from ..gconv.launcher import gconv3x3_backward_triton, gconv3x3_triton, reduce_partials
 from .finalize import (
     VEC_C, VEC_K, VEC_R, VEC_ROWS, VEC_T, VEC_U, VEC_W,
@@ -71,6 +71,12 @@ BLUR_ELEMS = 4096
 # Triton 3.6 and sm_80 too; 167-192 registers, no stack (2 warps on 2048 spilled 16 B at Nano's 48
 # channels). fp32 keeps 4096 on 4 warps (one warp spilled 16-40 B)
 BLUR_BWD = {2: (1024, 1), 4: (4096, 4)}
+# The register limit (_launch.MAXNREG) of the FFN forward, the residual / BN3 pass and BlurPool's transpose:
+# left to ptxas (Triton 3.8), the 96-channel residual pass took 88 registers (now 141) and its loads waited
+# in sequence. Static estimate, Small's 13 ConvFirst training blocks, batch 128, high end, sm_90 / Triton
+# 3.6 / sm_80: FFN forward 2.31 / 3.38 / 3.57 -> 2.30 / 3.04 / 3.50 ms, residual 1.00 / 1.00 / 1.26 ->
+# 0.82 / 0.82 / 1.17, transpose 0.48 / 0.48 / 0.66 -> 0.44 / 0.45 / 0.61; no new stack
+LIMITED = dict(maxnreg=MAXNREG)
 # Under the interpreter (CPU tensors) shares of two tiles, so that small test maps run every share
 # loop more than once (the same code as the GPU's, other sizes).
 INTERPRETER_SHARE_TILES = 2
@@ -352,7 +358,7 @@ def ffn_forward(inp, vec_in, w1, w2, vec2, cfg: TrainConfig):
            vec_in[VEC_T] if affine else pmean, vec2[VEC_K], vec2[VEC_T], pmean, pm2, m, r, tiles, per, CI=ci,
            CIA=cfg.parts_in[0], CIB=cfg.parts_in[1], CO=co, COA=cfg.parts_out[0], COB=cfg.parts_out[1],
            BM=cfg.block_m, BH=cfg.block_h, PRECISION=cfg.precision,
-           AFFINE_IN=affine, num_warps=cfg.num_warps_fwd,
+           AFFINE_IN=affine, num_warps=cfg.num_warps_fwd, **LIMITED,
            cost=lambda: ffn_fwd_cost(cfg, m, ci, co, r, inp.element_size(), shares, per))
     return p, pmean, pm2, per * cfg.block_m
 
@@ -492,7 +498,7 @@ def convfirst_s1_train_triton(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, g
     out = _map(n, c, h, w, x)
     rows = _elementwise_rows(c)
     launch(_residual_kernel, (cdiv(m, rows),), x, p, out, drop_scale, vec3[VEC_K], vec3[VEC_T], m,
-           h * w, C=c, CP=cfg.cp_out, BM=rows, RESIDUAL=True, num_warps=4,
+           h * w, C=c, CP=cfg.cp_out, BM=rows, RESIDUAL=True, num_warps=4, **LIMITED,
            cost=lambda: elementwise_cost("residual", m, c, x.element_size(), 3))
     return (out, a, p, m1, v1, m2, v2, m3, v3, bmean1, bcov1)
 
@@ -573,7 +579,7 @@ def convfirst_s2_train_triton(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, g
     out = _map(n, k, ho, wo, x)
     rows = _elementwise_rows(k)
     launch(_residual_kernel, (cdiv(mo, rows),), p, p, out, vec3[VEC_K], vec3[VEC_K], vec3[VEC_T], mo,
-           ho * wo, C=k, CP=cfg.cp_out, BM=rows, RESIDUAL=False, num_warps=4,
+           ho * wo, C=k, CP=cfg.cp_out, BM=rows, RESIDUAL=False, num_warps=4, **LIMITED,
            cost=lambda: elementwise_cost("BN3", mo, k, x.element_size(), 2))
     return (out, a, u, p, m1, v1, m2, v2, m3, v3, mean_u, cov_u)
 
@@ -608,7 +614,7 @@ def convfirst_s2_train_backward_triton(dout, x, a, u, p, w_conv, w1, w2, gamma1,
     per, shares = tile_shares(tiles, x.device.type == "cpu")
     part1 = _f32(shares, 2, c, like=x)
     launch(_blur_bwd_kernel, (shares,), du, a, dxd, dy, mean1, vec1[VEC_R], part1, m, h, w, ho, wo, tiles,
-           per, C=c, CP=_pow2(c), BM=rows, num_warps=warps,
+           per, C=c, CP=_pow2(c), BM=rows, num_warps=warps, **LIMITED,
            cost=lambda: blur_cost("BlurPool transpose", n, c, h, w, x.element_size(), backward=True,
                                   loops=(Loop("tiles", per),), l1=(rows, per)))
     dgamma1, dbeta1 = bn_terms([(gamma1, beta1, mean1, var1, vec1)], eps, m, training, sums=(0, part1))

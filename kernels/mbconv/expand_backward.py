@@ -36,15 +36,16 @@ Tiles (``TILES``, ``DX_TILES``, ``FINALIZE``), compiled for sm_90 at Small's C =
   (3 stages) and 78-97 with two programs per SM (one stage, registers capped at 128); RB = 256 does not
   fit one SM (255 registers and 240 KB at 3 stages).
 * weights pass: 32 chunks of RB = 32 x 4 splits of 64-pixel tiles, 4 warps, 3 pipeline stages (x tiles
-  in flight), 171 registers, one program per SM (its shared memory). 105-117 (8x8: 28-31). Two stages let
-  two programs share an SM (168 registers) but left the z dot's loads exposed: 122-151 (8x8: 32-40).
+  in flight), 203 registers (EXPAND_MAXNREG), one program per SM (its shared memory). 90-102 (8x8:
+  24-28). Two stages let two programs share an SM (168 registers) but left the z dot's loads exposed:
+  122-151 (8x8: 32-40).
   RB = 64 on 8 warps (the de pass's tile) took 251 registers: 132-160; RB = 64 on 4 warps spilled 40 B.
 * merge and terms: 64 programs of 16 hidden rows, 4 warps, 135 registers. 3-4 (the ConvFirst FFN's
   finalize, forming W_exp G itself from G on the tensor cores, took 18-21 plus a merge launch of 4-5).
 * dx: 64-pixel tiles, 32 hidden channels per step, 4 warps, 253 registers, two programs per SM. 85-94;
   128-pixel tiles of 64 channels on 8 warps spilled 24 B (255 registers) and took 108-121.
-Against the passes before (sums 116-136, de 128-157, dgrad 32-39 us and two merges) the three launches take
-193-215 against 282-340 us at 16x16; the block's backward 88-125 us less at 16x16, 31-43 at 8x8.
+Against the passes before (sums 116-136, de 128-157, dgrad 32-39 us and two merges) the three launches took
+193-215 (now 178-200) against 282-340 us at 16x16; the block's backward 88-125 us less at 16x16, 31-43 at 8x8.
 fp32 (3xTF32: each operand split in two parts in registers, the whole C = 256 row per tile) takes smaller
 tiles that fit the shared memory and spills: correct, not fast; a K loop over C would be its fix.
 """
@@ -57,7 +58,7 @@ import triton.language as tl
 
 from .._activations import sigmoid, silu
 from .._cost import KernelCost, Loop
-from .._launch import FLOAT_DTYPES, cdiv, device_info, launch, next_power_of_2
+from .._launch import FLOAT_DTYPES, MAXNREG, cdiv, device_info, launch, next_power_of_2
 from .launcher import MAX_C, kernel_settings
 from .narrow import _splits
 
@@ -69,6 +70,12 @@ MODE_H, MODE_D = 0, 1
 # (see the module docstring).
 TILES = {(MODE_H, 2): (128, 64, 4, 3), (MODE_D, 2): (32, 64, 4, 3),
          (MODE_H, 4): (64, 64, 8, 1), (MODE_D, 4): (32, 64, 8, 1)}
+# The 16-bit expand kernel's register limit. Left to ptxas (Triton 3.8, sm_90), the weights pass took 171
+# registers and the 32x32 h pass 178 (one program per SM either way: its shared memory); at 255 they take
+# 203 and 244, and the SASS waits less on the z dot's loads. Static estimate, batch 128, high end: the
+# weights pass 117.2 -> 101.7 us at 16x16, 31.4 -> 27.5 at 8x8; Small's 36 MBConv training blocks 5.13 ->
+# 4.78 ms (Triton 3.6 4.95 -> 4.83, sm_80 13.05 -> 13.02), no stack.
+EXPAND_MAXNREG = MAXNREG
 # bn_e_dx by element size: (pixel tile, hidden channels per step, warps).
 DX_TILES = {2: (64, 32, 4), 4: (64, 16, 4)}
 # The finalize launch (merge of the weights pass's partials and BN_e's terms): (hidden rows per program,
@@ -294,7 +301,7 @@ def _expand_launch(mode: int, x, w_exp, mean_e, rstd_e, gamma_e, beta_e, dh, out
            cost=lambda: _expand_cost(mode, p, c, r, rb, cp, bm, splits, ch, x.element_size(),
                                      gamma_e.element_size(), forward, folded),
            MODE=mode, RB=rb, CP=cp, BM=bm, EVEN_R=r % rb == 0, FAST=fast, PREC=prec, FOLDED=folded,
-           num_warps=warps, num_stages=stages)
+           num_warps=warps, num_stages=stages, **(dict(maxnreg=EXPAND_MAXNREG) if _size(x) == 2 else {}))
 
 
 def _expand_cost(mode: int, p: int, c: int, r: int, rb: int, cp: int, bm: int, splits: int, ch: int,

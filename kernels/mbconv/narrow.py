@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .._cost import KernelCost, Loop
-from .._launch import cdiv, device_info, launch, next_power_of_2
+from .._launch import MAXNREG, cdiv, device_info, launch, next_power_of_2
 from .._scalars import fp32
 from ..gconv.launcher import reduce_partials
 from .moments import bn_batch_tail, stats_out
@@ -396,7 +396,9 @@ def bn_residual(o: torch.Tensor, x: torch.Tensor | None, drop: torch.Tensor, gam
            cost=lambda: KernelCost(0, 0, splits * 2 * k * 4 + 2 * k * 4 + 8 * k * 4,
                                    (Loop("splits", steps),),
                                    note="Chan's merge of BN_p's partials; running update"),
-           num_warps=1)  # one warp (was 4): a short merge, 3.1 -> 2.1 us (static, sm_90), no stack
+           # one warp (was 4): a short merge, 3.1 -> 2.1 us (static, sm_90), no stack; maxnreg
+           # (_launch.MAXNREG): Small's 36 blocks 0.074 -> 0.069 ms (sm_90), 0.094 -> 0.071 (sm_80)
+           num_warps=1, maxnreg=MAXNREG)
     res = x if x is not None else o
     launch(_bn_apply_kernel, (cdiv(m, APPLY_PIXELS),), o, out, res, drop, ss, m, k, h * w, w,
            *_nhwc(o), *_nhwc(res), RESIDUAL=x is not None, BK=bk, BM=APPLY_PIXELS,

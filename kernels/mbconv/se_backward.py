@@ -46,7 +46,7 @@ import triton.language as tl
 
 from .._activations import sigmoid
 from .._cost import KernelCost, Loop
-from .._launch import cdiv, device_info, launch, next_power_of_2
+from .._launch import MAXNREG, cdiv, device_info, launch, next_power_of_2
 from .._scalars import fp32
 
 BN = 16  # images per tile (the dots' M; 16 is their least)
@@ -57,6 +57,11 @@ RW = 64  # channels per weight-gradient tile
 NW = 32  # images per step of a weight-gradient tile (its shared memory, the dots' layout changes, grows
 # with NW: 104 KB at 32, 208 KB at 64, past the A100's 163 KB)
 WARPS = 8
+# s's partials and the gate launch compiled with maxnreg (_launch.MAXNREG): left to ptxas (Triton 3.8) they
+# waited on fewer loads at a time. Static estimate, Small's 36 MBConv training blocks, batch 128, high end:
+# 0.132 -> 0.100 and 0.195 -> 0.172 ms on sm_90 (Triton 3.6 0.135 -> 0.098, the gate's unchanged; sm_80
+# unchanged), no stack
+LIMITED = dict(maxnreg=MAXNREG)
 PREC = "ieee"  # fp32 products on the FMA pipe
 
 
@@ -254,7 +259,7 @@ def se_backward(gsum: torch.Tensor, dgate: torch.Tensor, w_se1: torch.Tensor, b_
            cost=lambda: KernelCost(n * r * s, 0, vec + r * s * web + part, (),
                                    l2_bytes=(groups - 1) * r * s * web,
                                    note="SE backward: s's partials over channel chunks"),
-           BN=BN, RC=rc, SP=sp, PREC=PREC, num_warps=WARPS)
+           BN=BN, RC=rc, SP=sp, PREC=PREC, num_warps=WARPS, **LIMITED)
     chp = next_power_of_2(chunks)
     launch(_gate_kernel, (groups, chunks), dgate, b_se1, w_se2, b_se2, spart, s_val, gate, dspart, n, r, s,
            cost=lambda: KernelCost(2 * n * r * s, 0, 2 * vec + r * s * web + (r + s) * 4 + n * sp * 4 + part,
@@ -262,7 +267,7 @@ def se_backward(gsum: torch.Tensor, dgate: torch.Tensor, w_se1: torch.Tensor, b_
                                    l2_bytes=chunks * part + (groups - 1) * r * s * web,
                                    l2_footprint_bytes=part,
                                    note="SE backward: s, the gate, ds's partials over channel chunks"),
-           CH=chunks, CHP=chp, BN=BN, RC=rc, SP=sp, PREC=PREC, num_warps=WARPS)
+           CH=chunks, CHP=chp, BN=BN, RC=rc, SP=sp, PREC=PREC, num_warps=WARPS, **LIMITED)
     launch(_grad_kernel, (max(pix_tiles, w_tiles),), gsum, dgate, w_se1, s_val, gate, dspart, dpix, dw1, db1,
            dw2, db2, n, r, s, hwf, pix_tiles, w_tiles,
            cost=lambda: _grad_cost(n, r, s, sp, web, chunks, groups, sch),
