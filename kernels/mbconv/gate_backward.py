@@ -20,7 +20,8 @@ One kernel, ``_gate_backward_kernel``, with a ``MODE`` constexpr:
 Grid: program (c, s) = channel chunk c of RB channels (the fast axis, so the chunks of one image group run
 together and the do tiles they share are re-read from L2) x image group s of whole images (per-image sums
 complete within a program, no merge for MODE 0), about one program per SM (RB = 128 for MODE 0: 8 chunks
-x 16 groups at Small; RB = 64 for MODE 1, whose [K, RB] fp32 dW_proj partial lives in registers: 16 x 8).
+x 16 groups at Small; RB = 64 for MODE 1, whose [K, RB] fp32 dW_proj partial lives in registers: 16 x 8;
+sm_80: RB_SM80).
 The chunk's W_proj slice is loaded once per program (loop-invariant, in shared memory). One loop walks the
 group's tiles of BM pixels, image by image (a tile never straddles two images; the last tile of an image
 is masked where BM does not divide HW). Tiles are [channels, pixels] (see the kernel). Products on 16-bit
@@ -49,6 +50,10 @@ from .launcher import kernel_settings
 BM = 64  # pixels per tile (the dots' M; wgmma needs >= 64)
 RB = (128, 64)  # channels per chunk by MODE (MODE 1 also holds the [K, RB] fp32 dW_proj partial)
 STAGES = 3  # do tiles in flight (cp.async)
+# sm_80 (mma.sync: the dots' fragments take more registers than wgmma's): MODE 1 on 32-channel chunks. At
+# 64 it spilled 320 B at Small's 16x16 map and 344 B at 8x8; at 32 nothing, and the static estimate (batch
+# 128, high end) 969.8 -> 715.6 and 212.4 -> 181.8 us. MODE 0 keeps 128 (at 64: 56.1 -> 72.7 us at 8x8)
+RB_SM80 = (128, 32)
 # fp32 data (tiles of twice the bytes, tf32x3 dots): the W_proj slice and the do tiles within shared memory
 # (sm_90, Small: 192 KB; 64 channels took 256-320 KB). It spills and takes mma.sync: a fallback, not tuned
 RB_FP32 = (32, 16)
@@ -293,9 +298,10 @@ def _geometry(d: torch.Tensor, n: int, mode: int) -> tuple[int, int, int, int, i
     """(channels per chunk, chunks, groups, images per group, tiles per image) of MODE's grid: about one
     program per SM (each program loads its W_proj slice once), at least MIN_IMAGES images per group."""
     p, r = d.shape
-    rb = (RB_FP32 if d.dtype == torch.float32 else RB)[mode]
+    gpu = device_info(d.device)
+    rb = (RB_FP32 if d.dtype == torch.float32 else RB_SM80 if gpu.arch < 90 else RB)[mode]
     chunks = cdiv(r, rb)
-    want = max(1, device_info(d.device).sms // chunks)
+    want = max(1, gpu.sms // chunks)
     ipg = max(min(MIN_IMAGES, n), cdiv(n, want))
     return rb, chunks, cdiv(n, ipg), ipg, cdiv(p // n, BM)
 
