@@ -60,6 +60,9 @@ VARIANTS = {  # name -> overrides of kernels/mbconv/launcher.py's constants
     # the group-width-8 conv on 8x8 and 7x7 maps with G = 8 (64-pixel tiles) instead of G = 16
     # (kernels/gconv/launcher.py SMALL_MAP_G16): --block stages.4.1
     "conv G 8 small maps": {"gconv.launcher.SMALL_MAP_G16": False},
+    # the ConvFirst blocks' conv forward without the register limit (kernels/gconv/launcher.py FWD_MAXNREG;
+    # Triton 3.8 then takes 167 registers at 64 channels 64x64, Triton 3.6 255 either way): --block stages.1.1
+    "conv no register limit": {"gconv.launcher.FWD_MAXNREG": None},
     # 128-pixel conv tiles (32 KB tap pairs) at 16x16 stride 1 and in tiled programs: the static model's
     # high end ranks them faster through its wait term only (kernels/mbconv/launcher.py WIDE_CONV_TILES)
     "conv tiles 128": {"WIDE_CONV_TILES": True},
