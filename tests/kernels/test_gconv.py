@@ -881,6 +881,21 @@ def test_sample_compiles_without_spills(compiled_sample):
 
 @pytest.mark.compile
 @pytest.mark.slow
+def test_forward_register_limit(compiled_sample):
+    """launcher.FWD_MAXNREG: the plain forward at Small's 1024-channel 14x14 map (sm_90, fp16) compiles to
+    at least 240 registers a thread, no stack. Left to ptxas (Triton 3.8) it took 167 for three programs
+    per SM, and its loads waited in sequence (the launcher's comment); dropping the limit is the planted
+    bug."""
+    checked = 0
+    for (kind, c, _, dtype, arch), _, comp in compiled_sample:
+        if kind == "forward" and arch == 90:
+            assert comp.regs >= 240 and comp.stack == 0, (c, dtype, comp.regs, comp.stack)
+            checked += 1
+    assert checked == 1
+
+
+@pytest.mark.compile
+@pytest.mark.slow
 def test_backward_weights_loaded_before_the_tile_loop(compiled_sample):
     """kernel.py: the fused backward (16-bit, G >= 4) loads dgrad's weights once per program, before its
     tile loop. Its fp32 master weights are the kernel's only 4-byte global loads (LDG.E; the tap windows

@@ -212,8 +212,9 @@ def test_small_expand_backward_compiles_for_sm90():
     within shared memory, no spill code in their loops, the pixel passes' dots on wgmma, enough programs for
     the 132 SMs (the merge: 64 of 16 hidden rows); the fp32 variants within shared memory. (Compiled with
     Triton 3.8, fp16: h 128 registers and 136 KiB of shared memory (3 stages, one program per SM); the
-    weights pass 171 registers (3 stages, one program per SM), the merge 135, dx 253 (two programs per SM),
-    all without stack.)"""
+    weights pass 203 registers (3 stages, one program per SM), the merge 135, dx 253 (two programs per SM),
+    all without stack.) The weights pass takes more than 200 registers: EXPAND_MAXNREG, without which ptxas
+    gave it 171 and the z dot's loads waited in sequence (dropping the limit is the planted bug)."""
     pytest.importorskip("triton")
     from convfirstnet.analysis.compiled import compile_variants, variant_of
 
@@ -245,4 +246,6 @@ def test_small_expand_backward_compiles_for_sm90():
         if c.shared > SHARED_LIMIT[90] or _spills_in_loops(c) or c.mma_kind != want.get(v.name, "wgmma"):
             problems.append(f"{where}: {c.shared} B shared, {_spills_in_loops(c)} spills in loops, "
                             f"{c.mma_kind}")
+        if v.name == "_expand_kernel" and v.meta["MODE"] == 1 and c.regs <= 200:
+            problems.append(f"{where}: {c.regs} registers, the register limit not applied")
     assert not problems, "\n".join(problems)
