@@ -101,7 +101,10 @@ BNS_BLUR_STAGES = 3  # stride 2's full-resolution loop pipelined (cp.async); str
 BNS_BLUR_WARPS = 8  # stride 2 (at 4 warps the 32x32 variant took 255 registers and 8 B of stack)
 # stride 2 when g is given activated (the staged inference blocks: blur and pool only): 4 warps, 64-134
 # registers, no stack (sm_90 and sm_80, Triton 3.6 and 3.8). Static estimate, Small, batch 128, sm_90:
-# 16x16 56-83 -> 43-61 us, 32x32 43-60 -> 39-48 (L1 pipe + latency 49 -> 38, 44 -> 38)
+# 16x16 56-83 -> 43-61 us, 32x32 43-60 -> 39-48 (L1 pipe + latency 49 -> 38, 44 -> 38). With maxnreg
+# (_launch.MAXNREG: its loads in flight together): Small's two such launches 0.109 -> 0.092 ms (sm_90),
+# 0.169 -> 0.093 (Triton 3.6), 0.220 -> 0.124 (sm_80), high end, no stack; the training forms, limited
+# alike, rose (1.46 -> 1.53 ms over the 36 blocks): they keep ptxas' choice
 BNS_BLUR_WARPS_ACTIVATED = 4
 # Stride 2 writes g at full resolution in place of u and blurs it back, one SiLU per pixel, rather than
 # recomputing BN_d + SiLU for each of the nine taps (2.25 per pixel). SiLU is two MUFU operations (ex2,
@@ -234,6 +237,7 @@ def mbconv_from_conv_output(u: torch.Tensor, x: torch.Tensor, stats: torch.Tenso
            RB=geo.rb, BP=bp, SP=geo.sp, SILU=silu, MASK_R=r % geo.rb != 0, STRIDE=stride,
            NS=BNS_BLUR_STAGES if stride == 2 else 1, ACTIVATED=activated,
            num_warps=BNS_WARPS if stride == 1 else BNS_BLUR_WARPS_ACTIVATED if activated else BNS_BLUR_WARPS,
+           **(dict(maxnreg=MAXNREG) if activated else {}),
            num_stages=1)
     gates = torch.empty((n, r), device=x.device, dtype=x.dtype)
     b_se1, b_se2 = b_se1.contiguous(), b_se2.contiguous()
