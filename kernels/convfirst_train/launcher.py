@@ -75,7 +75,8 @@ BLUR_BWD = {2: (1024, 1), 4: (4096, 4)}
 # left to ptxas (Triton 3.8), the 96-channel residual pass took 88 registers (now 141) and its loads waited
 # in sequence. Static estimate, Small's 13 ConvFirst training blocks, batch 128, high end, sm_90 / Triton
 # 3.6 / sm_80: FFN forward 2.31 / 3.38 / 3.57 -> 2.30 / 3.04 / 3.50 ms, residual 1.00 / 1.00 / 1.26 ->
-# 0.82 / 0.82 / 1.17, transpose 0.48 / 0.48 / 0.66 -> 0.44 / 0.45 / 0.61; no new stack
+# 0.82 / 0.82 / 1.17, transpose 0.48 / 0.48 / 0.66 -> 0.44 / 0.45 / 0.61; no new stack. The BatchNorm terms
+# launch too: 0.287 -> 0.148 ms on Triton 3.6 (the GPU image's), unchanged on 3.8 and sm_80
 LIMITED = dict(maxnreg=MAXNREG)
 # Under the interpreter (CPU tensors) shares of two tiles, so that small test maps run every share
 # loop more than once (the same code as the GPU's, other sizes).
@@ -301,7 +302,7 @@ def bn_terms(bns, eps: float, rows: int, training: bool, sums=None):
     launch(_bn_terms_kernel, (cdiv(width, block), len(bns)), *args, part, dgamma, dbeta, shares, rows,
            eps,
            SUMS1=which == 0, SUMS2=which == 1, SUMS3=which == 2, TRAINING=training, SB=sb, BLOCK=block,
-           num_warps=fin["warps"],
+           num_warps=fin["warps"], **LIMITED,
            cost=lambda: finalize_cost("BatchNorm terms", 4 * (2 * shares * width + sum(7 * b[4].shape[1]
                                                                                      for b in bns)),
                                       (Loop("shares", cdiv(shares, sb)),) if sums is not None else (),
