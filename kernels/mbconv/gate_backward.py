@@ -62,6 +62,7 @@ WARPS = 8  # two warpgroups
 # Both modes compiled with maxnreg (_launch.MAXNREG): Triton 3.6 (the GPU image's) then keeps more of the
 # do tiles' loads in flight. Small's 36 MBConv training blocks, static, batch 128, high end: 5.89 -> 5.46
 # ms on Triton 3.6; Triton 3.8 (already at 211-254 registers) 4.985 -> 4.979, sm_80 unchanged; no new stack
+GATE_MAXNREG = MAXNREG
 MIN_IMAGES = 2  # the fewest images per group: the W_proj slice is read once per program
 MERGE_GROUPS = 16  # groups per step of the merge
 MERGE_BLOCK = 512  # elements of the (K, R) result per merge program
@@ -69,6 +70,7 @@ SUMS_IMAGES = 64  # images per step of bn_d_sums
 SUMS_BLOCK = 8  # channels per bn_d_sums program (at Small: 128 programs, two steps)
 # bn_d_sums with maxnreg (_launch.MAXNREG): its loads in flight together; Small's 36 MBConv training blocks,
 # static, high end: 0.096 -> 0.077 ms (sm_90), 0.097 -> 0.078 (Triton 3.6), 0.158 -> 0.117 (sm_80)
+SUMS_MAXNREG = MAXNREG
 
 
 @triton.jit
@@ -325,7 +327,7 @@ def _launch(mode: int, d, stats, do, w_proj, gate, dpix, a0, a1, a2, a3, n, geo)
            dpix, a0, a1, a2, a3, n, r, kk, ipg, 1.0 / p,
            cost=lambda: _cost(mode, given, p, r, kk, n, geo, d.element_size()),
            HW=hw, MODE=mode, RB=rb, BM=BM, BK=bk, EVEN_HW=hw % BM == 0, EVEN_CK=r % rb == 0 and kk == bk,
-           FAST=silu, PREC=prec, GIVEN=given, num_warps=WARPS, maxnreg=MAXNREG,
+           FAST=silu, PREC=prec, GIVEN=given, num_warps=WARPS, maxnreg=GATE_MAXNREG,
            num_stages=STAGES_FP32 if d.dtype == torch.float32 else STAGES)
 
 
@@ -366,7 +368,7 @@ def bn_d_sums(parts: torch.Tensor, gate: torch.Tensor, dpix: torch.Tensor
            cost=lambda: KernelCost(0, 0, 2 * r * 4, (Loop("images", cdiv(n, SUMS_IMAGES)),),
                                    l2_bytes=6 * n * r * 4, l2_footprint_bytes=6 * n * r * 4,
                                    note="BN_d sums: the per-image parts, gate and dpix over the images"),
-           BN=SUMS_IMAGES, BR=SUMS_BLOCK, num_warps=4, maxnreg=MAXNREG)
+           BN=SUMS_IMAGES, BR=SUMS_BLOCK, num_warps=4, maxnreg=SUMS_MAXNREG)
     return sum_dy, sum_dyu
 
 

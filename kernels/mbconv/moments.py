@@ -119,6 +119,7 @@ SEG_WARPS = 4
 # The gates with maxnreg (_launch.MAXNREG): left to ptxas they waited on fewer of their loads at a time.
 # Small's 36 MBConv training forwards, static, batch 128, high end: 0.266 -> 0.170 ms (sm_90), 0.259 ->
 # 0.166 (Triton 3.6), 0.586 -> 0.322 (sm_80), no stack
+SEG_MAXNREG = MAXNREG
 
 
 @triton.jit
@@ -243,7 +244,7 @@ def mbconv_from_conv_output(u: torch.Tensor, x: torch.Tensor, stats: torch.Tenso
     b_se1, b_se2 = b_se1.contiguous(), b_se2.contiguous()
     launch(_se_gates_kernel, (n,), zpart, b_se1, w_se2, b_se2, gates, n, geo.nchunk, r, s, *w_se2.stride(),
            cost=lambda: _se_gates_cost(geo), SP=geo.sp, NCP=next_power_of_2(geo.nchunk), GB=gate_rows(r),
-           SILU=silu, num_warps=SEG_WARPS, maxnreg=MAXNREG)
+           SILU=silu, num_warps=SEG_WARPS, maxnreg=SEG_MAXNREG)
     launch_project(geo, g, zpart, gates, b_se1, w_se2, b_se2, w_proj, b_proj.contiguous(), x, out, False)
     return out
 
