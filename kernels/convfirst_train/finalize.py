@@ -13,7 +13,8 @@ of one BatchNorm of width W live in one fp32 buffer of VEC_ROWS x W (``VEC_*`` r
 * ``_merge_moments_kernel``: Chan's merge of (mean, centred second moment) partials per share, for the
   full C x C covariance (FULL) or its diagonal; the mean and variance, optionally k and t.
 * ``_linear_moments_kernel``: the statistics of z = W v from v's mean and covariance (v = k_in a + t_in
-  when AFFINE_IN): mean W mean_v, variance diag(W Cov(v) W^T) (no pass over the wide z), and k, t.
+  when AFFINE_IN): mean W mean_v, variance diag(W Cov(v) W^T) (no pass over the wide z), and k, t;
+  FOLD: also k W and W2 in the activation dtype, the stride-1 forward FFN's weights.
 * ``_bn_terms_kernel``: r, k, t of up to three BatchNorms from their statistics, and for one of them
   the backward terms from per-share (sum dout, sum dout v_hat) partials: dbeta, dgamma (stored in the
   parameter's dtype), u, w, c.
@@ -124,10 +125,15 @@ def _linear_moments_kernel(
     mean_in, cov_in, kin_ptr, tin_ptr,  # v's statistics (CI), (CI, CI) fp32; AFFINE_IN: v = kin a + tin
     w_ptr, ref_ptr,  # W (R, CI) as stored; ref: any tensor of the activation dtype (never read)
     gamma_ptr, beta_ptr, mean_ptr, var_ptr, k_ptr, t_ptr,  # gamma, beta (R) as stored; outputs (R) fp32
-    R, eps, COLS,
+    ws_ptr, w2_ptr, w2d_ptr,  # FOLD: k W (R, CI) and W2 (CO, R) as stored -> W2 (CO, R), activation dtype
+    R, eps, COLS, CO,
     CI: tl.constexpr, CPI: tl.constexpr, BH: tl.constexpr, BJ: tl.constexpr, AFFINE_IN: tl.constexpr,
+    FOLD: tl.constexpr, BO: tl.constexpr,
 ):
-    """Program: BH output channels of z = W v: mean W mean_v, variance diag(W Cov(v) W^T), k, t."""
+    """Program: BH output channels of z = W v: mean W mean_v, variance diag(W Cov(v) W^T), k, t. FOLD
+    (the stride-1 training forward's FFN, launcher.ffn_forward): also W scaled by k, so that
+    k z + t = (k W) v + t, and W2's columns of these channels, both in the activation dtype (BO rows of
+    W2 a step)."""
     eps = fp32(eps)  # torch.compile passes floats as fp64 (_scalars.py)
     hh = tl.program_id(0) * BH + tl.arange(0, BH)
     hok = hh < R
@@ -157,6 +163,15 @@ def _linear_moments_kernel(
     tl.store(var_ptr + hh, var, mask=hok)
     tl.store(k_ptr + hh, k, mask=hok)
     tl.store(t_ptr + hh, b - mean * k, mask=hok)
+    if FOLD:  # k W from W as stored (fp32 under autocast): rounded once
+        wm = hok[:, None] & cok[None, :]
+        ws = tl.load(w_ptr + hh[:, None] * CI + ci[None, :], mask=wm, other=0.0).to(tl.float32) * k[:, None]
+        tl.store(ws_ptr + hh[:, None] * CI + ci[None, :], ws.to(dt), mask=wm)
+        for o0 in range(0, CO, BO):
+            o = o0 + tl.arange(0, BO)
+            om = (o < CO)[:, None] & hok[None, :]
+            w2 = tl.load(w2_ptr + o[:, None] * R + hh[None, :], mask=om, other=0.0)
+            tl.store(w2d_ptr + o[:, None] * R + hh[None, :], w2.to(dt), mask=om)
 
 
 @triton.jit

@@ -14,7 +14,12 @@ Forward
      W1 mean(y) and var(z) = diag(W1 Cov(y) W1^T). No pass over the wide z.
   3. ``_ffn_fwd_kernel``: per tile of BM rows of its share, y = k1 a + t1, then over hidden chunks of
      BH: h = ReLU(k2 (y W1^T) + t2) and p += h W2^T; p stored (narrow) with the share's mean and
-     centred second moment per channel (BN3's statistics, merged by ``_merge_moments_kernel``).
+     centred second moment per channel (BN3's statistics, merged by ``_merge_moments_kernel``). 16-bit
+     on sm_90 and later (launcher.RESIDENT_FFN): the FFN launch of inference's staged blocks instead
+     (kernels/convfirst/staged.py ``ffn_train_forward``: persistent programs, the chunks' weights
+     resident in shared memory up to C = 64), on k2 W1 (BN2 folded into the expand's rows, rounded
+     once) and W2 in the activation dtype, which ``_linear_moments_kernel`` writes beside BN2's
+     statistics; the same moments (``merge_tile_moments``).
   4. ``_residual_kernel``: out = x + d_n (k3 p + t3); ``_bn_running_kernel`` updates the three running
      statistics in place (a separate op: the block's op is functional).
 Backward (dout given)
@@ -75,7 +80,9 @@ benchmarks/static/small_b128_sm90_train.md: the static cost model's low-high end
 
     kernel                   registers  shared KB  MMA
     _moments_kernel           92-221     <= 128    wgmma (C = 32: mma.sync)
-    _ffn_fwd_kernel          184-254     <= 75     wgmma (8 warps at C = 96 stride 1, else 4)
+    _ffn_fwd_kernel          184-254     <= 75     wgmma (8 warps at C = 96 stride 1, else 4; now
+                                                  stride 2 only on sm_90: stride 1 runs the staged
+                                                  FFN launch, 172-254 registers, <= 124 KB)
     _ffn_bwd_weights_kernel  119-255     <= 198    wgmma (C = 32 and 32-channel parts: M = 32 weight
                                                   dots on mma.sync)
     _ffn_bwd_input_kernel    162-252     <= 114    wgmma
@@ -317,6 +324,13 @@ def _store_p_moments(p_ptr, p, rows, rok, CO: tl.constexpr, C0: tl.constexpr, CW
     """Stores channels C0 ... C0 + CW of p and merges the tile's moments of them into (mean, m2)."""
     _store_cols(p_ptr, p, rows, rok, CO, C0, CW)
     # BN3 statistics of the stored (rounded) p, as a layer-wise BatchNorm reads it
+    return merge_tile_moments(p, rok, mean, m2, n_prev, nt)
+
+
+@triton.jit
+def merge_tile_moments(p, rok, mean, m2, n_prev, nt):
+    """(mean, m2) of n_prev rows merged with the tile's rows ``rok`` of p (nt of them; Chan's formula;
+    fp32 [CW] each; also kernels/convfirst/staged.py's training FFN)."""
     tm, pc = _tile_moments(tl.where(rok[:, None], p.to(tl.float32), 0.0), rok, nt)
     d = tm - mean
     m2 += tl.sum(pc * pc, axis=0) + d * d * (n_prev * nt / (n_prev + nt))

@@ -29,6 +29,7 @@ import torch
 
 from .._cost import KernelCost, Loop
 from .._launch import MAXNREG, cdiv, device_info, launch, next_power_of_2
+from ..convfirst.staged import ffn_train_forward
 from ..gconv.launcher import gconv3x3_backward_triton, gconv3x3_triton, reduce_partials
 from .finalize import (
     VEC_C, VEC_K, VEC_R, VEC_ROWS, VEC_T, VEC_U, VEC_W,
@@ -78,6 +79,15 @@ BLUR_BWD = {2: (1024, 1), 4: (4096, 4)}
 # 0.82 / 0.82 / 1.17, transpose 0.48 / 0.48 / 0.66 -> 0.44 / 0.45 / 0.61; no new stack. The BatchNorm terms
 # launch too: 0.287 -> 0.148 ms on Triton 3.6 (the GPU image's), unchanged on 3.8 and sm_80
 LIMITED = dict(maxnreg=MAXNREG)
+# The stride-1 forward's FFN in 16-bit on sm_90 and later (``_resident_ffn``): True, the launch of
+# inference's staged blocks (persistent programs, the hidden chunks' weights resident in shared memory up to
+# C = 64; kernels/convfirst/staged.py ``ffn_train_forward``) on k2 W1 and W2 in the activation dtype, which
+# the BN2 statistics launch writes; False, ``_ffn_fwd_kernel`` (every chunk's weights read per tile).
+# Static estimate, Small's stride-1 blocks, batch 128, high end, us, C = 32 / 64 / 96: sm_90 246.8 / 171.7 /
+# 186.7 -> 144.1 / 149.9 / 149.6, Triton 3.6 307.4 / 275.2 / 220.7 -> 140.7 / 158.4 / 154.0; no stack. On
+# sm_80 the C = 64 launch spilled 56 B and the C = 96 one rose 182.1 -> 339.1 (mma.sync): the old kernel
+# there, and for fp32 (its 3xTF32 tiles)
+RESIDENT_FFN = True
 # Under the interpreter (CPU tensors) shares of two tiles, so that small test maps run every share
 # loop more than once (the same code as the GPU's, other sizes).
 INTERPRETER_SHARE_TILES = 2
@@ -87,9 +97,9 @@ INTERPRETER_SHARE_TILES = 2
 # 8) for the BatchNorm terms, linear moments and FFN weights finalize (the static estimate of all such
 # launches of Pico..Small's ConvFirst blocks, fp16 and fp32, sm_90: 3.25 -> 2.44 ms with the merge's; sm_80
 # 3.61 -> 2.78; Triton 3.6 3.84 -> 3.17); the moments' merge keeps 8 (on 4, Triton 3.6 spilled 8-72 B)
-FIN = dict(sb=128, merge_block=64, terms_block=64, running_block=512, bh=16, bj=32, reduce_block=64,
+FIN = dict(sb=128, merge_block=64, terms_block=64, running_block=512, bh=16, bj=32, bo=32, reduce_block=64,
            reduce_sb=64, warps=4, merge_warps=8)
-FIN_INTERPRETER = dict(sb=2, merge_block=256, terms_block=32, running_block=32, bh=32, bj=16,
+FIN_INTERPRETER = dict(sb=2, merge_block=256, terms_block=32, running_block=32, bh=32, bj=16, bo=16,
                        reduce_block=2048, reduce_sb=2, warps=4, merge_warps=4)
 
 
@@ -256,20 +266,31 @@ def merge_moments(mean_part, m2_part, rows: int, rows_per_share: int, c: int, fu
     return mean, var, cov, copy
 
 
-def linear_moments(mean_in, cov_in, kin, tin, w1, ref, gamma2, beta2, eps: float, vec2):
-    """BN2's batch mean and variance from its input's statistics (finalize.py), k2 and t2 into vec2."""
+def linear_moments(mean_in, cov_in, kin, tin, w1, ref, gamma2, beta2, eps: float, vec2, w2=None):
+    """BN2's batch mean and variance from its input's statistics (finalize.py), k2 and t2 into vec2. With
+    ``w2`` also (k2 W1, W2) in ref's dtype, the forward FFN's weights (``ffn_forward``); else (None, None)."""
     r, ci = w1.shape
     fin = _fin(w1.device.type == "cpu")
     mean2, var2 = _f32(r, like=cov_in), _f32(r, like=cov_in)
     cpi, bj = _pow2(ci), fin["bj"]
     affine = kin is not None
+    fold = w2 is not None
+    co = w2.shape[0] if fold else 0
+    w1s = torch.empty((r, ci), dtype=ref.dtype, device=ref.device) if fold else None
+    w2d = torch.empty((co, r), dtype=ref.dtype, device=ref.device) if fold else None
+    folded = (ci * (w1.element_size() + ref.element_size()) + co * (w2.element_size() + ref.element_size())
+              ) * r if fold else 0
+    loops = (Loop("column blocks", cdiv(cpi, bj)),)
+    if fold:
+        loops += (Loop("W2 rows", cdiv(co, fin["bo"])),)
     launch(_linear_moments_kernel, (cdiv(r, fin["bh"]),), mean_in, cov_in, kin if affine else mean_in,
-           tin if affine else mean_in, w1, ref, gamma2, beta2, mean2, var2, vec2[VEC_K], vec2[VEC_T], r, eps,
-           cpi, CI=ci, CPI=cpi, BH=fin["bh"], BJ=bj, AFFINE_IN=affine, num_warps=fin["warps"],
+           tin if affine else mean_in, w1, ref, gamma2, beta2, mean2, var2, vec2[VEC_K], vec2[VEC_T],
+           w1s if fold else ref, w2 if fold else ref, w2d if fold else ref, r, eps, cpi, co, CI=ci, CPI=cpi,
+           BH=fin["bh"], BJ=bj, AFFINE_IN=affine, FOLD=fold, BO=fin["bo"], num_warps=fin["warps"],
            cost=lambda: finalize_cost("linear moments",
-                                      4 * (ci * ci * cdiv(r, fin["bh"]) + ci * r + 6 * r),
-                                      (Loop("column blocks", cdiv(cpi, bj)),), f"{ci}->{r}"))
-    return mean2, var2
+                                      4 * (ci * ci * cdiv(r, fin["bh"]) + ci * r + 6 * r) + folded, loops,
+                                      f"{ci}->{r}" + (", k2 W1 and W2 in its dtype" if fold else "")))
+    return mean2, var2, w1s, w2d
 
 
 def _placeholder(like: torch.Tensor) -> torch.Tensor:
@@ -345,8 +366,12 @@ def moments_triton(a: torch.Tensor, cfg: TrainConfig):
     return mean, m2, per * cfg.block_m
 
 
-def ffn_forward(inp, vec_in, w1, w2, vec2, cfg: TrainConfig):
-    """p = W2 ReLU(BN2(W1 y)) with y = k1 inp + t1 (vec_in; None: y = inp) and p's per-share moments."""
+def ffn_forward(inp, vec_in, w1, w2, vec2, cfg: TrainConfig, folded=None):
+    """p = W2 ReLU(BN2(W1 y)) with y = k1 inp + t1 (vec_in; None: y = inp) and p's per-share moments.
+    ``folded`` (the stride-1 block): (k2 W1, W2) in inp's dtype, for the resident-weights FFN launch that
+    inference's staged blocks run (kernels/convfirst/staged.py ``ffn_train_forward``)."""
+    if folded is not None:
+        return ffn_train_forward(inp, vec_in[VEC_K], vec_in[VEC_T], folded[0], vec2[VEC_T], folded[1])
     n, ci, h, w = inp.shape
     r, co = w1.shape[0], w2.shape[0]
     m = n * h * w
@@ -449,6 +474,11 @@ def bn_input_grad(dy, a, vec1, mean1) -> torch.Tensor:
     return da
 
 
+def _resident_ffn(x: torch.Tensor) -> bool:
+    """Whether the stride-1 forward's FFN runs ``ffn_train_forward`` (RESIDENT_FFN says where)."""
+    return RESIDENT_FFN and x.dtype != torch.float32 and device_info(x.device).arch >= 90
+
+
 def _stats_owned(stats, running) -> list[torch.Tensor]:
     """Eval mode returns the running statistics as fp32 tensors the op owns (outputs must not alias)."""
     return [t.float().clone() for t in stats] if running else list(stats)
@@ -483,12 +513,16 @@ def convfirst_s1_train_triton(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, g
         m1, v1, bcov1, bmean1 = merge_moments(part_mean, part_m2, m, rps, c, True, gamma=gamma1, beta=beta1,
                                               eps=eps, vec=vec1, mean_copy=True)
         # y = k1 a + t1: mean(y) = k1 m1 + t1 and Cov(y) = k1 Cov(a) k1; z = W1 y
-        m2, v2 = linear_moments(bmean1, bcov1, vec1[VEC_K], vec1[VEC_T], w1, x, gamma2, beta2, eps, vec2)
+        m2, v2, w1s, w2d = linear_moments(bmean1, bcov1, vec1[VEC_K], vec1[VEC_T], w1, x, gamma2, beta2, eps,
+                                          vec2, w2 if _resident_ffn(x) else None)
     else:
         bns = ((gamma1, beta1, running_mean1, running_var1), (gamma2, beta2, running_mean2, running_var2),
                (gamma3, beta3, running_mean3, running_var3))
         vec1, vec2, vec3 = _eval_vecs(bns, eps, x)
-    p, pmean, pm2, rps = ffn_forward(a, vec1, w1, w2, vec2, cfg)
+        w1s, w2d = None, None
+        if _resident_ffn(x):
+            w1s, w2d = (w1.to(x.dtype).float() * vec2[VEC_K][:, None]).to(x.dtype), w2.to(x.dtype)
+    p, pmean, pm2, rps = ffn_forward(a, vec1, w1, w2, vec2, cfg, (w1s, w2d) if _resident_ffn(x) else None)
     if training:
         m3, v3, _, _ = merge_moments(pmean, pm2, m, rps, c, False, gamma=gamma3, beta=beta3, eps=eps,
                                      vec=vec3)
@@ -568,7 +602,7 @@ def convfirst_s2_train_triton(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, g
     if training:
         part_mean, part_m2, rps = moments_triton(u, cfg)
         mean_u, _, cov_u, _ = merge_moments(part_mean, part_m2, mo, rps, 2 * c, True)
-        m2, v2 = linear_moments(mean_u, cov_u, None, None, w1, x, gamma2, beta2, eps, vec2)
+        m2, v2, _, _ = linear_moments(mean_u, cov_u, None, None, w1, x, gamma2, beta2, eps, vec2)
     p, pmean, pm2, rps = ffn_forward(u, None, w1, w2, vec2, cfg)
     if training:
         m3, v3, _, _ = merge_moments(pmean, pm2, mo, rps, k, False, gamma=gamma3, beta=beta3, eps=eps,

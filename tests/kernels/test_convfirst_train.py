@@ -179,6 +179,51 @@ def test_fp16_forward_and_backward_match_the_reference(interpreter_backend):
     assert_within(errors, 3e-3)
 
 
+# (C, expansion, train): the forward FFN launch of 16-bit stride-1 blocks (kernels/convfirst/staged.py
+# ffn_train_forward, 16 C R MACs of tiles per chunk): every hidden chunk resident in one channel part (16,
+# 32) or two (48 = 32 + 16), or streamed from L2 in two parts (96 = 64 + 32, 18 chunks of 32); eval mode
+# (its folded weights formed by torch ops). 286 rows: 3 tiles of 128 or 5 of 64, the last partial; the
+# interpreter runs two tiles a program (staged.TRAIN_INTERPRETER_TILES), so the moments merge across the
+# tiles of a program and across 2-3 programs.
+FFN_CASES = [
+    pytest.param(16, 3, True, id="c16-t3-resident"),
+    pytest.param(48, 6, True, id="c48-t6-parts32+16"),
+    pytest.param(96, 6, True, id="c96-t6-streamed-parts64+32"),
+    pytest.param(32, 3, False, id="c32-t3-eval"),
+]
+
+
+@pytest.mark.parametrize("c,t,train", FFN_CASES)
+def test_fp16_forward_ffn_launch_matches_the_reference(interpreter_backend, c, t, train):
+    """The fp16 forward through the resident-weights FFN launch against the reference in fp16 (its
+    rounding points), as test_fp16_forward_and_backward_match_the_reference: out within 2 ulp of
+    |out| <= 8, p within 2 ulp of its maximum, BN1's and BN2's statistics within 2e-4 of their maximum
+    and BN3's (p's) within 2^-11. BN2 is folded into the expand's weights (k2 W1, rounded once to fp16):
+    a relative step of up to 2^-12 per weight where the reference rounds z per pixel, the same for every
+    pixel, so it does not average out in p's mean and variance over the rows (observed up to 2.3e-4;
+    1.7e-4 with the per-tile weights of the other launch). A planted bug (a tile's rows dropped from the
+    moments, a wrong merge count) moves p's variance by 1e-2 or more."""
+    from convfirstnet.kernels._cost import recording
+
+    block = make_block(c, t, 0.0, seed=4).train(train)
+    with torch.no_grad():
+        for v in [*block.parameters(), *block.buffers()]:
+            if v.is_floating_point():
+                v.copy_(v.half().float())
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, c, 13, 11, generator=g).contiguous(memory_format=CL).half()
+    args = _op_args(block, x, torch.ones(2), train)
+    got = OPS.convfirst_s1_train(*args)
+    want = convfirst_s1_train_reference(*args)
+    assert (got[0].float() - want[0].float()).abs().max() <= 2 * 2**-11 * 8
+    assert (got[2].float() - want[2].float()).abs().max() <= 2 * 2**-11 * want[2].float().abs().max()
+    for i, (a, b) in enumerate(zip(got[3:], want[3:])):  # m1, v1, m2, v2, m3, v3, BN1's batch mean, cov
+        assert (a - b).abs().max() <= (2**-11 if i in (4, 5) else 2e-4) * b.abs().max(), i
+    with recording() as rec:
+        OPS.convfirst_s1_train(*(v.to("meta") if isinstance(v, torch.Tensor) else v for v in args))
+    assert "_convfirst_ffn_kernel" in [lc.kernel.fn.__name__ for lc in rec.launches]
+
+
 def test_two_steps_momentum_none_and_nchw_input(interpreter_backend):
     """Two training steps (running statistics updated twice), BatchNorm with momentum=None (the cumulative
     average, 1 / num_batches_tracked), an NCHW input (copied to channels-last by the launcher)."""
@@ -443,11 +488,13 @@ def test_small_block_compiles_for_sm90_without_spills():
 
     # sampled (conftest.sampled; CONVFIRSTNET_FULL_MATRIX=1 takes all): every kernel of Small's widest
     # stride-1 block (C = 96: CP = 128, the largest tiles and shared memory), the weights pass of C = 32
-    # (the mma.sync weight dots), and the stride-2 block's BlurPool kernels (64 -> 96 at 56 x 56); the
-    # full matrix adds the other widths' passes
+    # (the mma.sync weight dots), and the stride-2 block's BlurPool kernels and FFN forward (64 -> 96 at
+    # 56 x 56; stride 1 runs the staged FFN launch, _convfirst_ffn_kernel); the full matrix adds the other
+    # widths' passes
     launches = record_block(96, 576, 28)
     launches += [la for la in record_block(32, 96, 112) if la.kernel.__name__ == "_ffn_bwd_weights_kernel"]
-    launches += [la for la in record_s2_block(64, 96, 56) if "blur" in la.kernel.__name__]
+    launches += [la for la in record_s2_block(64, 96, 56)
+                 if "blur" in la.kernel.__name__ or la.kernel.__name__ == "_ffn_fwd_kernel"]
     if FULL_MATRIX:
         launches += [la for la in record_block(64, 384, 56) + record_s2_block(32, 64, 112)]
     variants, first = {}, {}
@@ -480,13 +527,15 @@ def test_small_block_compiles_for_sm90_without_spills():
         narrowest = min(meta.get(k) or 1 << 20 for k in ("CP", "CPI", "CPO", "CIA", "CIB", "COA", "COB"))
         big_moments = comp.variant.name == "_moments_kernel" and narrowest >= 64
         # (the finalize kernels' small tf32x3 W1 Cov products, M = 16 rows, run on mma.sync)
-        if (comp.variant.name.startswith("_ffn") and "finalize" not in comp.variant.name) or big_moments:
+        ffn = comp.variant.name.startswith("_ffn") or comp.variant.name == "_convfirst_ffn_kernel"
+        if (ffn and "finalize" not in comp.variant.name) or big_moments:
             # the weight-gradient dots of C = 32 and of a 32-channel part (C = 96 = 64 + 32) have M = 32 < 64
             # (mma.sync); all others are wgmma
             allowed = ("wgmma", "wgmma+mma.sync") if narrowest < 64 else ("wgmma",)
             assert comp.mma_kind in allowed, f"{name}: {comp.mma_kind}"
-    assert {"_moments_kernel", "_ffn_fwd_kernel", "_residual_kernel", "_out_sums_kernel", "_prep_kernel",
-            "_ffn_bwd_weights_kernel", "_ffn_bwd_input_kernel", "_bn_input_grad_kernel", "_blur_cat_kernel",
+    assert {"_moments_kernel", "_convfirst_ffn_kernel", "_ffn_fwd_kernel", "_residual_kernel",
+            "_out_sums_kernel", "_prep_kernel", "_ffn_bwd_weights_kernel", "_ffn_bwd_input_kernel",
+            "_bn_input_grad_kernel", "_blur_cat_kernel",
             "_blur_bwd_kernel", "_merge_moments_kernel", "_linear_moments_kernel", "_bn_terms_kernel",
             "_ffn_weights_finalize_kernel"} <= names
 
