@@ -339,11 +339,11 @@ def test_compiled_training_step_cpu():
 _TRACED_BODY = """
 from convfirstnet.blocks import ConvFirst
 
-for stride in (1, 2):
-    block = ConvFirst(16, 16 * stride, stride, 3).train()
-    x = torch.randn(2, 16, 8, 8).contiguous(memory_format=torch.channels_last).requires_grad_()
-    backend = aot_autograd(fw_compiler=capture(f"forward s{stride}"),
-                           bw_compiler=capture(f"backward s{stride}"))
+for stride, dtype, tag in ((1, torch.float32, ""), (2, torch.float32, ""), (1, torch.float16, " fp16")):
+    block = ConvFirst(16, 16 * stride, stride, 3).train().to(dtype)
+    x = torch.randn(2, 16, 8, 8, dtype=dtype).contiguous(memory_format=torch.channels_last).requires_grad_()
+    backend = aot_autograd(fw_compiler=capture(f"forward s{stride}{tag}"),
+                           bw_compiler=capture(f"backward s{stride}{tag}"))
     torch.compile(block, fullgraph=True, backend=backend)(x).sum().backward()
 """
 
@@ -358,11 +358,14 @@ def test_torch_compile_traces_triton_branch():
     merge (BN1), BN2's statistics, FFN, the merge of p's moments (BN3), BN3 + residual, the running
     statistics (stride 2: and BlurPool of the concat, moments of u and their merge); backward: output sums,
     BatchNorm terms, prep, weights pass, its reduction and finalize, input pass, BN1's terms, BN1 input
-    gradient (stride 2: and the BlurPool transpose), the gconv's fused dgrad + wgrad and its reduction."""
+    gradient (stride 2: and the BlurPool transpose), the gconv's fused dgrad + wgrad and its reduction.
+    fp16 stride 1: the same launches, the FFN the staged inference launch on the folded weights that BN2's
+    statistics launch writes (no cast or product of its own in the graph)."""
     pytest.importorskip("triton")
     graphs = trace_graphs(_TRACED_BODY)
     launches = {name: targets.count("triton_kernel_wrapper_functional") for name, targets in graphs.items()}
-    assert launches == {"forward s1": 8, "backward s1": 11, "forward s2": 11, "backward s2": 12}, launches
+    assert launches == {"forward s1": 8, "backward s1": 11, "forward s2": 11, "backward s2": 12,
+                        "forward s1 fp16": 8, "backward s1 fp16": 11}, launches
     # the per-channel arithmetic runs in the finalize kernels: what else the graphs hold allocates,
     # views or unpacks (drop-path's ones without drop-path), no copy back of a partly written buffer
     bookkeeping = {"triton_kernel_wrapper_functional", "<built-in function getitem>",
