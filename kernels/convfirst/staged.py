@@ -54,7 +54,7 @@ def _convfirst_ffn_kernel(
     dt = a_ptr.dtype.element_ty
     # B1_REGS: the resident chunks' b1, loaded once into registers (inference: in x's dtype): loaded per
     # chunk and tile, each load's latency was exposed before the chunk's bias + ReLU. The training forward's
-    # b1 (BN2's shift, fp32) beside p's moments: in registers up to 128 channels (launcher ``_ffn_launch``)
+    # b1 (BN2's shift, fp32) beside p's moments: in registers up to 128 channels (``_ffn_launch``)
     b1s = ()
     if B1_REGS:
         for i in tl.static_range(RESIDENT):
