@@ -278,8 +278,8 @@ def linear_moments(mean_in, cov_in, kin, tin, w1, ref, gamma2, beta2, eps: float
     co = w2.shape[0] if fold else 0
     w1s = torch.empty((r, ci), dtype=ref.dtype, device=ref.device) if fold else None
     w2d = torch.empty((co, r), dtype=ref.dtype, device=ref.device) if fold else None
-    folded = (ci * (w1.element_size() + ref.element_size()) + co * (w2.element_size() + ref.element_size())
-              ) * r if fold else 0
+    eb = ref.element_size()
+    fold_bytes = (ci * (w1.element_size() + eb) + co * (w2.element_size() + eb)) * r if fold else 0
     loops = (Loop("column blocks", cdiv(cpi, bj)),)
     if fold:
         loops += (Loop("W2 rows", cdiv(co, fin["bo"])),)
@@ -288,7 +288,7 @@ def linear_moments(mean_in, cov_in, kin, tin, w1, ref, gamma2, beta2, eps: float
            w1s if fold else ref, w2 if fold else ref, w2d if fold else ref, r, eps, cpi, co, CI=ci, CPI=cpi,
            BH=fin["bh"], BJ=bj, AFFINE_IN=affine, FOLD=fold, BO=fin["bo"], num_warps=fin["warps"],
            cost=lambda: finalize_cost("linear moments",
-                                      4 * (ci * ci * cdiv(r, fin["bh"]) + ci * r + 6 * r) + folded, loops,
+                                      4 * (ci * ci * cdiv(r, fin["bh"]) + ci * r + 6 * r) + fold_bytes, loops,
                                       f"{ci}->{r}" + (", k2 W1 and W2 in its dtype" if fold else "")))
     return mean2, var2, w1s, w2d
 
@@ -507,6 +507,7 @@ def convfirst_s1_train_triton(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, g
     x = _flat(x)
     w1, w2 = w1.contiguous(), w2.contiguous()  # the kernels index them densely
     a = gconv3x3_triton(x, w_conv, 1)
+    resident = _resident_ffn(x)
     if training:
         vec1, vec2, vec3 = _fwd_vecs(c, x), _fwd_vecs(r, x), _fwd_vecs(c, x)
         part_mean, part_m2, rps = moments_triton(a, cfg)
@@ -514,15 +515,14 @@ def convfirst_s1_train_triton(x, w_conv, w1, w2, gamma1, beta1, gamma2, beta2, g
                                               eps=eps, vec=vec1, mean_copy=True)
         # y = k1 a + t1: mean(y) = k1 m1 + t1 and Cov(y) = k1 Cov(a) k1; z = W1 y
         m2, v2, w1s, w2d = linear_moments(bmean1, bcov1, vec1[VEC_K], vec1[VEC_T], w1, x, gamma2, beta2, eps,
-                                          vec2, w2 if _resident_ffn(x) else None)
+                                          vec2, w2 if resident else None)
     else:
         bns = ((gamma1, beta1, running_mean1, running_var1), (gamma2, beta2, running_mean2, running_var2),
                (gamma3, beta3, running_mean3, running_var3))
         vec1, vec2, vec3 = _eval_vecs(bns, eps, x)
-        w1s, w2d = None, None
-        if _resident_ffn(x):
-            w1s, w2d = (w1.to(x.dtype).float() * vec2[VEC_K][:, None]).to(x.dtype), w2.to(x.dtype)
-    p, pmean, pm2, rps = ffn_forward(a, vec1, w1, w2, vec2, cfg, (w1s, w2d) if _resident_ffn(x) else None)
+        if resident:  # as the statistics launch folds them: k2 W1 from W1 as stored, rounded once
+            w1s, w2d = (w1.float() * vec2[VEC_K][:, None]).to(x.dtype), w2.to(x.dtype)
+    p, pmean, pm2, rps = ffn_forward(a, vec1, w1, w2, vec2, cfg, (w1s, w2d) if resident else None)
     if training:
         m3, v3, _, _ = merge_moments(pmean, pm2, m, rps, c, False, gamma=gamma3, beta=beta3, eps=eps,
                                      vec=vec3)
