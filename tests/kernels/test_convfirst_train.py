@@ -180,14 +180,16 @@ def test_fp16_forward_and_backward_match_the_reference(interpreter_backend):
 
 
 # (C, expansion, train): the forward FFN launch of 16-bit stride-1 blocks (kernels/convfirst/staged.py
-# ffn_train_forward, 16 C R MACs of tiles per chunk): every hidden chunk resident in one channel part (16,
-# 32) or two (48 = 32 + 16), or streamed from L2 in two parts (96 = 64 + 32, 18 chunks of 32); eval mode
-# (its folded weights formed by torch ops). 286 rows: 3 tiles of 128 or 5 of 64, the last partial; the
+# ffn_train_forward): every hidden chunk resident in one channel part (16, 32; 24 padded to 32, with a
+# masked last chunk of R = 144) or two (48 = 32 + 16), or streamed from L2 in two parts (96 = 64 + 32, 18
+# chunks of 32; 72 -> 64 + 16, masked); eval mode (its folded weights formed by torch ops). 286 rows: 3 tiles of 128 or 5 of 64, the last partial; the
 # interpreter runs two tiles a program (staged.TRAIN_INTERPRETER_TILES), so the moments merge across the
 # tiles of a program and across 2-3 programs.
 FFN_CASES = [
     pytest.param(16, 3, True, id="c16-t3-resident"),
+    pytest.param(24, 6, True, id="c24-t6-masked-channels-and-chunk"),
     pytest.param(48, 6, True, id="c48-t6-parts32+16"),
+    pytest.param(72, 6, True, id="c72-t6-streamed-parts64+16-masked"),
     pytest.param(96, 6, True, id="c96-t6-streamed-parts64+32"),
     pytest.param(32, 3, False, id="c32-t3-eval"),
 ]
