@@ -84,9 +84,10 @@ LIMITED = dict(maxnreg=MAXNREG)
 # C = 64; kernels/convfirst/staged.py ``ffn_train_forward``) on k2 W1 and W2 in the activation dtype, which
 # the BN2 statistics launch writes; False, ``_ffn_fwd_kernel`` (every chunk's weights read per tile).
 # Static estimate, Small's stride-1 blocks, batch 128, high end, us, C = 32 / 64 / 96: sm_90 246.8 / 171.7 /
-# 186.7 -> 144.1 / 149.9 / 149.6, Triton 3.6 307.4 / 275.2 / 220.7 -> 140.7 / 158.4 / 154.0; no stack. On
-# sm_80 the C = 64 launch spilled 56 B and the C = 96 one rose 182.1 -> 339.1 (mma.sync): the old kernel
-# there, and for fp32 (its 3xTF32 tiles)
+# 186.7 -> 144.1 / 149.9 / 149.6, Triton 3.6 307.4 / 275.2 / 220.7 -> 140.7 / 158.4 / 154.0; faster at every
+# stride-1 width of Pico, Nano and Tiny too (16 channels at 128x128 287.1 -> 75.2, 72 at 32x32 178.4 ->
+# 135.5); no stack on either Triton. On sm_80 the C = 64 launch spilled 56 B and the C = 96 one rose 182.1 ->
+# 339.1 (mma.sync): the old kernel there, and for fp32 (its 3xTF32 tiles)
 RESIDENT_FFN = True
 # Under the interpreter (CPU tensors) shares of two tiles, so that small test maps run every share
 # loop more than once (the same code as the GPU's, other sizes).
